@@ -1,0 +1,70 @@
+"""The evaluator's driver: run the stages in order on one candidate and stop at the first rejection.
+
+`evaluate` never raises for a bad candidate (a crash, a hang, a wrong answer are failing stage
+results); it raises HarnessError only when the evaluator itself cannot run. Every reason is
+redacted of the evaluator's secrets before it leaves.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harness.config import Config
+from harness.errors import HarnessError
+from harness.pool import Pool, WorkerFailure
+from harness.records import StageResult, Verdict
+from harness.sandbox import redact
+from harness.stages import STAGE_NAMES, STAGES
+from harness.stages.common import EvalContext, Rejected
+from harness.targets import TARGETS
+from harness.transport import DTYPES
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise HarnessError("config device is cuda but no CUDA GPU is visible")
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def device_shapes(cfg: Config, target: str, device: torch.device):
+    return getattr(getattr(cfg.targets, target), device.type)
+
+
+def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> Pool:
+    device = device or resolve_device(cfg)
+    return Pool(cfg.worker, device.type, target).start()
+
+
+def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None) -> Verdict:
+    if target not in TARGETS:
+        raise HarnessError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
+    if until is not None and until not in STAGE_NAMES:
+        raise HarnessError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
+    device = torch.device("cuda" if pool.device == "cuda" else "cpu")
+    shapes = device_shapes(cfg, target, device)
+    ctx = EvalContext(cfg=cfg, target=TARGETS[target], shapes=shapes, device=device,
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source)
+    results: list[StageResult] = []
+    try:
+        for name, stage in STAGES:
+            ctx.stage = name
+            ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
+            t0 = time.monotonic()
+            try:
+                result = stage(ctx)
+            except Rejected as e:
+                result = StageResult.failed(name, str(e), **e.metrics)
+            except WorkerFailure as e:
+                result = StageResult.failed(name, str(e), **{e.kind: 1.0})
+            result.seconds = round(time.monotonic() - t0, 3)
+            result.reason = redact(result.reason)
+            results.append(result)
+            if result.status == "failed" or name == until:
+                break
+    finally:
+        if ctx.worker is not None:
+            ctx.worker.close()
+    return Verdict.of(results)

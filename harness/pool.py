@@ -1,0 +1,182 @@
+"""The evaluator's side of the worker processes: start the zygote, make workers, talk with deadlines.
+
+`Pool` owns the zygote (harness/zygote.py) and a private scratch folder; `WorkerHandle.request`
+sends one request and returns the worker's JSON reply, or raises `WorkerFailure` when the worker
+timed out (its process group is killed), died (with how), or broke the protocol. The candidate's
+source is copied into the worker's own folder; the evaluator keeps its own copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from harness.config import PROJECT_ROOT, WorkerConfig
+from harness.errors import HarnessError
+from harness.sandbox import clean_env, redact
+from harness.transport import ProtocolError, recv_json, send_pickle
+
+
+class WorkerFailure(Exception):
+    """The worker did not answer properly; `kind` is timeout, crashed, protocol or sandbox."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Pool:
+    def __init__(self, cfg: WorkerConfig, device: str, target: str) -> None:
+        self.cfg, self.device, self.target = cfg, device, target
+        shm = Path("/dev/shm")   # memory-backed when the machine has it: outputs come back through files
+        self.root = Path(tempfile.mkdtemp(prefix="kevo-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        self.proc: subprocess.Popen | None = None
+        self.ctl: socket.socket | None = None
+        self.info: dict = {}
+
+    def start(self) -> "Pool":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        pythonpath = os.pathsep.join([str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        extra = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
+                 "HOME": str(self.root)}
+        if self.device == "cpu":
+            extra["TRITON_INTERPRET"] = "1"
+        log = open(self.root / "zygote.log", "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", str(theirs.fileno()), self.device],
+                                     pass_fds=[theirs.fileno()], env=clean_env(self.cfg.env_passthrough, extra),
+                                     cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                     start_new_session=True)
+        theirs.close()
+        log.close()
+        self.ctl = ours
+        ready, _, _ = select.select([ours], [], [], self.cfg.start_timeout_s)
+        data = ours.recv(1 << 16) if ready else b""
+        if not data:
+            tail = (self.root / "zygote.log").read_text(errors="replace")[-2000:]
+            self.close()
+            raise HarnessError(f"the worker pool did not start within {self.cfg.start_timeout_s:.0f} s: {tail.strip()}")
+        self.info = json.loads(data)
+        return self
+
+    def _control(self, cmd: dict, fds: list[int] = ()) -> dict:
+        assert self.ctl is not None, "pool not started"
+        socket.send_fds(self.ctl, [json.dumps(cmd).encode()], list(fds)) if fds else self.ctl.send(json.dumps(cmd).encode())
+        data = self.ctl.recv(1 << 16)
+        if not data:
+            raise HarnessError("the worker pool exited; see " + str(self.root / "zygote.log"))
+        return json.loads(data)
+
+    def spawn(self, source: str) -> "WorkerHandle":
+        workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))
+        (workdir / "candidate.py").write_text(source)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        reply = self._control({"cmd": "fork", "workdir": str(workdir), "target": self.target, "device": self.device,
+                               "log_limit": self.cfg.log_tail_chars, "sandbox": self.cfg.sandbox}, [theirs.fileno()])
+        theirs.close()
+        handle = WorkerHandle(self, reply["pid"], ours, workdir)
+        hello = handle.receive(self.cfg.start_timeout_s, "starting")
+        if not hello.get("ok"):
+            handle.close()
+            raise HarnessError(hello.get("error", "the worker did not start"))
+        handle.sandbox = hello.get("sandbox", "")
+        return handle
+
+    def reap(self, pid: int) -> str:
+        try:
+            return self._control({"cmd": "reap", "pid": pid, "timeout": 2.0})["status"]
+        except (OSError, HarnessError) as e:
+            return f"unknown ({e})"
+
+    def close(self) -> None:
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "Pool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WorkerHandle:
+    def __init__(self, pool: Pool, pid: int, sock: socket.socket, workdir: Path) -> None:
+        self.pool, self.pid, self.sock, self.workdir = pool, pid, sock, workdir
+        self.alive = True
+        self.sandbox = ""
+
+    def log_tail(self) -> str:
+        try:
+            text = (self.workdir / "log.txt").read_text(errors="replace")
+        except OSError:
+            return ""
+        limit = self.pool.cfg.log_tail_chars
+        return redact(text[-limit:].strip())
+
+    def receive(self, timeout: float, doing: str) -> dict:
+        self.sock.settimeout(max(0.01, timeout))
+        try:
+            return recv_json(self.sock, self.pool.cfg.reply_limit_bytes)
+        except (socket.timeout, TimeoutError):
+            self.kill()
+            raise WorkerFailure("timeout", f"no reply within {timeout:.0f} s while {doing}: killed") from None
+        except (EOFError, ConnectionError):
+            status = self.kill(first_wait=True)
+            tail = self.log_tail()
+            raise WorkerFailure("crashed", f"the worker died while {doing} ({status})"
+                                + (f"; its last output:\n{tail}" if tail else "")) from None
+        except ProtocolError as e:
+            self.kill()
+            raise WorkerFailure("protocol", f"malformed reply while {doing}: {e}") from None
+
+    def request(self, msg: dict, timeout: float, doing: str) -> dict:
+        if not self.alive:
+            raise WorkerFailure("crashed", "the worker is no longer running")
+        if timeout <= 0:
+            self.kill()
+            raise WorkerFailure("timeout", f"the stage's time ran out before {doing}")
+        try:
+            send_pickle(self.sock, msg)
+        except OSError:
+            status = self.kill(first_wait=True)
+            raise WorkerFailure("crashed", f"the worker died before {doing} ({status})") from None
+        t0 = time.monotonic()
+        reply = self.receive(timeout, doing)
+        reply["_wall_s"] = time.monotonic() - t0
+        if reply.get("fatal"):
+            self.kill()
+        return reply
+
+    def kill(self, first_wait: bool = False) -> str:
+        """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying
+        already (its connection closed); let the zygote collect its real exit status first."""
+        if not self.alive:
+            return "already stopped"
+        self.alive = False
+        if not first_wait:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.sock.close()
+        return self.pool.reap(self.pid)
+
+    def close(self) -> None:
+        self.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)

@@ -1,0 +1,103 @@
+"""Instruments installed inside a worker: which Triton kernels launch, which torch ops run.
+
+`Probes` counts every Triton launch by kernel name (JIT, interpreted and precompiled launches), can
+skip them all ("ablate": is the kernel what produces the output?), and can audit the aten ops a
+candidate issues outside its kernels with a TorchDispatchMode. Runs in the untrusted process: it
+finds lazy or mistaken wrappers; it is not what keeps a determined adversary out (the trusted
+comparisons and clocks in the stages are).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class Probes:
+    def __init__(self) -> None:
+        self.launches: Counter[str] = Counter()
+        self.op_elements: Counter[str] = Counter()
+        self.op_calls: Counter[str] = Counter()
+        self.ablate = False
+        self.in_launch = 0
+
+    def reset(self) -> None:
+        self.launches.clear()
+        self.op_elements.clear()
+        self.op_calls.clear()
+
+    def install(self) -> None:
+        import triton.runtime.interpreter as interp
+        import triton.runtime.jit as jit
+        self._wrap(jit.JITFunction, "run", lambda fn, a, kw: kw.get("warmup", False))
+        self._wrap(interp.InterpretedFunction, "run", lambda fn, a, kw: kw.get("warmup", False))
+        try:
+            from triton.compiler.compiler import CompiledKernel
+        except ImportError:                                          # pragma: no cover - other triton
+            return
+        original_getitem = CompiledKernel.__getitem__
+        probes = self
+
+        def getitem(kernel, grid):
+            runner = original_getitem(kernel, grid)
+
+            def launch(*args, **kwargs):
+                probes.launches[kernel.name] += 1
+                if probes.ablate:
+                    return None
+                with probes.launching():
+                    return runner(*args, **kwargs)
+            return launch
+        CompiledKernel.__getitem__ = getitem
+
+    def _wrap(self, cls, attr: str, is_warmup) -> None:
+        original = getattr(cls, attr)
+        probes = self
+
+        def run(fn, *args, **kwargs):
+            if is_warmup(fn, args, kwargs):
+                with probes.launching():
+                    return original(fn, *args, **kwargs)
+            name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
+            probes.launches[name] += 1
+            if probes.ablate:
+                return None
+            with probes.launching():
+                return original(fn, *args, **kwargs)
+        setattr(cls, attr, run)
+
+    @contextlib.contextmanager
+    def launching(self):
+        self.in_launch += 1
+        try:
+            yield
+        finally:
+            self.in_launch -= 1
+
+    @contextlib.contextmanager
+    def ablated(self):
+        self.ablate = True
+        try:
+            yield
+        finally:
+            self.ablate = False
+
+    def audit(self) -> "_Audit":
+        return _Audit(self)
+
+
+class _Audit(TorchDispatchMode):
+    def __init__(self, probes: Probes) -> None:
+        super().__init__()
+        self.probes = probes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.probes.in_launch:
+            name = func.overloadpacket.__name__
+            self.probes.op_calls[name] += 1
+            self.probes.op_elements[name] += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out

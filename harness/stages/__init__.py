@@ -1,0 +1,14 @@
+"""The staged evaluator's stages, in cost order. Each takes the EvalContext and returns a StageResult
+or raises Rejected; none of these four accepts (only the full scored replay can)."""
+from harness.stages.compile import compile_stage
+from harness.stages.dispatch import dispatch_stage
+from harness.stages.microbench import microbench_stage
+from harness.stages.parity import parity_stage
+
+STAGES = (
+    ("compile", compile_stage),
+    ("dispatch", dispatch_stage),
+    ("parity", parity_stage),
+    ("microbench", microbench_stage),
+)
+STAGE_NAMES = tuple(name for name, _ in STAGES)

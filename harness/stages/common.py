@@ -1,0 +1,160 @@
+"""What every stage shares: the evaluation context, sending a case to the worker, comparing outputs.
+
+All of it runs in the trusted evaluator: inputs are drawn here from secret seeds, references and
+baseline errors are computed here, and the worker's outputs are read back and judged here.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.config import Config
+from harness.pool import Pool, WorkerFailure, WorkerHandle
+from harness.targets import Case, Inputs, Op, Target
+from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
+
+
+class Rejected(Exception):
+    """A stage's verdict on the candidate, raised from deep inside a check; carries metrics."""
+
+    def __init__(self, reason: str, **metrics: float) -> None:
+        super().__init__(reason)
+        self.metrics = metrics
+
+
+@dataclass
+class EvalContext:
+    cfg: Config
+    target: Target
+    shapes: Any                      # the target's config section for this device
+    device: torch.device             # where the trusted side computes references (and the worker runs)
+    dtype: torch.dtype
+    pool: Pool
+    source: str
+    ops: list[str] = field(default_factory=list)
+    worker: WorkerHandle | None = None
+    deadline: float = 0.0
+    stage: str = ""
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def request(self, msg: dict, doing: str) -> dict:
+        assert self.worker is not None
+        return self.worker.request(msg, self.remaining(), doing)
+
+    def cases(self, op: str, served: bool = True, boundary: bool = True) -> list[Case]:
+        out = self.target.served_cases(self.shapes) if served else []
+        out += self.target.boundary_cases(self.shapes) if boundary else []
+        return [c for c in out if c.op == op]
+
+
+@dataclass(frozen=True)
+class Diff:
+    max_abs: float
+    rel_l2: float
+    nonfinite: int
+    first_bad: list[str]
+
+    def describe(self) -> str:
+        bad = f"; first mismatches {', '.join(self.first_bad)}" if self.first_bad else ""
+        nf = f"{self.nonfinite} NaN/Inf values; " if self.nonfinite else ""
+        return f"{nf}max abs error {self.max_abs:.3g}, relative L2 error {self.rel_l2:.3g}{bad}"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float
+    rel_l2: float
+
+    def admits(self, d: Diff) -> bool:
+        return d.nonfinite == 0 and d.max_abs <= self.max_abs and d.rel_l2 <= self.rel_l2
+
+
+def diff(out: torch.Tensor, ref: torch.Tensor, atol: float | None = None) -> Diff:
+    out64, ref64 = out.double(), ref.double()
+    err = (out64 - ref64).abs()
+    nonfinite = int((~torch.isfinite(out64)).sum())
+    err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
+    max_abs = float(err.max()) if err.numel() else 0.0
+    rel = float(torch.linalg.vector_norm(torch.nan_to_num(out64 - ref64, nan=1e30)) /
+                torch.linalg.vector_norm(ref64).clamp_min(1e-30)) if err.numel() else 0.0
+    first = []
+    if atol is not None:
+        bad = (err > atol).flatten().nonzero()[:3, 0].tolist()
+        for flat in bad:
+            idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), out.shape))
+            first.append(f"{list(idx)}: got {float(out64.flatten()[flat]):.4g}, expected {float(ref64.flatten()[flat]):.4g}")
+    return Diff(max_abs, min(rel, 1e30), nonfinite, first)
+
+
+def tolerance(ctx: EvalContext, baseline_diff: Diff) -> Tolerance:
+    p = ctx.cfg.stages.parity
+    floor = p.floors[DTYPE_NAMES[ctx.dtype]]
+    return Tolerance(max(p.tolerance_factor * baseline_diff.max_abs, floor.max_abs),
+                     max(p.tolerance_factor * baseline_diff.rel_l2, floor.rel_l2))
+
+
+@dataclass
+class Trial:
+    """One case drawn fresh: inputs, the float64 reference, the tolerance the baseline earns here."""
+    case: Case
+    dist: str
+    seed: int
+    inputs: Inputs
+    ref: torch.Tensor
+    tol: Tolerance
+
+    def recipe(self, ctx: EvalContext) -> dict:
+        """What the worker needs to rebuild these exact inputs on its device (nothing else)."""
+        return {"case": self.case, "dist": self.dist, "seed": self.seed, "dtype": DTYPE_NAMES[ctx.dtype]}
+
+
+def draw(ctx: EvalContext, case: Case, dist: str) -> Trial:
+    """Fresh inputs from a new secret seed. The seed is sent with the request that uses it, so the
+    candidate learns each one only with inputs it is handed anyway, and never the next one; the
+    worker rebuilds the inputs from it instead of receiving gigabytes, and any divergence (a
+    tampered generator) can only make the candidate's output disagree with this reference."""
+    op = ctx.target.ops[case.op]
+    seed = secrets.randbits(62)
+    inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
+    ref = op.reference(**inputs)
+    base = op.baseline(**inputs)
+    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(base, ref)))
+
+
+def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
+    """Send a trial to the worker; return its outputs (as read and checked here) and its reply."""
+    op: Op = ctx.target.ops[trial.case.op]
+    shape = op.output_shape(trial.inputs)
+    reply = ctx.request({"cmd": "call", "op": op.name, "inputs": trial.recipe(ctx), "mode": mode,
+                         "repeat": repeat, "out_shape": list(shape)}, f"running {trial.case.label}")
+    if not reply.get("ok"):
+        raise Rejected(f"{trial.case.label}: the candidate raised:\n{reply.get('error', '')}")
+    expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
+    try:
+        outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)
+    except ProtocolError as e:
+        raise Rejected(f"{trial.case.label}: wrong output: {e}") from None
+    if set(outs) != set(expect):
+        raise Rejected(f"{trial.case.label}: the worker returned {sorted(outs)}, expected {sorted(expect)}")
+    drop_outputs(ctx, reply)
+    return [outs[f"out{i}"] for i in range(repeat)], reply
+
+
+def drop_outputs(ctx: EvalContext, reply: dict) -> None:
+    """Delete output files the worker reported, only ever inside the worker's own folder."""
+    own = ctx.worker.workdir.resolve()
+    for name in {str(e.get("file", "")) for e in reply.get("outputs", []) if isinstance(e, dict)}:
+        path = Path(name).resolve()
+        if path.is_relative_to(own) and path.is_file():
+            path.unlink()
+
+
+__all__ = ["EvalContext", "Rejected", "Diff", "Tolerance", "Trial", "diff", "draw", "run_trial",
+           "tolerance", "WorkerFailure"]

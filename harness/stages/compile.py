@@ -1,0 +1,60 @@
+"""Stage 1, compile: is this a candidate at all, and do its kernels build and launch?
+
+Trusted side first (no candidate code runs): the source parses, imports only allowed modules, and
+defines contract functions with the contract's argument names in order. Then a fresh sandboxed
+worker imports it and calls each op once on the smallest served shape; import and compiler errors
+come back verbatim (trimmed) as feedback for the coder.
+"""
+from __future__ import annotations
+
+import ast
+
+from harness.records import StageResult
+from harness.stages.common import EvalContext, Rejected, draw, run_trial
+
+
+def static_check(ctx: EvalContext) -> list[str]:
+    """Return the ops the source defines; raise Rejected for what can be refused without running it."""
+    try:
+        tree = ast.parse(ctx.source)
+    except SyntaxError as e:
+        raise Rejected(f"syntax error at line {e.lineno}: {e.msg}\n    {(e.text or '').rstrip()}") from None
+    allowed = set(ctx.cfg.stages.compile.allowed_imports)
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else ["(relative import)"]
+        for name in names:
+            if name.split(".")[0] not in allowed:
+                raise Rejected(f"line {node.lineno}: imports {name}; a candidate may import only "
+                               f"{', '.join(sorted(allowed))}")
+    defined = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    ops = []
+    for name, op in ctx.target.ops.items():
+        fn = defined.get(name)
+        if fn is None:
+            continue
+        params = [a.arg for a in fn.args.posonlyargs + fn.args.args]
+        if params != list(op.arg_names) or fn.args.vararg or fn.args.kwonlyargs:
+            raise Rejected(f"line {fn.lineno}: {name}({', '.join(params)}) must be {name}({', '.join(op.arg_names)})")
+        ops.append(name)
+    if not ops:
+        raise Rejected(f"defines none of the contract's functions ({', '.join(ctx.target.ops)}) at module level")
+    return ops
+
+
+def compile_stage(ctx: EvalContext) -> StageResult:
+    ctx.ops = static_check(ctx)
+    ctx.worker = ctx.pool.spawn(ctx.source)
+    reply = ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing the candidate")
+    if not reply.get("ok"):
+        raise Rejected("import failed:\n" + reply.get("error", ""))
+    metrics = {"ops": float(len(ctx.ops)), "load_s": reply["_wall_s"]}
+    for op in ctx.ops:
+        trial = draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal")
+        _, call = run_trial(ctx, trial)
+        metrics[f"{op}_first_call_s"] = call["_wall_s"]
+    return StageResult.passed("compile", f"built and launched {', '.join(ctx.ops)}; sandbox: {ctx.worker.sandbox}",
+                              **metrics)

@@ -1,0 +1,162 @@
+"""Stage 4, microbench (CUDA only): is the candidate faster than the baseline, beyond noise, honestly?
+
+The worker times candidate, baseline (twice: the noise band) and the cuDNN anchor interleaved, on
+rotated fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
+CUDA events read both on the call's stream and after a full device synchronize. The time that
+counts is device time on the stream. The evaluator then distrusts every number it was handed:
+  - the outputs of the timed calls are re-checked against float64;
+  - device time after the synchronize far beyond the stream's (less the synchronize's own cost,
+    measured on the baseline) means work escaped the timed stream;
+  - a time under bytes/bandwidth or FLOPs/peak is a measurement exploit;
+  - CUDA-graph bursts of back-to-back calls clocked by the evaluator's own clock must agree with
+    the worker's events (a patched timer), and give the speedup by that clock too;
+  - the evaluator times the baseline in its own process: the worker's figure for it must agree.
+Passing is not acceptance: only the full scored replay accepts.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from harness.records import StageResult
+from harness.stages.common import EvalContext, Rejected, diff, draw, drop_outputs
+from harness.transport import ProtocolError, read_arena
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _time_here(fn, reps: int, flush: torch.Tensor, cover_cycles: int) -> float:
+    """The evaluator's own measurement of a trusted function, with the worker's protocol."""
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    times = []
+    for i in range(reps + 3):
+        flush.zero_()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cover_cycles)
+        ev[0].record()
+        fn()
+        ev[1].record()
+        torch.cuda.synchronize()
+        if i >= 3:
+            times.append(ev[0].elapsed_time(ev[1]))
+    return _median(times)
+
+
+def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple[float, bool]:
+    """Per-call time by the evaluator's clock, (wall of 2n calls - wall of n calls) / n, and whether
+    the calls were replayed from a CUDA graph. The candidate must be capturable; the baseline may not be."""
+    prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True}, f"capturing the {impl}")
+    if not prep.get("ok"):
+        raise Rejected(f"{op}: the {impl} raised while being captured:\n{prep.get('error', '')}")
+    if impl == "candidate" and not prep.get("graph"):
+        raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.get('error', '')}); "
+                       "kevo clocks device time through graph replays, and serving engines replay decode the same way")
+    n = 10 * int(min(500, max(1, ctx.cfg.stages.microbench.clock_check_ms / max(per_call_ms, 1e-3) / 10)))
+    walls = []
+    for k in (n, 2 * n):
+        t0 = time.perf_counter()
+        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k}, f"clock check of the {impl}")
+        walls.append(time.perf_counter() - t0)
+        if not reply.get("ok"):
+            raise Rejected(f"{op}: the {impl} raised during the clock check:\n{reply.get('error', '')}")
+    return max(walls[1] - walls[0], 1e-9) * 1e3 / n, bool(prep.get("graph"))
+
+
+def _bench_case(ctx: EvalContext, case, flush: torch.Tensor) -> dict[str, float]:
+    m = ctx.cfg.stages.microbench
+    spec = ctx.target.ops[case.op]
+    trials = [draw(ctx, case, "normal") for _ in range(m.input_sets)]
+    impls = ["candidate", "baseline", "baseline"] + (["anchor"] if m.anchor and spec.anchor else [])
+    reply = ctx.request({"cmd": "time", "op": case.op, "impls": impls, "sets": [t.recipe(ctx) for t in trials],
+                         "warmup": m.warmup_reps, "reps": m.reps, "flush_bytes": m.l2_flush_bytes,
+                         "cover_cycles": m.cover_cycles}, f"timing {case.label}")
+    if not reply.get("ok"):
+        raise Rejected(f"{case.label}: the candidate raised while being timed:\n{reply.get('error', '')}")
+    expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
+    try:
+        outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)
+    except ProtocolError as e:
+        raise Rejected(f"{case.label}: outputs of the timed calls: {e}") from None
+    drop_outputs(ctx, reply)
+    for i, t in enumerate(trials):
+        d = diff(outs.get(f"set{i}", torch.full((1,), float("nan"))), t.ref)
+        if f"set{i}" not in outs or not t.tol.admits(d):
+            raise Rejected(f"{case.label}: the output of a timed call is wrong ({d.describe()})")
+
+    synced = {k: _median(v) for k, v in reply["synced_ms"].items()}
+    stream = {k: _median(v) for k, v in reply["streamed_ms"].items()}
+    cand, b1, b2 = stream["candidate:0"], stream["baseline:1"], stream["baseline:2"]
+    base = (b1 + b2) / 2
+    noise = abs(b1 - b2) / min(b1, b2)
+
+    sync_cost = _median([s - t for k in ("baseline:1", "baseline:2")
+                         for s, t in zip(reply["synced_ms"][k], reply["streamed_ms"][k])])
+    busy = synced["candidate:0"] - sync_cost
+    if cand < m.stream_escape_ratio * busy:
+        raise Rejected(f"{case.label}: {cand:.4f} ms of device time on the call's stream, but the device stays busy "
+                       f"for {busy:.4f} ms: work escapes the timed stream")
+    costs = [spec.cost(t.inputs) for t in trials]
+    nbytes = statistics.mean(c.bytes for c in costs)
+    flops = statistics.mean(c.flops for c in costs)
+    floor_ms = 1e3 * max(nbytes / m.hbm_bytes_per_s, flops / m.peak_flops)
+    if cand < floor_ms:
+        raise Rejected(f"{case.label}: {cand:.4f} ms is under the physical floor of {floor_ms:.4f} ms "
+                       f"({nbytes / 1e6:.1f} MB at {m.hbm_bytes_per_s / 1e12:.1f} TB/s, {flops / 1e9:.1f} GFLOP at "
+                       f"{m.peak_flops / 1e12:.0f} TFLOP/s): a measurement exploit")
+
+    wall_c, _ = _burst_ms(ctx, case.op, "candidate", cand)
+    wall_b, base_graph = _burst_ms(ctx, case.op, "baseline", base)
+    if cand < m.clock_check_ratio * wall_c:
+        raise Rejected(f"{case.label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
+                       f"{wall_c:.4f} ms: the worker's timer is not to be believed")
+    speedup, speedup_by_clock = base / cand, wall_b / wall_c
+    if speedup > speedup_by_clock / m.clock_check_ratio:
+        raise Rejected(f"{case.label}: {speedup:.2f}x by the worker's events but {speedup_by_clock:.2f}x by the "
+                       "evaluator's clock: the worker's timer is not to be believed")
+    here = _time_here(lambda: spec.baseline(**trials[0].inputs), 20, flush, m.cover_cycles)
+    there = _median(reply["streamed_ms"]["baseline:1"][0::m.input_sets] + reply["streamed_ms"]["baseline:2"][0::m.input_sets])
+    if abs(there / here - 1) > m.trusted_baseline_tolerance:
+        raise Rejected(f"{case.label}: the baseline takes {there:.4f} ms in the worker and {here:.4f} ms in the "
+                       "evaluator's own process: the worker's environment was tampered with")
+
+    rate = (lambda ms: nbytes / ms / 1e9) if spec.unit == "TB/s" else (lambda ms: flops / ms / 1e9)
+    row = {"candidate_ms": cand, "baseline_ms": base, "noise": noise, "speedup": speedup,
+           "speedup_by_clock": speedup_by_clock, "candidate_clock_ms": wall_c, "baseline_clock_ms": wall_b,
+           "baseline_in_evaluator_ms": here, "candidate_synced_ms": synced["candidate:0"],
+           "candidate_rate": rate(cand), "baseline_rate": rate(base), "weight": case.weight,
+           "bytes": nbytes, "flops": flops}
+    if "anchor:3" in stream:
+        row.update(anchor_ms=stream["anchor:3"], anchor_rate=rate(stream["anchor:3"]))
+    return row
+
+
+def microbench_stage(ctx: EvalContext) -> StageResult:
+    if ctx.device.type != "cuda":
+        return StageResult.skipped("microbench", "skipped: needs CUDA; this machine has none, and no CPU "
+                                                 "figure stands in for a GPU speedup")
+    m = ctx.cfg.stages.microbench
+    flush = torch.empty(max(1, m.l2_flush_bytes // 4), dtype=torch.int32, device=ctx.device)
+    metrics: dict[str, float] = {}
+    lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
+    for op in ctx.ops:
+        unit = ctx.target.ops[op].unit
+        for i, case in enumerate(ctx.cases(op, boundary=False)):
+            row = _bench_case(ctx, case, flush)
+            metrics.update({f"{op}{i}_{k}": v for k, v in row.items()})
+            num += case.weight * row["baseline_ms"]
+            den += case.weight * row["candidate_ms"]
+            worst_noise = max(worst_noise, row["noise"])
+            anchor = f", cuDNN {row['anchor_rate']:.2f} {unit}" if "anchor_rate" in row else ""
+            lines.append(f"{case.label}: {row['speedup']:.2f}x ({row['candidate_ms']:.4f} vs {row['baseline_ms']:.4f} ms; "
+                         f"{row['candidate_rate']:.2f} vs {row['baseline_rate']:.2f} {unit}{anchor})")
+    mix = num / den
+    bar = 1 + max(worst_noise, m.min_margin)
+    metrics.update(speedup=mix, noise=worst_noise, bar=bar)
+    summary = f"served mix {mix:.2f}x (bar {bar:.2f}x); " + "; ".join(lines)
+    if mix <= bar:
+        raise Rejected(f"not faster than the baseline beyond noise: {summary}", **metrics)
+    return StageResult.passed("microbench", summary, **metrics)

@@ -1,0 +1,300 @@
+"""The `attention` target: paged decode and varlen causal prefill.
+
+Everything about the target lives here: the contract text, float64 references, input generators
+(three distributions, NaN in every unused cache slot, shuffled block tables), served and boundary
+cases, the torch baselines a user would run today, the cuDNN anchor, and the cost model.
+Not covered here: how inputs travel to a worker, how outputs are compared (harness/stages).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from harness.targets.base import Case, Cost, Inputs, Op, Target
+
+CONTRACT = """\
+decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> Tensor
+    q            [batch, num_q_heads, head_dim]
+    k_cache      [num_blocks, block_size, num_kv_heads, head_dim]      (v_cache the same)
+    block_table  int32 [batch, max_blocks_per_seq]
+    seq_lens     int32 [batch], 1 <= seq_lens[b] <= max_blocks_per_seq * block_size
+    Token t of sequence b is at k_cache[block_table[b, t // block_size], t % block_size];
+    positions >= seq_lens[b] hold garbage. Query head h reads kv head h // (num_q_heads // num_kv_heads).
+    returns      [batch, num_q_heads, head_dim] in q.dtype
+
+prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> Tensor
+    q [total_tokens, num_q_heads, head_dim]; k, v [total_tokens, num_kv_heads, head_dim]
+    cu_seqlens int32 [batch + 1]; causal attention within each sequence; same head mapping
+    returns      [total_tokens, num_q_heads, head_dim] in q.dtype
+"""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------
+
+def _lengths(case: Case, gen: torch.Generator) -> list[int]:
+    if "lengths" in case.params:
+        return list(case.params["lengths"])
+    lo, hi = case.params["length_range"]
+    return torch.randint(lo, hi + 1, (case.params["batch"],), generator=gen).tolist()
+
+
+def _gens(seed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
+    """A CPU generator for lengths and indices, one on the device for the bulk values."""
+    return torch.Generator().manual_seed(seed), torch.Generator(device=device).manual_seed(seed ^ 0x5EED)
+
+
+def _draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device)
+
+
+def _qkv(dist: str, q_shape, kv_shape, head_dim: int, gen: torch.Generator):
+    q, k, v = _draw(q_shape, gen), _draw(kv_shape, gen), _draw(kv_shape, gen)
+    if dist == "peaky":          # large-magnitude queries: a softmax dominated by a few keys
+        q = q * 8.0
+    elif dist == "shifted_keys":  # a large logit offset shared by all keys: needs max subtraction
+        sign = torch.randint(0, 2, (head_dim,), generator=gen, device=gen.device).float() * 2 - 1
+        k = k + 30.0 * sign
+    elif dist != "normal":
+        raise ValueError(f"unknown input distribution {dist!r}")
+    return q, k, v
+
+
+def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
+    p = case.params
+    gen, dev_gen = _gens(seed, device)
+    lengths, bs, H, KVH, D = _lengths(case, gen), p["block_size"], p["q_heads"], p["kv_heads"], p["head_dim"]
+    blocks_per_seq = [math.ceil(n / bs) for n in lengths]
+    max_blocks = max(blocks_per_seq)
+    used = sum(blocks_per_seq)
+    pool = used + max(2, used // 4)                     # spare blocks nobody owns: garbage
+    q, k, v = _qkv(dist, (len(lengths), H, D), (pool, bs, KVH, D), D, dev_gen)
+    perm = torch.randperm(pool, generator=gen)          # shuffled, non-contiguous ownership
+    table = torch.randint(0, pool, (len(lengths), max_blocks), generator=gen, dtype=torch.int32)
+    valid = torch.zeros(pool, bs, dtype=torch.bool)
+    at = 0
+    for b, (n, nb) in enumerate(zip(lengths, blocks_per_seq)):
+        own = perm[at:at + nb]
+        at += nb
+        table[b, :nb] = own.to(torch.int32)             # entries past nb stay garbage (in range)
+        for j, blk in enumerate(own.tolist()):
+            valid[blk, : min(bs, n - j * bs)] = True
+    garbage = ~valid.to(device)
+    k[garbage] = float("nan")                           # every unused slot holds NaN
+    v[garbage] = float("nan")
+    return {
+        "q": q.to(device, dtype), "k_cache": k.to(device, dtype), "v_cache": v.to(device, dtype),
+        "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
+        "sm_scale": 1.0 / math.sqrt(D),
+    }
+
+
+def prefill_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
+    p = case.params
+    gen, dev_gen = _gens(seed, device)
+    lengths, H, KVH, D = _lengths(case, gen), p["q_heads"], p["kv_heads"], p["head_dim"]
+    total = sum(lengths)
+    q, k, v = _qkv(dist, (total, H, D), (total, KVH, D), D, dev_gen)
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return {
+        "q": q.to(device, dtype), "k": k.to(device, dtype), "v": v.to(device, dtype),
+        "cu_seqlens": cu.to(device), "max_seqlen": max(lengths), "sm_scale": 1.0 / math.sqrt(D),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# float64 references (trusted; computed chunk by chunk so long sequences fit in memory)
+# ---------------------------------------------------------------------------------------------
+
+def _attend64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float, causal: bool) -> torch.Tensor:
+    """q [M, H, D], k/v [N, KVH, D] -> [M, H, D] float64; causal aligns the last query with the last key."""
+    M, H, D = q.shape
+    N, KVH, _ = k.shape
+    k = k.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)   # [H, N, D]
+    v = v.double().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+    out = torch.empty(M, H, D, dtype=torch.float64, device=q.device)
+    chunk = max(1, (1 << 25) // max(1, H * N))
+    for s in range(0, M, chunk):
+        qc = q[s:s + chunk].double().transpose(0, 1)                    # [H, m, D]
+        scores = qc @ k.transpose(1, 2) * sm_scale                      # [H, m, N]
+        if causal:
+            rows = torch.arange(s, s + qc.shape[1], device=q.device)[:, None] + (N - M)
+            scores = scores.masked_fill(torch.arange(N, device=q.device)[None, :] > rows, float("-inf"))
+        out[s:s + chunk] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out
+
+
+def decode_reference(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> torch.Tensor:
+    bs = k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for b, n in enumerate(seq_lens.tolist()):
+        blocks = block_table[b, : math.ceil(n / bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:n]
+        v = v_cache[blocks].flatten(0, 1)[:n]
+        out[b] = _attend64(q[b:b + 1], k, v, sm_scale, causal=False)[0]
+    return out
+
+
+def prefill_reference(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    cu = cu_seqlens.tolist()
+    for s, e in zip(cu[:-1], cu[1:]):
+        out[s:e] = _attend64(q[s:e], k[s:e], v[s:e], sm_scale, causal=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# baselines: what a user runs today with torch alone
+# ---------------------------------------------------------------------------------------------
+
+def decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> torch.Tensor:
+    """Gather the paged cache through the block table, zero the garbage, one masked SDPA call."""
+    B, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    L = block_table.shape[1] * bs
+    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]      # [B, L]
+    k = k_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    v = v_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=valid[:, None, None, :],
+        scale=sm_scale, enable_gqa=H != KVH)
+    return out[:, :, 0, :]
+
+
+def prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> torch.Tensor:
+    """One causal SDPA call per sequence (SDPA has no varlen entry point)."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens.tolist()
+    gqa = q.shape[1] != k.shape[1]
+    for s, e in zip(cu[:-1], cu[1:]):
+        out[s:e] = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+            is_causal=True, scale=sm_scale, enable_gqa=gqa).transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# anchors: cuDNN SDPA on equivalent contiguous shapes (same bytes / same FLOPs), CUDA only
+# ---------------------------------------------------------------------------------------------
+
+def _cudnn_sdpa(q, k, v, causal: bool, sm_scale: float) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+
+
+def decode_anchor_inputs(inputs: Inputs) -> Inputs:
+    """Contiguous K/V of every sequence's mean length: the bytes the paged call must read."""
+    q, kc = inputs["q"], inputs["k_cache"]
+    B, H, D = q.shape
+    n = max(1, round(inputs["seq_lens"].float().mean().item()))
+    gen = torch.Generator(device=q.device).manual_seed(0)
+    k = torch.randn(B, kc.shape[2], n, D, device=q.device, dtype=q.dtype, generator=gen)
+    return {"q": q[:, :, None, :].contiguous(), "k": k, "v": torch.randn_like(k), "sm_scale": inputs["sm_scale"]}
+
+
+def decode_anchor(q, k, v, sm_scale) -> torch.Tensor:
+    return _cudnn_sdpa(q, k, v, causal=False, sm_scale=sm_scale)
+
+
+def prefill_anchor_inputs(inputs: Inputs) -> Inputs:
+    cu = inputs["cu_seqlens"].tolist()
+    to_bhd = lambda t, s, e: t[s:e].transpose(0, 1)[None].contiguous()   # noqa: E731
+    return {"seqs": [(to_bhd(inputs["q"], s, e), to_bhd(inputs["k"], s, e), to_bhd(inputs["v"], s, e))
+                     for s, e in zip(cu[:-1], cu[1:])], "sm_scale": inputs["sm_scale"]}
+
+
+def prefill_anchor(seqs, sm_scale) -> torch.Tensor:
+    outs = [_cudnn_sdpa(q, k, v, causal=True, sm_scale=sm_scale) for q, k, v in seqs]
+    return outs[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# cost model
+# ---------------------------------------------------------------------------------------------
+
+def decode_cost(x: Inputs) -> Cost:
+    q, kc = x["q"], x["k_cache"]
+    B, H, D = q.shape
+    tokens = float(x["seq_lens"].sum())
+    esz = q.element_size()
+    kv_bytes = 2 * tokens * kc.shape[2] * D * esz
+    madds = tokens * H * D * 2
+    return Cost(bytes=kv_bytes + 2 * q.numel() * esz + x["block_table"].numel() * 4, flops=2 * madds, madds=madds)
+
+
+def prefill_cost(x: Inputs) -> Cost:
+    q, k = x["q"], x["k"]
+    _, H, D = q.shape
+    cu = x["cu_seqlens"].tolist()
+    pairs = sum((e - s) * (e - s + 1) / 2 for s, e in zip(cu[:-1], cu[1:]))   # causal (query, key) pairs
+    madds = 2 * pairs * H * D
+    esz = q.element_size()
+    return Cost(bytes=(2 * q.numel() + 2 * k.numel()) * esz, flops=2 * madds, madds=madds)
+
+
+# ---------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------
+
+def _params(shapes, heads, **extra) -> dict:
+    q_heads, kv_heads = heads
+    return {"q_heads": q_heads, "kv_heads": kv_heads, "head_dim": shapes.head_dim,
+            "block_size": shapes.block_size, **extra}
+
+
+def served_cases(shapes) -> list[Case]:
+    heads = tuple(shapes.heads[0])
+    cases = []
+    for op in ("decode", "prefill"):
+        groups = getattr(shapes, op)
+        total = sum(g.weight for g in groups)
+        for g in groups:
+            lo, hi = g.lengths
+            label = f"{op} served: batch {g.batch}, lengths {lo}..{hi}, heads {heads[0]}/{heads[1]}"
+            cases.append(Case(op, label, _params(shapes, heads, batch=g.batch, length_range=(lo, hi),
+                                                 size=g.batch * hi * heads[0]), weight=g.weight / total))
+    return cases
+
+
+def boundary_cases(shapes) -> list[Case]:
+    bs = shapes.block_size
+    cases = []
+    for op in ("decode", "prefill"):
+        longest = max(g.lengths[1] for g in getattr(shapes, op))
+        if op == "decode":      # either side of a cache block, and the longest served context
+            mixed = sorted({n for n in (1, bs - 1, bs, bs + 1, longest) if 1 <= n <= longest})
+        else:                   # either side of the usual tile sizes, up to what the shapes reach
+            tiles = (1, 15, 16, 17, 63, 64, 65, 127, 128, 129)
+            mixed = sorted({n for n in tiles if n <= max(longest, 65)})
+        for heads in shapes.heads:
+            h = f"heads {heads[0]}/{heads[1]}"
+            for what, lengths in (("mixed lengths", mixed), ("length 1", [1]), ("the maximum", [longest])):
+                cases.append(Case(op, f"{op} boundary: {what} {lengths}, {h}",
+                                  _params(shapes, tuple(heads), lengths=lengths,
+                                          size=len(lengths) * max(lengths) * heads[0])))
+    return cases
+
+
+DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
+            make_inputs=decode_inputs, reference=decode_reference, baseline=decode_baseline,
+            cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape),
+            anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
+PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),
+             make_inputs=prefill_inputs, reference=prefill_reference, baseline=prefill_baseline,
+             cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape),
+             anchor=prefill_anchor, anchor_inputs=prefill_anchor_inputs, anchor_name="cuDNN SDPA, one causal call per sequence", unit="TFLOP/s")
+
+TARGET = Target(
+    name="attention",
+    ops={"decode": DECODE, "prefill": PREFILL},
+    served_cases=served_cases,
+    boundary_cases=boundary_cases,
+    contract=CONTRACT,
+)

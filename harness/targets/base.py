@@ -1,0 +1,59 @@
+"""What a target is: its ops, their contract, and the cases the stages run them on.
+
+A target module defines everything about one operator family in one place — contract, float64
+reference, input generators, served and boundary cases, baseline, library anchor and cost model —
+so the stages stay generic. Nothing here imports candidate code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+Inputs = dict[str, Any]  # contract argument name -> Tensor or Python scalar
+
+
+@dataclass(frozen=True)
+class Case:
+    """One shape to run an op on. `weight` > 0 marks a served shape and its share of the mix."""
+    op: str
+    label: str
+    params: dict[str, Any]
+    weight: float = 0.0
+
+
+@dataclass(frozen=True)
+class Cost:
+    bytes: float      # fewest bytes the op must move through device memory
+    flops: float      # floating-point operations of the math itself
+    madds: float      # multiply-adds: the yardstick for how much work torch ops may do beside the kernel
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    arg_names: tuple[str, ...]                       # the contract's argument order
+    make_inputs: Callable[[Case, str, int, torch.device, torch.dtype], Inputs]  # (case, distribution, seed, ...)
+    reference: Callable[..., torch.Tensor]           # float64, trusted
+    baseline: Callable[..., torch.Tensor]            # what a user runs today, in the served dtype
+    cost: Callable[[Inputs], Cost]
+    output_shape: Callable[[Inputs], tuple[int, ...]]
+    anchor: Callable[..., torch.Tensor] | None = None  # strongest library kernel on equivalent shapes
+    anchor_inputs: Callable[[Inputs], Inputs] | None = None  # built once, outside the timed region
+    anchor_name: str = ""
+    unit: str = "TB/s"                                # the figure reported: TB/s (bytes) or TFLOP/s
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    ops: dict[str, Op]
+    served_cases: Callable[[Any], list[Case]]        # device section of the target's config -> cases
+    boundary_cases: Callable[[Any], list[Case]]
+    contract: str                                    # the text a coder is given
+
+    def compile_case(self, shapes: Any, op: str) -> Case:
+        """The smallest served case of an op: cheap to compile and launch."""
+        cases = [c for c in self.served_cases(shapes) if c.op == op]
+        return min(cases, key=lambda c: c.params["size"])

@@ -1,0 +1,276 @@
+"""The candidate's side: load one candidate file and run what the evaluator asks, nothing else.
+
+Runs inside the sandboxed worker process (harness/zygote.py makes it). Each request names inputs
+in an arena file; the worker copies them into persistent device buffers (the same addresses every
+check, so a cache keyed by pointer is caught), poisons the allocator, calls the candidate, and writes
+outputs back to its own folder. It decides nothing: the evaluator compares, clocks and judges.
+Replies are JSON.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.probes import Probes
+from harness.targets import TARGETS
+from harness.transport import DTYPES, recv_pickle, send_json, write_arena
+
+
+def _trim(text: str, limit: int) -> str:
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A view that compares bit for bit (NaN == NaN)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.contiguous().view(ints[t.element_size()]) if t.is_floating_point() else t
+
+
+class Worker:
+    def __init__(self, workdir: Path, target: str, device: str, log_limit: int) -> None:
+        self.workdir, self.target, self.device, self.log_limit = workdir, TARGETS[target], torch.device(device), log_limit
+        self.module: Any = None
+        self.probes = Probes()
+        self.probes.install()
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.outputs = 0
+        self.timed_sets: dict[str, list[dict[str, Any]]] = {}
+        self.graphs: dict[tuple[str, str], Any] = {}
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def _inputs(self, key: str, recipe: dict) -> dict[str, Any]:
+        """Rebuild the evaluator's inputs from its recipe (case, distribution, seed) and copy them into
+        persistent buffers keyed by (key, name, shape, dtype): the same addresses every check."""
+        op = self.target.ops[recipe["case"].op]
+        fresh = op.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
+        args: dict[str, Any] = {}
+        for name, t in fresh.items():
+            if not isinstance(t, torch.Tensor):
+                args[name] = t
+                continue
+            bkey = (key, name, tuple(t.shape), t.dtype)
+            buf = self.buffers.get(bkey)
+            if buf is None:
+                buf = self.buffers[bkey] = torch.empty(t.shape, dtype=t.dtype, device=self.device)
+            buf.copy_(t)
+            args[name] = buf
+        del fresh
+        return args
+
+    def _poison(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Leave NaN in the memory the next allocations of this size will get."""
+        if dtype.is_floating_point:
+            blocks = [torch.full(shape, float("nan"), dtype=dtype, device=self.device) for _ in range(3)]
+            del blocks
+
+    def _fn(self, impl: str, op: str):
+        if impl == "candidate":
+            return getattr(self.module, op)
+        if impl == "baseline":
+            return self.target.ops[op].baseline
+        raise ValueError(f"unknown implementation {impl!r}")
+
+    def _save(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
+        self.outputs += 1
+        return write_arena(self.workdir / f"out-{self.outputs}.bin", tensors)
+
+    def _call(self, fn, op: str, args: dict[str, Any]) -> torch.Tensor:
+        spec = self.target.ops[op]
+        out = fn(*[args[n] for n in spec.arg_names])
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{op} returned {type(out).__name__}, not a torch.Tensor")
+        if out.device.type != self.device.type:
+            raise TypeError(f"{op} returned a tensor on {out.device}, expected {self.device.type}")
+        return out
+
+    # -- requests ------------------------------------------------------------------------------
+    def load(self, msg: dict) -> dict:
+        path = Path(msg["path"])
+        spec = importlib.util.spec_from_file_location("candidate", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["candidate"] = module
+        spec.loader.exec_module(module)
+        self.module = module
+        ops, problems = [], []
+        for name, op in self.target.ops.items():
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            params = list(inspect.signature(fn).parameters)
+            if params != list(op.arg_names):
+                problems.append(f"{name}({', '.join(params)}) must be {name}({', '.join(op.arg_names)})")
+            ops.append(name)
+        return {"ok": not problems and bool(ops), "ops": ops,
+                "error": "; ".join(problems) or ("" if ops else "defines none of: " + ", ".join(self.target.ops))}
+
+    def call(self, msg: dict) -> dict:
+        op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))
+        args = self._inputs(op, msg["inputs"])
+        pristine = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
+        out_shape = tuple(msg["out_shape"])
+        self.probes.reset()
+        outs: dict[str, torch.Tensor] = {}
+        for i in range(repeat):
+            self._poison(out_shape, DTYPES[msg["inputs"]["dtype"]])
+            if mode == "ablate":
+                with self.probes.ablated():
+                    out = self._call(self._fn("candidate", op), op, args)
+            elif mode == "audit":
+                with self.probes.audit():
+                    out = self._call(self._fn("candidate", op), op, args)
+            else:
+                out = self._call(self._fn(msg.get("impl", "candidate"), op), op, args)
+            self._sync()
+            outs[f"out{i}"] = out
+        modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
+        return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
+                "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
+                "inputs_modified": modified}
+
+    def profile(self, msg: dict) -> dict:
+        from torch.profiler import ProfilerActivity, profile
+        op = msg["op"]
+        args = self._inputs(op, msg["inputs"])
+        fn = self._fn("candidate", op)
+        self._call(fn, op, args)
+        self._sync()
+        self.probes.reset()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(int(msg.get("repeat", 3))):
+                self._call(fn, op, args)
+            self._sync()
+        kernels: dict[str, float] = {}
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            if us is None:
+                us = getattr(e, "self_cuda_time_total", 0.0)
+            if us and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
+                kernels[e.key] = kernels.get(e.key, 0.0) + float(us)
+        return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches)}
+
+    def time(self, msg: dict) -> dict:
+        """Interleaved timing: for each rep, each input set, each implementation (rotating order).
+        Before each timed call the L2 is flushed and the GPU is held busy by a spin kernel while the
+        host launches the call, so the events measure device time, not Python launch overhead.
+        Two intervals per call: to the event after the call on its stream, and to an event recorded
+        after a full device synchronize (which also covers work on other streams)."""
+        op, impls = msg["op"], list(msg["impls"])
+        spec = self.target.ops[op]
+        sets = [self._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
+        self.timed_sets[op] = sets
+        calls: dict[str, list] = {}
+        anchor_error = ""
+        for impl in dict.fromkeys(impls):
+            if impl == "anchor":
+                try:
+                    prepared = [spec.anchor_inputs(a) for a in sets]
+                    calls[impl] = [(lambda p=p: spec.anchor(**p)) for p in prepared]
+                    calls[impl][0]()
+                except Exception as e:                               # the library may lack a kernel
+                    anchor_error = _trim(f"{type(e).__name__}: {e}", 300)
+                    calls.pop(impl, None)
+            else:
+                fn = self._fn(impl, op)
+                calls[impl] = [(lambda a=a, fn=fn: self._call(fn, op, a)) for a in sets]
+        impls = [i for i in impls if i in calls]
+        flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
+        for _ in range(msg["warmup"]):
+            for impl in dict.fromkeys(impls):
+                for c in calls[impl]:
+                    c()
+        self._sync()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        synced = {f"{k}:{i}": [] for i, k in enumerate(impls)}
+        streamed = {k: [] for k in synced}
+        last: dict[str, torch.Tensor] = {}
+        for rep in range(msg["reps"]):
+            order = list(enumerate(impls))
+            order = order[rep % len(order):] + order[:rep % len(order)]
+            for s in range(len(sets)):
+                for i, impl in order:
+                    flush.zero_()
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(msg["cover_cycles"])
+                    ev[0].record()
+                    out = calls[impl][s]()
+                    ev[1].record()
+                    torch.cuda.synchronize()
+                    ev[2].record()
+                    torch.cuda.synchronize()
+                    synced[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[2]))
+                    streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
+                    if impl == "candidate":
+                        last[f"set{s}"] = out
+        return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
+                "outputs": self._save(last) if last else []}
+
+    def burst(self, msg: dict) -> dict:
+        """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
+        graph (so launch overhead does not hide device time) where the implementation can be
+        captured; the evaluator clocks the request. `prepare` captures without timing."""
+        op, impl = msg["op"], msg["impl"]
+        args, fn = self.timed_sets[op][0], self._fn(impl, op)
+        per_graph = 10
+        if msg.get("prepare"):
+            try:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        self._call(fn, op, args)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(per_graph):
+                        self._call(fn, op, args)
+                self.graphs[(op, impl)] = graph
+                return {"ok": True, "graph": True}
+            except Exception as e:
+                self.graphs.pop((op, impl), None)
+                torch.cuda.synchronize()
+                return {"ok": True, "graph": False, "error": _trim(f"{type(e).__name__}: {e}", 400)}
+        graph = self.graphs.get((op, impl))
+        n = int(msg["n"])
+        if graph is not None:
+            for _ in range(max(1, n // per_graph)):
+                graph.replay()
+        else:
+            for _ in range(n):
+                self._call(fn, op, args)
+        self._sync()
+        return {"ok": True}
+
+    def ping(self, msg: dict) -> dict:
+        return {"ok": True}
+
+
+def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
+    """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
+    worker = Worker(workdir, target, device, log_limit)
+    handlers = {"load": worker.load, "call": worker.call, "profile": worker.profile, "time": worker.time,
+                "burst": worker.burst, "ping": worker.ping}
+    while True:
+        try:
+            msg = recv_pickle(sock)
+        except (EOFError, OSError):
+            return
+        try:
+            reply = handlers[msg["cmd"]](msg)
+        except BaseException as e:                                   # the candidate's failure, reported
+            text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            fatal = isinstance(e, (SystemExit, KeyboardInterrupt)) or "CUDA" in str(e)
+            reply = {"ok": False, "error": _trim(text, log_limit), "fatal": fatal}
+        send_json(sock, reply)
+        if reply.get("fatal"):
+            return

@@ -1,0 +1,273 @@
+"""Candidate sources for the evaluator's tests, built from the project's reference kernels.
+
+Each adversarial candidate is the reference decode kernel (renamed `_ref_decode`) plus a `decode`
+that misbehaves in one specific way. Some reach for modules through `__import__` on purpose: the
+static import filter is a courtesy, and these prove the runtime checks hold without it.
+"""
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+KNOWLEDGE = Path(__file__).resolve().parent.parent / "knowledge" / "attention"
+REF_DECODE = (KNOWLEDGE / "decode_paged_splitkv.py").read_text()
+REF_PREFILL = (KNOWLEDGE / "prefill_causal_tiled.py").read_text()
+
+
+def with_knobs(source: str, **knobs) -> str:
+    lines = source.splitlines()
+    for name, value in knobs.items():
+        hits = [i for i, line in enumerate(lines) if line.startswith(f"{name} = ")]
+        assert len(hits) == 1, name
+        lines[hits[0]] = f"{name} = {value!r}"
+    return "\n".join(lines) + "\n"
+
+
+def wrap_decode(body: str) -> str:
+    assert REF_DECODE.count("\ndef decode(") == 1
+    return REF_DECODE.replace("\ndef decode(", "\ndef _ref_decode(") + "\n\n" + textwrap.dedent(body)
+
+
+# A correct kernel with a different blocking and summation order: 16-token tiles, no split-KV.
+REBLOCKED = with_knobs(REF_DECODE, BLOCK_N=16, MAX_SPLITS=1, NUM_WARPS=2)
+
+UNWRITTEN_OUTPUT = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _touch(x_ptr):
+    pass
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = torch.empty_like(q)          # never written: whatever the allocator left there
+    _touch[(1,)](out)
+    return out
+"""
+
+SDPA_WRAPPER = wrap_decode("""
+import torch.nn.functional as F
+
+@triton.jit
+def _copy(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    B, H, D = q.shape
+    bs, KVH = k_cache.shape[1], k_cache.shape[2]
+    L = block_table.shape[1] * bs
+    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]
+    k = k_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    v = v_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    o = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=valid[:, None, None], scale=sm_scale, enable_gqa=True)
+    out = torch.empty_like(q)
+    _copy[(triton.cdiv(q.numel(), 256),)](o.contiguous(), out, q.numel(), BLOCK=256)
+    return out
+""")
+
+TORCH_ELEMENTWISE = wrap_decode("""
+@triton.jit
+def _scale(src, dst, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst + offs, tl.load(src + offs, mask=offs < n) * 1.0, mask=offs < n)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    B, H, D = q.shape
+    bs, KVH = k_cache.shape[1], k_cache.shape[2]
+    L = block_table.shape[1] * bs
+    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]
+    k = k_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    v = v_cache[block_table.long()].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0)
+    k = k.repeat_interleave(H // KVH, dim=2)
+    v = v.repeat_interleave(H // KVH, dim=2)
+    s = (q[:, None] * k).sum(-1) * sm_scale                       # [B, L, H], no matmul
+    s = s.masked_fill(~valid[:, :, None], float("-inf"))
+    p = (s - s.amax(1, keepdim=True)).exp()
+    p = p / p.sum(1, keepdim=True)
+    o = (p[..., None] * v).sum(1)
+    out = torch.empty_like(q)
+    _scale[(triton.cdiv(q.numel(), 256),)](o.contiguous(), out, q.numel(), BLOCK=256)
+    return out
+""")
+
+# The work happens in numpy, out of torch's sight; a decoy Triton kernel runs beside it.
+DECOY_KERNEL = wrap_decode("""
+np = __import__("numpy")
+
+@triton.jit
+def _decoy(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    scratch = torch.empty(1024, device=q.device)
+    _decoy[(4,)](scratch, 1024, BLOCK=256)
+    qn, kc, vc = q.numpy(), k_cache.numpy(), v_cache.numpy()
+    bt, sl = block_table.numpy(), seq_lens.numpy()
+    B, H, D = qn.shape
+    bs, KVH = kc.shape[1], kc.shape[2]
+    out = np.empty_like(qn)
+    for b in range(B):
+        n = int(sl[b])
+        blocks = bt[b, : (n + bs - 1) // bs]
+        k = kc[blocks].reshape(-1, KVH, D)[:n]
+        v = vc[blocks].reshape(-1, KVH, D)[:n]
+        for h in range(H):
+            s = k[:, h // (H // KVH)] @ qn[b, h] * sm_scale
+            p = np.exp(s - s.max())
+            out[b, h] = (p / p.sum()) @ v[:, h // (H // KVH)]
+    return torch.from_numpy(out)
+""")
+
+POINTER_CACHE = wrap_decode("""
+_cache = {}
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    key = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_table.data_ptr(), tuple(q.shape))
+    if key not in _cache:
+        _cache[key] = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    return _cache[key]
+""")
+
+DROPS_NEWEST_TOKEN = wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return _ref_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), sm_scale)
+""")
+
+WRITES_INPUTS = wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    k_cache.view(-1)[:8].zero_()        # "harmless" tidying of a slot it thinks unused
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+NONDETERMINISTIC = wrap_decode("""
+_calls = [0]
+
+@triton.jit
+def _nudge(x_ptr, n, delta, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(x_ptr + offs, x + delta, mask=offs < n)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    _calls[0] += 1                        # every other call comes out a hair different
+    _nudge[(triton.cdiv(out.numel(), 256),)](out, out.numel(), (_calls[0] % 2) * 1e-6, BLOCK=256)
+    return out
+""")
+
+# Crashes and hangs only on a boundary shape (a length-1 sequence), so they pass compile and dispatch.
+CRASH_ON_BOUNDARY = wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    if int(seq_lens.min()) == 1:
+        __import__("ctypes").string_at(0)      # segmentation fault
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+HANG_ON_BOUNDARY = wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    while int(seq_lens.min()) == 1:
+        pass
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+RAISES_AT_IMPORT = """
+import torch
+raise RuntimeError("deliberate: tile shape 48 is not a power of two")
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return q
+"""
+
+TRITON_COMPILE_ERROR = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _bad(x_ptr):
+    tl.store(x_ptr, tl.no_such_builtin(1.0))
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = torch.empty_like(q)
+    _bad[(1,)](out)
+    return out
+"""
+
+WRONG_SHAPE = wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)[:, :1]
+""")
+
+FORGES_REPLIES = """
+import torch
+_os = __import__("os")
+for fd in range(3, 64):                   # scribble on every descriptor, the evaluator's socket included
+    try:
+        _os.write(fd, b"\\x00\\x00\\x00\\x04junk")
+    except OSError:
+        pass
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return q
+"""
+
+# --- CUDA-only cheats: each passes parity and must be caught by microbench --------------------
+
+# Launches on a side stream and returns at once: the timed stream sees almost nothing.
+SIDE_STREAM = wrap_decode("""
+_side = []
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    if not _side:
+        _side.append(torch.cuda.Stream())
+    s = _side[0]
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+# Patches the worker's event timer to halve the candidate's own times (and nobody else's).
+PATCHED_TIMER = wrap_decode("""
+_mine = [0]
+_elapsed = torch.cuda.Event.elapsed_time
+
+def _flattering(self, other):
+    ms = _elapsed(self, other)
+    if _mine[0] > 0:
+        _mine[0] -= 1
+        return ms * 0.5
+    return ms
+
+torch.cuda.Event.elapsed_time = _flattering
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    _mine[0] = 2                           # the worker reads two intervals per timed call
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+# Slows the baseline down inside the worker, so the candidate looks faster by comparison.
+SLOWS_THE_BASELINE = wrap_decode("""
+import torch.nn.functional as F
+_sdpa = F.scaled_dot_product_attention
+
+def _slow(*args, **kwargs):
+    out = _sdpa(*args, **kwargs)
+    torch.cuda._sleep(2_000_000)
+    return out
+
+F.scaled_dot_product_attention = _slow
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+ILLEGAL_ADDRESS = """
+import torch, triton, triton.language as tl
+
+@triton.jit
+def _wild(x_ptr):
+    tl.store(x_ptr + (1 << 40), 1.0)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = torch.empty_like(q)
+    _wild[(1,)](out)
+    return out
+"""

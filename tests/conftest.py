@@ -1,0 +1,47 @@
+"""Shared fixtures: the project's config (optionally edited), one warm worker pool per session, and
+`evaluate_source`, which runs the real staged evaluator on a candidate's source text."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from harness.config import DEFAULT_CONFIG, Config
+from harness.evaluate import evaluate, open_pool
+
+ROOT = Path(__file__).resolve().parent.parent
+CUDA = torch.cuda.is_available()
+
+
+def config_with(**overrides) -> Config:
+    """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20})."""
+    raw = copy.deepcopy(yaml.safe_load(DEFAULT_CONFIG.read_text()))
+    for dotted, value in overrides.items():
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return Config.model_validate(raw)
+
+
+@pytest.fixture(scope="session")
+def cfg() -> Config:
+    return config_with()
+
+
+@pytest.fixture(scope="session")
+def pool(cfg):
+    p = open_pool(cfg, "attention")
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def evaluate_source(cfg, pool):
+    def run(source: str, until: str | None = None, config: Config | None = None):
+        return evaluate(source, "attention", config or cfg, pool, until=until)
+    return run

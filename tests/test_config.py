@@ -1,0 +1,46 @@
+"""config.yaml is validated at load: every default present, and each mistake is one line naming the key."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT
+from harness.config import ConfigError, load_config
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def edited(old: str, new: str) -> str:
+    text = (ROOT / "config.yaml").read_text()
+    assert old in text
+    return text.replace(old, new, 1)
+
+
+def test_project_config_loads():
+    cfg = load_config()
+    assert cfg.targets.attention.cuda.dtype == "bfloat16" and cfg.targets.attention.cpu.dtype == "float32"
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("  sandbox: required", "  sandbox: required\n  sandboxx: 1", "worker.sandboxx: unknown key"),
+    ("checks_per_shape: 2", "checks_per_shape: 0", "stages.parity.checks_per_shape: Input should be greater than or equal to 1"),
+    ("device: auto", "device: tpu", "device: Input should be 'auto', 'cuda' or 'cpu'"),
+    ("heads: [[4, 2], [4, 1]]", "heads: [[4, 3]]", "targets.attention.cpu: Value error, heads [4, 3]"),
+    ("lengths: [5, 24], weight: 0.7", "lengths: [24, 5], weight: 0.7", "lengths: Value error, lengths must be [lo, hi]"),
+    ("env_passthrough: [PATH,", "env_passthrough: [OPENAI_API_KEY, PATH,", "OPENAI_API_KEY looks like a secret"),
+    ("    reps: 40", "", "stages.microbench.reps: missing key"),
+])
+def test_a_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, edited(old, new)))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_files_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(write(tmp_path, "device: [auto\n"))

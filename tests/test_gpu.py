@@ -1,0 +1,48 @@
+"""The evaluator on a real GPU: real compiles, kernel names read by the profiler, the microbench and
+its cheats. Skipped without CUDA (run on the H200; results in docs/BENCHMARKS.md)."""
+from __future__ import annotations
+
+import pytest
+
+import candidates as C
+from conftest import CUDA
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")]
+
+
+@pytest.mark.parametrize("source", [C.REF_DECODE, C.REF_PREFILL], ids=["decode", "prefill"])
+def test_reference_kernel_passes_every_stage_with_real_figures(evaluate_source, source):
+    v = evaluate_source(source)
+    assert v.ok, v.reason
+    bench = v.stages[-1]
+    assert bench.name == "microbench" and bench.status == "passed"
+    assert bench.metrics["speedup"] > bench.metrics["bar"]
+    print(bench.reason)
+
+
+@pytest.mark.parametrize("source, words", [
+    (C.SIDE_STREAM, "escapes the timed stream"),
+    (C.PATCHED_TIMER, "not to be believed"),
+    (C.SLOWS_THE_BASELINE, "tampered"),
+], ids=["side-stream", "patched-timer", "slows-the-baseline"])
+def test_measurement_cheat_is_rejected_at_microbench(evaluate_source, source, words):
+    v = evaluate_source(source)
+    assert v.failed_stage == "microbench", v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_dispatch_reads_launched_kernel_names_on_cuda(evaluate_source):
+    v = evaluate_source(C.REF_DECODE, until="dispatch")
+    assert v.ok and v.stages[-1].metrics["decode_own_device_share"] >= 0.6, v.reason
+
+
+def test_sdpa_wrapper_is_rejected_at_dispatch_on_cuda(evaluate_source):
+    v = evaluate_source(C.SDPA_WRAPPER)
+    assert v.failed_stage == "dispatch", v.reason
+
+
+def test_illegal_memory_access_is_a_verdict_and_the_next_candidate_still_runs(evaluate_source):
+    v = evaluate_source(C.ILLEGAL_ADDRESS)
+    assert v.failed_stage == "compile", v.reason
+    assert "illegal" in v.stages[-1].reason.lower() or "crashed" in v.stages[-1].metrics, v.reason
+    assert evaluate_source(C.REF_DECODE, until="dispatch").ok

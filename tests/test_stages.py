@@ -1,0 +1,105 @@
+"""Each stage rejects what it should, at the right stage, and passes what it should (CPU: Triton's
+interpreter, float32). Microbench needs CUDA: here it must say so, never stand in a CPU figure."""
+from __future__ import annotations
+
+import pytest
+
+import candidates as C
+from conftest import CUDA, config_with
+
+
+def stage_of(verdict):
+    return verdict.failed_stage
+
+
+def test_reference_decode_kernel_passes_every_stage(evaluate_source):
+    v = evaluate_source(C.REF_DECODE)
+    assert v.ok, v.reason
+    assert [s.name for s in v.stages] == ["compile", "dispatch", "parity", "microbench"]
+    assert v.stages[2].metrics["checks"] >= 8
+    assert not v.accepted                       # only the full scored replay accepts
+
+
+def test_reference_prefill_kernel_passes_every_stage(evaluate_source):
+    v = evaluate_source(C.REF_PREFILL)
+    assert v.ok, v.reason
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only behaviour of microbench")
+def test_microbench_says_it_needs_cuda_instead_of_reporting_a_cpu_figure(evaluate_source):
+    v = evaluate_source(C.REF_DECODE, until="microbench")
+    bench = v.stages[-1]
+    assert bench.name == "microbench" and bench.status == "skipped"
+    assert "needs CUDA" in bench.reason and bench.metrics == {}
+
+
+def test_correct_kernel_with_other_blocking_and_summation_order_passes(evaluate_source):
+    v = evaluate_source(C.REBLOCKED, until="parity")
+    assert v.ok, v.reason
+
+
+def test_until_stops_after_the_named_stage(evaluate_source):
+    v = evaluate_source(C.REF_DECODE, until="compile")
+    assert [s.name for s in v.stages] == ["compile"] and v.ok
+
+
+@pytest.mark.parametrize("source, stage, words", [
+    (C.UNWRITTEN_OUTPUT, "parity", "first mismatches"),
+    (C.SDPA_WRAPPER, "dispatch", "scaled_dot_product"),
+    (C.TORCH_ELEMENTWISE, "dispatch", "torch ops outside the kernel"),
+    (C.DECOY_KERNEL, "dispatch", "every Triton launch skipped"),
+    (C.POINTER_CACHE, "parity", "max abs error"),
+    (C.DROPS_NEWEST_TOKEN, "parity", "max abs error"),
+    (C.WRITES_INPUTS, "parity", "wrote to its inputs ['k_cache']"),
+    (C.NONDETERMINISTIC, "parity", "disagrees with call 1"),
+], ids=["unwritten-output", "sdpa-wrapper", "torch-elementwise", "decoy-kernel", "pointer-cache",
+        "drops-newest-token", "writes-inputs", "nondeterministic"])
+def test_bad_candidate_is_rejected_at_the_right_stage(evaluate_source, source, stage, words):
+    v = evaluate_source(source)
+    assert not v.ok
+    assert stage_of(v) == stage, v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_parity_feedback_names_shape_errors_and_first_mismatches(evaluate_source):
+    reason = evaluate_source(C.DROPS_NEWEST_TOKEN).stages[-1].reason
+    assert "decode" in reason and "output shape [" in reason
+    assert "relative L2 error" in reason and "first mismatches [" in reason and "tolerance" in reason
+
+
+def test_crash_on_a_boundary_shape_is_a_verdict_naming_the_signal(evaluate_source):
+    v = evaluate_source(C.CRASH_ON_BOUNDARY)
+    assert stage_of(v) == "parity", v.reason
+    assert "SIGSEGV" in v.stages[-1].reason and v.stages[-1].metrics.get("crashed") == 1.0
+
+
+def test_hang_is_cut_by_the_stage_timeout(evaluate_source):
+    v = evaluate_source(C.HANG_ON_BOUNDARY, config=config_with(**{"stages.parity.timeout_s": 15}))
+    assert stage_of(v) == "parity", v.reason
+    assert v.stages[-1].metrics.get("timeout") == 1.0
+    assert v.stages[-1].seconds < 30
+
+
+def test_evaluator_survives_and_reuses_the_pool_after_a_crash_and_a_hang(evaluate_source):
+    evaluate_source(C.CRASH_ON_BOUNDARY)
+    v = evaluate_source(C.REF_DECODE, until="dispatch")
+    assert v.ok, v.reason
+
+
+@pytest.mark.parametrize("source, words", [
+    (C.RAISES_AT_IMPORT, "deliberate: tile shape 48 is not a power of two"),
+    (C.TRITON_COMPILE_ERROR, "no_such_builtin"),
+    (C.WRONG_SHAPE, "expected"),
+    ("def decode(q, k_cache, v_cache, seq_lens, block_table, sm_scale):\n    return q\n",
+     "must be decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)"),
+    ("import numpy\ndef decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    return q\n",
+     "imports numpy"),
+    ("def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)\n    return q\n", "syntax error at line 1"),
+    ("import torch\n", "defines none of the contract's functions"),
+    (C.FORGES_REPLIES, "malformed reply"),
+], ids=["raises-at-import", "triton-compile-error", "wrong-shape", "wrong-signature", "forbidden-import",
+        "syntax-error", "no-contract-function", "forged-replies"])
+def test_compile_stage_rejects_with_feedback_for_the_coder(evaluate_source, source, words):
+    v = evaluate_source(source)
+    assert stage_of(v) == "compile", v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
