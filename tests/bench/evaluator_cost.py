@@ -23,12 +23,10 @@ from harness.evaluate import evaluate, open_pool  # noqa: E402
 RUNS = [
     ("reference decode", C.REF_DECODE),
     ("reference prefill", C.REF_PREFILL),
-    ("decode, 16-token tiles, no split", C.REBLOCKED),
     ("reject at compile (Triton error)", C.TRITON_COMPILE_ERROR),
     ("reject at dispatch (SDPA wrapper)", C.SDPA_WRAPPER),
     ("reject at parity (drops newest token)", C.DROPS_NEWEST_TOKEN),
     ("reject at microbench (patched timer)", C.PATCHED_TIMER),
-    ("reject at microbench (side stream)", C.SIDE_STREAM),
 ]
 
 
