@@ -51,7 +51,8 @@ class Worker:
 
     def _inputs(self, key: str, recipe: dict) -> dict[str, Any]:
         """Rebuild the evaluator's inputs from its recipe (case, distribution, seed) and copy them into
-        persistent buffers keyed by (key, name, shape, dtype): the same addresses every check."""
+        persistent buffers keyed by (key, name, dtype) that only ever grow: the same addresses check
+        after check, so an output cached by pointer comes back stale and is caught."""
         op = self.target.ops[recipe["case"].op]
         fresh = op.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
         args: dict[str, Any] = {}
@@ -59,12 +60,14 @@ class Worker:
             if not isinstance(t, torch.Tensor):
                 args[name] = t
                 continue
-            bkey = (key, name, tuple(t.shape), t.dtype)
+            bkey = (key, name, t.dtype)
             buf = self.buffers.get(bkey)
-            if buf is None:
-                buf = self.buffers[bkey] = torch.empty(t.shape, dtype=t.dtype, device=self.device)
-            buf.copy_(t)
-            args[name] = buf
+            if buf is None or buf.numel() < t.numel():
+                size = max(t.numel() * 3 // 2, 1)           # headroom: fewer moves as lengths vary
+                buf = self.buffers[bkey] = torch.empty(size, dtype=t.dtype, device=self.device)
+            view = buf[: t.numel()].view(t.shape)
+            view.copy_(t)
+            args[name] = view
         del fresh
         return args
 

@@ -26,12 +26,12 @@ def test_project_config_loads():
 
 @pytest.mark.parametrize("old, new, words", [
     ("  sandbox: required", "  sandbox: required\n  sandboxx: 1", "worker.sandboxx: unknown key"),
-    ("checks_per_shape: 1", "checks_per_shape: 0", "stages.parity.checks_per_shape: Input should be greater than or equal to 1"),
+    ("checks_per_shape: 2", "checks_per_shape: 0", "stages.parity.checks_per_shape: Input should be greater than or equal to 1"),
     ("device: auto", "device: tpu", "device: Input should be 'auto', 'cuda' or 'cpu'"),
     ("heads: [[4, 2], [4, 1]]", "heads: [[4, 3]]", "targets.attention.cpu: Value error, heads [4, 3]"),
     ("lengths: [5, 24], weight: 0.7", "lengths: [24, 5], weight: 0.7", "lengths: Value error, lengths must be [lo, hi]"),
     ("env_passthrough: [PATH,", "env_passthrough: [OPENAI_API_KEY, PATH,", "OPENAI_API_KEY looks like a secret"),
-    ("    reps: 40", "", "stages.microbench.reps: missing key"),
+    ("    reps: 30", "", "stages.microbench.reps: missing key"),
 ])
 def test_a_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:

@@ -70,7 +70,8 @@ def dispatch_stage(ctx: EvalContext) -> StageResult:
         _, reply = run_trial(ctx, audit, mode="audit")
         launched = set(reply.get("launches", {}))
         if not launched:
-            raise Rejected(f"{op}: no Triton kernel was launched; the output is computed elsewhere")
+            raise Rejected(f"{op}: no Triton kernel was launched for a call on fresh inputs: the output is "
+                           "computed elsewhere or returned from a cache")
         metrics.update(_audit(ctx, op, reply, ctx.target.ops[op].cost(audit.inputs).madds))
 
         ablated = draw(ctx, case, "normal")

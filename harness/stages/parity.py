@@ -24,7 +24,7 @@ def parity_stage(ctx: EvalContext) -> StageResult:
     dist_i = 0
     for op in ctx.ops:
         for case in ctx.cases(op):
-            for _ in range(p.checks_per_shape):
+            for _ in range(p.checks_per_shape if case.weight > 0 else 1):
                 dist = p.distributions[dist_i % len(p.distributions)]
                 dist_i += 1
                 trial = draw(ctx, case, dist)
