@@ -243,7 +243,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
 
-# Slows the baseline down inside the worker, so the candidate looks faster by comparison.
+# Slows the baseline down inside the worker (it patches SDPA, which the baseline calls), so the
+# candidate looks faster by comparison.
 SLOWS_THE_BASELINE = wrap_decode("""
 import torch.nn.functional as F
 _sdpa = F.scaled_dot_product_attention
