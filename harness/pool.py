@@ -41,6 +41,7 @@ class Pool:
         self.proc: subprocess.Popen | None = None
         self.ctl: socket.socket | None = None
         self.info: dict = {}
+        self._spare: WorkerHandle | None = None
 
     def start(self) -> "Pool":
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -74,9 +75,8 @@ class Pool:
             raise HarnessError("the worker pool exited; see " + str(self.root / "zygote.log"))
         return json.loads(data)
 
-    def spawn(self, source: str) -> "WorkerHandle":
+    def _fork(self) -> "WorkerHandle":
         workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))
-        (workdir / "candidate.py").write_text(source)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         reply = self._control({"cmd": "fork", "workdir": str(workdir), "target": self.target, "device": self.device,
                                "log_limit": self.cfg.log_tail_chars, "sandbox": self.cfg.sandbox}, [theirs.fileno()])
@@ -87,6 +87,25 @@ class Pool:
             handle.close()
             raise HarnessError(hello.get("error", "the worker did not start"))
         handle.sandbox = hello.get("sandbox", "")
+        send_pickle(handle.sock, {"cmd": "warmup"})       # CUDA context, profiler, ...: answered later
+        return handle
+
+    def spawn(self, source: str) -> "WorkerHandle":
+        """A fresh sandboxed worker holding `source` as its candidate.py. Workers are used once; the
+        next one is forked and warmed (CUDA context, profiler) while this one works, so a candidate
+        never waits for that and never shares a process with another candidate."""
+        handle, self._spare = self._spare, None
+        if handle is not None:
+            try:
+                handle.receive(self.cfg.start_timeout_s, "warming up")
+                handle.request({"cmd": "ping"}, 10, "checking the spare is alive")
+            except WorkerFailure:
+                handle = None
+        if handle is None:
+            handle = self._fork()
+            handle.receive(self.cfg.start_timeout_s, "warming up")
+        (handle.workdir / "candidate.py").write_text(source)
+        self._spare = self._fork()
         return handle
 
     def reap(self, pid: int) -> str:
@@ -96,6 +115,9 @@ class Pool:
             return f"unknown ({e})"
 
     def close(self) -> None:
+        if self._spare is not None and self.ctl is not None:
+            self._spare.close()
+        self._spare = None
         if self.ctl is not None:
             self.ctl.close()
             self.ctl = None

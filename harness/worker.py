@@ -257,12 +257,23 @@ class Worker:
     def ping(self, msg: dict) -> dict:
         return {"ok": True}
 
+    def warmup(self, msg: dict) -> dict:
+        """Pay the per-process start-up costs before any candidate is loaded: the CUDA context, the
+        profiler's first start, cuBLAS. Touches nothing a candidate could later read."""
+        if self.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+            x = torch.randn(64, 64, device=self.device)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                (x @ x).sum().item()
+            torch.cuda.synchronize()
+        return {"ok": True}
+
 
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
     handlers = {"load": worker.load, "call": worker.call, "profile": worker.profile, "time": worker.time,
-                "burst": worker.burst, "ping": worker.ping}
+                "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:
             msg = recv_pickle(sock)

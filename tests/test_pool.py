@@ -1,0 +1,47 @@
+"""The worker pool: one fresh worker per candidate, a warm spare ready, nothing left behind."""
+from __future__ import annotations
+
+import os
+
+from harness.evaluate import open_pool
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_each_spawn_is_a_new_process_and_close_leaves_no_worker_behind(cfg):
+    pool = open_pool(cfg, "attention")
+    try:
+        first = pool.spawn("def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    return q\n")
+        second = pool.spawn("def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    return q\n")
+        assert first.pid != second.pid and first.workdir != second.workdir
+        assert (second.workdir / "candidate.py").read_text().startswith("def decode")
+        reply = second.request({"cmd": "load", "path": str(second.workdir / "candidate.py")}, 30, "loading")
+        assert reply["ok"] and reply["ops"] == ["decode"]
+        pids = [first.pid, second.pid] + ([pool._spare.pid] if pool._spare else [])
+        first.close()
+        second.close()
+    finally:
+        zygote = pool.proc.pid
+        pool.close()
+    for pid in pids + [zygote]:
+        assert not alive(pid), pid
+
+
+def test_a_killed_spare_is_replaced_not_handed_out(cfg):
+    pool = open_pool(cfg, "attention")
+    try:
+        pool.spawn("x = 1\n").close()
+        spare = pool._spare
+        os.killpg(spare.pid, 9)
+        handle = pool.spawn("def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    return q\n")
+        assert handle.pid != spare.pid
+        assert handle.request({"cmd": "ping"}, 30, "pinging")["ok"]
+        handle.close()
+    finally:
+        pool.close()
