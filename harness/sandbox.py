@@ -46,7 +46,7 @@ def landlock_abi() -> int:
     return max(0, r)
 
 
-def confine(writable: list[str], fs_rules: bool = True, net_rules: bool = True, scopes: bool = True) -> int:
+def confine(writable: list[str]) -> int:
     """Restrict this process (and its future children) for good. Returns the ABI used."""
     abi = landlock_abi()
     if abi < 1:
@@ -57,9 +57,8 @@ def confine(writable: list[str], fs_rules: bool = True, net_rules: bool = True, 
         fs |= _REFER
     if abi >= 3:
         fs |= _TRUNCATE
-    net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 and net_rules else 0
-    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 and scopes else 0
-    fs = fs if fs_rules else _MAKE_SYM
+    net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
     attr = struct.pack("=QQQ", fs, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
     buf = ctypes.create_string_buffer(attr, len(attr))
     fd = libc.syscall(_SYS_CREATE, buf, ctypes.c_size_t(len(attr)), ctypes.c_uint32(0))
