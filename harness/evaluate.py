@@ -50,7 +50,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:
-            ctx.stage = name
+            ctx.stage, ctx.worker_s = name, 0.0
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             t0 = time.monotonic()
             try:
@@ -60,6 +60,8 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             except WorkerFailure as e:
                 result = StageResult.failed(name, str(e), **{e.kind: 1.0})
             result.seconds = round(time.monotonic() - t0, 3)
+            if ctx.worker_s:
+                result.metrics["worker_s"] = round(ctx.worker_s, 3)
             result.reason = redact(result.reason)
             results.append(result)
             if result.status == "failed" or name == until:

@@ -269,6 +269,14 @@ class Worker:
         return {"ok": True}
 
 
+def preload() -> None:
+    """Run once in the zygote, before any fork: first-use costs that need no GPU (the dispatch-mode
+    machinery costs ~2 s on its first use; the profiler's Python side). Fork-safe: CPU only."""
+    import torch.profiler  # noqa: F401
+    with Probes().audit():
+        (torch.ones(4) * 2).sum()
+
+
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)

@@ -166,7 +166,8 @@ def main() -> None:
     import torch  # noqa: F401  - the reason this process exists: import once, fork many
     import triton  # noqa: F401
     import triton.language  # noqa: F401
-    from harness import worker  # noqa: F401
+    from harness import worker
+    worker.preload()
     info = {"ready": True, "torch": torch.__version__, "triton": triton.__version__,
             "python": sys.version.split()[0], "device": device}
     ctl.send(json.dumps(info).encode())

@@ -40,13 +40,18 @@ class EvalContext:
     worker: WorkerHandle | None = None
     deadline: float = 0.0
     stage: str = ""
+    worker_s: float = 0.0            # this stage's time spent waiting on the worker (the rest is ours)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
     def request(self, msg: dict, doing: str) -> dict:
         assert self.worker is not None
-        return self.worker.request(msg, self.remaining(), doing)
+        t0 = time.monotonic()
+        try:
+            return self.worker.request(msg, self.remaining(), doing)
+        finally:
+            self.worker_s += time.monotonic() - t0
 
     def cases(self, op: str, served: bool = True, boundary: bool = True) -> list[Case]:
         out = self.target.served_cases(self.shapes) if served else []

@@ -22,6 +22,7 @@ from harness.evaluate import evaluate, open_pool  # noqa: E402
 
 RUNS = [
     ("reference decode", C.REF_DECODE),
+    ("decode candidate, warm (BLOCK_N=32)", C.with_knobs(C.REF_DECODE, BLOCK_N=32)),
     ("reference prefill", C.REF_PREFILL),
     ("reject at compile (Triton error)", C.TRITON_COMPILE_ERROR),
     ("reject at dispatch (SDPA wrapper)", C.SDPA_WRAPPER),
@@ -46,8 +47,10 @@ def main() -> None:
             v = evaluate(source, "attention", cfg, pool)
             total = time.perf_counter() - t0
             stages = {s.name: s.seconds for s in v.stages}
+            waits = {s.name: s.metrics.get("worker_s", 0.0) for s in v.stages}
             outcome = "ok" if v.ok else f"rejected at {v.failed_stage}"
-            print(f"\n{name}: {outcome} in {total:.2f} s  ({', '.join(f'{k} {s:.2f}' for k, s in stages.items())})")
+            print(f"\n{name}: {outcome} in {total:.2f} s  ("
+                  + ", ".join(f"{k} {s:.2f} (worker {waits[k]:.2f})" for k, s in stages.items()) + ")")
             for s in v.stages:
                 if s.name == "microbench" or s.status == "failed":
                     print(f"  {s.name}: {s.reason[:1500]}")
