@@ -167,23 +167,31 @@ class WorkerHandle:
             self.kill()
             raise WorkerFailure("protocol", f"malformed reply while {doing}: {e}") from None
 
-    def request(self, msg: dict, timeout: float, doing: str) -> dict:
+    def send(self, msg: dict, doing: str) -> None:
+        """Send a request without waiting; replies come back in order (see `collect`)."""
         if not self.alive:
             raise WorkerFailure("crashed", "the worker is no longer running")
-        if timeout <= 0:
-            self.kill()
-            raise WorkerFailure("timeout", f"the stage's time ran out before {doing}")
         try:
             send_pickle(self.sock, msg)
         except OSError:
             status = self.kill(first_wait=True)
             raise WorkerFailure("crashed", f"the worker died before {doing} ({status})") from None
+
+    def collect(self, timeout: float, doing: str) -> dict:
+        """The reply to the oldest request not yet collected."""
+        if timeout <= 0:
+            self.kill()
+            raise WorkerFailure("timeout", f"the stage's time ran out while {doing}")
         t0 = time.monotonic()
         reply = self.receive(timeout, doing)
         reply["_wall_s"] = time.monotonic() - t0
         if reply.get("fatal"):
             self.kill()
         return reply
+
+    def request(self, msg: dict, timeout: float, doing: str) -> dict:
+        self.send(msg, doing)
+        return self.collect(timeout, doing)
 
     def kill(self, first_wait: bool = False) -> str:
         """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying

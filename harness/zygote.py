@@ -73,6 +73,8 @@ def _worker_main(sock: socket.socket, cmd: dict) -> None:
             (workdir / sub).mkdir(exist_ok=True)
         os.environ.update(HOME=str(workdir), TMPDIR=str(workdir / "tmp"), TRITON_CACHE_DIR=str(workdir / "triton"),
                           XDG_CACHE_HOME=str(workdir / "cache"))
+        import tempfile
+        tempfile.tempdir = str(workdir / "tmp")     # the zygote may have cached its own before the fork
         os.chdir(workdir)
         try:
             abi = sandbox.confine([str(workdir), "/dev", "/proc/self"])   # CUDA writes under /proc/self

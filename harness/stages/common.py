@@ -46,10 +46,18 @@ class EvalContext:
         return self.deadline - time.monotonic()
 
     def request(self, msg: dict, doing: str) -> dict:
+        self.send(msg, doing)
+        return self.collect(doing)
+
+    def send(self, msg: dict, doing: str) -> None:
+        assert self.worker is not None
+        self.worker.send(msg, doing)
+
+    def collect(self, doing: str) -> dict:
         assert self.worker is not None
         t0 = time.monotonic()
         try:
-            return self.worker.request(msg, self.remaining(), doing)
+            return self.worker.collect(self.remaining(), doing)
         finally:
             self.worker_s += time.monotonic() - t0
 
@@ -133,12 +141,17 @@ def draw(ctx: EvalContext, case: Case, dist: str) -> Trial:
     return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(base, ref)))
 
 
-def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
-    """Send a trial to the worker; return its outputs (as read and checked here) and its reply."""
+def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> None:
+    """Hand a trial to the worker without waiting: the next trial can be drawn meanwhile."""
     op: Op = ctx.target.ops[trial.case.op]
-    shape = op.output_shape(trial.inputs)
-    reply = ctx.request({"cmd": "call", "op": op.name, "inputs": trial.recipe(ctx), "mode": mode,
-                         "repeat": repeat, "out_shape": list(shape)}, f"running {trial.case.label}")
+    ctx.send({"cmd": "call", "op": op.name, "inputs": trial.recipe(ctx), "mode": mode, "repeat": repeat,
+              "out_shape": list(op.output_shape(trial.inputs))}, f"running {trial.case.label}")
+
+
+def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
+    """The worker's outputs for a trial sent earlier, as read and checked here, and its reply."""
+    shape = ctx.target.ops[trial.case.op].output_shape(trial.inputs)
+    reply = ctx.collect(f"running {trial.case.label}")
     if not reply.get("ok"):
         raise Rejected(f"{trial.case.label}: the candidate raised:\n{reply.get('error', '')}")
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
@@ -152,6 +165,11 @@ def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1
     return [outs[f"out{i}"] for i in range(repeat)], reply
 
 
+def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
+    send_trial(ctx, trial, mode, repeat)
+    return collect_trial(ctx, trial, repeat)
+
+
 def drop_outputs(ctx: EvalContext, reply: dict) -> None:
     """Delete output files the worker reported, only ever inside the worker's own folder."""
     own = ctx.worker.workdir.resolve()
@@ -161,5 +179,5 @@ def drop_outputs(ctx: EvalContext, reply: dict) -> None:
             path.unlink()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "Tolerance", "Trial", "diff", "draw", "run_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

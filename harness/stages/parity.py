@@ -11,38 +11,42 @@ from __future__ import annotations
 import torch
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, diff, draw, run_trial
+from harness.stages.common import EvalContext, Rejected, collect_trial, diff, draw, send_trial
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)) and torch.equal(a.isnan(), b.isnan())
 
 
+def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
+    """Raise Rejected if this trial's outputs fail; return its error as a fraction of the tolerance."""
+    where = f"{trial.case.label}, {trial.dist} inputs"
+    if reply.get("inputs_modified"):
+        raise Rejected(f"{where}: the candidate wrote to its inputs {reply['inputs_modified']}")
+    d = diff(outs[0], trial.ref, atol=trial.tol.max_abs)
+    if not trial.tol.admits(d):
+        raise Rejected(f"{where}, output shape {list(outs[0].shape)}: {d.describe()} "
+                       f"(tolerance: max abs {trial.tol.max_abs:.3g}, relative L2 {trial.tol.rel_l2:.3g})",
+                       max_abs=d.max_abs, rel_l2=d.rel_l2)
+    for i, again in enumerate(outs[1:], start=2):
+        if not _bitwise_equal(outs[0], again):
+            raise Rejected(f"{where}: call {i} on identical inputs disagrees with call 1 "
+                           f"({diff(again, outs[0], atol=0.0).describe()}): a race or a stale cache")
+    return max(d.max_abs / trial.tol.max_abs, d.rel_l2 / trial.tol.rel_l2)
+
+
 def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
-    checks, worst = 0, 0.0
-    dist_i = 0
-    for op in ctx.ops:
-        for case in ctx.cases(op):
-            for _ in range(p.checks_per_shape if case.weight > 0 else 1):
-                dist = p.distributions[dist_i % len(p.distributions)]
-                dist_i += 1
-                trial = draw(ctx, case, dist)
-                outs, reply = run_trial(ctx, trial, repeat=p.repeat_calls)
-                where = f"{case.label}, {dist} inputs"
-                if reply.get("inputs_modified"):
-                    raise Rejected(f"{where}: the candidate wrote to its inputs {reply['inputs_modified']}")
-                d = diff(outs[0], trial.ref, atol=trial.tol.max_abs)
-                if not trial.tol.admits(d):
-                    raise Rejected(f"{where}, output shape {list(outs[0].shape)}: {d.describe()} "
-                                   f"(tolerance: max abs {trial.tol.max_abs:.3g}, relative L2 {trial.tol.rel_l2:.3g})",
-                                   max_abs=d.max_abs, rel_l2=d.rel_l2)
-                for i, again in enumerate(outs[1:], start=2):
-                    if not _bitwise_equal(outs[0], again):
-                        dd = diff(again, outs[0], atol=0.0)
-                        raise Rejected(f"{where}: call {i} on identical inputs disagrees with call 1 "
-                                       f"({dd.describe()}): a race or a stale cache")
-                worst = max(worst, d.max_abs / trial.tol.max_abs, d.rel_l2 / trial.tol.rel_l2)
-                checks += 1
-    return StageResult.passed("parity", f"{checks} checks on fresh inputs within tolerance",
-                              checks=float(checks), worst_error_over_tolerance=worst)
+    plan = [case for op in ctx.ops for case in ctx.cases(op)
+            for _ in range(p.checks_per_shape if case.weight > 0 else 1)]
+    worst, pending = 0.0, None
+    for i, case in enumerate(plan):
+        trial = draw(ctx, case, p.distributions[i % len(p.distributions)])   # while the worker runs the last
+        if pending is not None:
+            worst = max(worst, _judge(pending, *collect_trial(ctx, pending, p.repeat_calls)))
+        send_trial(ctx, trial, repeat=p.repeat_calls)
+        pending = trial
+    if pending is not None:
+        worst = max(worst, _judge(pending, *collect_trial(ctx, pending, p.repeat_calls)))
+    return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance",
+                              checks=float(len(plan)), worst_error_over_tolerance=worst)
