@@ -44,7 +44,64 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0 if verdict.ok else 1
 
 
-COMMANDS = {"evaluate": _evaluate}
+def _run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.provider is not None and args.provider not in ("offline", "openai", "anthropic"):
+        raise UsageError(f"unknown provider {args.provider!r}; known: offline, openai, anthropic")
+    for name in ("budget_minutes", "max_candidates", "max_cost_usd"):
+        value = getattr(args, name)
+        if value is not None and (value < 0 or (value == 0 and name != "max_cost_usd")):
+            raise UsageError(f"--{name.replace('_', '-')} must be positive, not {value}")
+    if args.run_id is not None and not args.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise UsageError(f"--run-id {args.run_id!r}: use letters, digits, '-', '_' and '.' only")
+    provider = args.provider or cfg.agent.provider
+    if provider != "offline":
+        getattr(cfg.providers, provider).api_key(provider)   # an unset key: an error now, not mid-run
+        if args.model and args.model not in cfg.providers.prices:
+            raise UsageError(f"providers.prices has no entry for model {args.model!r}; add one (0 for a local server)")
+    from harness.evaluate import resolve_device          # imports torch: after the cheap checks
+    from agent.knowledge import CatalogError
+    from agent.ledger import LedgerError
+    from agent.loop import RunError, run, settings_from
+    from agent.prompts import PromptError
+    from agent.providers import ProviderStop
+    from agent.view import RunView, print_summary
+    settings = settings_from(cfg, resolve_device(cfg).type, target=args.target, provider=args.provider,
+                             model=args.model, budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
+                             max_cost_usd=args.max_cost_usd, run_id=args.run_id)
+    try:
+        with RunView(budget_minutes=settings.budget_minutes, provider=settings.provider) as view:
+            result = run(cfg, settings, view)
+    except (RunError, ProviderStop, CatalogError, LedgerError, PromptError) as e:
+        raise UsageError(str(e)) from None
+    print_summary(result)
+    if result.fatal:
+        raise UsageError(f"run stopped: {result.stop} (ledger: {result.ledger})")
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config)
+    if args.window is not None and args.window <= 0:
+        raise UsageError(f"--window must be positive, not {args.window}")
+    from harness.profile import TARGET_OPS, profile_served, render   # imports torch: after the cheap checks
+    from harness.served.model import ModelError
+    if args.target not in TARGET_OPS:
+        raise UsageError(f"no served profile for target {args.target!r}; known: {', '.join(TARGET_OPS)}")
+    try:
+        report = profile_served(cfg, args.target, window_s=args.window)
+    except ModelError as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        except OSError as e:
+            raise UsageError(f"{args.json}: cannot write ({e.strerror})") from None
+    print(render(report))
+    return 0
+
+
+COMMANDS = {"evaluate": _evaluate, "run": _run, "profile": _profile}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,6 +113,18 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--target", default="attention")
     ev.add_argument("--until", default=None, help="stop after this stage")
     ev.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    rn = sub.add_parser("run", help="evolve kernels: propose, evaluate, record in a git ledger under runs/")
+    rn.add_argument("--target", default="attention")
+    rn.add_argument("--provider", default=None, help="offline | openai | anthropic (default: config agent.provider)")
+    rn.add_argument("--model", default=None, help="the model for both planner and coder (default: config providers)")
+    rn.add_argument("--budget-minutes", type=float, default=None, help="wall-clock budget (default: config, per device)")
+    rn.add_argument("--max-candidates", type=int, default=None)
+    rn.add_argument("--max-cost-usd", type=float, default=None)
+    rn.add_argument("--run-id", default=None, help="the ledger's folder under runs/; an existing kevo run resumes")
+    pf = sub.add_parser("profile", help="where the served step's time goes (baseline replay under torch.profiler)")
+    pf.add_argument("--target", default="attention")
+    pf.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON (for the planner)")
+    pf.add_argument("--window", type=float, default=None, help="seconds of the trace to replay (default: config served)")
     return p
 
 

@@ -1,7 +1,11 @@
-"""What a person reads in the terminal: a verdict as a table (rich)."""
+"""What a person reads in the terminal (rich): a verdict as a table; a run's live view and its summary."""
 from __future__ import annotations
 
+import threading
+import time
+
 from rich.console import Console
+from rich.live import Live
 from rich.markup import escape
 from rich.table import Table
 
@@ -19,3 +23,88 @@ def print_verdict(verdict: Verdict, label: str, console: Console | None = None) 
         table.add_row(s.name, f"[{_STYLE[s.status]}]{s.status}[/]", f"{s.seconds:.2f}", escape(s.reason))
     console.print(table)
     console.print(escape(verdict.reason))
+
+
+class RunView:
+    """The live view of a run: current claim, activity (the stage in progress), funnel, best, cost.
+    On a terminal it redraws in place (rich Live); elsewhere (logs, CI) it prints one line per candidate."""
+
+    def __init__(self, console: Console | None = None, budget_minutes: float = 0.0, provider: str = "") -> None:
+        self.console = console or Console()
+        self.live: Live | None = None
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self.fields = {"activity": "", "claim": "", "ledger": "", "funnel": {}, "best": {}, "cost_usd": 0.0,
+                       "candidates": 0, "last": ""}
+        self.budget_minutes, self.provider = budget_minutes, provider
+        self.since = self.t0
+
+    def __enter__(self) -> "RunView":
+        if self.console.is_terminal:
+            self.live = Live(self, console=self.console, refresh_per_second=2, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def update(self, **fields) -> None:
+        with self.lock:
+            changed = fields.get("activity", self.fields["activity"]) != self.fields["activity"]
+            if changed:
+                self.since = time.monotonic()
+            self.fields.update(fields)
+        if self.live is None and changed:
+            self.console.print(escape(f"[{self.since - self.t0:6.1f} s] {fields['activity']}"), soft_wrap=True)
+        if self.live is None and fields.get("claim"):
+            self.console.print(escape(f"          claim {fields['claim']}"), soft_wrap=True)
+
+    def record(self, record, summary: dict) -> None:
+        speed = f", {record.speedup:.3f}x over torch" if record.speedup is not None else ""
+        line = f"{record.id} [{record.op}] {record.outcome} at {record.stage}{speed}: {record.conclusion.learned}"
+        self.update(funnel=summary["funnel"], best=summary["best"], cost_usd=summary["cost_usd"],
+                    candidates=summary["candidates"], last=line, claim="")
+        if self.live is None:
+            self.console.print(escape(line), soft_wrap=True)
+
+    def __rich__(self) -> Table:
+        with self.lock:
+            f = dict(self.fields)
+        elapsed = (time.monotonic() - self.t0) / 60
+        t = Table(title=f"kevo run ({self.provider}): {elapsed:.1f} / {self.budget_minutes:g} min", show_header=False,
+                  expand=True)
+        t.add_column("what", style="bold", width=12)
+        t.add_column("value", overflow="fold")
+        t.add_row("now", escape(f"{f['activity']} ({time.monotonic() - self.since:.0f} s)"))
+        t.add_row("claim", escape(f["claim"] or "-"))
+        t.add_row("last", escape(f["last"] or "-"))
+        t.add_row("funnel", "  ".join(f"{k} {v}" for k, v in f["funnel"].items() if v) or "-")
+        t.add_row("best", "  ".join(f"{op}: {b['ref']} {_x(b['speedup'])}" for op, b in f["best"].items()) or "-")
+        t.add_row("cost", f"${f['cost_usd']:.4f} over {f['candidates']} candidates")
+        t.add_row("ledger", escape(f["ledger"]))
+        return t
+
+
+def _x(speedup: float | None) -> str:
+    return "(no timing here)" if speedup is None else f"{speedup:.3f}x over torch"
+
+
+def print_summary(result, console: Console | None = None) -> None:
+    console = console or Console()
+    console.print(escape(f"run ended: {result.stop}"), soft_wrap=True)
+    t = Table(show_lines=False)
+    for col in ("outcome", "candidates"):
+        t.add_column(col)
+    for k, v in result.funnel.items():
+        if v:
+            t.add_row(k if k in ("passed", "accepted", "malformed", "not-worth-coding", "unevaluated") else f"rejected at {k}", str(v))
+    console.print(t)
+    for op, k in result.best.items():
+        where = f"{result.ledger}/best/{op}.py" if not k.ref.startswith("head:") else f"{result.ledger}/heads/{op}.py"
+        verdict = ("no candidate beat it" if k.ref.startswith("head:") else "the fastest candidate that passed every stage that ran")
+        console.print(escape(f"best {op}: {k.ref} {_x(k.speedup)} ({verdict}): {where}"), soft_wrap=True)
+    console.print(escape(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
+                  soft_wrap=True)
+    for note in result.not_run:
+        console.print(escape(f"not run here: {note}"), soft_wrap=True)

@@ -2,11 +2,13 @@
 
 One pydantic model per top-level section; unknown keys are rejected and every error comes back as
 one line naming the key (`ConfigError`). Covers: the worker pool, the four cheap stages, and the
-targets' served shapes. Later sections (served scenario, agent, providers) add their own models here.
+targets' served shapes. the agent loop and its LLM providers (issue 4). the served scenario and the
+replay stage (issue 3). Later sections add their own models here.
 """
 from __future__ import annotations
 
 import difflib
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -85,11 +87,27 @@ class MicrobenchConfig(Strict):
     anchor: bool
 
 
+class GateConfig(Strict):
+    logprob_tolerance: float = Field(gt=0)   # |candidate - baseline| logprob of the same greedy token
+    near_tie_margin: float = Field(ge=0)     # tokens may differ only where the baseline's top two were this close
+
+
+class ReplayConfig(Strict):
+    """Stage 5, the full scored replay (harness/stages/replay.py); the served system is `served`."""
+    timeout_s: float = Field(gt=0)
+    gates: dict[Literal["float32", "bfloat16", "float16"], GateConfig]
+    noise_factor: float = Field(ge=1)         # tolerances grow to this x the baseline's disagreement with itself
+    ttft_p90_ms: float | None = Field(gt=0)   # the bars every request is scored against; null: the baseline's p90
+    tpot_p90_ms: float | None = Field(gt=0)
+    min_margin: float = Field(ge=0)           # SLO attainment must beat the baseline's by max(noise band, this)
+
+
 class StagesConfig(Strict):
     compile: CompileConfig
     dispatch: DispatchConfig
     parity: ParityConfig
     microbench: MicrobenchConfig
+    replay: ReplayConfig
 
 
 class ShapeGroup(Strict):
@@ -133,11 +151,168 @@ class TargetsConfig(Strict):
     attention: AttentionConfig
 
 
+class BudgetMinutes(Strict):
+    """Wall-clock budget of one `kevo-agent run`, per device kind."""
+    cuda: float = Field(gt=0)
+    cpu: float = Field(gt=0)
+
+
+class AgentConfig(Strict):
+    """The agent loop (issue 4): who proposes, how long a run lasts, what is worth coding."""
+    provider: Literal["offline", "openai", "anthropic"]   # offline: the built-in proposer, no keys
+    ops: list[str] = Field(min_length=1)                  # which of the target's ops a run evolves
+    budget_minutes: BudgetMinutes
+    max_candidates: int | None = Field(ge=1)              # null: no limit
+    max_cost_usd: float = Field(ge=0)                     # LLM spend after which a run stops
+    min_ceiling: float = Field(ge=1)                      # claims with a lower end-to-end ceiling are not coded
+    compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
+    history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
+    overlap: bool                                         # propose the next candidate while one is evaluated
+    standin_op_share: dict[str, float]                    # assumed op shares until the served profile exists
+    runs_dir: str                                         # run ledgers, relative to the project root
+
+    @model_validator(mode="after")
+    def _shares(self) -> "AgentConfig":
+        for op in self.ops:
+            if op not in self.standin_op_share:
+                raise ValueError(f"standin_op_share has no share for op {op!r} (agent.ops)")
+        for op, share in self.standin_op_share.items():
+            if not 0 < share <= 1:
+                raise ValueError(f"standin_op_share.{op} must be in (0, 1]")
+        return self
+
+
+class ProviderConfig(Strict):
+    base_url: str | None            # null: the vendor's API; else any compatible server (vLLM, SGLang, ...)
+    api_key_env: str | None         # the environment variable holding the key; null: the server needs none
+    planner_model: str
+    coder_model: str
+
+    def api_key(self, name: str) -> str:
+        """The key from the environment; an error naming the variable when it is needed and unset."""
+        if self.api_key_env is None:
+            return "unused"
+        key = os.environ.get(self.api_key_env, "")
+        if not key:
+            raise ConfigError(f"{self.api_key_env} is not set; providers.{name} needs it "
+                              f"(or set providers.{name}.api_key_env: null for a server without keys)")
+        return key
+
+
+class RetryConfig(Strict):
+    attempts: int = Field(ge=1)     # calls in all, the first included, on rate limits, 5xx and timeouts
+    initial_s: float = Field(ge=0)  # first backoff; doubles each retry, with jitter
+    max_s: float = Field(ge=0)
+
+
+class Price(Strict):
+    input: float = Field(ge=0)      # USD per million input tokens
+    output: float = Field(ge=0)     # USD per million output tokens
+
+
+class ProvidersConfig(Strict):
+    openai: ProviderConfig
+    anthropic: ProviderConfig
+    timeout_s: float = Field(gt=0)
+    max_output_tokens: int = Field(ge=256)
+    retry: RetryConfig
+    prices: dict[str, Price]
+
+    @model_validator(mode="after")
+    def _priced(self) -> "ProvidersConfig":
+        for name in ("openai", "anthropic"):
+            p = getattr(self, name)
+            for role in ("planner_model", "coder_model"):
+                model = getattr(p, role)
+                if model not in self.prices:
+                    raise ValueError(f"prices has no entry for {model!r} (providers.{name}.{role}); add one (0 for a local server)")
+        return self
+
+
+class ModelPreset(Strict):
+    """A Qwen3-architecture model for the served scenario (harness/served/model.py)."""
+    layers: int = Field(ge=1)
+    hidden: int = Field(ge=8)
+    q_heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=2)
+    intermediate: int = Field(ge=1)
+    vocab: int = Field(ge=8)
+    tied_embeddings: bool
+    rope_theta: float = Field(gt=0)
+    rms_eps: float = Field(gt=0)
+    weights: str | None          # a local folder of safetensors files (Hugging Face Qwen3 names); null: random
+    seed: int                    # of the random weights
+    kv_cache_tokens: int = Field(ge=16)     # paged KV cache capacity
+    max_running: int = Field(ge=1)          # sequences batched together at most
+    max_prefill_tokens: int = Field(ge=1)   # prompt tokens admitted per step (a longer prompt runs alone)
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ModelPreset":
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"q_heads {self.q_heads} must be a multiple of kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even (rotary embeddings rotate halves)")
+        return self
+
+
+class ServedDevice(Strict):
+    preset: str                  # a key of served.presets
+    trace: str                   # JSONL trace, relative to the project root
+    window_s: float = Field(gt=0)   # requests arriving within this many seconds are replayed
+
+
+class ExternalServer(Strict):
+    """The user's own OpenAI-compatible server instead of the embedded one."""
+    command: list[str] = Field(min_length=1)   # argv; "{port}" is replaced; $KEVO_CANDIDATE holds the candidate's path
+    model: str                                 # the model name requests carry
+    start_timeout_s: float = Field(gt=0)
+    env_passthrough: list[str]                 # beside worker.env_passthrough
+
+    @field_validator("env_passthrough")
+    @classmethod
+    def _no_secrets(cls, names: list[str]) -> list[str]:
+        return WorkerConfig._no_secrets(names)
+
+
+class ServedConfig(Strict):
+    """The served scenario (issue 3): models, traces, the server and the replay client."""
+    presets: dict[str, ModelPreset] = Field(min_length=1)
+    cuda: ServedDevice
+    cpu: ServedDevice
+    start_timeout_s: float = Field(gt=0)    # model build and warm-up, until the server answers
+    request_timeout_s: float = Field(gt=0)  # one streamed request, on the client
+    drain_timeout_s: float = Field(gt=0)    # after the last arrival, the wait for streams to finish
+    external: ExternalServer | None
+
+    @model_validator(mode="after")
+    def _known_presets(self) -> "ServedConfig":
+        for dev in ("cuda", "cpu"):
+            name = getattr(self, dev).preset
+            if name not in self.presets:
+                raise ValueError(f"{dev}.preset {name!r} is not one of the presets ({', '.join(self.presets)})")
+        return self
+
+
 class Config(Strict):
     device: Literal["auto", "cuda", "cpu"]
     worker: WorkerConfig
     stages: StagesConfig
     targets: TargetsConfig
+    agent: AgentConfig
+    providers: ProvidersConfig
+    served: ServedConfig
+
+    @model_validator(mode="after")
+    def _served_fits_target(self) -> "Config":
+        for dev in ("cuda", "cpu"):
+            name = getattr(self.served, dev).preset
+            p, sec = self.served.presets[name], getattr(self.targets.attention, dev)
+            if [p.q_heads, p.kv_heads] not in [list(h) for h in sec.heads] or p.head_dim != sec.head_dim:
+                raise ValueError(f"served.{dev}.preset {name!r} has heads [{p.q_heads}, {p.kv_heads}] and head_dim "
+                                 f"{p.head_dim}; targets.attention.{dev} has heads {[list(h) for h in sec.heads]} "
+                                 f"and head_dim {sec.head_dim}")
+        return self
 
 
 def _one_line(err: ValidationError, source: str) -> str:

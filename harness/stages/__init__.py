@@ -1,14 +1,16 @@
 """The staged evaluator's stages, in cost order. Each takes the EvalContext and returns a StageResult
-or raises Rejected; none of these four accepts (only the full scored replay can)."""
+or raises Rejected; only the last, the full scored replay, can accept."""
 from harness.stages.compile import compile_stage
 from harness.stages.dispatch import dispatch_stage
 from harness.stages.microbench import microbench_stage
 from harness.stages.parity import parity_stage
+from harness.stages.replay import replay_stage
 
 STAGES = (
     ("compile", compile_stage),
     ("dispatch", dispatch_stage),
     ("parity", parity_stage),
     ("microbench", microbench_stage),
+    ("replay", replay_stage),
 )
 STAGE_NAMES = tuple(name for name, _ in STAGES)

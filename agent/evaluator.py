@@ -1,0 +1,82 @@
+"""The evaluator role: the staged evaluator (harness) on a proposal, with bounded compile-repair rounds,
+and the CandidateRecord that results — outcome, speedups, conclusion, cost.
+
+The stages run in cost order and the full scored replay, where it exists, only after microbench
+passed (the harness's driver stops at the first rejection). A candidate the compile stage rejects
+goes back to its proposer with the stage's verbatim feedback, at most agent.compile_repair_rounds
+times; every round is kept. Also evaluates the heads (the reference kernels) a run starts from.
+Not here: choosing what to evaluate (proposers) or recording it (ledger).
+"""
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from harness.config import Config
+from harness.errors import HarnessError
+from harness.evaluate import evaluate
+from harness.pool import Pool
+
+from agent.conclusion import conclude, outcome_of, speedup_of
+from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
+from agent.providers import ProviderStop
+from agent.records import CandidateRecord, Exchange, Kernel, Proposal, Round
+from agent.state import CORRECTNESS_STAGES
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog) -> Kernel:
+    entry, _ = catalog.family(target, op)
+    source = (KNOWLEDGE / entry.files[0]).read_text()
+    verdict = evaluate(source, target, cfg, pool)
+    if verdict.failed_stage in CORRECTNESS_STAGES:
+        raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
+    return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
+                  speedup=speedup_of(verdict), verdict=verdict)
+
+
+def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> CandidateRecord:
+    """A proposal that never reached the evaluator: malformed, not worth coding, or out of budget."""
+    return _record(proposal, outcome, stage, reason, [], proposal.exchanges, None, 0.0, now())
+
+
+def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
+          pool: Pool) -> tuple[CandidateRecord, list[Exchange], str]:
+    """The record of an evaluated proposal, every exchange behind it (repairs included), and a
+    non-empty message if a provider stopped the run during a repair."""
+    started, t0 = now(), time.monotonic()
+    rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
+    for round_no in range(cfg.agent.compile_repair_rounds + 1):
+        verdict = evaluate(source, target, cfg, pool)
+        rounds.append(Round(source=source, verdict=verdict))
+        if verdict.failed_stage != "compile" or round_no == cfg.agent.compile_repair_rounds:
+            break
+        try:
+            fixed, more = proposer.repair(proposal, source, verdict.stages[-1].reason, round_no + 1)
+        except ProviderStop as e:
+            stop = str(e)
+            break
+        exchanges += more
+        if fixed is None:
+            break
+        source = fixed
+    outcome, stage = outcome_of(rounds[-1].verdict)
+    record = _record(proposal, outcome, stage, rounds[-1].verdict.reason, rounds, exchanges, parent,
+                     time.monotonic() - t0, started)
+    return record, exchanges, stop
+
+
+def _record(proposal: Proposal, outcome: str, stage: str, reason: str, rounds: list[Round],
+            exchanges: list[Exchange], parent: Kernel | None, seconds: float, started: str) -> CandidateRecord:
+    speedup = speedup_of(rounds[-1].verdict) if rounds else None
+    local = speedup / parent.speedup if speedup and parent is not None and parent.speedup else None
+    conclusion = conclude(proposal.claim, outcome, stage, reason, rounds, proposal.parent, local)
+    return CandidateRecord(
+        id=proposal.id, op=proposal.op, parent=proposal.parent, proposer=proposal.proposer, outcome=outcome,
+        stage=stage, reason=reason, claim=proposal.claim, knobs=proposal.knobs, rounds=rounds, speedup=speedup,
+        local_speedup=local, conclusion=conclusion, cost_usd=round(sum(e.cost_usd for e in exchanges), 6),
+        input_tokens=sum(e.input_tokens for e in exchanges), output_tokens=sum(e.output_tokens for e in exchanges),
+        seconds=round(seconds, 3), started=started)

@@ -1,0 +1,178 @@
+"""The built-in proposer: claims and candidates from the parametric kernel families in knowledge/.
+
+No keys, no network. Each proposal moves one knob of the current search parent (the fastest correct
+kernel of that op measured so far, else the head) one step along the values listed in the catalog,
+and says why, with numbers. It chooses from the ledger's evidence rather than blindly:
+  - a single-knob step that was rejected at compile, dispatch or parity bans that value and everything
+    beyond it in the same direction (moving away from rejected regions);
+  - a step's expected local speedup s is what the same step measured before (momentum), else the
+    inverse of the opposite step (symmetry), else the catalog's prior;
+  - steps worth coding go first (end-to-end ceiling 1/(1-f+f/s) at least the configured minimum),
+    single steps before two-step jumps, then the highest ceiling, across ops;
+  - when the best step left is not worth coding it is recorded as such once; asked again with nothing
+    learned since, the proposer says the search has converged (None).
+Not here: evaluating (evaluator), recording (ledger). It is the bar every LLM configuration must beat.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from harness.stages import STAGE_NAMES
+
+from agent.knowledge import Catalog, KnobSpec, with_knobs
+from agent.records import Claim, KillTest, Knob, Proposal, ceiling
+from agent.state import CORRECTNESS_STAGES, ProposalState
+
+_HEADER = "kevo offline proposer:"
+
+
+class Move(NamedTuple):
+    knob: str
+    old: Knob
+    new: Knob
+    steps: int          # +1 / -1 one step along the values, +2 / -2 a jump
+    s: float            # expected local speedup
+    basis: str          # the evidence s rests on
+
+
+def _key(knobs: dict[str, Knob]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in knobs.items()))
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _single_steps(op: str, state: ProposalState, specs: dict[str, KnobSpec]):
+    """(knob, direction, new value, record) for every candidate that moved exactly one knob of its parent."""
+    knobs_of = {k.ref: k.knobs for k in state.heads.values()} | {r.id: r.knobs for r in state.history if r.knobs}
+    for r in state.history:
+        parent = knobs_of.get(r.parent)
+        if r.op != op or not r.knobs or parent is None:
+            continue
+        changed = [k for k in r.knobs if r.knobs[k] != parent.get(k) and k in specs]
+        if len(changed) == 1:
+            k = changed[0]
+            values = specs[k].values
+            if parent[k] in values and r.knobs[k] in values:
+                yield k, (1 if values.index(r.knobs[k]) > values.index(parent[k]) else -1), r.knobs[k], r
+
+
+class OfflineProposer:
+    name = "offline"
+    instant = True
+
+    def __init__(self, catalog: Catalog, target: str, ops: list[str]) -> None:
+        self.families = {op: catalog.family(target, op) for op in ops}
+
+    def propose(self, state: ProposalState) -> Proposal | None:
+        options = []                        # worth coding first, then single steps before jumps, then ceiling
+        for op in state.ops:
+            tried = sum(r.op == op for r in state.history)
+            for move in self._moves(op, state):
+                c = ceiling(state.profile.ops[op].share, move.s)
+                options.append(((c >= state.min_ceiling, -abs(move.steps), c, -tried), op, move))
+        if not options:
+            return None
+        (worth, *_), op, move = max(options, key=lambda o: o[0])
+        last = state.history[-1] if state.history else None
+        if not worth and last is not None and last.outcome == "not-worth-coding" and last.proposer == self.name:
+            return None                     # said once, and nothing was learned since: the search has converged
+        return self._proposal(op, move, state)
+
+    def repair(self, proposal: Proposal, source: str, feedback: str, round_no: int):
+        return None, []                  # a family member that fails to compile is a finding, not a typo
+
+    # -- choosing ---------------------------------------------------------------------------------
+
+    def _moves(self, op: str, state: ProposalState) -> list[Move]:
+        """Every untried, unbanned step (one along the values, or a jump of two) from the search parent."""
+        specs = self.families[op][1].knobs
+        parent = state.parents[op].knobs
+        tried = {_key(r.knobs) for r in state.history if r.op == op and r.knobs}
+        tried |= {_key(p.knobs) for p in state.pending if p.op == op and p.knobs}
+        tried |= {_key(parent), _key(state.heads[op].knobs)}
+        steps = list(_single_steps(op, state, specs))
+        banned = self._banned(steps, specs)
+        moves = []
+        for size in (1, 2):
+            for name, spec in specs.items():
+                i = spec.values.index(parent[name])
+                for d in (1, -1):
+                    j = i + d * size
+                    if not 0 <= j < len(spec.values) or (name, j) in banned:
+                        continue
+                    new = spec.values[j]
+                    if _key({**parent, name: new}) in tried:
+                        continue
+                    s, basis = self._predict(name, d, size, spec, steps)
+                    moves.append(Move(name, parent[name], new, d * size, s, basis))
+        return moves
+
+    @staticmethod
+    def _banned(steps, specs: dict[str, KnobSpec]) -> set[tuple[str, int]]:
+        banned = set()
+        for name, d, new, r in steps:
+            if r.outcome == "rejected" and r.stage in CORRECTNESS_STAGES:
+                values = specs[name].values
+                j = values.index(new)
+                banned |= {(name, i) for i in (range(j, len(values)) if d > 0 else range(0, j + 1))}
+        return banned
+
+    @staticmethod
+    def _predict(name: str, d: int, size: int, spec: KnobSpec, steps) -> tuple[float, str]:
+        measured = [(dd, r) for n, dd, _, r in steps if n == name and r.local_speedup]
+        same = [r for dd, r in measured if dd == d][-3:]
+        opposite = [r for dd, r in measured if dd == -d][-3:]
+        way = "up" if d > 0 else "down"
+        if same:
+            s = _geomean([r.local_speedup for r in same])
+            basis = (f"the same step ({name} {way}) measured {', '.join(f'{r.local_speedup:.3f}x in {r.id}' for r in same)}"
+                     " over its parent")
+        elif opposite:
+            s = 1 / _geomean([r.local_speedup for r in opposite])
+            basis = (f"the opposite step measured {', '.join(f'{r.local_speedup:.3f}x in {r.id}' for r in opposite)}; "
+                     "assuming the effect is symmetric")
+        else:
+            s = spec.expect.up if d > 0 else spec.expect.down
+            basis = f"no measurement of this step yet: the catalog's prior for one step {way} is {s:.2f}x"
+        if size > 1:                    # a bigger change, not a surer one: the one-step figure stands
+            basis += f"; for a jump of {size} steps"
+        return min(2.0, max(0.5, s)), basis
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _proposal(self, op: str, move: Move, state: ProposalState) -> Proposal:
+        entry, family = self.families[op]
+        spec = family.knobs[move.knob]
+        parent = state.parents[op]
+        evidence = list(state.profile.ops[op].lines)
+        if parent.ref != state.heads[op].ref:
+            evidence.append(f"search parent {parent.ref}: {parent.speedup:.3f}x over the torch baseline (the fastest "
+                            f"correct {op} kernel measured so far)")
+        evidence.append(move.basis)
+        kill = spec.kill if spec.kill in STAGE_NAMES else "parity"
+        observation = {
+            "compile": "Triton fails to build or launch it (shared memory or registers)",
+            "dispatch": "work leaves the candidate's own kernels",
+            "parity": "a boundary length (1, block_size +/- 1, the longest) differs from float64 beyond tolerance",
+        }.get(kill, f"its served-mix speedup is not above {parent.ref}'s beyond the noise bar "
+                    f"(predicted {move.s:.3f}x over it)")
+        claim = Claim(op=op, hypothesis=f"{move.knob} {move.old!r} -> {move.new!r} in the {op} kernel "
+                                        f"(from {parent.ref}): {spec.why}",
+                      evidence=evidence, expected_speedup=round(move.s, 4), risks=[spec.risk],
+                      kill_test=KillTest(stage=kill, observation=observation),
+                      op_share=state.profile.ops[op].share, share_source=state.profile.source)
+        knobs = {**parent.knobs, move.knob: move.new}
+        source = "\n".join(line for line in parent.source.splitlines() if not line.startswith(f"# {_HEADER}")) + "\n"
+        source = with_knobs(source, {move.knob: move.new},
+                            f"{_HEADER} {state.next_id} = {parent.ref} with {move.knob} {move.old!r} -> {move.new!r} "
+                            f"(family {entry.id})")
+        worth = claim.ceiling >= state.min_ceiling
+        return Proposal(id=state.next_id, op=op, parent=parent.ref, proposer=self.name,
+                        outcome="ready" if worth else "not-worth-coding", stage="" if worth else "ceiling",
+                        reason="" if worth else (f"ceiling {claim.ceiling:.4f} is under the minimum {state.min_ceiling}: "
+                                                 f"{move.s:.3f}x expected on an op holding {claim.op_share:.0%} of the step"),
+                        claim=claim, knobs=knobs, source=source if worth else None)
+

@@ -1,0 +1,173 @@
+"""LLM providers through their official SDKs: one `LLM` protocol, a registry, retries, cost.
+
+`openai` speaks the Chat Completions API (and, with a base URL, any OpenAI-compatible server: vLLM,
+SGLang, llama.cpp, ollama); `anthropic` speaks the Messages API. The SDKs' own retries are off:
+tenacity retries rate limits, server errors, timeouts and dropped connections with jittered
+exponential backoff. What retrying cannot fix (authentication, an unknown model, a request too
+long for the context), and retries that run out, raise `ProviderStop`: the run stops with its one
+line. Keys come from the environment (harness/config.py) and are never recorded.
+Not here: what is asked (planner, coder) or what a reply means.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Protocol
+
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential, wait_random
+
+from harness.config import ProviderConfig, ProvidersConfig
+from harness.sandbox import redact
+
+from agent.records import Exchange, Message
+
+
+class ProviderStop(Exception):
+    """An LLM failure that retrying cannot fix; the run stops. The message is one line."""
+
+
+class Reply:
+    def __init__(self, text: str, input_tokens: int, output_tokens: int, finish: str) -> None:
+        self.text, self.input_tokens, self.output_tokens, self.finish = text, input_tokens, output_tokens, finish
+
+
+class LLM(Protocol):
+    name: str
+
+    def complete(self, model: str, system: str, messages: list[Message]) -> Reply: ...
+
+
+_TRANSIENT_STATUS = {408, 409, 429}
+
+
+def _sdks():
+    """The SDKs, imported on first use: a run of the built-in proposer never needs them."""
+    import anthropic
+    import openai
+    return openai, anthropic
+
+
+def _status(e: BaseException) -> int | None:
+    return getattr(e, "status_code", None)
+
+
+def _transient(e: BaseException) -> bool:
+    openai, anthropic = _sdks()
+    if isinstance(e, (openai.APITimeoutError, anthropic.APITimeoutError,
+                      openai.APIConnectionError, anthropic.APIConnectionError)):
+        return True
+    status = _status(e)
+    return status is not None and (status in _TRANSIENT_STATUS or status >= 500)
+
+
+def _what(e: BaseException) -> str:
+    status = _status(e)
+    body = getattr(e, "body", None)
+    inner = body.get("error", body) if isinstance(body, dict) else None
+    text = (inner.get("message") if isinstance(inner, dict) else None) or str(e) or type(e).__name__
+    first = redact(" ".join(str(text).split()))[:240]
+    return f"{status} {first}" if status else f"{type(e).__name__}: {first}"
+
+
+def _why_fatal(e: BaseException, provider: str, key_env: str | None) -> str:
+    status = _status(e)
+    if status in (401, 403):
+        return f"{provider}: authentication failed ({_what(e)}); check {key_env or 'the server'}"
+    if status == 404:
+        return f"{provider}: unknown model or endpoint ({_what(e)})"
+    if status in (400, 413, 422):
+        return f"{provider}: request refused, not retried ({_what(e)})"
+    return f"{provider}: {_what(e)}"
+
+
+class _Base:
+    name = "base"
+
+    def __init__(self, pcfg: ProviderConfig, common: ProvidersConfig) -> None:
+        self.pcfg, self.common = pcfg, common
+        self.key = pcfg.api_key(self.name)
+
+    def _once(self, model: str, system: str, messages: list[Message]) -> Reply:
+        raise NotImplementedError
+
+    def complete(self, model: str, system: str, messages: list[Message]) -> tuple[Reply, int]:
+        """The reply and how many calls it took."""
+        r = self.common.retry
+        wait = wait_exponential(multiplier=r.initial_s, max=r.max_s) + wait_random(0, r.initial_s)   # jittered
+        retrying = Retrying(stop=stop_after_attempt(r.attempts), wait=wait,
+                            retry=retry_if_exception(_transient), reraise=False)
+        try:
+            for attempt in retrying:
+                with attempt:
+                    return self._once(model, system, messages), attempt.retry_state.attempt_number
+        except RetryError as e:
+            last = e.last_attempt.exception()
+            raise ProviderStop(f"{self.name}: gave up after {r.attempts} attempts; last: {_what(last)}") from None
+        except tuple(sdk.APIError for sdk in _sdks()) as e:
+            raise ProviderStop(_why_fatal(e, self.name, self.pcfg.api_key_env)) from None
+        raise AssertionError("unreachable")
+
+
+class OpenAIChat(_Base):
+    name = "openai"
+
+    def __init__(self, pcfg: ProviderConfig, common: ProvidersConfig) -> None:
+        super().__init__(pcfg, common)
+        self.client = _sdks()[0].OpenAI(api_key=self.key, base_url=pcfg.base_url, timeout=common.timeout_s, max_retries=0)
+
+    def _once(self, model: str, system: str, messages: list[Message]) -> Reply:
+        sent = [{"role": "system", "content": system}] + [m.model_dump() for m in messages]
+        r = self.client.chat.completions.create(model=model, messages=sent,
+                                                max_completion_tokens=self.common.max_output_tokens)
+        choice = r.choices[0] if r.choices else None
+        usage = r.usage
+        return Reply((choice.message.content if choice else "") or "", getattr(usage, "prompt_tokens", 0) or 0,
+                     getattr(usage, "completion_tokens", 0) or 0, (choice.finish_reason if choice else "") or "")
+
+
+class AnthropicMessages(_Base):
+    name = "anthropic"
+
+    def __init__(self, pcfg: ProviderConfig, common: ProvidersConfig) -> None:
+        super().__init__(pcfg, common)
+        self.client = _sdks()[1].Anthropic(api_key=self.key, base_url=pcfg.base_url, timeout=common.timeout_s,
+                                           max_retries=0)
+
+    def _once(self, model: str, system: str, messages: list[Message]) -> Reply:
+        r = self.client.messages.create(model=model, system=system, max_tokens=self.common.max_output_tokens,
+                                        messages=[m.model_dump() for m in messages])
+        text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
+        return Reply(text, r.usage.input_tokens or 0, r.usage.output_tokens or 0, r.stop_reason or "")
+
+
+PROVIDERS: dict[str, type[_Base]] = {"openai": OpenAIChat, "anthropic": AnthropicMessages}
+
+
+class Meter:
+    """Tokens and dollars, per call and in total, from the config's price table; thread-safe."""
+
+    def __init__(self, common: ProvidersConfig, spent_usd: float = 0.0, tokens: tuple[int, int] = (0, 0)) -> None:
+        self.prices = common.prices
+        self.lock = threading.Lock()
+        self.cost_usd, (self.input_tokens, self.output_tokens) = spent_usd, tokens
+
+    def charge(self, model: str, input_tokens: int, output_tokens: int) -> float:
+        price = self.prices[model]
+        cost = (input_tokens * price.input + output_tokens * price.output) / 1e6
+        with self.lock:
+            self.cost_usd += cost
+            self.input_tokens += input_tokens
+            self.output_tokens += output_tokens
+        return cost
+
+
+def ask(llm: LLM, meter: Meter, model: str, role: str, purpose: str, system: str,
+        messages: list[Message]) -> Exchange:
+    """One recorded exchange. Raises ProviderStop; a reply cut short is returned, marked in `note`."""
+    t0 = time.monotonic()
+    reply, attempts = llm.complete(model, system, messages)
+    cost = meter.charge(model, reply.input_tokens, reply.output_tokens)
+    note = "the reply was cut at the output-token limit" if reply.finish in ("length", "max_tokens") else ""
+    return Exchange(role=role, purpose=purpose, provider=llm.name, model=model, system=system, messages=messages,
+                    reply=reply.text, input_tokens=reply.input_tokens, output_tokens=reply.output_tokens,
+                    cost_usd=round(cost, 6), attempts=attempts, seconds=round(time.monotonic() - t0, 3), note=note)

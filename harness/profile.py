@@ -1,0 +1,209 @@
+"""Where the served step's time goes: the evidence behind every claim the planner makes.
+
+`profile_served` replays the served trace against the baseline engine in this process (trusted
+code: no candidate runs here) under torch.profiler, with every part of the model marked by a
+`kevo.*` range (harness/served/model.py). Recorded steps (on CUDA a sample, by a profiler
+schedule, so a 60 s replay stays cheap to read; on a CPU all of them) are bucketed: attention prefill, attention decode, GEMM,
+normalisation, RoPE, activation, sampling, copies, other (residual adds and anything outside the
+marked parts), and idle gaps (time in a step when nothing runs on the device: launch and host
+overhead). Each is a share of the served step; they add up to the measured step time. On CUDA
+the time is device time of kernels, each attributed through the op that launched it; on a CPU the
+time is CPU time of torch ops (idle then means host time outside any op) and is labelled so.
+Then the target op's share f and the end-to-end ceilings 1/(1-f+f/s), the shapes the workload
+served with their frequencies, and a plain sentence when the target is not where the time goes.
+Not covered: multi-stream overlap (the engine uses one stream), the HTTP server's own cost.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch.autograd import DeviceType
+
+from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
+from harness.served.engine import make_engine, run_requests, warm_up
+from harness.served.ops import AttentionOps
+from harness.transport import DTYPES
+
+BUCKETS = {
+    "attention_prefill": "attention prefill", "attention_decode": "attention decode", "gemm": "GEMM",
+    "norm": "normalisation", "rope": "RoPE", "activation": "activation", "sampling": "sampling",
+    "copies": "copies", "other": "other (residual adds, unmarked)", "idle": "idle gaps (launch / host overhead)",
+}
+REGIONS = {"kevo.attention.prefill": "attention_prefill", "kevo.attention.decode": "attention_decode",
+           "kevo.gemm": "gemm", "kevo.norm": "norm", "kevo.rope": "rope", "kevo.activation": "activation",
+           "kevo.sampling": "sampling", "kevo.copies": "copies", "kevo.residual": "other"}
+TARGET_OPS = {"attention": {"decode": "attention_decode", "prefill": "attention_prefill"}}
+SPEEDUPS = (1.25, 1.5, 2.0, 4.0, math.inf)
+# CUDA: (wait, warmup, active) steps of each profiler cycle, so a long replay stays cheap to read;
+# a CPU replay is short: every step is recorded.
+SCHEDULE = {"cuda": (5, 1, 2), "cpu": None}
+
+
+def ceiling(f: float, s: float) -> float:
+    """End-to-end speedup when a share f of the step gets s times faster (Amdahl)."""
+    rest = 1 - f + (0 if math.isinf(s) else f / s)
+    return math.inf if rest <= 0 else 1 / rest
+
+
+def _region(e) -> str:
+    while e is not None:
+        if e.name in REGIONS:
+            return REGIONS[e.name]
+        if e.name == "kevo.step":
+            return "other"
+        e = e.cpu_parent
+    return "other"
+
+
+def _in_step(e) -> bool:
+    while e is not None:
+        if e.name == "kevo.step":
+            return True
+        e = e.cpu_parent
+    return False
+
+
+def _marker(e) -> bool:
+    return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(("kevo.", "ProfilerStep"))
+
+
+def bucket_device(events) -> tuple[dict[str, float], float, int]:
+    """CUDA: kernel time by the region of the op that launched it, within each step's window."""
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    launcher = {e.id: e for e in cpu if e.id > 0 and not _marker(e) and not getattr(e, "linked_correlation_id", 0)}
+    steps = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == "kevo.step")
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not _marker(e)),
+                     key=lambda e: e.time_range.start)
+    out = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
+    total, k = 0.0, 0
+    for start, end in steps:
+        busy, last = 0.0, start
+        while k < len(kernels) and kernels[k].time_range.start < end:
+            e = kernels[k]
+            k += 1
+            lo, hi = max(e.time_range.start, last), min(e.time_range.end, end)
+            if hi <= lo:
+                continue
+            op = launcher.get(getattr(e, "linked_correlation_id", 0))
+            out[_region(op) if op is not None else "unattributed"] += hi - lo
+            busy += hi - lo
+            last = hi
+        out["idle"] += (end - start) - busy
+        total += end - start
+    out["other"] += out["unattributed"]           # kept apart too, so a broken attribution shows
+    return out, total, len(steps)
+
+
+def bucket_host(events) -> tuple[dict[str, float], float, int]:
+    """CPU: self time of each torch op by its region; the rest of each step is host time."""
+    out = dict.fromkeys(BUCKETS, 0.0)
+    steps = [e for e in events if e.name == "kevo.step" and e.device_type == DeviceType.CPU]
+    total = sum(e.time_range.end - e.time_range.start for e in steps)
+    for e in events:
+        if e.device_type != DeviceType.CPU or _marker(e) or getattr(e, "is_async", False) or not _in_step(e):
+            continue
+        out[_region(e)] += e.self_cpu_time_total
+    out["idle"] = total - sum(out.values())
+    return out, total, len(steps)
+
+
+def summarize(buckets_us: dict[str, float], total_us: float, steps: int, target: str, device: str) -> dict:
+    buckets_us = dict(buckets_us)
+    unattributed = buckets_us.pop("unattributed", 0.0)
+    shares = {k: (v / total_us if total_us else 0.0) for k, v in buckets_us.items()}
+    ops = TARGET_OPS[target]
+    op_shares = {op: shares[b] for op, b in ops.items()}
+    f = sum(op_shares.values())
+    largest = max((k for k in shares if k not in ops.values()), key=shares.get)   # the biggest thing that is not the target
+    label = "CPU time of torch ops on the host (not GPU figures)" if device == "cpu" else "device time of CUDA kernels"
+    if f >= shares[largest]:
+        verdict = (f"{target} is where the time goes: {f:.0%} of the served step; a kernel twice as fast "
+                   f"would make the step {ceiling(f, 2):.2f}x faster, an infinitely fast one {ceiling(f, math.inf):.2f}x.")
+    else:
+        verdict = (f"{target} is not where the time goes: {f:.0%} of the served step, while {BUCKETS[largest]} takes "
+                   f"{shares[largest]:.0%}. Even an infinitely fast {target} kernel would make the step at most "
+                   f"{ceiling(f, math.inf):.2f}x faster.")
+    return {
+        "target": target, "device": device, "clock": label, "steps_profiled": steps,
+        "step_ms_total": total_us / 1e3, "step_ms_mean": total_us / 1e3 / steps if steps else 0.0,
+        "buckets": {k: {"label": BUCKETS[k], "ms": v / 1e3, "share": shares[k]} for k, v in buckets_us.items()},
+        "target_share": f, "op_shares": op_shares,
+        "ceilings": {str(s): ceiling(f, s) for s in SPEEDUPS},
+        "op_ceilings": {op: {str(s): ceiling(v, s) for s in SPEEDUPS} for op, v in op_shares.items()},
+        "largest_other": largest, "verdict": verdict,
+        "unattributed_share": unattributed / total_us if total_us else 0.0,   # kernels whose launching op was not found
+    }
+
+
+def profile_served(cfg: Config, target: str = "attention", device: torch.device | None = None,
+                   window_s: float | None = None) -> dict:
+    from harness.evaluate import resolve_device
+    from harness.stages.replay import served_requests
+    if target not in TARGET_OPS:
+        raise HarnessError(f"no served profile for target {target!r}; known: {', '.join(TARGET_OPS)}")
+    device = device or resolve_device(cfg)
+    served = getattr(cfg.served, device.type)
+    section = getattr(getattr(cfg.targets, target), device.type)
+    requests = served_requests(cfg, device.type, window_s)
+    ops = AttentionOps(None, section.dtype)
+    engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], device, ops,
+                         annotate=True, root=PROJECT_ROOT)
+    warm_up(engine)
+    acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
+    totals = [0.0, 0]
+    reader = bucket_device if device.type == "cuda" else bucket_host
+
+    def collect(prof) -> None:
+        b, t, n = reader(prof.events())
+        for k, v in b.items():
+            acc[k] = acc.get(k, 0.0) + v
+        totals[0] += t
+        totals[1] += n
+
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    cycle = SCHEDULE[device.type]
+    if cycle is None:
+        with torch.profiler.profile(activities=activities) as prof:
+            run_requests(engine, requests, realtime=True)
+        collect(prof)
+    else:
+        schedule = torch.profiler.schedule(wait=cycle[0], warmup=cycle[1], active=cycle[2])
+        with warnings.catch_warnings():    # "events are cleared each cycle": collect() reads every cycle
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
+            with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=collect) as prof:
+                run_requests(engine, requests, realtime=True, on_step=lambda events: prof.step())
+    if not totals[1]:
+        raise HarnessError("the profile recorded no served step (the trace is too short for the profiler's schedule)")
+    report = summarize(acc, totals[0], totals[1], target, device.type)
+    report.update(preset=served.preset, trace=served.trace, window_s=window_s or served.window_s,
+                  requests=len(requests), steps=engine.steps, served_shapes=ops.shapes.summary(),
+                  heads=[engine.model.p.q_heads, engine.model.p.kv_heads], head_dim=engine.model.p.head_dim,
+                  block_size=section.block_size, dtype=section.dtype)
+    return report
+
+
+def render(report: dict) -> str:
+    lines = [f"served step of {report['preset']} on {report['trace']} ({report['requests']} requests, "
+             f"{report['steps_profiled']} of {report['steps']} steps profiled, mean {report['step_ms_mean']:.3f} ms); "
+             f"time is {report['clock']}", ""]
+    for k, b in sorted(report["buckets"].items(), key=lambda kv: -kv[1]["share"]):
+        lines.append(f"  {b['label']:<36} {b['share']:7.1%}  {b['ms']:10.2f} ms")
+    lines.append(f"  {'total':<36} {sum(b['share'] for b in report['buckets'].values()):7.1%}  "
+                 f"{report['step_ms_total']:10.2f} ms")
+    f = report["target_share"]
+    ceil = ", ".join(f"{'inf' if s == 'inf' else s}x -> {v:.3f}x" for s, v in report["ceilings"].items())
+    lines += ["", f"{report['target']} share f = {f:.3f} ("
+              + ", ".join(f"{op} {v:.3f}" for op, v in report["op_shares"].items()) + ")",
+              f"end-to-end ceiling 1/(1-f+f/s): {ceil}", report["verdict"]]
+    if report["unattributed_share"] > 0.05:
+        lines.append(f"warning: {report['unattributed_share']:.0%} of the step's kernels could not be traced to the op "
+                     "that launched them; they are counted as other")
+    lines += ["", "served shapes (by work):"]
+    for op, rows in report["served_shapes"].items():
+        for r in rows:
+            lines.append(f"  {op:<8} batch {r['batch']:>4}  lengths {r['lengths'][0]}..{r['lengths'][1]}  "
+                         f"weight {r['weight']:.3f}  ({r['calls']} calls, {r['call_share']:.1%} of {op} calls)")
+    return "\n".join(lines)

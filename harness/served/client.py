@@ -1,0 +1,124 @@
+"""The replay client: the openai SDK against a served endpoint, every token timed on this clock.
+
+Each trace request is sent at its arrival time (asyncio, AsyncOpenAI, streaming completions with
+prompt token ids, temperature 0, the top-2 logprobs, and vLLM's `ignore_eos` and
+`return_tokens_as_token_ids` so external servers answer alike). Every streamed token is stamped
+with time.perf_counter() when its chunk arrives here. A request that errs, breaks off or does not
+finish within the drain time is recorded with its error; nothing is retried. Per-request TTFT
+(first token minus send time) and TPOT (mean gap between later tokens) are read off the stamps.
+Not covered: judging the results (harness/served/score.py does).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from harness.served.traces import TraceRequest
+
+
+@dataclass
+class Completion:
+    """One request as the client saw it; times are seconds from the replay's start."""
+    index: int
+    scheduled_s: float
+    expected: int
+    sent_s: float = float("nan")
+    token_times: list[float] = field(default_factory=list)
+    tokens: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[list[tuple[str, float]]] = field(default_factory=list)   # best first
+    error: str = ""
+
+    @property
+    def complete(self) -> bool:
+        return not self.error and len(self.tokens) == self.expected
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent_s
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class ReplayRun:
+    label: str
+    completions: list[Completion]
+    duration_s: float          # first send to last token
+    max_send_lag_s: float      # how late this client sent a request, at worst
+
+    def failures(self) -> list[Completion]:
+        return [c for c in self.completions if not c.complete]
+
+    def describe_failures(self) -> str:
+        bad = self.failures()
+        if not bad:
+            return ""
+        first = bad[0]
+        what = first.error or f"received {len(first.tokens)} of {first.expected} tokens"
+        return f"{len(bad)} of {len(self.completions)} requests did not complete; first: request {first.index + 1}: {what}"
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+async def _replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
+                  drain_timeout_s: float, label: str) -> ReplayRun:
+    import openai                                  # the SDK takes a second to import: only when replaying
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=request_timeout_s)
+    results = {r.index: Completion(r.index, r.arrival_s, r.output_len) for r in requests}
+    t0 = time.perf_counter()
+
+    async def one(r: TraceRequest) -> None:
+        c = results[r.index]
+        delay = r.arrival_s - (time.perf_counter() - t0)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        c.sent_s = time.perf_counter() - t0
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=2, stream=True,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            async for chunk in stream:
+                now = time.perf_counter() - t0
+                for choice in chunk.choices:
+                    lp = choice.logprobs
+                    if lp is None or not lp.tokens:
+                        continue
+                    for j, tok in enumerate(lp.tokens):
+                        c.tokens.append(tok)
+                        c.token_times.append(now)
+                        c.logprobs.append(float(lp.token_logprobs[j]))
+                        top = (lp.top_logprobs or [None] * (j + 1))[j] or {}
+                        c.top.append(sorted(((k, float(v)) for k, v in top.items()), key=lambda kv: -kv[1]))
+        except (openai.OpenAIError, json.JSONDecodeError, ValueError, TypeError, AttributeError) as e:
+            c.error = _one_line(e)
+
+    tasks = {asyncio.create_task(one(r)): r.index for r in requests}
+    last_arrival = max(r.arrival_s for r in requests)
+    _, pending = await asyncio.wait(tasks, timeout=last_arrival + drain_timeout_s)
+    for task in pending:
+        task.cancel()
+        results[tasks[task]].error = f"did not finish within {drain_timeout_s:g} s of the last arrival"
+    await asyncio.gather(*pending, return_exceptions=True)
+    await client.close()
+    comps = [results[r.index] for r in requests]
+    stamps = [t for c in comps for t in c.token_times]
+    sent = [c.sent_s for c in comps if c.sent_s == c.sent_s]
+    duration = (max(stamps) - min(sent)) if stamps and sent else 0.0
+    lag = max((c.sent_s - c.scheduled_s for c in comps if c.sent_s == c.sent_s), default=0.0)
+    return ReplayRun(label, comps, duration, lag)
+
+
+def replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
+           drain_timeout_s: float, label: str = "") -> ReplayRun:
+    """Send the requests at their arrival times and wait for every stream (at most drain_timeout_s
+    after the last arrival)."""
+    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label))

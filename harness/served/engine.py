@@ -1,0 +1,222 @@
+"""The serving engine: continuous batching over a paged KV cache, greedy sampling with logprobs.
+
+Requests join and leave between steps. Each step admits waiting requests in arrival order (while
+there is room: running sequences, prefill tokens per step, KV blocks for the whole request), then
+runs ONE forward pass over the new sequences' prompts (varlen prefill) and one new token of every
+running sequence (batched paged decode), and samples greedily: the chosen token, its logprob and
+the TOP_K most likely tokens with theirs (near-ties are judged from the top two). A request ends
+after exactly max_tokens tokens (there is no end-of-sequence token: traces fix output lengths).
+Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from harness.served.kvcache import BlockAllocator, PagedKVCache
+from harness.served.model import Qwen3, StepBatch, build_model
+from harness.served.ops import AttentionOps
+
+TOP_K = 5
+
+
+class EngineError(Exception):
+    """A request the engine can never serve; one line."""
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]     # the TOP_K most likely tokens and their logprobs, best first
+    finished: bool
+
+
+@dataclass
+class _Seq:
+    req: Request
+    budget: int                       # blocks reserved for the whole request
+    blocks: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.req.prompt) + len(self.generated)
+
+
+class Engine:
+    def __init__(self, model: Qwen3, ops: AttentionOps, cache: PagedKVCache, max_running: int,
+                 max_prefill_tokens: int) -> None:
+        self.model, self.ops, self.cache = model, ops, cache
+        self.allocator = BlockAllocator(cache.num_blocks)
+        self.bs = cache.block_size
+        self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
+        self.device = model.embed.device
+        self.waiting: deque[Request] = deque()
+        self.running: list[_Seq] = []
+        self.steps = 0
+        self.tokens_out = 0
+
+    def check(self, req: Request) -> None:
+        vocab = self.model.p.vocab
+        if not req.prompt:
+            raise EngineError("the prompt is empty")
+        if min(req.prompt) < 0 or max(req.prompt) >= vocab:
+            raise EngineError(f"prompt token ids must be in [0, {vocab})")
+        if req.max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1")
+        capacity = self.cache.num_blocks * self.bs
+        if len(req.prompt) + req.max_tokens > capacity:
+            raise EngineError(f"the request needs {len(req.prompt) + req.max_tokens} tokens of KV cache; "
+                              f"this model holds {capacity}")
+
+    def add(self, req: Request) -> None:
+        self.check(req)
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        self.waiting = deque(r for r in self.waiting if r.id != request_id)
+        for s in [s for s in self.running if s.req.id == request_id]:
+            self._release(s)
+        self.running = [s for s in self.running if s.req.id != request_id]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, s: _Seq) -> None:
+        self.allocator.release(s.blocks, s.budget - len(s.blocks))
+
+    def _grow(self, s: _Seq, upto: int) -> None:
+        """Blocks for positions [0, upto)."""
+        while len(s.blocks) * self.bs < upto:
+            s.blocks.append(self.allocator.take())
+
+    def _admit(self) -> list[_Seq]:
+        new, tokens = [], 0
+        while self.waiting and len(self.running) + len(new) < self.max_running:
+            req = self.waiting[0]
+            if new and tokens + len(req.prompt) > self.max_prefill_tokens:
+                break
+            budget = math.ceil((len(req.prompt) + req.max_tokens) / self.bs)
+            if not self.allocator.reserve(budget):
+                break
+            self.waiting.popleft()
+            s = _Seq(req, budget)
+            self._grow(s, len(req.prompt))
+            new.append(s)
+            tokens += len(req.prompt)
+        return new
+
+    def _batch(self, new: list[_Seq], decode: list[_Seq]) -> StepBatch:
+        bs, dev = self.bs, self.device
+        tokens, positions, slots = [], [], []
+        for s in new:
+            n = len(s.req.prompt)
+            tokens.append(torch.tensor(s.req.prompt, dtype=torch.int64))
+            positions.append(torch.arange(n))
+            slots.append((torch.tensor(s.blocks)[:, None] * bs + torch.arange(bs)).flatten()[:n])
+        dec_pos = [s.length - 1 for s in decode]
+        tokens.append(torch.tensor([s.generated[-1] for s in decode], dtype=torch.int64))
+        positions.append(torch.tensor(dec_pos, dtype=torch.int64))
+        slots.append(torch.tensor([s.blocks[p // bs] * bs + p % bs for s, p in zip(decode, dec_pos)], dtype=torch.int64))
+        prefill_lens = [len(s.req.prompt) for s in new]
+        cu = torch.tensor([0] + prefill_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        width = max((len(s.blocks) for s in decode), default=0)
+        table = [s.blocks + [0] * (width - len(s.blocks)) for s in decode]
+        sample = [int(c) - 1 for c in cu[1:]] + [sum(prefill_lens) + i for i in range(len(decode))]
+        return StepBatch(
+            tokens=torch.cat(tokens).to(dev), positions=torch.cat(positions).to(dev), slots=torch.cat(slots).to(dev),
+            prefill_lens=prefill_lens, cu_seqlens=cu.to(dev) if new else None,
+            decode_lens=[p + 1 for p in dec_pos],
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev) if decode else None,
+            seq_lens=torch.tensor([p + 1 for p in dec_pos], dtype=torch.int32, device=dev) if decode else None,
+            sample_idx=torch.tensor(sample, dtype=torch.int64, device=dev))
+
+    def step(self) -> list[TokenEvent]:
+        R = self.model.region
+        with R("kevo.step"):
+            decode = list(self.running)
+            new = self._admit()
+            if not new and not decode:
+                return []
+            for s in decode:
+                self._grow(s, s.length)
+            with R("kevo.copies"):
+                batch = self._batch(new, decode)
+            logits = self.model.forward(batch, self.cache, self.ops)
+            with R("kevo.sampling"):
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                top_lp, top_id = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1)
+                rows = torch.cat([top_id.double(), top_lp.double()], dim=1).cpu().tolist()
+        k = top_id.shape[1]
+        events, still = [], []
+        for s, row in zip(new + decode, rows):   # the order of the batch: prefill rows first
+            top = [(int(row[j]), row[k + j]) for j in range(k)]
+            s.generated.append(top[0][0])
+            done = len(s.generated) >= s.req.max_tokens
+            events.append(TokenEvent(s.req.id, top[0][0], top[0][1], top, done))
+            if done:
+                self._release(s)
+            else:
+                still.append(s)
+        self.running = still
+        self.steps += 1
+        self.tokens_out += len(events)
+        return events
+
+
+def make_engine(preset: Any, block_size: int, dtype: torch.dtype, device: torch.device,
+                ops: AttentionOps, annotate: bool = False, root=None) -> Engine:
+    model = build_model(preset, dtype, device, annotate=annotate, root=root)
+    num_blocks = max(1, preset.kv_cache_tokens // block_size)
+    cache = PagedKVCache(preset.layers, num_blocks, block_size, preset.kv_heads, preset.head_dim, dtype, device)
+    return Engine(model, ops, cache, preset.max_running, preset.max_prefill_tokens)
+
+
+def run_requests(engine: Engine, requests: list, realtime: bool = True,
+                 on_step: Callable[[list[TokenEvent]], None] | None = None) -> dict[int, list[TokenEvent]]:
+    """Drive the engine in this process with trace requests (harness/served/traces.py): each joins
+    at its arrival time on this clock (realtime), or all at once. Returns each request's tokens."""
+    pending = deque(sorted(requests, key=lambda r: r.arrival_s))
+    out: dict[int, list[TokenEvent]] = {r.index: [] for r in requests}
+    t0 = time.perf_counter()
+    while pending or engine.has_work():
+        now = time.perf_counter() - t0 if realtime else math.inf
+        while pending and pending[0].arrival_s <= now:
+            r = pending.popleft()
+            engine.add(Request(str(r.index), r.prompt, r.output_len))
+        if not engine.has_work():
+            time.sleep(max(0.0, pending[0].arrival_s - now))
+            continue
+        events = engine.step()
+        for ev in events:
+            out[int(ev.request_id)].append(ev)
+        if on_step:
+            on_step(events)
+    return out
+
+
+def warm_up(engine: Engine) -> None:
+    """Compile and tune before anything is timed: prompts either side of a cache block, all admitted
+    in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1). Deterministic:
+    10 decode and 2 prefill calls on a 2-layer model. Counts and recorded shapes start afresh."""
+    from harness.served.traces import TraceRequest
+    bs, cap, vocab = engine.bs, engine.cache.num_blocks * engine.bs, engine.model.p.vocab
+    lengths = [n for n in (1, bs - 1, bs + 1, 2 * bs + 3, 100) if 1 <= n and n + 6 <= cap // 8]
+    reqs = [TraceRequest(i, 0.0, [(7 * i + j) % vocab for j in range(n)], 2 + i) for i, n in enumerate(lengths)]
+    run_requests(engine, reqs, realtime=False)
+    engine.ops.reset()
+    engine.steps = engine.tokens_out = 0

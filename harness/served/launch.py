@@ -1,0 +1,201 @@
+"""Start a served process for the replay and the tests, and stop it: the trusted side of the server.
+
+`start_server` starts the embedded server (harness/served/server.py) — or, when config gives
+`served.external`, the user's own OpenAI-compatible server — with the candidate's source (or none:
+the baseline), and returns once it answers GET /v1/models. For the embedded server the loopback
+socket is bound and put into listening state here and handed over as a file descriptor (the
+server is not allowed to bind); its environment is built from the worker allowlist, so no key
+reaches it. An external server gets the allowlist plus its own `env_passthrough`, the candidate's
+path in $KEVO_CANDIDATE ("" for the baseline) and the port in $KEVO_PORT and in "{port}" of its
+command; it is not sandboxed (kevo cannot confine a server it does not control).
+`ServerFailure` says, in words, how a server failed to start or died.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.config import PROJECT_ROOT, Config
+from harness.sandbox import clean_env, redact
+
+
+class ServerFailure(Exception):
+    """A served process that did not start, or died; the message says how (and its last output)."""
+
+
+def _describe(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
+@dataclass
+class ServerHandle:
+    proc: subprocess.Popen
+    url: str                   # base URL of the OpenAI API, e.g. http://127.0.0.1:PORT/v1
+    model: str
+    workdir: Path
+    external: bool
+    log_limit: int
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def how_it_ended(self) -> str:
+        return _describe(self.proc.poll())
+
+    def log_tail(self) -> str:
+        try:
+            text = (self.workdir / "log.txt").read_text(errors="replace")
+        except OSError:
+            return ""
+        return redact(text[-self.log_limit:].strip())
+
+    def stats(self) -> dict | None:
+        """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
+        try:
+            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/stats", timeout=10) as r:
+                data = json.loads(r.read(1 << 22))
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _inner_pid(self) -> int | None:
+        try:
+            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            return None
+        return int(kids[0]) if kids else None
+
+    def stop(self) -> None:
+        """Stop the server's process group (an external server first gets SIGTERM and 30 s to shut down
+        gracefully) and wait until it is gone, its GPU memory with it."""
+        inner = self._inner_pid()
+        if self.external and self.alive():
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)           # whatever is left of the group
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        deadline = time.monotonic() + 30
+        while inner and time.monotonic() < deadline:         # the sandboxed server, PID 1 of its namespace
+            try:
+                if Path(f"/proc/{inner}/stat").read_text().split(")")[-1].split()[0] in "ZX":
+                    break
+            except OSError:
+                break
+            time.sleep(0.05)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "ServerHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _scratch() -> Path:
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="kevo-served-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+
+
+def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not h.alive():
+            tail = h.log_tail()
+            h.stop()
+            raise ServerFailure(f"the server {h.how_it_ended()} before it was ready"
+                                + (f"; its last output:\n{tail}" if tail else ""))
+        try:
+            with urllib.request.urlopen(h.url + "/models", timeout=2) as r:
+                if r.status == 200:
+                    return h
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.1)
+    tail = h.log_tail()
+    h.stop()
+    raise ServerFailure(f"the server was not ready within {timeout_s:.0f} s" + (f"; its last output:\n{tail}" if tail else ""))
+
+
+def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path) -> dict:
+    """What the embedded server is told: the preset, the attention layout, the candidate's file."""
+    served = getattr(cfg.served, device)
+    section = getattr(cfg.targets.attention, device)
+    return {"preset": cfg.served.presets[served.preset].model_dump(), "block_size": section.block_size,
+            "dtype": section.dtype, "device": device, "candidate": str(candidate) if candidate else None,
+            "workdir": str(workdir), "sandbox": cfg.worker.sandbox, "model_name": f"kevo-{served.preset}",
+            "root": str(PROJECT_ROOT)}
+
+
+def start_embedded(cfg: Config, device: str, source: str | None) -> ServerHandle:
+    workdir = _scratch()
+    candidate = None
+    if source is not None:
+        candidate = workdir / "candidate.py"
+        candidate.write_text(source)
+    spec = embedded_spec(cfg, device, candidate, workdir)
+    (workdir / "spec.json").write_text(json.dumps(spec))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    port = sock.getsockname()[1]
+    pythonpath = os.pathsep.join([str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    extra = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(workdir)}
+    if device == "cpu":
+        extra["TRITON_INTERPRET"] = "1"
+    with open(workdir / "log.txt", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
+                                pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    sock.close()
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars)
+    return _wait_ready(h, cfg.served.start_timeout_s)
+
+
+def start_external(cfg: Config, source: str | None) -> ServerHandle:
+    ext = cfg.served.external
+    workdir = _scratch()
+    candidate = ""
+    if source is not None:
+        (workdir / "candidate.py").write_text(source)
+        candidate = str(workdir / "candidate.py")
+    with socket.socket() as s:                       # a free port; the server binds it itself
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [a.replace("{port}", str(port)) for a in ext.command]
+    env = clean_env(cfg.worker.env_passthrough + ext.env_passthrough,
+                    {"KEVO_CANDIDATE": candidate, "KEVO_PORT": str(port), "HOME": os.environ.get("HOME", str(workdir))})
+    try:
+        with open(workdir / "log.txt", "wb") as log:
+            proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True)
+    except OSError as e:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ServerFailure(f"cannot start the external server {shlex.join(argv)}: {e}") from None
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars)
+    return _wait_ready(h, ext.start_timeout_s)
+
+
+def start_server(cfg: Config, device: str, source: str | None) -> ServerHandle:
+    return start_external(cfg, source) if cfg.served.external else start_embedded(cfg, device, source)

@@ -1,0 +1,86 @@
+"""The served model's attention: a candidate's kernels where it has them, the baselines elsewhere.
+
+`AttentionOps` holds the attention target's baselines and, optionally, a candidate module. Each
+call goes to the candidate's function unless the candidate does not define that op, or its optional
+module-level `supports(op, **shape) -> bool` declines the shape; then the baseline runs and the
+call is counted as a fallback. The counts, and the shapes served, are what the replay and the
+profile read. The candidate's outputs are checked for shape, dtype and device here; their values
+are judged by the replay's gates. This module runs inside the served process, next to the
+candidate: it keeps the books, it does not judge.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from harness.served.shapes import ShapeRecorder
+from harness.targets.attention import TARGET
+
+
+def load_candidate(path: Path | str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("candidate", str(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["candidate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class AttentionOps:
+    def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32") -> None:
+        self.dtype = dtype
+        self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
+        self.supports = getattr(candidate, "supports", None) if candidate else None
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls: dict[str, Counter] = {op: Counter() for op in TARGET.ops}
+        self.shapes = ShapeRecorder()
+
+    def _route(self, op: str, shape: dict):
+        fn = self.impl[op]
+        if fn is None:
+            self.calls[op]["not_implemented"] += 1
+            return TARGET.ops[op].baseline
+        if self.supports is not None and not self.supports(op, **shape):
+            self.calls[op]["unsupported"] += 1
+            return TARGET.ops[op].baseline
+        self.calls[op]["candidate"] += 1
+        return fn
+
+    @staticmethod
+    def _checked(op: str, out, q: torch.Tensor) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
+                   else type(out).__name__)
+            raise TypeError(f"the candidate's {op} returned {got}; expected {list(q.shape)} {q.dtype} on {q.device}")
+        return out
+
+    def decode(self, q, k_cache, v_cache, block_table, seq_lens, sm_scale, lens: list[int]) -> torch.Tensor:
+        B, H, D = q.shape
+        shape = {"batch": B, "q_heads": H, "kv_heads": k_cache.shape[2], "head_dim": D,
+                 "block_size": k_cache.shape[1], "max_seq_len": max(lens), "dtype": self.dtype}
+        self.shapes.record("decode", lens)
+        fn = self._route("decode", shape)
+        return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
+
+    def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
+        T, H, D = q.shape
+        shape = {"batch": len(lens), "q_heads": H, "kv_heads": k.shape[1], "head_dim": D,
+                 "total_tokens": T, "max_seqlen": max_seqlen, "dtype": self.dtype}
+        self.shapes.record("prefill", lens)
+        fn = self._route("prefill", shape)
+        return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
+
+    def stats(self) -> dict:
+        """Per op: calls, how many the candidate served, fell back (declined shapes), or were never
+        the candidate's (ops it does not define)."""
+        out = {}
+        for op, c in self.calls.items():
+            out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
+                       "not_implemented": c["not_implemented"], "implemented": self.impl[op] is not None}
+        return out

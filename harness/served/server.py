@@ -1,0 +1,276 @@
+"""The served process: the model, a candidate's kernels, and an OpenAI-compatible streaming endpoint.
+
+Started by harness/served/launch.py only, as `python -m harness.served.server LISTEN_FD SPEC_JSON`,
+with an environment built from an allowlist (no keys) and a loopback socket its parent bound and
+put into listening state: Landlock forbids this process to bind or connect TCP, so it only
+accepts on that socket. Before any candidate code is imported it confines itself as the
+evaluator's workers do (harness/zygote.py): new PID and mount namespaces (it is PID 1 there, with
+a /proc that shows only itself), and Landlock (writes only under its own folder, /dev and
+/proc/self; no TCP bind/connect; no signals out). It then builds the engine, warms it up, and serves:
+  POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream
+  GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error)
+Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
+The engine runs in its own thread; the HTTP side is aiohttp (asyncio). Not covered: text prompts,
+n > 1, stop sequences, sampling temperatures other than 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def _enter_sandbox(spec: dict, keep_fd: int) -> list[str]:
+    """Namespaces and Landlock, like the evaluator's workers. Returns notes; in the shim (the
+    process left outside the new PID namespace) it never returns: it mirrors the server's exit."""
+    from harness import sandbox
+    from harness.zygote import _exit_like, _isolate_namespaces, _private_proc
+    required = spec["sandbox"] == "required"
+    workdir = Path(spec["workdir"])
+    notes: list[str] = []
+    try:
+        _isolate_namespaces()
+    except OSError as e:
+        if required:
+            raise SystemExit(f"sandbox: cannot create namespaces ({e}); set worker.sandbox: best_effort to run without")
+        notes.append(f"no namespaces ({e})")
+    else:
+        child = os.fork()
+        if child:
+            os.close(keep_fd)
+            while True:
+                try:
+                    _, status = os.waitpid(child, 0)
+                    break
+                except InterruptedError:
+                    continue
+            _exit_like(status)
+        try:
+            _private_proc()
+            notes.append("private PID namespace and /proc")
+        except OSError as e:
+            if required:
+                raise
+            notes.append(f"no private /proc ({e})")
+    for sub in ("tmp", "triton", "cache"):
+        (workdir / sub).mkdir(exist_ok=True)
+    os.environ.update(HOME=str(workdir), TMPDIR=str(workdir / "tmp"), TRITON_CACHE_DIR=str(workdir / "triton"),
+                      XDG_CACHE_HOME=str(workdir / "cache"))
+    os.chdir(workdir)
+    try:
+        notes.append(f"Landlock ABI {sandbox.confine([str(workdir), '/dev', '/proc/self'])}")
+    except sandbox.SandboxError as e:
+        if required:
+            raise
+        notes.append(f"no Landlock ({e})")
+    return notes
+
+
+class EngineLoop:
+    """Runs engine steps in a thread; requests come in through a queue, tokens go out to sinks."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.sinks: dict[str, object] = {}
+        self.error = ""
+        self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def submit(self, req, sink) -> None:
+        if self.error:
+            raise RuntimeError(self.error)
+        self.inbox.put(("add", req, sink))
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(("abort", request_id, None))
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item, sink = self.inbox.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                self.sinks[item.id] = sink
+                self.engine.add(item)
+            else:
+                self.sinks.pop(item, None)
+                self.engine.abort(item)
+
+    def _run(self) -> None:
+        while True:
+            self._take(block=not self.engine.has_work())
+            if not self.engine.has_work():
+                continue
+            try:
+                events = self.engine.step()
+            except BaseException as e:                       # noqa: BLE001 - the candidate's failure, reported
+                self.error = "the engine failed: " + "".join(traceback.format_exception_only(type(e), e)).strip()
+                print(traceback.format_exc(), file=sys.stderr, flush=True)
+                for sink in self.sinks.values():
+                    sink(self.error)
+                self.sinks.clear()
+                return
+            for ev in events:
+                sink = self.sinks.get(ev.request_id)
+                if sink is not None:
+                    sink(ev)
+                    if ev.finished:
+                        del self.sinks[ev.request_id]
+
+
+def _parse(body: object, top_k: int) -> tuple[dict, str]:
+    """The request's fields, or an error message for a 400."""
+    if not isinstance(body, dict):
+        return {}, "the body must be a JSON object"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+        return {}, "prompt must be a non-empty list of token ids (this server has no tokenizer)"
+    max_tokens = body.get("max_tokens", 16)
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        return {}, "max_tokens must be a positive integer"
+    if body.get("temperature") not in (None, 0, 0.0):
+        return {}, "only greedy decoding (temperature 0) is served"
+    if body.get("n") not in (None, 1):
+        return {}, "only n = 1 is served"
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= top_k):
+        return {}, f"logprobs must be an integer in 0..{top_k}"
+    return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "stream": bool(body.get("stream"))}, ""
+
+
+def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
+    from aiohttp import web
+
+    from harness.served.engine import TOP_K, EngineError, Request
+    counter = iter(range(1 << 62))
+
+    def error(status: int, message: str):
+        return web.json_response({"error": {"message": message, "type": "invalid_request_error" if status < 500
+                                             else "server_error"}}, status=status)
+
+    def logprobs_of(ev, n: int, offset: int) -> dict:
+        return {"tokens": [f"token_id:{ev.token}"], "token_logprobs": [ev.logprob],
+                "top_logprobs": [{f"token_id:{t}": lp for t, lp in ev.top[:n]}], "text_offset": [offset]}
+
+    def chunk(rid: str, ev, n: int | None, offset: int) -> dict:
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+                "choices": [{"index": 0, "text": f"<{ev.token}>", "logprobs": None if n is None else logprobs_of(ev, n, offset),
+                             "finish_reason": "length" if ev.finished else None}]}
+
+    async def completions(request: web.Request):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error(400, "the body is not JSON")
+        args, problem = _parse(body, TOP_K)
+        if problem:
+            return error(400, problem)
+        rid = f"cmpl-{next(counter)}"
+        req = Request(rid, args["prompt"], args["max_tokens"])
+        try:
+            loop.engine.check(req)
+        except EngineError as e:
+            return error(400, str(e))
+        out: asyncio.Queue = asyncio.Queue()
+        aio = asyncio.get_running_loop()
+        try:
+            loop.submit(req, lambda item: aio.call_soon_threadsafe(out.put_nowait, item))
+        except RuntimeError as e:
+            return error(500, str(e))
+        n, offset = args["logprobs"], 0
+        if not args["stream"]:
+            events = []
+            while not events or not events[-1].finished:
+                item = await out.get()
+                if isinstance(item, str):
+                    return error(500, item)
+                events.append(item)
+            lp = None if n is None else {k: [v for ev in events for v in logprobs_of(ev, n, 0)[k]]
+                                         for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+            return web.json_response({"id": rid, "object": "text_completion", "created": int(time.time()),
+                                      "model": model_name, "choices": [{"index": 0, "text": "".join(f"<{e.token}>" for e in events),
+                                                                        "logprobs": lp, "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": len(events),
+                                                "total_tokens": len(req.prompt) + len(events)}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, str):
+                    await resp.write(b"data: " + json.dumps({"error": {"message": item, "type": "server_error"}}).encode() + b"\n\n")
+                    break
+                await resp.write(b"data: " + json.dumps(chunk(rid, item, n, offset)).encode() + b"\n\n")
+                offset += len(f"<{item.token}>")
+                if item.finished:
+                    await resp.write(b"data: [DONE]\n\n")
+                    break
+        except (ConnectionError, asyncio.CancelledError):
+            loop.abort(rid)
+            raise
+        return resp
+
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "kevo"}]})
+
+    async def health(_):
+        return web.json_response({"ok": not loop.error})
+
+    async def stats(_):
+        e = loop.engine
+        return web.json_response({"ops": e.ops.stats(), "steps": e.steps, "tokens": e.tokens_out, "error": loop.error,
+                                  "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary()})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
+                    web.get("/health", health), web.get("/kevo/stats", stats)])
+    return app
+
+
+def serve(spec: dict, fd: int, notes: list[str]) -> None:
+    import torch
+    from aiohttp import web
+
+    from harness.served.engine import make_engine, warm_up
+    from harness.served.ops import AttentionOps, load_candidate
+    from harness.transport import DTYPES
+    device = torch.device(spec["device"])
+    module = load_candidate(spec["candidate"]) if spec["candidate"] else None
+    ops = AttentionOps(module, spec["dtype"])
+    engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
+                         root=Path(spec["root"]))
+    warm_up(engine)
+    loop = EngineLoop(engine)
+    loop.thread.start()
+    app = build_app(loop, spec["model_name"], notes)
+
+    async def run() -> None:
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.SockSite(runner, socket.socket(fileno=fd)).start()
+        print(f"serving {spec['model_name']} on fd {fd}; sandbox: {'; '.join(notes)}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+def main() -> None:
+    fd, spec = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    notes = _enter_sandbox(spec, fd)
+    serve(spec, fd, notes)
+
+
+if __name__ == "__main__":
+    main()

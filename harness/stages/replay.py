@@ -1,0 +1,177 @@
+"""Stage 5, replay (CUDA only): the full scored replay of a serving workload — the only stage that accepts.
+
+The served trace (config `served`) is replayed three times against a served process of its own,
+each time through the real HTTP client (harness/served/client.py): the baseline, the candidate,
+and the baseline again (the two baselines bracket the candidate and give the noise band). Then:
+  - gates: the candidate's greedy tokens and logprobs against the first baseline's, request by
+    request; divergence is tolerated only at the baseline's near-ties (harness/served/score.py). The
+    tolerances grow with the baseline's disagreement with itself;
+  - fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on
+    an op the candidate implements means no acceptance (ops it does not define run the baseline and
+    are reported, not held against it);
+  - score: every request against p90 bars for TTFT and TPOT (config, or the first baseline's p90);
+    the candidate's share of requests meeting both must beat the baselines' mean by more than
+    max(their difference, stages.replay.min_margin).
+`accepted` is 1 only when all three hold; otherwise the stage fails with the reason. A candidate
+whose server dies or errs is rejected, saying how; a baseline that cannot be served is a harness
+error. On CPU the stage is skipped: no CPU figure stands in for a served speedup (the CPU tests call
+`run_replay` directly). Not covered: what a candidate does to the server process beyond attention
+(its accounting is self-reported; its tokens and the client's clock are not).
+"""
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+
+from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
+from harness.records import StageResult
+from harness.served.client import ReplayRun, replay
+from harness.served.launch import ServerFailure, ServerHandle, start_server
+from harness.served.score import Gate, attainment, compare, summarize
+from harness.served.traces import TraceError, TraceRequest, load_trace, requests_for
+from harness.stages.common import EvalContext, Rejected
+
+
+def served_requests(cfg: Config, device: str, window_s: float | None = None) -> list[TraceRequest]:
+    served = getattr(cfg.served, device)
+    preset = cfg.served.presets[served.preset]
+    path = PROJECT_ROOT / served.trace
+    try:
+        return requests_for(load_trace(path), window_s or served.window_s, preset.vocab, preset.kv_cache_tokens, str(path))
+    except TraceError as e:
+        raise HarnessError(str(e)) from None
+
+
+def explain(run: ReplayRun, server: ServerHandle) -> str:
+    """Why a replay did not complete, in words: the client's first error, how the server ended."""
+    try:
+        server.proc.wait(timeout=2)                      # a dying server: let it finish dying
+    except subprocess.TimeoutExpired:
+        pass
+    died = "" if server.alive() else f"the server {server.how_it_ended()} during the replay; "
+    tail = server.log_tail()
+    return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
+
+
+def replay_once(cfg: Config, device: str, source: str | None, requests: list[TraceRequest],
+                label: str) -> tuple[ReplayRun, dict | None]:
+    """Start a server (with the candidate, or the baseline for None), replay, read its accounting."""
+    with start_server(cfg, device, source) as server:
+        run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
+        if run.failures():
+            raise ServerFailure(explain(run, server))
+        return run, server.stats()
+
+
+@dataclass
+class ReplayOutcome:
+    accepted: bool
+    reason: str
+    gate: Gate
+    metrics: dict[str, float]
+
+    def stage_result(self) -> StageResult:
+        if not self.accepted:
+            raise Rejected(self.reason, **self.metrics)
+        return StageResult.passed("replay", self.reason, **self.metrics)
+
+
+def _fallbacks(stats: dict | None) -> tuple[float, str]:
+    """The share of calls to the candidate's own ops that fell back, and a sentence about all ops."""
+    if not stats or not isinstance(stats.get("ops"), dict):
+        return float("nan"), "the server reports no fallback accounting (GET /kevo/stats)"
+    calls = declined = 0
+    words = []
+    for op, s in stats["ops"].items():
+        n, fell = int(s.get("calls", 0)), int(s.get("unsupported", 0))
+        if not s.get("implemented"):
+            words.append(f"{op} not implemented ({n} calls ran the baseline)")
+            continue
+        calls, declined = calls + n, declined + fell
+        words.append(f"{op}: {fell} of {n} calls fell back" if fell else f"{op}: all {n} calls the candidate's")
+    return (declined / calls if calls else float("nan")), "; ".join(words)
+
+
+def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: ReplayRun, stats: dict | None) -> ReplayOutcome:
+    r = cfg.stages.replay
+    g = r.gates[dtype]
+    noise_lp = compare(base, again, float("inf"), float("inf")).max_logprob_diff
+    tol = max(g.logprob_tolerance, r.noise_factor * noise_lp)
+    margin = max(g.near_tie_margin, 2 * tol)
+    itself = compare(base, again, tol, margin)
+    if not itself.passed:
+        raise HarnessError(f"the baseline disagrees with itself, so the gates cannot judge: {itself.detail} "
+                           f"(widen stages.replay.gates.{dtype})")
+    gate = compare(base, cand, tol, margin)
+    s = {name: summarize(run) for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again))}
+    ttft_bar = r.ttft_p90_ms or s["baseline"]["ttft_p90_ms"]
+    tpot_bar = r.tpot_p90_ms or s["baseline"]["tpot_p90_ms"]
+    att = {name: attainment(run, ttft_bar, tpot_bar) for name, run in (("baseline", base), ("candidate", cand),
+                                                                       ("baseline_again", again))}
+    noise = abs(att["baseline"] - att["baseline_again"])
+    base_att = (att["baseline"] + att["baseline_again"]) / 2
+    need = max(noise, r.min_margin)
+    fallback_share, fallback_words = _fallbacks(stats)
+    b, c = s["baseline"], s["candidate"]
+    metrics = {
+        "accepted": 0.0, "gate_passed": float(gate.passed), "gate_tokens_compared": float(gate.compared), "gate_near_ties": float(gate.near_ties),
+        "gate_max_logprob_diff": gate.max_logprob_diff, "logprob_tolerance": tol, "near_tie_margin": margin,
+        "fallback_share": fallback_share, "ttft_bar_ms": ttft_bar, "tpot_bar_ms": tpot_bar,
+        "attainment": att["candidate"], "attainment_baseline": att["baseline"], "attainment_baseline_again": att["baseline_again"],
+        "noise": noise, "required_gain": need, "gain": att["candidate"] - base_att,
+        "tpot_p90_speedup": b["tpot_p90_ms"] / c["tpot_p90_ms"], "ttft_p90_speedup": b["ttft_p90_ms"] / c["ttft_p90_ms"],
+        "throughput_ratio": c["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else float("nan"),
+    }
+    for name, summary in s.items():
+        metrics.update({f"{name}_{k}": v for k, v in summary.items()})
+    score = (f"{att['candidate']:.3f} of requests meet both p90 bars (TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms) "
+             f"against the baseline's {att['baseline']:.3f} and {att['baseline_again']:.3f}; p90 TPOT {c['tpot_p90_ms']:.2f} vs "
+             f"{b['tpot_p90_ms']:.2f} ms, p90 TTFT {c['ttft_p90_ms']:.1f} vs {b['ttft_p90_ms']:.1f} ms, "
+             f"{c['throughput_tok_s']:.0f} vs {b['throughput_tok_s']:.0f} tokens/s")
+    if not gate.passed:
+        return ReplayOutcome(False, f"the served tokens differ from the baseline's: {gate.detail}", gate, metrics)
+    if not fallback_share == 0.0:
+        return ReplayOutcome(False, f"not accepted: {fallback_words}; gates passed ({gate.detail}); {score}", gate, metrics)
+    accepted = att["candidate"] - base_att > need
+    verdict = "accepted" if accepted else f"not better than the baseline beyond noise (needs +{need:.3f})"
+    metrics["accepted"] = float(accepted)
+    return ReplayOutcome(accepted, f"{verdict}: {score}; gates: {gate.detail}; {fallback_words}", gate, metrics)
+
+
+def _time_left(deadline: float | None, cfg: Config, device: str) -> None:
+    need = getattr(cfg.served, device).window_s
+    if deadline is not None and deadline - time.monotonic() < need:
+        raise Rejected(f"the stage's time (stages.replay.timeout_s) ran out before the next {need:g} s replay", timeout=1.0)
+
+
+def _baseline(cfg: Config, device: str, requests: list[TraceRequest], label: str) -> ReplayRun:
+    try:
+        return replay_once(cfg, device, None, requests, label)[0]
+    except ServerFailure as e:
+        raise HarnessError(f"the {label} server: {e}") from None
+
+
+def run_replay(cfg: Config, device: str, source: str, deadline: float | None = None) -> ReplayOutcome:
+    requests = served_requests(cfg, device)
+    dtype = getattr(cfg.targets.attention, device).dtype
+    base = _baseline(cfg, device, requests, "baseline")
+    _time_left(deadline, cfg, device)
+    try:
+        cand, stats = replay_once(cfg, device, source, requests, "candidate")
+    except ServerFailure as e:
+        raise Rejected(f"the candidate's server: {e}", server_failed=1.0) from None
+    _time_left(deadline, cfg, device)
+    again = _baseline(cfg, device, requests, "baseline again")
+    return judge(cfg, dtype, base, cand, again, stats)
+
+
+def replay_stage(ctx: EvalContext) -> StageResult:
+    if ctx.device.type != "cuda":
+        return StageResult.skipped("replay", "skipped: needs CUDA; this machine has none, and no CPU figure "
+                                             "stands in for a served speedup")
+    if ctx.worker is not None:            # the cheap stages' worker holds GPU memory the servers need
+        ctx.worker.close()
+        ctx.worker = None
+    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.deadline).stage_result()

@@ -1,0 +1,50 @@
+"""A claim's ceiling 1/(1-f+f/s) is computed by code from the profile's f and the planner's s, never
+taken from the model; a reply without a valid claim says why, so the repair round can tell the model."""
+from __future__ import annotations
+
+import pytest
+
+from fakes import scripts as S
+from agent.planner import parse_claim
+from agent.records import Claim, OpEvidence, Profile, ceiling
+from agent.state import ProposalState
+
+
+def state(share: float = 0.35) -> ProposalState:
+    profile = Profile(source="stand-in", note="", device="cpu", arch="cpu",
+                      ops={"decode": OpEvidence(share=share, lines=[]), "prefill": OpEvidence(share=0.15, lines=[])})
+    return ProposalState(next_id="c001", ops=["decode", "prefill"], history=[], heads={}, parents={}, profile=profile,
+                         min_ceiling=1.005)
+
+
+@pytest.mark.parametrize("f, s, expected", [(0.5, 2.0, 4 / 3), (1.0, 3.0, 3.0), (0.04, 3.0, 1 / (0.96 + 0.04 / 3))])
+def test_ceiling_is_amdahls_law(f, s, expected):
+    assert ceiling(f, s) == pytest.approx(expected)
+
+
+def test_the_ceiling_and_share_a_model_sends_are_ignored_and_the_exchange_says_so():
+    claim, error, note = parse_claim(S.claim(1.5, ceiling=9.9, op_share=0.99), state(0.35), "stand-in")
+    assert error == "" and claim.op_share == 0.35
+    assert claim.ceiling == pytest.approx(1 / (0.65 + 0.35 / 1.5))
+    assert "ceiling=9.9" in note and "op_share=0.99" in note
+
+
+def test_a_stored_claim_reads_back_with_the_same_computed_ceiling():
+    claim, _, _ = parse_claim(S.claim(1.25), state(), "stand-in")
+    again = Claim.model_validate_json(claim.model_dump_json())
+    assert again == claim and again.ceiling == claim.ceiling
+
+
+@pytest.mark.parametrize("reply, words", [
+    (S.PROSE, "no JSON object could be read"),
+    ('```json\n["decode"]\n```', "the JSON is not an object"),
+    (S.claim(1.2).replace("0.35", "a third").replace("5..24", "short").replace("= 64", "large"),
+     "evidence must quote numbers"),
+    (S.claim(1.2, stage="benchmark"), "kill_test.stage must be one of compile, dispatch, parity"),
+    (S.claim(1.2).replace('"decode"', '"rmsnorm"', 1), "op must be one of decode, prefill"),
+    (S.claim(1.2, speed="fast"), "speed: Extra inputs are not permitted"),
+    (S.claim(-1.0), "expected_speedup: Input should be greater than 0"),
+])
+def test_a_reply_without_a_valid_claim_says_why(reply, words):
+    claim, error, _ = parse_claim(reply, state(), "stand-in")
+    assert claim is None and words in error

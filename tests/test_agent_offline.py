@@ -1,0 +1,148 @@
+"""The built-in proposer chooses each next hypothesis from the ledger's evidence — from the best kernel,
+away from rejected regions, predicting from what was measured — and runs the whole loop with the same
+claims, stages and ledger as an LLM, resumable from the ledger alone."""
+from __future__ import annotations
+
+import io
+import subprocess
+
+import pytest
+from rich.console import Console
+
+from conftest import config_with
+from harness.records import StageResult, Verdict
+
+from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
+from agent.ledger import Ledger
+from agent.loop import run, settings_from
+from agent.offline import OfflineProposer
+from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round, ceiling
+from agent.state import ProposalState, search_parent
+from agent.view import RunView
+
+CATALOG = load_catalog()
+FILES = {"decode": "attention/decode_paged_splitkv.py", "prefill": "attention/prefill_causal_tiled.py"}
+
+
+def head(op: str, speedup: float | None = None) -> Kernel:
+    source = (KNOWLEDGE / FILES[op]).read_text()
+    return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source), speedup=speedup)
+
+
+def verdict(stage: str | None, speedup: float | None = None) -> Verdict:
+    stages = []
+    for name in ("compile", "dispatch", "parity", "microbench"):
+        metrics = {"speedup": speedup} if name == "microbench" and speedup is not None else {}
+        if name == stage:
+            stages.append(StageResult.failed(name, f"{name} said no", **metrics))
+            break
+        stages.append(StageResult.passed(name, "ok", **metrics) if metrics or name != "microbench"
+                      else StageResult.skipped(name, "skipped: needs CUDA"))
+    return Verdict.of(stages)
+
+
+def record(cid: str, parent: Kernel | CandidateRecord, op: str, change: dict, failed: str | None = None,
+           speedup: float | None = None) -> CandidateRecord:
+    v = verdict(failed, speedup)
+    local = speedup / parent.speedup if speedup and parent.speedup else None
+    return CandidateRecord(id=cid, op=op, parent=getattr(parent, "ref", None) or parent.id, proposer="offline",
+                           outcome="rejected" if failed else "passed", stage=failed or "parity", reason=v.reason,
+                           knobs={**parent.knobs, **change}, rounds=[Round(source=with_knobs(head(op).source, {**parent.knobs, **change}, cid), verdict=v)],
+                           speedup=speedup, local_speedup=local,
+                           conclusion=Conclusion(learned="-", kill_test_fired=None, predicted=None, observed=local))
+
+
+def state(history=(), heads=None, shares=(0.35, 0.15), ops=("decode", "prefill"), pending=()) -> ProposalState:
+    heads = heads or {op: head(op) for op in ops}
+    profile = Profile(source="stand-in", note="", device="cpu", arch="cpu",
+                      ops={op: OpEvidence(share=f, lines=[f"{op} share f = {f}"]) for op, f in zip(("decode", "prefill"), shares)})
+    history = list(history)
+    return ProposalState(next_id=f"c{len(history) + 1:03d}", ops=list(ops), history=history, heads=heads,
+                         parents={op: search_parent(op, heads[op], history) for op in ops}, profile=profile,
+                         min_ceiling=1.005, pending=list(pending))
+
+
+def proposer(ops=("decode", "prefill")) -> OfflineProposer:
+    return OfflineProposer(CATALOG, "attention", list(ops))
+
+
+def test_first_claim_is_the_step_with_the_highest_ceiling_and_quotes_numbers():
+    p = proposer().propose(state())
+    assert p.outcome == "ready" and p.op == "decode" and p.parent == "head:decode"
+    assert p.claim.hypothesis.startswith("SPLITS_PER_SM_TARGET 2 -> 4")       # the catalog's largest prior
+    assert p.claim.ceiling == pytest.approx(ceiling(0.35, 1.06))
+    assert all(any(ch.isdigit() for ch in line) for line in p.claim.evidence)
+    changed = [(a, b) for a, b in zip(head("decode").source.splitlines(), p.source.splitlines()[1:]) if a != b]
+    assert changed == [("SPLITS_PER_SM_TARGET = 2  # aim for this many stage-1 programs per SM",
+                        "SPLITS_PER_SM_TARGET = 4  # aim for this many stage-1 programs per SM")]
+
+
+def test_it_steps_from_the_fastest_correct_kernel_and_expects_the_same_step_to_pay_again():
+    heads = {"decode": head("decode", speedup=1.2)}
+    c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=1.5)
+    p = proposer(["decode"]).propose(state([c001], heads, ops=["decode"]))
+    assert p.parent == "c001" and p.knobs["SPLITS_PER_SM_TARGET"] == 8
+    assert p.claim.expected_speedup == pytest.approx(1.25)
+    assert "measured 1.250x in c001" in p.claim.evidence[-1]
+
+
+def test_a_step_that_measured_slower_makes_the_opposite_step_the_next_hypothesis():
+    heads = {"decode": head("decode", speedup=1.2)}
+    c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=0.96)
+    p = proposer(["decode"]).propose(state([c001], heads, ops=["decode"]))
+    assert p.parent == "head:decode" and p.knobs["SPLITS_PER_SM_TARGET"] == 1
+    assert p.claim.expected_speedup == pytest.approx(1.25) and "assuming the effect is symmetric" in p.claim.evidence[-1]
+
+
+def test_it_moves_away_from_a_rejected_region_and_ends_when_nothing_is_left():
+    history = [record("c001", head("decode"), "decode", {"BLOCK_N": 32}, failed="parity")]
+    prop = proposer(["decode"])
+    while (p := prop.propose(state(history, ops=["decode"]))) is not None:
+        assert p.knobs["BLOCK_N"] not in (16, 32), p.claim.hypothesis       # 32 failed: 16 lies beyond it
+        history.append(record(p.id, head("decode"), "decode", p.knobs))
+        assert len(history) < 40
+    tried = [r.knobs for r in history[1:]]
+    assert len(tried) == len({tuple(sorted(k.items())) for k in tried}) >= 10   # no repeats; every step, then jumps
+
+
+def test_a_step_whose_ceiling_is_under_the_minimum_is_recorded_once_then_the_search_has_converged():
+    p = proposer(["decode"]).propose(state(shares=(0.01, 0.01), ops=["decode"]))
+    assert p.outcome == "not-worth-coding" and p.stage == "ceiling" and p.source is None
+    assert p.claim.ceiling < 1.005 and "under the minimum 1.005" in p.reason
+    said = CandidateRecord(id=p.id, op="decode", parent=p.parent, proposer="offline", outcome=p.outcome, stage=p.stage,
+                           reason=p.reason, claim=p.claim, knobs=p.knobs,
+                           conclusion=Conclusion(learned=p.reason, kill_test_fired=None, predicted=None, observed=None))
+    assert proposer(["decode"]).propose(state([said], shares=(0.01, 0.01), ops=["decode"])) is None
+
+
+def test_an_in_flight_proposal_is_not_proposed_again():
+    first = proposer(["decode"]).propose(state(ops=["decode"]))
+    second = proposer(["decode"]).propose(state(ops=["decode"], pending=[first]))
+    assert second.knobs != first.knobs
+
+
+def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tmp_path):
+    cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
+    out = io.StringIO()
+
+    def go(n: int):
+        settings = settings_from(cfg, pool.device, max_candidates=n, run_id="offline")
+        return run(cfg, settings, RunView(console=Console(file=out, width=200)), pool=pool)
+
+    first = go(2)
+    assert first.stop == "2 candidates reached" and not first.fatal
+    assert [r.outcome for r in first.history] == ["passed", "passed"]
+    assert Ledger(first.ledger).history() == first.history                   # nothing lives only in memory
+    assert any("microbench: skipped: needs CUDA" in n for n in first.not_run)
+    assert any(n.startswith("replay:") for n in first.not_run)
+
+    again = go(3)                                                             # the same run id resumes it
+    assert [r.id for r in again.history] == ["c001", "c002", "c003"]
+    assert len({tuple(sorted(r.knobs.items())) for r in again.history}) == 3
+    log = subprocess.run(["git", "log", "--reverse", "--format=%s"], cwd=again.ledger, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert [line.split(":")[0] for line in log] == ["start offline", "passed c001 at parity", "passed c002 at parity",
+                                                    "end offline", "resume offline", "passed c003 at parity", "end offline"]
+    tags = subprocess.run(["git", "tag"], cwd=again.ledger, capture_output=True, text=True).stdout.split()
+    assert tags == ["best-decode", "head-decode"]
+    assert "c001 [decode] passed at parity" in out.getvalue()

@@ -1,0 +1,114 @@
+"""The run ledger is a git repository whose log reads as the run's history: a first commit with what
+the run started from, one commit per candidate with a `<verdict> <candidate> at <stage>: <conclusion>`
+subject and machine-readable trailers, the best kernel tagged, secrets never written, and everything
+readable back."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from harness.records import StageResult, Verdict
+
+from agent.conclusion import subject
+from agent.ledger import Ledger, LedgerError
+from agent.records import (CandidateRecord, Claim, Conclusion, Exchange, Kernel, KillTest, Message, OpEvidence,
+                           Profile, Round, RunHeader)
+
+SECRET = "sk-ledger-test-77aa99"
+
+
+def git(root, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
+
+
+def new_ledger(root) -> Ledger:
+    header = RunHeader(id="r1", target="attention", provider="offline", device="cuda", arch="sm90", ops=["decode"],
+                       budget_minutes=20, max_candidates=None, max_cost_usd=0, started="2026-11-30T00:00:00+00:00",
+                       kevo_commit="abc")
+    profile = Profile(source="stand-in", note="stand-in profile", device="cuda", arch="sm90",
+                      ops={"decode": OpEvidence(share=0.35, lines=["decode f = 0.35"])})
+    head = Kernel(ref="head:decode", op="decode", path="heads/decode.py", source="def decode(): pass\n", speedup=1.2,
+                  verdict=Verdict.of([StageResult.passed("microbench", "ok", speedup=1.2)]))
+    return Ledger.create(root, header, "agent: {}\n", {"gpu": "NVIDIA H200"}, profile, {"status": "not run", "note": "none"},
+                         {"decode": head}, {"candidates": 0})
+
+
+def candidate(cid: str, outcome: str, stage: str, speedup: float | None, reason: str = "ok") -> CandidateRecord:
+    claim = Claim(op="decode", hypothesis="wider KV tiles put more bytes in flight", evidence=["3.1 TB/s of 4.19"],
+                  expected_speedup=1.1, risks=["spills"], kill_test=KillTest(stage="microbench", observation="no gain"),
+                  op_share=0.35, share_source="stand-in")
+    stages = [StageResult.passed("parity", "ok")]
+    stages.append(StageResult.failed(stage, reason) if outcome == "rejected"
+                  else StageResult.passed("microbench", "ok", speedup=speedup or 1.0))
+    conclusion = Conclusion(learned=f"learned from {cid}", kill_test_fired=None, predicted=1.1, observed=None)
+    return CandidateRecord(id=cid, op="decode", parent="head:decode", proposer="openai:m/m", outcome=outcome, stage=stage,
+                           reason=reason, claim=claim, rounds=[Round(source=f"# {cid}\n", verdict=Verdict.of(stages))],
+                           speedup=speedup, conclusion=conclusion, cost_usd=0.0123)
+
+
+def commit(ledger: Ledger, r: CandidateRecord, new_best: bool = False, exchanges=()) -> str:
+    return ledger.commit_candidate(r, list(exchanges), subject(r.outcome, r.id, r.stage, r.conclusion), {"candidates": 1},
+                                   new_best)
+
+
+def test_git_log_reads_as_the_history_with_trailers_and_the_best_tagged(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    first = git(ledger.root, "rev-parse", "HEAD").strip()
+    assert git(ledger.root, "rev-parse", "best-decode^{commit}").strip() == first       # the head, until beaten
+    commit(ledger, candidate("c001", "rejected", "parity", None, "max abs error 0.37"))
+    best = commit(ledger, candidate("c002", "passed", "microbench", 1.5), new_best=True)
+    commit(ledger, candidate("c003", "passed", "microbench", 1.3))
+    assert git(ledger.root, "log", "--format=%s").splitlines() == [
+        "passed c003 at microbench: learned from c003", "passed c002 at microbench: learned from c002",
+        "rejected c001 at parity: learned from c001", "start r1: heads evaluated, baseline profile recorded"]
+    fields = git(ledger.root, "log", "-1", "--format=%(trailers:only,unfold)", best)
+    assert dict(line.split(": ", 1) for line in fields.strip().splitlines()) == {
+        "Candidate": "c002", "Parent": "head:decode", "Op": "decode", "Stage": "microbench", "Verdict": "passed",
+        "Speedup": "1.5000", "Local-Speedup": "n/a", "Predicted": "1.1000", "Ceiling": "1.0329", "Rounds": "1",
+        "Cost": "0.012300"}
+    assert git(ledger.root, "rev-parse", "best-decode^{commit}").strip() == best
+    assert (ledger.root / "best/decode.py").read_text() == "# c002\n"
+    shown = git(ledger.root, "show", "--stat", "--format=", "HEAD~2")
+    assert "candidates/c001/record.json" in shown and "candidates/c001/candidate.py" in shown
+
+
+def test_what_was_committed_reads_back_exactly(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    records = [candidate("c001", "rejected", "parity", None), candidate("c002", "passed", "microbench", 1.5)]
+    for r in records:
+        commit(ledger, r)
+    again = Ledger(ledger.root)
+    assert again.history() == records
+    assert again.heads()["decode"].source == "def decode(): pass\n" and again.header().id == "r1"
+    assert again.profile().ops["decode"].share == 0.35
+
+
+def test_secret_values_never_reach_a_file_or_a_commit_message(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEVO_TEST_API_KEY", SECRET)
+    ledger = new_ledger(tmp_path / "r1")
+    leaky = candidate("c001", "rejected", "compile", None, f"import failed: token {SECRET} in the traceback")
+    ex = Exchange(role="coder", purpose="code", provider="openai", model="m", system="s",
+                  messages=[Message(role="user", content=f"my key is {SECRET}")], reply="ok")
+    commit(ledger, leaky, exchanges=[ex])
+    everything = git(ledger.root, "log", "-p", "--all") + "".join(
+        p.read_text() for p in ledger.root.rglob("*") if p.is_file() and ".git" not in p.parts)
+    assert SECRET not in everything and "[KEVO_TEST_API_KEY redacted]" in everything
+
+
+def test_an_existing_folder_is_never_overwritten(tmp_path):
+    new_ledger(tmp_path / "r1")
+    with pytest.raises(LedgerError, match="already exists; give another --run-id"):
+        new_ledger(tmp_path / "r1")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(LedgerError, match="is not a run ledger"):
+        Ledger(tmp_path / "plain")
+
+
+def test_the_first_commit_holds_config_environment_profile_replay_and_heads(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    files = set(git(ledger.root, "show", "--name-only", "--format=", "HEAD").split())
+    assert files == {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",
+                     "README.md", "heads/decode.py", "heads/decode.json"}
+    assert json.loads((ledger.root / "environment.json").read_text()) == {"gpu": "NVIDIA H200"}

@@ -1,0 +1,98 @@
+"""The served profile: its buckets add up to the measured step time, the ceilings are Amdahl's, it says
+plainly when the target is not where the time goes, and the shapes it records feed the config's
+shape groups. On the CPU it must call its figures CPU time, never GPU figures."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CUDA, ROOT, config_with
+from harness.profile import BUCKETS, ceiling, profile_served, summarize
+from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
+from harness.targets.attention import served_cases
+
+CFG = config_with()
+
+
+@pytest.fixture(scope="module")
+def report():
+    return profile_served(CFG, "attention", device=torch.device("cpu"))
+
+
+def test_profile_shares_add_up_to_the_measured_step_time(report):
+    buckets = report["buckets"]
+    assert set(buckets) == set(BUCKETS)
+    assert math.isclose(sum(b["ms"] for b in buckets.values()), report["step_ms_total"], rel_tol=1e-9)
+    assert math.isclose(sum(b["share"] for b in buckets.values()), 1.0, rel_tol=1e-9)
+    assert all(b["ms"] >= 0 for b in buckets.values())
+    assert buckets["attention_decode"]["ms"] > 0 and buckets["attention_prefill"]["ms"] > 0 and buckets["gemm"]["ms"] > 0
+    assert report["steps_profiled"] > 0 and report["step_ms_mean"] > 0
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only labelling")
+def test_cpu_profile_is_labelled_cpu_time_not_gpu_figures(report):
+    assert report["device"] == "cpu" and "CPU time" in report["clock"] and "not GPU figures" in report["clock"]
+
+
+def test_ceilings_are_amdahls_for_the_target_share(report):
+    f = report["target_share"]
+    assert math.isclose(f, report["op_shares"]["decode"] + report["op_shares"]["prefill"])
+    for s in ("1.25", "1.5", "2.0", "4.0", "inf"):
+        assert math.isclose(report["ceilings"][s], 1 / (1 - f + (0 if s == "inf" else f / float(s))))
+    values = list(report["ceilings"].values())
+    assert values == sorted(values) and values[0] >= 1.0
+    assert ceiling(0.5, 2) == pytest.approx(4 / 3) and ceiling(0.25, math.inf) == pytest.approx(4 / 3)
+
+
+def test_profile_says_plainly_when_the_target_is_not_where_the_time_goes():
+    us = dict.fromkeys(BUCKETS, 0.0) | {"gemm": 600.0, "attention_decode": 100.0, "idle": 300.0}
+    elsewhere = summarize(us, 1000.0, 10, "attention", "cuda")
+    assert elsewhere["verdict"].startswith("attention is not where the time goes: 10% of the served step, while GEMM takes 60%")
+    assert "at most 1.11x faster" in elsewhere["verdict"] and elsewhere["clock"] == "device time of CUDA kernels"
+    split = {"attention_decode": 300.0, "attention_prefill": 250.0, "gemm": 350.0, "idle": 100.0}
+    here = summarize(dict.fromkeys(BUCKETS, 0.0) | split, 1000.0, 10, "attention", "cuda")
+    assert here["verdict"].startswith("attention is where the time goes: 55% of the served step")   # both ops together
+
+
+def test_recorded_shapes_become_the_config_shape_groups_parity_and_microbench_use(report, tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(report))
+    recorded = load_recorded_shapes(path)
+    assert recorded["decode"] and recorded["prefill"]
+    assert math.isclose(sum(g.weight for g in recorded["decode"]), 1.0, rel_tol=1e-3)
+    section = apply_recorded(CFG.targets.attention.cpu, path)
+    cases = [c for c in served_cases(section) if c.op == "decode"]
+    assert [(c.params["batch"], c.params["length_range"]) for c in cases] == [(g.batch, g.lengths) for g in recorded["decode"]]
+    calls = sum(r["calls"] for r in report["served_shapes"]["decode"])
+    assert calls > 0 and all(0 < r["call_share"] <= 1 for r in report["served_shapes"]["decode"])
+    (tmp_path / "bad.json").write_text('{"served_shapes": {"decode": [{"batch": 0, "lengths": [1, 2], "weight": 1}]}}')
+    with pytest.raises(ShapesError, match="served_shapes.decode: malformed group"):
+        load_recorded_shapes(tmp_path / "bad.json")
+
+
+def kevo(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_profile_command_prints_the_breakdown_and_writes_json_for_the_planner(tmp_path):
+    done = kevo("profile", "--target", "attention", "--json", str(tmp_path / "p.json"))
+    assert done.returncode == 0, done.stderr
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert {"buckets", "target_share", "op_shares", "ceilings", "verdict", "served_shapes", "clock"} <= set(data)
+    assert "attention share f =" in done.stdout and "end-to-end ceiling 1/(1-f+f/s)" in done.stdout
+    assert data["verdict"] in done.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (("profile", "--target", "rmsnorm"), "no served profile for target 'rmsnorm'"),
+    (("profile", "--window", "-1"), "--window must be positive"),
+], ids=["unknown-target", "bad-window"])
+def test_profile_command_errors_are_one_line_and_exit_2(args, words):
+    done = kevo(*args)
+    assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert words in done.stderr

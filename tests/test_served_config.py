@@ -1,0 +1,33 @@
+"""The served scenario's config sections (`served`, `stages.replay`) are checked at load: each mistake is
+one line naming the key, and a preset must fit the attention target it is served through."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import ROOT
+from harness.config import ConfigError, load_config
+
+
+def edited(tmp_path, old: str, new: str):
+    text = (ROOT / "config.yaml").read_text()
+    assert text.count(old) == 1, old
+    path = tmp_path / "config.yaml"
+    path.write_text(text.replace(old, new))
+    return path
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("cpu: {preset: tiny,", "cpu: {preset: tinyy,", "served: Value error, cpu.preset 'tinyy' is not one of the presets"),
+    ("tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 2,", "tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 4,",
+     "served.cpu.preset 'tiny' has heads [4, 4] and head_dim 16; targets.attention.cpu has heads [[4, 2], [4, 1]]"),
+    ("tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 2, head_dim: 16,", "tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 3, head_dim: 16,",
+     "q_heads 4 must be a multiple of kv_heads 3"),
+    ("  drain_timeout_s: 300", "  drain_timout_s: 300", "served.drain_timout_s: unknown key (did you mean drain_timeout_s?)"),
+    ("    min_margin: 0.02", "    min_margin: -1", "stages.replay.min_margin: Input should be greater than or equal to 0"),
+    ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
+     "HF_TOKEN looks like a secret"),
+], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "secret-to-external"])
+def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(edited(tmp_path, old, new))
+    assert words in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -1,0 +1,153 @@
+"""The served model and engine in this process (tiny preset, CPU, float32): continuous batching gives
+each request what it gets alone, decoding from the paged cache matches recomputing the sequence,
+blocks are reserved and reused, weights load from safetensors, and attention goes through
+`AttentionOps` with fallbacks counted."""
+from __future__ import annotations
+
+import statistics
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import config_with
+from harness.served.engine import Engine, EngineError, Request, make_engine, run_requests
+from harness.served.model import ModelError, hf_shapes, random_weights
+from harness.served.ops import AttentionOps
+from harness.served.traces import TraceRequest, generate, requests_for
+from harness.targets.attention import decode_baseline
+
+CFG = config_with()
+TINY = CFG.served.presets["tiny"]
+BS = CFG.targets.attention.cpu.block_size
+CPU = torch.device("cpu")
+
+
+def engine(ops: AttentionOps | None = None, **preset) -> Engine:
+    return make_engine(TINY.model_copy(update=preset), BS, torch.float32, CPU, ops or AttentionOps())
+
+
+def trace(n: int = 8, seed: int = 1) -> list[TraceRequest]:
+    lines = generate(seed, duration_s=n / 4, rate=4.0, prompt_median=12, prompt_sigma=0.6, output_median=8,
+                     output_sigma=0.3, max_prompt=40, max_output=12)
+    return requests_for(lines, 100.0, TINY.vocab, TINY.kv_cache_tokens)
+
+
+def test_continuous_batching_gives_each_request_what_it_gets_alone():
+    reqs = trace()
+    together = run_requests(engine(), reqs, realtime=False)          # all join at once, leave as they finish
+    for r in reqs:
+        alone = run_requests(engine(), [r], realtime=False)[r.index]
+        assert [e.token for e in together[r.index]] == [e.token for e in alone]
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(together[r.index], alone)) < 1e-4
+        assert len(alone) == r.output_len and alone[-1].finished and not any(e.finished for e in alone[:-1])
+
+
+def test_requests_join_and_leave_between_steps():
+    e = engine()
+    e.add(Request("a", [5, 6, 7], 6))
+    first = e.step()
+    assert [ev.request_id for ev in first] == ["a"]                  # prefill of a
+    e.add(Request("b", [9] * 10, 2))
+    second = e.step()
+    assert sorted(ev.request_id for ev in second) == ["a", "b"]      # b's prefill beside a's decode, one pass
+    e.step()
+    assert [s.req.id for s in e.running] == ["a"]                    # b finished after its 2 tokens and left
+    while e.has_work():
+        e.step()
+    assert e.allocator.available() == e.cache.num_blocks             # every block came back
+
+
+def test_decoding_from_the_scattered_paged_cache_matches_recomputing_the_whole_sequence():
+    reqs = trace(6, seed=4)
+    e = engine()
+    scattered = []
+    out = run_requests(e, reqs, realtime=False,
+                       on_step=lambda ev: scattered.extend(s.blocks for s in e.running if len(s.blocks) > 1))
+    assert any(b != list(range(b[0], b[0] + len(b))) for b in scattered)   # blocks of a sequence are not contiguous
+    for r in reqs[:3]:
+        tokens = [ev.token for ev in out[r.index]]
+        for k in range(1, len(tokens)):                              # prefill of prompt + first k tokens predicts token k
+            ev = run_requests(engine(), [TraceRequest(0, 0.0, r.prompt + tokens[:k], 1)], realtime=False)[0][0]
+            assert ev.token == tokens[k] and abs(ev.logprob - out[r.index][k].logprob) < 1e-4
+
+
+def test_admission_waits_for_kv_blocks_and_never_overcommits():
+    e = engine(kv_cache_tokens=8 * BS)                               # room for 8 blocks
+    e.add(Request("big", [1] * (5 * BS), BS))                        # reserves 6 blocks
+    e.add(Request("next", [2] * BS, BS))                             # takes the last 2
+    e.add(Request("third", [3] * BS, BS))                            # must wait for blocks to come back
+    e.step()
+    assert sorted(s.req.id for s in e.running) == ["big", "next"] and [r.id for r in e.waiting] == ["third"]
+    while e.waiting:
+        e.step()
+        assert e.allocator.available() >= 0
+    with pytest.raises(EngineError, match="needs 40 tokens of KV cache; this model holds 32"):
+        e.add(Request("huge", [1] * 36, 4))
+
+
+def test_greedy_decoding_has_clear_winners_not_a_sea_of_near_ties():
+    out = run_requests(engine(), trace(12, seed=9), realtime=False)
+    leads = [ev.top[0][1] - ev.top[1][1] for evs in out.values() for ev in evs]
+    repeats = [a.token == b.token for evs in out.values() for a, b in zip(evs, evs[1:])]
+    assert statistics.median(leads) > 0.5 and sum(lead < 0.05 for lead in leads) / len(leads) < 0.1
+    assert sum(repeats) / len(repeats) < 0.6                         # not one token forever
+
+
+def test_random_weights_are_the_same_in_every_build_for_a_seed():
+    a, b = random_weights(TINY, torch.float32, CPU), random_weights(TINY, torch.float32, CPU)
+    c = random_weights(TINY.model_copy(update={"seed": 1}), torch.float32, CPU)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_weights_from_a_local_safetensors_folder_serve_the_same_tokens(tmp_path):
+    from safetensors.torch import save_file
+    save_file(random_weights(TINY.model_copy(update={"seed": 5}), torch.float32, CPU), str(tmp_path / "model.safetensors"))
+    reqs = trace(3)
+    from_seed = run_requests(engine(seed=5), reqs, realtime=False)
+    from_file = run_requests(engine(weights=str(tmp_path), seed=0), reqs, realtime=False)
+    assert {k: [e.token for e in v] for k, v in from_seed.items()} == {k: [e.token for e in v] for k, v in from_file.items()}
+
+
+def test_unusable_weights_folder_is_one_line_naming_what_is_wrong(tmp_path):
+    from safetensors.torch import save_file
+    with pytest.raises(ModelError, match="no such weights folder"):
+        engine(weights=str(tmp_path / "nope"))
+    with pytest.raises(ModelError, match=r"no \*\.safetensors files"):
+        engine(weights=str(tmp_path))
+    weights = random_weights(TINY, torch.float32, CPU)
+    weights.pop("model.layers.1.mlp.up_proj.weight")
+    weights["model.norm.weight"] = torch.ones(3)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelError, match=r"model.norm.weight has shape \[3\]; the preset says \[64\]"):
+        engine(weights=str(tmp_path))
+    assert "lm_head.weight" not in hf_shapes(TINY) and "lm_head.weight" in hf_shapes(TINY.model_copy(update={"tied_embeddings": False}))
+
+
+def test_ops_a_candidate_lacks_or_declines_run_the_baseline_and_are_counted():
+    seen = []
+
+    def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        seen.append(q.shape[0])
+        return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    candidate = SimpleNamespace(decode=decode, supports=lambda op, **shape: shape["max_seq_len"] <= 14)
+    ops = AttentionOps(candidate)
+    reqs = [TraceRequest(0, 0.0, list(range(3, 11)), 10), TraceRequest(1, 0.0, list(range(20, 36)), 6)]
+    with_candidate = run_requests(engine(ops), reqs, realtime=False)
+    baseline = run_requests(engine(), reqs, realtime=False)
+    stats = ops.stats()
+    assert stats["prefill"]["implemented"] is False and stats["prefill"]["not_implemented"] == stats["prefill"]["calls"] > 0
+    assert stats["decode"]["candidate"] == len(seen) > 0 and stats["decode"]["unsupported"] > 0
+    assert stats["decode"]["calls"] == stats["decode"]["candidate"] + stats["decode"]["unsupported"]
+    assert {k: [e.token for e in v] for k, v in with_candidate.items()} == {k: [e.token for e in v] for k, v in baseline.items()}
+
+
+def test_a_candidate_output_of_the_wrong_shape_is_an_error_naming_it():
+    candidate = SimpleNamespace(decode=lambda q, k_cache, v_cache, block_table, seq_lens, sm_scale: q[:, :1])
+    e = engine(AttentionOps(candidate))
+    e.add(Request("a", [1, 2, 3], 3))
+    e.step()
+    with pytest.raises(TypeError, match=r"the candidate's decode returned \[1, 1, 16\] torch.float32 on cpu; expected \[1, 4, 16\]"):
+        e.step()

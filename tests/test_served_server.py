@@ -1,0 +1,119 @@
+"""The served process end to end on the CPU (tiny preset): the real openai SDK against the real HTTP
+server, tokens timed on the client's clock; bad requests are 400s naming the problem; the server is
+sandboxed like the workers; a server killed mid-replay is a clear failure."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import threading
+import time
+
+import openai
+import pytest
+
+from conftest import config_with
+from harness.served.client import replay
+from harness.served.launch import ServerFailure, start_server
+from harness.served.score import summarize
+from harness.served.traces import TraceRequest
+from harness.stages.replay import explain, served_requests
+
+CFG = config_with()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with start_server(CFG, "cpu", None) as s:
+        yield s
+
+
+def test_tiny_preset_serves_a_trace_end_to_end_through_the_openai_sdk(server):
+    requests = served_requests(CFG, "cpu")
+    run = replay(server.url, server.model, requests, request_timeout_s=60, drain_timeout_s=60)
+    assert run.failures() == [], run.describe_failures()
+    for r, c in zip(requests, run.completions):
+        assert len(c.tokens) == r.output_len and all(t.startswith("token_id:") for t in c.tokens)
+        assert c.sent_s >= r.arrival_s and c.ttft > 0 and c.token_times == sorted(c.token_times)
+        assert all(len(top) == 2 and top[0][0] == tok and top[0][1] == lp >= top[1][1]
+                   for top, tok, lp in zip(c.top, c.tokens, c.logprobs))
+    s = summarize(run)
+    assert s["requests"] == len(requests) and s["tokens"] == sum(r.output_len for r in requests)
+    assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p90_ms", "throughput_tok_s"))
+    stats = server.stats()
+    assert stats["tokens"] == s["tokens"] and stats["ops"]["decode"]["not_implemented"] > 0 and stats["error"] == ""
+
+
+def test_the_same_request_gets_the_same_tokens_streamed_or_not(server):
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    whole = client.completions.create(model=server.model, prompt=[5, 9, 2, 7], max_tokens=6, temperature=0, logprobs=2)
+    parts = [c.choices[0].logprobs.tokens[0] for c in client.completions.create(
+        model=server.model, prompt=[5, 9, 2, 7], max_tokens=6, temperature=0, logprobs=2, stream=True)]
+    assert whole.choices[0].logprobs.tokens == parts and len(parts) == 6
+    assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"prompt": "hello"}, "list of token ids"),
+    ({"prompt": [1, 2], "temperature": 0.7}, "only greedy decoding (temperature 0)"),
+    ({"prompt": [1, 2], "logprobs": 9}, "logprobs must be an integer in 0..5"),
+    ({"prompt": [1, 512]}, "prompt token ids must be in [0, 512)"),
+    ({"prompt": [1] * 4000, "max_tokens": 200}, "needs 4200 tokens of KV cache; this model holds 4096"),
+], ids=["text-prompt", "temperature", "too-many-logprobs", "token-outside-vocab", "too-long"])
+def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=server.model, **{"max_tokens": 4, **kwargs})
+    assert words in str(err.value)
+
+
+PROBE = """
+import os, socket
+seen = {"secret": any("kevo-secret" in v for v in os.environ.values()), "home": os.environ.get("HOME", "")}
+for what, call in (("bind", lambda s: s.bind(("127.0.0.1", 0))), ("connect", lambda s: s.connect(("127.0.0.1", __PORT__)))):
+    try:
+        call(socket.socket())
+        seen[what] = "allowed"
+    except PermissionError:
+        seen[what] = "denied"
+    except OSError as e:
+        seen[what] = f"other error {e}"
+try:
+    open("/tmp/kevo-served-escape.txt", "w").write("x")
+    seen["write"] = "allowed"
+except PermissionError:
+    seen["write"] = "denied"
+raise RuntimeError("REPORT " + repr(seen))
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return q
+"""
+
+
+def test_candidate_in_the_server_sees_no_secret_and_cannot_bind_connect_or_write_outside(server, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-kevo-secret-0123456789")
+    port = int(server.url.split(":")[-1].split("/")[0])
+    with pytest.raises(ServerFailure) as err:
+        start_server(CFG, "cpu", PROBE.replace("__PORT__", str(port)))
+    report = str(err.value)
+    assert "before it was ready" in report and "REPORT" in report, report
+    assert "'secret': False" in report and "'bind': 'denied'" in report and "'connect': 'denied'" in report
+    assert "'write': 'denied'" in report and not os.path.exists("/tmp/kevo-served-escape.txt")
+    assert "Landlock" in server.stats()["sandbox"]
+
+
+def test_server_killed_mid_replay_gives_a_clear_failure():
+    requests = [TraceRequest(i, 0.2 * i, [3 + i] * 8, 400) for i in range(4)]
+    result = {}
+    with start_server(CFG, "cpu", None) as doomed:
+        worker = threading.Thread(target=lambda: result.update(run=replay(doomed.url, doomed.model, requests, 60, 60)))
+        worker.start()
+        for _ in range(2400):                                      # wait until it is serving tokens
+            if (doomed.stats() or {}).get("tokens") or not doomed.alive():
+                break
+            time.sleep(0.05)
+        assert doomed.alive() and doomed.stats()["tokens"] > 0
+        os.killpg(doomed.proc.pid, signal.SIGKILL)
+        worker.join(timeout=120)
+        reason = explain(result["run"], doomed)
+    assert "the server killed by signal 9 (SIGKILL) during the replay" in reason, reason
+    assert "4 of 4 requests did not complete; first: request 1:" in reason
