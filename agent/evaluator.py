@@ -44,13 +44,13 @@ def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> Ca
 
 
 def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
-          pool: Pool) -> tuple[CandidateRecord, list[Exchange], str]:
+          pool: Pool, on_stage=None) -> tuple[CandidateRecord, list[Exchange], str]:
     """The record of an evaluated proposal, every exchange behind it (repairs included), and a
     non-empty message if a provider stopped the run during a repair."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
-        verdict = evaluate(source, target, cfg, pool)
+        verdict = evaluate(source, target, cfg, pool, on_stage=on_stage)
         rounds.append(Round(source=source, verdict=verdict))
         if verdict.failed_stage != "compile" or round_no == cfg.agent.compile_repair_rounds:
             break

@@ -245,8 +245,10 @@ class Run:
                     meanwhile = f"; proposing c{len(self.history) + 2:03d} meanwhile" if fut is not None else ""
                     self.view.update(activity=f"evaluating {proposal.id} ({', '.join(STAGE_NAMES)}){meanwhile}",
                                      claim=f"{proposal.id} [{proposal.op}] {proposal.claim.hypothesis}")
+                    stage_news = (lambda name, p=proposal, m=meanwhile:
+                                  self.view.update(activity=f"evaluating {p.id}: {name}{m}"))
                     record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
-                                                        self.settings.target, self._pool)
+                                                        self.settings.target, self._pool, on_stage=stage_news)
                     self.record(record, exchanges)
                     if stop_msg:
                         stop, fatal = stop_msg, True

@@ -284,6 +284,7 @@ class ServedConfig(Strict):
     request_timeout_s: float = Field(gt=0)  # one streamed request, on the client
     drain_timeout_s: float = Field(gt=0)    # after the last arrival, the wait for streams to finish
     external: ExternalServer | None
+    recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
 
     @model_validator(mode="after")
     def _known_presets(self) -> "ServedConfig":

@@ -7,10 +7,11 @@ redacted of the evaluator's secrets before it leaves.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
-from harness.config import Config
+from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.pool import Pool, WorkerFailure
 from harness.records import StageResult, Verdict
@@ -30,7 +31,15 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def device_shapes(cfg: Config, target: str, device: torch.device):
-    return getattr(getattr(cfg.targets, target), device.type)
+    """The target's shapes for this device: the config's placeholders, or the shapes a profile of
+    the served scenario recorded (`served.recorded_shapes`), relative paths from the project root."""
+    from harness.served.shapes import ShapesError, apply_recorded
+    section = getattr(getattr(cfg.targets, target), device.type)
+    path = cfg.served.recorded_shapes
+    try:
+        return apply_recorded(section, None if path is None else PROJECT_ROOT / path)
+    except ShapesError as e:
+        raise HarnessError(str(e)) from None
 
 
 def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> Pool:
@@ -38,7 +47,9 @@ def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> P
     return Pool(cfg.worker, device.type, target).start()
 
 
-def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None) -> Verdict:
+def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None,
+             on_stage: Callable[[str], None] | None = None) -> Verdict:
+    """Run the stages in order; `on_stage(name)` is told as each one starts (a live view)."""
     if target not in TARGETS:
         raise HarnessError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     if until is not None and until not in STAGE_NAMES:
@@ -51,6 +62,8 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     try:
         for name, stage in STAGES:
             ctx.stage, ctx.worker_s = name, 0.0
+            if on_stage is not None:
+                on_stage(name)
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             t0 = time.monotonic()
             try:

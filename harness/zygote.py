@@ -104,6 +104,8 @@ def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
         return pid
     # shim
     try:
+        from harness.sandbox import die_with_parent
+        die_with_parent()
         ctl.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -123,6 +125,7 @@ def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
                 os._exit(3)
         child = os.fork()
         if child == 0:
+            die_with_parent()
             _worker_main(sock, cmd)
         sock.close()
         while True:
@@ -163,6 +166,8 @@ def _reap(pid: int, timeout: float) -> str:
 
 
 def main() -> None:
+    from harness.sandbox import die_with_parent
+    die_with_parent()
     ctl = socket.socket(fileno=int(sys.argv[1]))
     device = sys.argv[2]
     import torch  # noqa: F401  - the reason this process exists: import once, fork many

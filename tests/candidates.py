@@ -224,7 +224,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
 
-# Patches the worker's event timer to shave 30% off the candidate's own times (and nobody else's).
+# Patches the worker's event timer to halve the candidate's own times (and nobody else's).
 PATCHED_TIMER = wrap_decode("""
 _mine = [0]
 _elapsed = torch.cuda.Event.elapsed_time
@@ -233,7 +233,7 @@ def _flattering(self, other):
     ms = _elapsed(self, other)
     if _mine[0] > 0:
         _mine[0] -= 1
-        return ms * 0.7
+        return ms * 0.5
     return ms
 
 torch.cuda.Event.elapsed_time = _flattering

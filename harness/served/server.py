@@ -44,6 +44,8 @@ def _enter_sandbox(spec: dict, keep_fd: int) -> list[str]:
         notes.append(f"no namespaces ({e})")
     else:
         child = os.fork()
+        if child == 0:
+            sandbox.die_with_parent()
         if child:
             os.close(keep_fd)
             while True:
@@ -267,6 +269,8 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
 
 
 def main() -> None:
+    from harness.sandbox import die_with_parent
+    die_with_parent()
     fd, spec = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     notes = _enter_sandbox(spec, fd)
     serve(spec, fd, notes)

@@ -3,7 +3,8 @@
     python tests/bench/evaluator_cost.py [--json PATH]
 
 Starts one warm worker pool, then evaluates the reference kernels and one candidate rejected at each
-stage, printing seconds per stage and the microbench summary. On a CPU-only machine microbench is
+stage, through microbench (the replay has its own script: `kevo-agent profile` and
+tests/test_served_gpu.py), printing seconds per stage and the microbench summary. On a CPU-only machine microbench is
 skipped and no speed figure is printed. Results go to docs/BENCHMARKS.md by hand, with the date.
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ def main() -> None:
     try:
         for name, source in RUNS:
             t0 = time.perf_counter()
-            v = evaluate(source, "attention", cfg, pool)
+            v = evaluate(source, "attention", cfg, pool, until="microbench")
             total = time.perf_counter() - t0
             stages = {s.name: s.seconds for s in v.stages}
             waits = {s.name: s.metrics.get("worker_s", 0.0) for s in v.stages}
