@@ -12,7 +12,6 @@ Usage (by harness/pool.py only): python -m harness.zygote CONTROL_FD DEVICE
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -21,68 +20,17 @@ import sys
 import time
 from pathlib import Path
 
-_NEWNS, _NEWPID, _NEWUSER = 0x00020000, 0x20000000, 0x10000000
-_MS_REC, _MS_PRIVATE, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 16384, 1 << 18, 2, 4, 8
-
-
-def _isolate_namespaces() -> None:
-    """In the shim: new mount and PID namespaces (and a user namespace when not root)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    uid, gid = os.geteuid(), os.getegid()
-    flags = _NEWNS | _NEWPID | (_NEWUSER if uid != 0 else 0)
-    if libc.unshare(flags) != 0:
-        raise OSError(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
-    if uid != 0:
-        Path("/proc/self/setgroups").write_text("deny")
-        Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-        Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-
-
-def _private_proc() -> None:
-    """In the worker (PID 1 of its namespace): a /proc that lists only the sandbox's processes."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-        raise OSError(ctypes.get_errno(), f"make / private: {os.strerror(ctypes.get_errno())}")
-    if libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None) != 0:
-        raise OSError(ctypes.get_errno(), f"mount /proc: {os.strerror(ctypes.get_errno())}")
-
-
-def _exit_like(status: int) -> None:
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)
+from harness.isolation import isolate_namespaces, mirror_child, settle_inside
 
 
 def _worker_main(sock: socket.socket, cmd: dict) -> None:
     """Runs in the sandboxed worker; never returns."""
-    from harness import sandbox, worker
+    from harness import worker
     from harness.transport import send_json
     workdir = Path(cmd["workdir"])
-    notes, code = [], 0
+    code = 0
     try:
-        try:
-            _private_proc()
-            notes.append("private PID namespace and /proc")
-        except OSError as e:
-            if cmd["sandbox"] == "required":
-                raise
-            notes.append(f"no private /proc ({e})")
-        for sub in ("tmp", "triton", "cache"):
-            (workdir / sub).mkdir(exist_ok=True)
-        os.environ.update(HOME=str(workdir), TMPDIR=str(workdir / "tmp"), TRITON_CACHE_DIR=str(workdir / "triton"),
-                          XDG_CACHE_HOME=str(workdir / "cache"))
-        import tempfile
-        tempfile.tempdir = str(workdir / "tmp")     # the zygote may have cached its own before the fork
-        os.chdir(workdir)
-        try:
-            abi = sandbox.confine([str(workdir), "/dev", "/proc/self"])   # CUDA writes under /proc/self
-            notes.append(f"Landlock ABI {abi}")
-        except sandbox.SandboxError as e:
-            if cmd["sandbox"] == "required":
-                raise
-            notes.append(f"no Landlock ({e})")
+        notes = settle_inside(workdir, cmd["sandbox"] == "required")
         send_json(sock, {"ok": True, "sandbox": "; ".join(notes), "pid": os.getpid()})
         worker.serve(sock, workdir, cmd["target"], cmd["device"], cmd["log_limit"])
     except BaseException as e:                                             # noqa: BLE001 - reported, then exit
@@ -116,7 +64,7 @@ def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
         os.dup2(null, 0)
         sock = socket.socket(fileno=fd)
         try:
-            _isolate_namespaces()
+            isolate_namespaces()
         except OSError as e:
             if cmd["sandbox"] == "required":
                 from harness.transport import send_json
@@ -128,13 +76,7 @@ def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
             die_with_parent()
             _worker_main(sock, cmd)
         sock.close()
-        while True:
-            try:
-                _, status = os.waitpid(child, 0)
-                break
-            except InterruptedError:
-                continue
-        _exit_like(status)
+        mirror_child(child)
     finally:
         os._exit(4)
 

@@ -32,47 +32,22 @@ def _enter_sandbox(spec: dict, keep_fd: int) -> list[str]:
     """Namespaces and Landlock, like the evaluator's workers. Returns notes; in the shim (the
     process left outside the new PID namespace) it never returns: it mirrors the server's exit."""
     from harness import sandbox
-    from harness.zygote import _exit_like, _isolate_namespaces, _private_proc
+    from harness.isolation import isolate_namespaces, mirror_child, settle_inside
     required = spec["sandbox"] == "required"
-    workdir = Path(spec["workdir"])
     notes: list[str] = []
     try:
-        _isolate_namespaces()
+        isolate_namespaces()
     except OSError as e:
         if required:
             raise SystemExit(f"sandbox: cannot create namespaces ({e}); set worker.sandbox: best_effort to run without")
         notes.append(f"no namespaces ({e})")
     else:
         child = os.fork()
-        if child == 0:
-            sandbox.die_with_parent()
         if child:
             os.close(keep_fd)
-            while True:
-                try:
-                    _, status = os.waitpid(child, 0)
-                    break
-                except InterruptedError:
-                    continue
-            _exit_like(status)
-        try:
-            _private_proc()
-            notes.append("private PID namespace and /proc")
-        except OSError as e:
-            if required:
-                raise
-            notes.append(f"no private /proc ({e})")
-    for sub in ("tmp", "triton", "cache"):
-        (workdir / sub).mkdir(exist_ok=True)
-    os.environ.update(HOME=str(workdir), TMPDIR=str(workdir / "tmp"), TRITON_CACHE_DIR=str(workdir / "triton"),
-                      XDG_CACHE_HOME=str(workdir / "cache"))
-    os.chdir(workdir)
-    try:
-        notes.append(f"Landlock ABI {sandbox.confine([str(workdir), '/dev', '/proc/self'])}")
-    except sandbox.SandboxError as e:
-        if required:
-            raise
-        notes.append(f"no Landlock ({e})")
+            mirror_child(child)
+        sandbox.die_with_parent()
+    notes += settle_inside(Path(spec["workdir"]), required)
     return notes
 
 
