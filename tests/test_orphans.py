@@ -22,6 +22,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill_and_expect_gone(proc: subprocess.Popen, pids: list[int]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+
+
 def test_killing_the_evaluator_kills_its_zygote_and_workers(tmp_path):
     script = textwrap.dedent("""
         import os, sys, time
@@ -38,12 +47,7 @@ def test_killing_the_evaluator_kills_its_zygote_and_workers(tmp_path):
     for shim in pids[1:]:                   # each shim's child is the worker, PID 1 of its namespace
         pids += [int(c) for c in open(f"/proc/{shim}/task/{shim}/children").read().split()]
     assert len(pids) == 5 and all(_alive(p) for p in pids)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    _kill_and_expect_gone(proc, pids)
 
 
 def test_killing_the_evaluator_kills_its_served_server():
@@ -59,9 +63,4 @@ def test_killing_the_evaluator_kills_its_served_server():
     outer = int(proc.stdout.readline())
     pids = [outer] + [int(c) for c in open(f"/proc/{outer}/task/{outer}/children").read().split()]
     assert len(pids) == 2 and all(_alive(p) for p in pids)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 20
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids), [p for p in pids if _alive(p)]
+    _kill_and_expect_gone(proc, pids)
