@@ -131,7 +131,9 @@ class Pool:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Pool":
-        return self.start()
+        if self.proc is None:                  # open_pool hands over a started pool: start only once
+            self.start()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

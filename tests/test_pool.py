@@ -45,3 +45,11 @@ def test_a_killed_spare_is_replaced_not_handed_out(cfg):
         handle.close()
     finally:
         pool.close()
+
+
+def test_using_an_opened_pool_as_a_context_does_not_start_a_second_zygote(cfg):
+    pool = open_pool(cfg, "attention")
+    first = pool.proc.pid
+    with pool as same:
+        assert same.proc.pid == first
+    assert not alive(first)

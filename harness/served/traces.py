@@ -20,9 +20,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-TRACES = Path(__file__).resolve().parent / "traces"
-
-
 class TraceError(Exception):
     """A trace that cannot be replayed; the message is one line naming the file and line."""
 

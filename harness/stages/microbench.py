@@ -109,7 +109,7 @@ def _bench_case(ctx: EvalContext, case, flush: torch.Tensor) -> dict[str, float]
                        f"{m.peak_flops / 1e12:.0f} TFLOP/s): a measurement exploit")
 
     wall_c, _ = _burst_ms(ctx, case.op, "candidate", cand)
-    wall_b, base_graph = _burst_ms(ctx, case.op, "baseline", base)
+    wall_b, base_graph = _burst_ms(ctx, case.op, "baseline", base)   # the baseline may not be capturable
     if cand < m.clock_check_ratio * wall_c:
         raise Rejected(f"{case.label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
                        f"{wall_c:.4f} ms: the worker's timer is not to be believed")
@@ -126,7 +126,7 @@ def _bench_case(ctx: EvalContext, case, flush: torch.Tensor) -> dict[str, float]
     rate = (lambda ms: nbytes / ms / 1e9) if spec.unit == "TB/s" else (lambda ms: flops / ms / 1e9)
     row = {"candidate_ms": cand, "baseline_ms": base, "noise": noise, "speedup": speedup,
            "speedup_by_clock": speedup_by_clock, "candidate_clock_ms": wall_c, "baseline_clock_ms": wall_b,
-           "baseline_in_evaluator_ms": here, "candidate_synced_ms": synced["candidate:0"],
+           "baseline_in_evaluator_ms": here, "baseline_clock_from_graph": float(base_graph), "candidate_synced_ms": synced["candidate:0"],
            "candidate_rate": rate(cand), "baseline_rate": rate(base), "weight": case.weight,
            "bytes": nbytes, "flops": flops}
     if "anchor:3" in stream:
@@ -156,7 +156,9 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     mix = num / den
     bar = 1 + max(worst_noise, m.min_margin)
     metrics.update(speedup=mix, noise=worst_noise, bar=bar)
-    summary = f"served mix {mix:.2f}x (bar {bar:.2f}x); " + "; ".join(lines)
+    anchors = "; ".join(f"anchor for {op}: {ctx.target.ops[op].anchor_name}" for op in ctx.ops
+                        if ctx.target.ops[op].anchor_name and m.anchor)
+    summary = f"served mix {mix:.2f}x (bar {bar:.2f}x); " + "; ".join(lines) + (f" ({anchors})" if anchors else "")
     if mix <= bar:
         raise Rejected(f"not faster than the baseline beyond noise: {summary}", **metrics)
     return StageResult.passed("microbench", summary, **metrics)

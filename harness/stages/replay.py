@@ -126,6 +126,8 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
     }
     for name, summary in s.items():
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
+    for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again)):
+        metrics[f"{name}_max_send_lag_s"] = run.max_send_lag_s     # a client that fell behind skews its timings
     score = (f"{att['candidate']:.3f} of requests meet both p90 bars (TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms) "
              f"against the baseline's {att['baseline']:.3f} and {att['baseline_again']:.3f}; p90 TPOT {c['tpot_p90_ms']:.2f} vs "
              f"{b['tpot_p90_ms']:.2f} ms, p90 TTFT {c['ttft_p90_ms']:.1f} vs {b['ttft_p90_ms']:.1f} ms, "

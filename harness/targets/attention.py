@@ -31,9 +31,6 @@ prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> Tensor
     returns      [total_tokens, num_q_heads, head_dim] in q.dtype
 """
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 # ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
