@@ -15,7 +15,9 @@ Not covered: multi-stream overlap (the engine uses one stream), the HTTP server'
 """
 from __future__ import annotations
 
+import bisect
 import math
+import re
 import warnings
 
 import torch
@@ -39,7 +41,8 @@ TARGET_OPS = {"attention": {"decode": "attention_decode", "prefill": "attention_
 SPEEDUPS = (1.25, 1.5, 2.0, 4.0, math.inf)
 # CUDA: (wait, warmup, active) steps of each profiler cycle, so a long replay stays cheap to read;
 # a CPU replay is short: every step is recorded.
-SCHEDULE = {"cuda": (5, 1, 2), "cpu": None}
+SCHEDULE = {"cuda": (20, 1, 2), "cpu": None}
+_RUNTIME_CALL = re.compile(r"^(cuda|cu[A-Z])")   # CUDA runtime and driver API calls seen by the profiler
 
 
 def ceiling(f: float, s: float) -> float:
@@ -70,14 +73,42 @@ def _marker(e) -> bool:
     return bool(getattr(e, "is_user_annotation", False)) or e.name.startswith(("kevo.", "ProfilerStep"))
 
 
-def bucket_device(events) -> tuple[dict[str, float], float, int]:
-    """CUDA: kernel time by the region of the op that launched it, within each step's window."""
+def _annotations(cpu) -> tuple[list[float], list]:
+    """The kevo.* ranges on the host, sorted by start, for finding the innermost one around a time."""
+    marks = sorted((e for e in cpu if e.name in REGIONS or e.name == "kevo.step"), key=lambda e: e.time_range.start)
+    return [e.time_range.start for e in marks], marks
+
+
+def _region_at(t: float, starts: list[float], marks: list) -> str | None:
+    """The region of the innermost kevo.* range open at host time t (ranges nest: walking back from
+    the last start before t, the first range still open at t is the innermost)."""
+    i = bisect.bisect_right(starts, t) - 1
+    for j in range(i, max(-1, i - 4096), -1):
+        e = marks[j]
+        if e.time_range.end >= t:
+            return REGIONS.get(e.name, "other")
+    return None
+
+
+def bucket_device(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
+    """CUDA: kernel time by the region of the host code that launched it, within each step's window.
+    A kernel is traced to its launch two ways, whichever the profiler's build supports: through the
+    torch op linked to it (linked correlation id), or through the runtime/driver launch call with its
+    correlation id, placed by host time inside the innermost kevo.* range."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     launcher = {e.id: e for e in cpu if e.id > 0 and not _marker(e) and not getattr(e, "linked_correlation_id", 0)}
+    launches = {}
+    for e in cpu:
+        if _RUNTIME_CALL.match(e.name):      # cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync, cudaMemsetAsync, ...
+            for key in (e.id, getattr(e, "linked_correlation_id", 0)):
+                if key:
+                    launches.setdefault(key, e)
+    starts, marks = _annotations(cpu)
     steps = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == "kevo.step")
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not _marker(e)),
                      key=lambda e: e.time_range.start)
     out = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
+    how = {"torch op": 0, "launch call": 0, "unattributed": 0}
     total, k = 0.0, 0
     for start, end in steps:
         busy, last = 0.0, start
@@ -88,16 +119,23 @@ def bucket_device(events) -> tuple[dict[str, float], float, int]:
             if hi <= lo:
                 continue
             op = launcher.get(getattr(e, "linked_correlation_id", 0))
-            out[_region(op) if op is not None else "unattributed"] += hi - lo
+            if op is not None:
+                region = _region(op)
+                how["torch op"] += 1
+            else:
+                call = launches.get(e.id) or launches.get(getattr(e, "linked_correlation_id", 0))
+                region = _region_at(call.time_range.start, starts, marks) if call is not None else None
+                how["launch call" if region is not None else "unattributed"] += 1
+            out[region or "unattributed"] += hi - lo
             busy += hi - lo
             last = hi
         out["idle"] += (end - start) - busy
         total += end - start
     out["other"] += out["unattributed"]           # kept apart too, so a broken attribution shows
-    return out, total, len(steps)
+    return out, total, len(steps), how
 
 
-def bucket_host(events) -> tuple[dict[str, float], float, int]:
+def bucket_host(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
     """CPU: self time of each torch op by its region; the rest of each step is host time."""
     out = dict.fromkeys(BUCKETS, 0.0)
     steps = [e for e in events if e.name == "kevo.step" and e.device_type == DeviceType.CPU]
@@ -107,7 +145,7 @@ def bucket_host(events) -> tuple[dict[str, float], float, int]:
             continue
         out[_region(e)] += e.self_cpu_time_total
     out["idle"] = total - sum(out.values())
-    return out, total, len(steps)
+    return out, total, len(steps), {}
 
 
 def summarize(buckets_us: dict[str, float], total_us: float, steps: int, target: str, device: str) -> dict:
@@ -156,8 +194,12 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     totals = [0.0, 0]
     reader = bucket_device if device.type == "cuda" else bucket_host
 
+    traced: dict[str, int] = {}
+
     def collect(prof) -> None:
-        b, t, n = reader(prof.events())
+        b, t, n, how = reader(prof.events())
+        for k, v in how.items():
+            traced[k] = traced.get(k, 0) + v
         for k, v in b.items():
             acc[k] = acc.get(k, 0.0) + v
         totals[0] += t
@@ -178,7 +220,7 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     if not totals[1]:
         raise HarnessError("the profile recorded no served step (the trace is too short for the profiler's schedule)")
     report = summarize(acc, totals[0], totals[1], target, device.type)
-    report.update(preset=served.preset, trace=served.trace, window_s=window_s or served.window_s,
+    report.update(kernels_traced_by=traced, preset=served.preset, trace=served.trace, window_s=window_s or served.window_s,
                   requests=len(requests), steps=engine.steps, served_shapes=ops.shapes.summary(),
                   heads=[engine.model.p.q_heads, engine.model.p.kv_heads], head_dim=engine.model.p.head_dim,
                   block_size=section.block_size, dtype=section.dtype)

@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -77,11 +78,12 @@ class Worker:
             blocks = [torch.full(shape, float("nan"), dtype=dtype, device=self.device) for _ in range(3)]
             del blocks
 
-    def _fn(self, impl: str, op: str):
+    def _fn(self, impl: str, op: str, args: dict[str, Any] | None = None):
         if impl == "candidate":
             return getattr(self.module, op)
         if impl == "baseline":
-            return self.target.ops[op].baseline
+            spec = self.target.ops[op]
+            return spec.baseline if args is None else spec.prepared_baseline(args)
         raise ValueError(f"unknown implementation {impl!r}")
 
     def _save(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
@@ -119,12 +121,15 @@ class Worker:
 
     def call(self, msg: dict) -> dict:
         op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))
+        t0 = time.perf_counter()
         args = self._inputs(op, msg["inputs"])
         pristine = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
         out_shape = tuple(msg["out_shape"])
         self.probes.reset()
         outs: dict[str, torch.Tensor] = {}
+        seconds = {"inputs_s": time.perf_counter() - t0}
         for i in range(repeat):
+            t0 = time.perf_counter()
             self._poison(out_shape, DTYPES[msg["inputs"]["dtype"]])
             if mode == "ablate":
                 with self.probes.ablated():
@@ -133,13 +138,14 @@ class Worker:
                 with self.probes.audit():
                     out = self._call(self._fn("candidate", op), op, args)
             else:
-                out = self._call(self._fn(msg.get("impl", "candidate"), op), op, args)
+                out = self._call(self._fn(msg.get("impl", "candidate"), op, args), op, args)
             self._sync()
             outs[f"out{i}"] = out
+            seconds[f"call{i}_s"] = time.perf_counter() - t0
         modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
-                "inputs_modified": modified}
+                "inputs_modified": modified, "seconds": seconds}
 
     def profile(self, msg: dict) -> dict:
         from torch.profiler import ProfilerActivity, profile
@@ -184,8 +190,7 @@ class Worker:
                     anchor_error = _trim(f"{type(e).__name__}: {e}", 300)
                     calls.pop(impl, None)
             else:
-                fn = self._fn(impl, op)
-                calls[impl] = [(lambda a=a, fn=fn: self._call(fn, op, a)) for a in sets]
+                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a): self._call(fn, op, a)) for a in sets]
         impls = [i for i in impls if i in calls]
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
         for _ in range(msg["warmup"]):
@@ -223,7 +228,8 @@ class Worker:
         graph (so launch overhead does not hide device time) where the implementation can be
         captured; the evaluator clocks the request. `prepare` captures without timing."""
         op, impl = msg["op"], msg["impl"]
-        args, fn = self.timed_sets[op][0], self._fn(impl, op)
+        args = self.timed_sets[op][0]
+        fn = self._fn(impl, op, args)
         per_graph = 10
         if msg.get("prepare"):
             try:

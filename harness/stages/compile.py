@@ -48,12 +48,13 @@ def static_check(ctx: EvalContext) -> list[str]:
 def compile_stage(ctx: EvalContext) -> StageResult:
     ctx.ops = static_check(ctx)
     ctx.worker = ctx.pool.spawn(ctx.source)
-    reply = ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing the candidate")
+    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing the candidate")
+    trials = [draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal") for op in ctx.ops]  # while it imports
+    reply = ctx.collect("importing the candidate")
     if not reply.get("ok"):
         raise Rejected("import failed:\n" + reply.get("error", ""))
     metrics = {"ops": float(len(ctx.ops)), "load_s": reply["_wall_s"]}
-    for op in ctx.ops:
-        trial = draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal")
+    for op, trial in zip(ctx.ops, trials):
         _, call = run_trial(ctx, trial)
         metrics[f"{op}_first_call_s"] = call["_wall_s"]
     return StageResult.passed("compile", f"built and launched {', '.join(ctx.ops)}; sandbox: {ctx.worker.sandbox}",

@@ -39,14 +39,24 @@ def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
     plan = [case for op in ctx.ops for case in ctx.cases(op)
             for _ in range(p.checks_per_shape if case.weight > 0 else 1)]
-    worst, pending = 0.0, None
+    worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
+
+    def settle(trial) -> float:
+        outs, reply = collect_trial(ctx, trial, p.repeat_calls)
+        took = reply.get("seconds")           # the worker's own account: the evaluator's cost figures only
+        if isinstance(took, dict) and all(isinstance(v, (int, float)) for v in took.values()):
+            spent["worker_inputs_s"] += took.get("inputs_s", 0.0)
+            spent["worker_first_calls_s"] += took.get("call0_s", 0.0)
+            spent["worker_repeats_s"] += sum(v for k, v in took.items() if k.startswith("call") and k != "call0_s")
+        return _judge(trial, outs, reply)
+
     for i, case in enumerate(plan):
         trial = draw(ctx, case, p.distributions[i % len(p.distributions)])   # while the worker runs the last
         if pending is not None:
-            worst = max(worst, _judge(pending, *collect_trial(ctx, pending, p.repeat_calls)))
+            worst = max(worst, settle(pending))
         send_trial(ctx, trial, repeat=p.repeat_calls)
         pending = trial
     if pending is not None:
-        worst = max(worst, _judge(pending, *collect_trial(ctx, pending, p.repeat_calls)))
+        worst = max(worst, settle(pending))
     return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance",
-                              checks=float(len(plan)), worst_error_over_tolerance=worst)
+                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent)

@@ -6,6 +6,7 @@ so the stages stay generic. Nothing here imports candidate code.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -43,6 +44,15 @@ class Op:
     anchor_inputs: Callable[[Inputs], Inputs] | None = None  # built once, outside the timed region
     anchor_name: str = ""
     unit: str = "TB/s"                                # the figure reported: TB/s (bytes) or TFLOP/s
+    # Host-side facts the baseline may use without reading them back from the GPU (a serving engine
+    # holds them on the host anyway, e.g. sequence bounds): extra keyword arguments, built outside
+    # any timed region, so that a device-to-host sync inside the baseline never inflates its time.
+    baseline_host: Callable[[Inputs], dict[str, Any]] | None = None
+
+    def prepared_baseline(self, inputs: Inputs) -> Callable[..., torch.Tensor]:
+        """The baseline, called with the contract's arguments, its host-side facts already computed."""
+        extra = self.baseline_host(inputs) if self.baseline_host is not None else {}
+        return functools.partial(self.baseline, **extra) if extra else self.baseline
 
 
 @dataclass(frozen=True)

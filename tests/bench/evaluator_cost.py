@@ -53,6 +53,14 @@ def main() -> None:
             print(f"\n{name}: {outcome} in {total:.2f} s  ("
                   + ", ".join(f"{k} {s:.2f} (worker {waits[k]:.2f})" for k, s in stages.items()) + ")")
             for s in v.stages:
+                parts: dict[str, float] = {}
+                for key, val in s.metrics.items():
+                    if key.endswith("_s") and key != "worker_s":
+                        part = key.split("_", 1)[1] if s.name == "microbench" and key[0].isalpha() and "_" in key else key
+                        parts[part] = parts.get(part, 0.0) + val
+                if parts:
+                    print(f"  {s.name} time: " + ", ".join(f"{k} {x:.2f}" for k, x in parts.items()))
+            for s in v.stages:
                 if s.name == "microbench" or s.status == "failed":
                     print(f"  {s.name}: {s.reason[:1500]}")
             rows.append({"name": name, "ok": v.ok, "failed_stage": v.failed_stage, "total_s": total,
