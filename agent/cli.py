@@ -48,35 +48,55 @@ def _run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.provider is not None and args.provider not in ("offline", "openai", "anthropic"):
         raise UsageError(f"unknown provider {args.provider!r}; known: offline, openai, anthropic")
-    for name in ("budget_minutes", "max_candidates", "max_cost_usd"):
+    for name in ("budget_minutes", "max_candidates", "max_cost_usd", "max_device_minutes"):
         value = getattr(args, name)
         if value is not None and (value < 0 or (value == 0 and name != "max_cost_usd")):
             raise UsageError(f"--{name.replace('_', '-')} must be positive, not {value}")
     if args.run_id is not None and not args.run_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise UsageError(f"--run-id {args.run_id!r}: use letters, digits, '-', '_' and '.' only")
-    provider = args.provider or cfg.agent.provider
+    if args.run_id is not None and args.resume is not None:
+        raise UsageError("give --resume (an existing run) or --run-id (a new run, or an existing one), not both")
+    from agent.settings import RunError, run_folder, stored
+    try:
+        root = run_folder(cfg, args.run_id, args.resume)     # a run in progress there: said now, before torch loads
+        before = stored(root) if root is not None else None
+    except RunError as e:
+        raise UsageError(str(e)) from None
+    provider = args.provider or (before or {}).get("provider") or cfg.agent.provider
     if provider != "offline":
         getattr(cfg.providers, provider).api_key(provider)   # an unset key: an error now, not mid-run
+        if cfg.providers.fallback not in (None, provider):
+            getattr(cfg.providers, cfg.providers.fallback).api_key(cfg.providers.fallback)
         if args.model and args.model not in cfg.providers.prices:
             raise UsageError(f"providers.prices has no entry for model {args.model!r}; add one (0 for a local server)")
     from harness.evaluate import resolve_device          # imports torch: after the cheap checks
     from agent.knowledge import CatalogError
     from agent.ledger import LedgerError
-    from agent.loop import RunError, run, settings_from
+    from agent.loop import run, settings_from
     from agent.prompts import PromptError
     from agent.providers import ProviderStop
     from agent.view import RunView, print_summary
-    settings = settings_from(cfg, resolve_device(cfg).type, target=args.target, provider=args.provider,
-                             model=args.model, budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
-                             max_cost_usd=args.max_cost_usd, run_id=args.run_id)
+    settings = None
     try:
+        settings = settings_from(cfg, resolve_device(cfg).type, target=args.target, provider=args.provider,
+                                 model=args.model, budget_minutes=args.budget_minutes, max_candidates=args.max_candidates,
+                                 max_cost_usd=args.max_cost_usd, max_device_minutes=args.max_device_minutes,
+                                 run_id=args.run_id, resume=args.resume)
         with RunView(budget_minutes=settings.budget_minutes, provider=settings.provider) as view:
             result = run(cfg, settings, view)
     except (RunError, ProviderStop, CatalogError, LedgerError, PromptError) as e:
         raise UsageError(str(e)) from None
+    except KeyboardInterrupt:                            # a second signal: stopped at once, between commits
+        where = (settings.root or settings.run_id) if settings else (args.resume or args.run_id)
+        print(f"kevo-agent: stopped at once; the ledger holds every commit made (resume: kevo-agent run --resume {where})",
+              file=sys.stderr)
+        return 130
     print_summary(result)
     if result.fatal:
         raise UsageError(f"run stopped: {result.stop} (ledger: {result.ledger})")
+    if result.signal:
+        print(f"kevo-agent: run {result.stop}; resume: kevo-agent run --resume {result.ledger}", file=sys.stderr)
+        return 128 + result.signal
     return 0
 
 
@@ -101,7 +121,92 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"evaluate": _evaluate, "run": _run, "profile": _profile}
+def _find_run(args: argparse.Namespace):
+    """The ledger named on the command line: a path, or a bare run id under the config's agent.runs_dir."""
+    from harness.config import PROJECT_ROOT
+    from agent.ledger import LedgerError
+    from agent.table import find_run
+    runs = Path(load_config(args.config).agent.runs_dir)
+    try:
+        return find_run(args.run, runs if runs.is_absolute() else PROJECT_ROOT / runs)
+    except LedgerError as e:
+        raise UsageError(str(e)) from None
+
+
+def _ledger(args: argparse.Namespace) -> int:
+    from agent.table import print_rows, rows
+    ledger = _find_run(args)
+    try:
+        items = rows(ledger)
+    except ValueError as e:                               # a record.json that is not a candidate record
+        raise UsageError(f"{ledger.root}: unreadable ledger ({e})") from None
+    if args.json:
+        print(json.dumps([r.model_dump() for r in items], indent=1))
+    else:
+        print_rows(ledger.header(), items)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    ledger = _find_run(args)
+    from agent.report import write                        # imports matplotlib: after the cheap checks
+    out = Path(args.out) if args.out else None
+    if out is not None and not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no such folder {out.parent}")
+    try:
+        path = write(ledger, out)
+    except ValueError as e:                               # a record.json that is not a candidate record
+        raise UsageError(f"{ledger.root}: unreadable ledger ({e})") from None
+    except OSError as e:
+        raise UsageError(f"{out or ledger.root}: cannot write the report ({e.strerror})") from None
+    print(f"report: {path}")
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    if args.llm is not None and args.llm != "recorded":
+        raise UsageError(f"--llm {args.llm!r}: only 'recorded' is known (the run's recorded exchanges, no key needed)")
+    if args.llm and (args.only or args.until):
+        raise UsageError("--only and --until are for the verdict replay; --llm recorded replays the run from its start")
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None
+    if only == []:
+        raise UsageError("--only: give candidate ids (or head:<op>) separated by commas, e.g. --only c003,c007")
+    cfg = load_config(args.config)
+    root = _find_run(args).root
+    from harness.stages import STAGE_NAMES               # imports torch: after the cheap checks
+    if args.until and args.until not in STAGE_NAMES:
+        raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
+    from rich.console import Console
+    from agent.knowledge import CatalogError
+    from agent.ledger import LedgerError
+    from agent.loop import RunError
+    from agent.prompts import PromptError
+    from agent.providers import ProviderStop
+    from agent.replay import ReplayError, replay_decisions, replay_verdicts
+    from agent.replay_report import commit_replay, print_replay
+    from agent.session import RunBusy, RunLock
+    from agent.view import RunView
+    err = Console(stderr=True)
+    try:
+        if args.llm:
+            with RunView(console=err, provider="recorded") as view:
+                replay = replay_decisions(root, cfg, view)
+        else:
+            replay = replay_verdicts(root, cfg, only=only, until=args.until,
+                                     progress=lambda line: err.print(line, highlight=False))
+        with RunLock(root):                               # a resume's recovery never races this commit
+            replay = commit_replay(root, replay)
+    except (ReplayError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
+        raise UsageError(str(e)) from None
+    if args.json:
+        print(replay.model_dump_json())
+    else:
+        print_replay(replay, Console())
+    return 1 if replay.failures else 0
+
+
+COMMANDS = {"evaluate": _evaluate, "run": _run, "profile": _profile, "ledger": _ledger, "report": _report,
+            "replay": _replay}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,17 +219,37 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--until", default=None, help="stop after this stage")
     ev.add_argument("--json", action="store_true", help="print exactly one JSON object")
     rn = sub.add_parser("run", help="evolve kernels: propose, evaluate, record in a git ledger under runs/")
-    rn.add_argument("--target", default="attention")
-    rn.add_argument("--provider", default=None, help="offline | openai | anthropic (default: config agent.provider)")
+    rn.add_argument("--target", default=None, help="default: attention (a resumed run: its own)")
+    rn.add_argument("--provider", default=None, help="offline | openai | anthropic (default: config agent.provider; "
+                                                     "a resumed run: its own)")
     rn.add_argument("--model", default=None, help="the model for both planner and coder (default: config providers)")
-    rn.add_argument("--budget-minutes", type=float, default=None, help="wall-clock budget (default: config, per device)")
-    rn.add_argument("--max-candidates", type=int, default=None)
-    rn.add_argument("--max-cost-usd", type=float, default=None)
+    rn.add_argument("--budget-minutes", type=float, default=None,
+                    help="wall-clock budget, all sessions of the run together (default: config, per device)")
+    rn.add_argument("--max-candidates", type=int, default=None, help="candidates in all")
+    rn.add_argument("--max-cost-usd", type=float, default=None, help="LLM spend in all")
+    rn.add_argument("--max-device-minutes", type=float, default=None, help="the evaluator's stage time in all")
     rn.add_argument("--run-id", default=None, help="the ledger's folder under runs/; an existing kevo run resumes")
+    rn.add_argument("--resume", default=None, metavar="RUN",
+                    help="continue a stopped run (a path, or a run id under runs/) with its own settings; "
+                         "flags given replace them")
     pf = sub.add_parser("profile", help="where the served step's time goes (baseline replay under torch.profiler)")
     pf.add_argument("--target", default="attention")
     pf.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON (for the planner)")
     pf.add_argument("--window", type=float, default=None, help="seconds of the trace to replay (default: config served)")
+    lg = sub.add_parser("ledger", help="one row per candidate of a run: claim, stage, verdict, predicted vs observed, cost")
+    lg.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
+    lg.add_argument("--json", action="store_true", help="print the rows as JSON")
+    rp = sub.add_parser("report", help="a run as one self-contained HTML page with plots and the best kernels")
+    rp.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
+    rp.add_argument("--out", default=None, metavar="PATH", help="where to write it (default: runs/<id>/report.html)")
+    rl = sub.add_parser("replay", help="a past run again with today's harness (or its recorded LLM): then vs now, "
+                                      "committed on a replay/ branch of the run")
+    rl.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
+    rl.add_argument("--only", default=None, metavar="IDS", help="only these candidates (or head:<op>), e.g. c003,c007")
+    rl.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (both verdicts cut there)")
+    rl.add_argument("--llm", default=None, metavar="recorded",
+                    help="replay the run's decisions: its planner and coder answered from the recorded exchanges")
+    rl.add_argument("--json", action="store_true", help="print exactly one JSON object")
     return p
 
 

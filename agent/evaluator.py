@@ -4,7 +4,9 @@ and the CandidateRecord that results — outcome, speedups, conclusion, cost.
 The stages run in cost order and the full scored replay, where it exists, only after microbench
 passed (the harness's driver stops at the first rejection). A candidate the compile stage rejects
 goes back to its proposer with the stage's verbatim feedback, at most agent.compile_repair_rounds
-times; every round is kept. Also evaluates the heads (the reference kernels) a run starts from.
+times; every round is kept (a repair the run stopped waiting for ends the rounds, not the run). Also
+evaluates the heads (the reference kernels) a run starts from, checks the device after a candidate's
+worker crashed or hung, and adds up the stage time (the device-time budget).
 Not here: choosing what to evaluate (proposers) or recording it (ledger).
 """
 from __future__ import annotations
@@ -14,12 +16,13 @@ from datetime import datetime, timezone
 
 from harness.config import Config
 from harness.errors import HarnessError
+from harness.executors import EvaluationLost
 from harness.evaluate import evaluate
 from harness.pool import Pool
 
 from agent.conclusion import conclude, outcome_of, speedup_of
 from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
-from agent.providers import ProviderStop
+from agent.providers import ProviderDown, ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, Round
 from agent.state import CORRECTNESS_STAGES
 
@@ -28,10 +31,10 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog) -> Kernel:
+def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None) -> Kernel:
     entry, _ = catalog.family(target, op)
     source = (KNOWLEDGE / entry.files[0]).read_text()
-    verdict = evaluate(source, target, cfg, pool)
+    verdict = evaluate_fn(f"head-{op}", source) if evaluate_fn else evaluate(source, target, cfg, pool)
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
@@ -44,18 +47,26 @@ def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> Ca
 
 
 def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
-          pool: Pool, on_stage=None) -> tuple[CandidateRecord, list[Exchange], str]:
+          pool: Pool, on_stage=None, evaluate_fn=None) -> tuple[CandidateRecord, list[Exchange], str]:
     """The record of an evaluated proposal, every exchange behind it (repairs included), and a
     non-empty message if a provider stopped the run during a repair."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
+    evaluate_fn = evaluate_fn or (lambda job, src: evaluate(src, target, cfg, pool, on_stage=on_stage))
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
-        verdict = evaluate(source, target, cfg, pool, on_stage=on_stage)
+        try:
+            verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source)
+        except EvaluationLost as e:     # its evaluator died more often than executor.requeue_limit allows
+            if not rounds:
+                return unevaluated(proposal, "unevaluated", "evaluator", str(e)), exchanges, ""
+            break                       # a repair's: the rounds judged stand
         rounds.append(Round(source=source, verdict=verdict))
         if verdict.failed_stage != "compile" or round_no == cfg.agent.compile_repair_rounds:
             break
         try:
             fixed, more = proposer.repair(proposal, source, verdict.stages[-1].reason, round_no + 1)
+        except ProviderDown:            # the run is stopping (a signal, the time budget): this round stands
+            break
         except ProviderStop as e:
             stop = str(e)
             break
@@ -67,6 +78,38 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
     record = _record(proposal, outcome, stage, rounds[-1].verdict.reason, rounds, exchanges, parent,
                      time.monotonic() - t0, started)
     return record, exchanges, stop
+
+
+def device_seconds(heads: dict[str, Kernel], history: list[CandidateRecord]) -> float:
+    """The evaluator's stage time: the reference heads' and every evaluated round's."""
+    verdicts = [k.verdict for k in heads.values() if k.ref.startswith("head:") and k.verdict]
+    verdicts += [rnd.verdict for r in history for rnd in r.rounds]
+    return sum(s.seconds for v in verdicts for s in v.stages)
+
+
+HEALTH_RETRY_S = 5.0            # a device that fails its health check is checked once more after this
+
+
+def check_device(record: CandidateRecord, pool: Pool, say=lambda text: None) -> tuple[dict[str, str], str]:
+    """After a candidate whose worker crashed or hung: a known computation in a fresh worker, before the next
+    candidate gets the device. The trailer to commit, and a message if the device failed twice (the run
+    must stop: its verdicts would mean nothing)."""
+    died = next((s for rnd in record.rounds for s in rnd.verdict.stages
+                 if s.metrics.get("crashed") or s.metrics.get("timeout")), None)
+    if died is None:
+        return {}, ""
+    how = "hung" if died.metrics.get("timeout") else "crashed"
+    say(f"checking the {pool.device} after {record.id}'s worker {how} at {died.name}")
+    why = pool.check_health()
+    if why:
+        time.sleep(HEALTH_RETRY_S)
+        why = pool.check_health()
+    if not why:
+        return {"Health": f"passed after the worker {how} at {died.name}"}, ""
+    line = " ".join(why.split())
+    return ({"Health": f"failed after the worker {how} at {died.name}: {line[:200]}"},
+            f"the {pool.device} failed its health check after {record.id}'s worker {how}: {line[:300]}; "
+            "resume the run once the device is healthy")
 
 
 def _record(proposal: Proposal, outcome: str, stage: str, reason: str, rounds: list[Round],

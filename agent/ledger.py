@@ -8,20 +8,37 @@ verdict with all stage metrics, conclusion, cost), candidate.py, README.md (for 
 exchanges.jsonl (every LLM call: prompts, replies, tokens, cost). The subject reads
 `<verdict> <candidate> at <stage>: <conclusion>`; trailers carry the fields for machines. Tags:
 best-<op> (the best so far; the head until a candidate beats it) and head-<op>. summary.json is
-rewritten in every commit. Every text is redacted of secret-looking environment values before it is
-written. `history()` reads the candidates back, so a run can be resumed from its ledger alone.
-Not here: deciding anything (loop).
+rewritten in every commit; settings.json holds the settings in force (rewritten by each resume).
+An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.json, subject
+`propose <id> ...`, trailer `Proposal`), so a run killed mid-evaluation evaluates it when resumed
+(`pending()`) instead of losing or buying it again. Every text is redacted of secret-looking
+environment values before it is written. `history()` reads the candidates back, so a run can be
+resumed from its ledger alone.
+
+Crash consistency: a commit is the unit of record. Files are written, then committed; git writes objects
+and refs through temporary and lock files renamed into place, so a SIGKILL at any moment leaves the last
+commit whole, plus perhaps stale lock files and uncommitted files. `recover()` (by the holder of the
+run's lock, agent/session.py) removes those and resets the working tree to the last commit; reading is
+always from committed state. A power cut is another matter: nothing here calls fsync.
+Not here: deciding anything (loop), the run folder's lock (session).
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Literal
 
 import git
 
 from harness.sandbox import redact
 
-from agent.records import CandidateRecord, Exchange, Kernel, Profile, RunHeader
+from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
+from agent.session import LOCK_NAME
+
+# What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
+FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",
+               "settings.json", "README.md", "heads", ".git"}
 
 AUTHOR = git.Actor("kevo", "kevo@localhost")
 
@@ -38,6 +55,38 @@ def _num(x: float | None, fmt: str = ".4f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def id_number(cid: str) -> int:
+    """c007 -> 7; candidates sort by number (c1000 after c999), anything else first."""
+    return int(cid[1:]) if cid[:1] == "c" and cid[1:].isdigit() else -1
+
+
+def folder_state(root: Path) -> Literal["new", "started", "unstarted", "foreign"]:
+    """new: nothing there yet; started: a kevo ledger with its first commit; unstarted: a kevo run stopped
+    before its first commit (safe to start again); foreign: anything else."""
+    if root.exists() and not root.is_dir():
+        return "foreign"
+    entries = {p.name for p in root.iterdir()} - {LOCK_NAME} if root.is_dir() else set()
+    if not entries:
+        return "new"
+    if ".git" not in entries:
+        return "foreign"
+    try:
+        repo = git.Repo(root)
+        if repo.head.is_valid():
+            repo.head.commit.tree / "run.json"
+            return "started"
+    except (git.exc.InvalidGitRepositoryError, KeyError, ValueError):
+        return "foreign"
+    return "unstarted" if entries <= FIRST_FILES else "foreign"
+
+
+def discard_unstarted(root: Path) -> None:
+    """Clear a run stopped before its first commit (folder_state 'unstarted'), keeping the lock file."""
+    for p in root.iterdir():
+        if p.name != LOCK_NAME:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 class Ledger:
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -45,25 +94,53 @@ class Ledger:
             self.repo = git.Repo(root)
         except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError):
             raise LedgerError(f"{root} is not a run ledger (no git repository)") from None
-        stale = root / ".git" / "index.lock"      # left by a run killed mid-commit; kevo is the only writer
-        if stale.exists():
-            stale.unlink()
+
+    def recover(self) -> list[str]:
+        """The working tree as the last commit again, after a run was killed: stale git lock files and
+        object temp files removed, files written but never committed discarded (their paths returned).
+        Only the holder of the run's lock may call this: it assumes no one else writes."""
+        gitdir = self.root / ".git"
+        for p in gitdir.rglob("*.lock"):
+            p.unlink(missing_ok=True)
+        for p in (gitdir / "objects").glob("obj*"):     # gitdb writes objects to obj* files, then renames them
+            if p.is_file():
+                p.unlink()
+        self._exclude_lock()
+        try:
+            changed = [line[3:] for line in self.repo.git.status("--porcelain", "--untracked-files=all").splitlines()]
+        except git.exc.GitCommandError:                  # an unreadable index: rebuilt from the last commit
+            (gitdir / "index").unlink(missing_ok=True)
+            changed = ["(the git index)"]
+        if changed:
+            self.repo.git.reset("--hard", "--quiet", "HEAD")
+            self.repo.git.clean("-fdq")
+        return changed
+
+    def _exclude_lock(self) -> None:
+        exclude = self.root / ".git" / "info" / "exclude"
+        text = exclude.read_text() if exclude.exists() else ""
+        if LOCK_NAME not in text.splitlines():
+            exclude.parent.mkdir(parents=True, exist_ok=True)
+            exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + LOCK_NAME + "\n")
 
     # -- writing ----------------------------------------------------------------------------------
 
     @classmethod
     def create(cls, root: Path, header: RunHeader, config_yaml: str, environment: dict, profile: Profile,
-               replay: dict, heads: dict[str, Kernel], summary: dict) -> "Ledger":
-        if root.exists() and any(root.iterdir()):
+               replay: dict, heads: dict[str, Kernel], summary: dict, settings: str | None = None) -> "Ledger":
+        if folder_state(root) != "new":
             raise LedgerError(f"{root} already exists; give another --run-id (the same one resumes a kevo run)")
         root.mkdir(parents=True, exist_ok=True)
         git.Repo.init(root)
         ledger = cls(root)
+        ledger._exclude_lock()
         files = {"run.json": header.model_dump_json(indent=1), "config.yaml": config_yaml,
                  "environment.json": json.dumps(environment, indent=1), "profile.json": profile.model_dump_json(indent=1),
                  "replay.json": json.dumps(replay, indent=1), "summary.json": json.dumps(summary, indent=1),
                  "README.md": f"# kevo run {header.id}\n\n`git log` is this run's history: one commit per candidate, "
                               "rejections included. See candidates/<id>/README.md for each.\n"}
+        if settings is not None:
+            files["settings.json"] = settings
         for op, k in heads.items():
             files[f"heads/{op}.py"] = k.source
             files[f"heads/{op}.json"] = k.model_dump_json(indent=1, exclude={"source"})
@@ -93,11 +170,30 @@ class Ledger:
     def tag(self, name: str, sha: str) -> None:
         self.repo.create_tag(name, ref=sha, force=True)
 
+    def commit_proposal(self, proposal: Proposal, summary: dict) -> str:
+        """An LLM's proposal, before it is evaluated: if the run dies now, the resumed run evaluates it."""
+        d = f"candidates/{proposal.id}"
+        if self.committed(f"{d}/proposal.json") is not None or self.committed(f"{d}/record.json") is not None:
+            raise LedgerError(f"{proposal.id} is already in the ledger; a candidate id is never reused")
+        c = proposal.claim
+        body = [f"claim: {c.hypothesis}\npredicted s {c.expected_speedup:.3f}, ceiling {c.ceiling:.4f}" if c else "",
+                "evaluated next; a run stopped before its verdict evaluates it when resumed"]
+        return self.commit(f"propose {proposal.id} [{proposal.op}]: {c.hypothesis if c else proposal.outcome}"[:150], body,
+                           {f"{d}/proposal.json": proposal.model_dump_json(indent=1),
+                            "summary.json": json.dumps(summary, indent=1)},
+                           {"Proposal": proposal.id, "Op": proposal.op, "Parent": proposal.parent or "n/a",
+                            "Cost": f"{sum(e.cost_usd for e in proposal.exchanges):.6f}"})
+
     def commit_candidate(self, record: CandidateRecord, exchanges: list[Exchange], subject: str, summary: dict,
-                         new_best: bool) -> str:
+                         new_best: bool, files: dict[str, str] | None = None,
+                         trailers: dict[str, object] | None = None) -> str:
+        """The candidate's verdict; `files` and `trailers` add to it (an accepted kernel's new head and profile,
+        a health check), so everything one candidate changes is one commit."""
         d = f"candidates/{record.id}"
-        files = {f"{d}/record.json": record.model_dump_json(indent=1), f"{d}/README.md": self._readme(record),
-                 "summary.json": json.dumps(summary, indent=1)}
+        if self.committed(f"{d}/record.json") is not None:
+            raise LedgerError(f"{record.id} already has a verdict in the ledger; a candidate is evaluated once")
+        files = {**(files or {}), f"{d}/record.json": record.model_dump_json(indent=1),
+                 f"{d}/README.md": self._readme(record), "summary.json": json.dumps(summary, indent=1)}
         if exchanges:
             files[f"{d}/exchanges.jsonl"] = "".join(e.model_dump_json() + "\n" for e in exchanges)
         for i, rnd in enumerate(record.rounds):
@@ -114,7 +210,7 @@ class Ledger:
             "Candidate": record.id, "Parent": record.parent or "n/a", "Op": record.op, "Stage": record.stage,
             "Verdict": record.outcome, "Speedup": _num(record.speedup), "Local-Speedup": _num(record.local_speedup),
             "Predicted": _num(c.expected_speedup if c else None), "Ceiling": _num(c.ceiling if c else None),
-            "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}"})
+            "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}", **(trailers or {})})
         if new_best:
             self.tag(f"best-{record.op}", sha)
         if record.outcome == "accepted":
@@ -142,27 +238,85 @@ class Ledger:
                   f"Cost: ${r.cost_usd:.4f} ({r.input_tokens} input, {r.output_tokens} output tokens)."]
         return "\n".join(lines) + "\n"
 
-    # -- reading ----------------------------------------------------------------------------------
+    # -- reading: always the last commit, never the working tree (a live run may be writing it) -----
+
+    def committed(self, rel: str) -> str | None:
+        """A file as the last commit holds it, or None."""
+        try:
+            return (self.repo.head.commit.tree / rel).data_stream.read().decode()
+        except (KeyError, ValueError):
+            return None
+
+    def _read(self, rel: str) -> str:
+        text = self.committed(rel)
+        if text is None:
+            raise LedgerError(f"{self.root}: no {rel}; not a kevo run ledger")
+        return text
+
+    def _each(self, folder: str, name: str) -> dict[str, str]:
+        """{subfolder: the text of its `name`} for every subfolder of `folder` that has one committed."""
+        try:
+            tree = self.repo.head.commit.tree / folder
+        except (KeyError, ValueError):
+            return {}
+        out = {}
+        for sub in tree.trees:
+            try:
+                out[sub.name] = (sub / name).data_stream.read().decode()
+            except KeyError:
+                pass
+        return out
 
     def header(self) -> RunHeader:
-        try:
-            return RunHeader.model_validate_json((self.root / "run.json").read_text())
-        except FileNotFoundError:
-            raise LedgerError(f"{self.root}: no run.json; not a kevo run ledger") from None
+        return RunHeader.model_validate_json(self._read("run.json"))
 
     def profile(self) -> Profile:
-        return Profile.model_validate_json((self.root / "profile.json").read_text())
+        return Profile.model_validate_json(self._read("profile.json"))
 
     def summary(self) -> dict:
-        return json.loads((self.root / "summary.json").read_text())
+        return json.loads(self._read("summary.json"))
 
     def heads(self) -> dict[str, Kernel]:
         heads = {}
-        for meta in sorted((self.root / "heads").glob("*.json")):
-            data = json.loads(meta.read_text())
-            heads[meta.stem] = Kernel(**data, source=(self.root / data["path"]).read_text())
+        tree = self.repo.head.commit.tree / "heads"
+        for blob in sorted(tree.blobs, key=lambda b: b.name):
+            if blob.name.endswith(".json"):
+                data = json.loads(blob.data_stream.read().decode())
+                heads[blob.name[:-5]] = Kernel(**data, source=self._read(data["path"]))
         return heads
 
     def history(self) -> list[CandidateRecord]:
-        return [CandidateRecord.model_validate_json(p.read_text())
-                for p in sorted((self.root / "candidates").glob("*/record.json"))]
+        records = [CandidateRecord.model_validate_json(t) for t in self._each("candidates", "record.json").values()]
+        return sorted(records, key=lambda r: (id_number(r.id), r.id))
+
+    def pending(self) -> list[Proposal]:
+        """Proposals committed but never evaluated (the run was stopped in between), oldest first."""
+        judged = self._each("candidates", "record.json")
+        found = [Proposal.model_validate_json(t) for cid, t in self._each("candidates", "proposal.json").items()
+                 if cid not in judged]
+        return sorted(found, key=lambda p: (id_number(p.id), p.id))
+
+    def last_id(self) -> int:
+        """The highest candidate number in the ledger (verdicts and proposals); new ids start above it."""
+        try:
+            return max((id_number(t.name) for t in (self.repo.head.commit.tree / "candidates").trees), default=0)
+        except (KeyError, ValueError):
+            return 0
+
+    def verdict_commits(self) -> dict[str, str]:
+        """Candidate id -> the commit of its verdict (trailer `Candidate`)."""
+        out = {}
+        for line in self.repo.git.log("--format=%H %(trailers:key=Candidate,valueonly,separator=%x2C)").splitlines():
+            sha, _, cid = line.partition(" ")
+            if cid.strip():
+                out.setdefault(cid.strip(), sha)
+        return out
+
+    def retag(self, best: dict[str, str], heads: dict[str, str]) -> None:
+        """Point best-<op> and head-<op> at the commits of these kernels (a ref or `head:<op>`): a run killed
+        between a commit and its tag gets the tag right when resumed."""
+        first = self.repo.git.rev_list("--max-parents=0", "HEAD").split()[0]
+        commits = self.verdict_commits()
+        for prefix, refs in (("best", best), ("head", heads)):
+            for op, ref in refs.items():
+                self.tag(f"{prefix}-{op}", first if ref.startswith("head:") else commits.get(ref, first))

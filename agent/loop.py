@@ -1,72 +1,51 @@
 """The agent loop behind `kevo-agent run`: propose, evaluate, conclude, commit — until a budget ends.
 
-Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), open the
-worker pool, evaluate the heads (the reference kernels), build the baseline profile (a stand-in until
-issue 3's profiler exists), make the ledger's first commit; then one candidate at a time. A slow
-proposer (an LLM) writes the next candidate in a thread while the current one is evaluated, so the
-GPU is not left idle; the built-in proposer answers at once and waits for each verdict. After an
-accepted kernel the head of its op moves and the profile is rebuilt. The run ends at the time budget,
-the candidate or cost limit, when the proposer has nothing left, or when a provider fails in a way
-retrying cannot fix (`fatal`). Everything a run learns is committed before the next step.
-Not here: what to propose (proposers), how to judge (harness), how to show it (view).
+Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), take the
+run folder's lock, open the worker pool, evaluate the heads (the reference kernels), build the baseline
+profile (a stand-in until issue 3's profiler exists), make the ledger's first commit; then one candidate
+at a time. A slow proposer (an LLM) writes the next candidate in a thread while the current one is
+evaluated, so the GPU is not left idle; its proposal is committed before it is evaluated. The built-in
+proposer answers at once and waits for each verdict. After an accepted kernel the head of its op moves
+and the profile is rebuilt, in the candidate's own commit. A candidate whose worker crashed or hung is
+followed by a health check of the device (a known computation in a fresh worker) before the next one.
+The run ends at the first budget reached (wall time, candidates, cost, device time: totals over all its
+sessions), when the proposer has nothing left, on SIGINT/SIGTERM (after the current candidate's commit),
+or when a provider fails in a way retrying and waiting cannot fix (`fatal`). Resuming a run first
+evaluates the proposals it had committed but not judged. Everything a run learns is committed before the
+next step.
+Not here: what to propose (proposers), how to judge (harness), how to show it (view), the settings (settings).
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 import yaml
 
-from harness.config import PROJECT_ROOT, Config
+from harness.config import Config
 from harness.evaluate import open_pool, resolve_device
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
 from agent.conclusion import subject
 from agent.environment import describe
-from agent.evaluator import evaluate_head, judge, now, unevaluated
+from agent.evaluator import check_device, device_seconds, evaluate_head, judge, now, unevaluated
 from agent.knowledge import gpu_arch, load_catalog
-from agent.ledger import Ledger
+from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
 from agent.profile import baseline_replay_note, standin_profile
 from agent.proposers import PROPOSERS
 from agent.providers import Meter, ProviderStop
-from agent.records import CandidateRecord, Exchange, Kernel, Record, RunHeader
+from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
+from agent.session import Interrupts, RunBusy, RunLock
+from agent.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
 from agent.state import ProposalState, best_kernel, search_parent
 
 FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
-
-
-class RunError(Exception):
-    """The run cannot start as asked; one line."""
-
-
-class RunSettings(Record):
-    target: str
-    provider: str
-    planner_model: str
-    coder_model: str
-    budget_minutes: float
-    max_candidates: int | None
-    max_cost_usd: float
-    run_id: str
-
-
-def settings_from(cfg: Config, device_type: str, target: str = "attention", provider: str | None = None,
-                  model: str | None = None, budget_minutes: float | None = None, max_candidates: int | None = None,
-                  max_cost_usd: float | None = None, run_id: str | None = None) -> RunSettings:
-    provider = provider or cfg.agent.provider
-    pcfg = getattr(cfg.providers, provider, None)
-    return RunSettings(
-        target=target, provider=provider,
-        planner_model=model or (pcfg.planner_model if pcfg else ""), coder_model=model or (pcfg.coder_model if pcfg else ""),
-        budget_minutes=budget_minutes or getattr(cfg.agent.budget_minutes, device_type),
-        max_candidates=max_candidates or cfg.agent.max_candidates,
-        max_cost_usd=cfg.agent.max_cost_usd if max_cost_usd is None else max_cost_usd,
-        run_id=run_id or datetime.now().strftime("%Y%m%d-%H%M%S-") + provider)
+_ABANDONED = object()           # what waiting for a proposal gives when the run must stop first
 
 
 @dataclass
@@ -80,6 +59,22 @@ class RunResult:
     cost_usd: float
     funnel: dict[str, int]
     not_run: list[str] = field(default_factory=list)
+    signal: int = 0                 # the signal that stopped the run, if one did
+
+
+def _background(fn, *args) -> Future:
+    """`fn(*args)` in a daemon thread: a proposal still being written (an LLM call, a wait for a provider)
+    never keeps a stopping run alive."""
+    fut: Future = Future()
+
+    def work() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:                  # handed to the waiting thread as it is
+                fut.set_exception(e)
+    threading.Thread(target=work, name="kevo-proposer", daemon=True).start()
+    return fut
 
 
 def funnel(history: list[CandidateRecord]) -> dict[str, int]:
@@ -120,29 +115,57 @@ class Run:
         if settings.provider != "offline":
             for model in {settings.planner_model, settings.coder_model} - set(cfg.providers.prices):
                 raise RunError(f"providers.prices has no entry for model {model!r}; add one (0 for a local server)")
+            if cfg.providers.fallback == settings.provider:
+                raise RunError(f"providers.fallback is {settings.provider}, the provider in use; name the other one or null")
+        self.stop = Interrupts()
         self.meter = Meter(cfg.providers)
+        self.meter.halt, self.meter.notice = self.halted, (lambda text: self.view.update(activity=text))
         self.proposer = PROPOSERS[settings.provider](cfg, settings.target, self.device, self.arch, self.catalog, self.meter,
                                                      settings.planner_model, settings.coder_model)
-        runs = Path(cfg.agent.runs_dir)
-        self.root = (runs if runs.is_absolute() else PROJECT_ROOT / runs) / settings.run_id
-        if self.root.exists() and any(self.root.iterdir()) and not (self.root / "run.json").exists():
+        self.root = Path(settings.root) if settings.root else runs_dir(cfg) / settings.run_id
+        if folder_state(self.root) == "foreign":
             raise RunError(f"{self.root} exists and is not a kevo run; give another --run-id")
         self.history: list[CandidateRecord] = []
+        self.elapsed_before, self.last_id, self.head_device_s = 0.0, 0, 0.0
 
     # -- limits -----------------------------------------------------------------------------------
 
+    def elapsed(self) -> float:
+        """Wall seconds of this run: earlier sessions (to their last commit) and this one."""
+        return self.elapsed_before + time.monotonic() - self.t0
+
+    def device_s(self) -> float:
+        return self.head_device_s + device_seconds({}, self.history)
+
+    def out_of_time(self) -> str:
+        if self.elapsed() >= self.settings.budget_minutes * 60:
+            return f"time budget of {self.settings.budget_minutes:g} min spent" + (" (all sessions)" if self.elapsed_before else "")
+        return ""
+
+    def halted(self) -> str:
+        """Why a wait (for a proposal, for a provider) must end now: a signal, or the time budget."""
+        return self.stop.why or self.out_of_time()
+
     def limit(self, in_flight: int = 0) -> str:
+        """Why the run must end now: a signal, or the first budget reached."""
+        return self.stop.why or self.budget(in_flight)
+
+    def budget(self, in_flight: int = 0) -> str:
         s = self.settings
-        if time.monotonic() - self.t0 >= s.budget_minutes * 60:
-            return f"time budget of {s.budget_minutes:g} min spent"
+        if why := self.out_of_time():
+            return why
         if s.max_candidates is not None and len(self.history) + in_flight >= s.max_candidates:
             return f"{s.max_candidates} candidates reached"
         if self.meter.cost_usd >= s.max_cost_usd > 0 or (s.max_cost_usd == 0 and self.meter.cost_usd > 0):
             return f"cost limit of ${s.max_cost_usd:g} reached (${self.meter.cost_usd:.4f} spent)"
+        if s.max_device_minutes is not None and self.device_s() >= s.max_device_minutes * 60:
+            return (f"device-time budget of {s.max_device_minutes:g} min spent "
+                    f"({self.device_s() / 60:.2f} min in the evaluator's stages)")
         return ""
 
     def state(self, pending: list) -> ProposalState:
-        return ProposalState(next_id=f"c{len(self.history) + len(pending) + 1:03d}", ops=list(self.cfg.agent.ops),
+        n = max([self.last_id] + [id_number(p.id) for p in pending]) + 1      # never an id already in the ledger
+        return ProposalState(next_id=f"c{n:03d}", ops=list(self.cfg.agent.ops),
                              history=list(self.history), heads=dict(self.heads), parents=dict(self.parents),
                              profile=self.profile, min_ceiling=self.cfg.agent.min_ceiling, pending=list(pending))
 
@@ -150,7 +173,8 @@ class Run:
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}
         return {"run": self.settings.run_id, "candidates": len(self.history), "funnel": funnel(self.history),
                 "cost_usd": round(self.meter.cost_usd, 6), "input_tokens": self.meter.input_tokens,
-                "output_tokens": self.meter.output_tokens, "elapsed_s": round(time.monotonic() - self.t0, 1),
+                "output_tokens": self.meter.output_tokens, "elapsed_s": round(self.elapsed(), 1),
+                "device_s": round(self.device_s(), 1),
                 "heads": {op: k.ref for op, k in self.heads.items()},
                 "best": {op: {"ref": k.ref, "speedup": k.speedup, "path": self._path(k)} for op, k in best.items()},
                 "stopped": stop}
@@ -160,24 +184,21 @@ class Run:
 
     # -- the run ----------------------------------------------------------------------------------
 
+    def _settings_json(self) -> str:
+        return self.settings.model_dump_json(indent=1, exclude={"root"})
+
     def start(self, pool) -> None:
-        if (self.root / "run.json").exists():
-            self.ledger = Ledger(self.root)
-            header = self.ledger.header()
-            if (header.target, header.provider, header.ops) != (self.settings.target, self.settings.provider, self.cfg.agent.ops):
-                raise RunError(f"{self.root} is a run of {header.target} ({', '.join(header.ops)}) with {header.provider}; "
-                               "resume it with the same target, ops and provider")
-            self.heads, self.history, self.profile = self.ledger.heads(), self.ledger.history(), self.ledger.profile()
-            done = self.ledger.summary()
-            self.meter.cost_usd = done.get("cost_usd", 0.0)
-            self.meter.input_tokens, self.meter.output_tokens = done.get("input_tokens", 0), done.get("output_tokens", 0)
-            self.ledger.commit(f"resume {self.settings.run_id}", [f"budget {self.settings.budget_minutes:g} min"],
-                               {"environment.json": json.dumps(describe(self.device), indent=1)}, {"Run": self.settings.run_id})
+        state = folder_state(self.root)
+        if state == "started":
+            self._resume()
         else:
+            if state == "unstarted":             # stopped before its first commit: nothing to keep
+                discard_unstarted(self.root)
             self.heads = {}
             for op in self.cfg.agent.ops:
                 self.view.update(activity=f"evaluating the {op} head (reference kernel)")
-                self.heads[op] = evaluate_head(op, self.cfg, self.settings.target, pool, self.catalog)
+                self.heads[op] = self.head(op, pool)
+            self.head_device_s = device_seconds(self.heads, [])
             self.profile = standin_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
             s = self.settings
             header = RunHeader(id=s.run_id, target=s.target, provider=s.provider,
@@ -186,84 +207,152 @@ class Run:
                                arch=self.arch, ops=list(self.cfg.agent.ops), budget_minutes=s.budget_minutes,
                                max_candidates=s.max_candidates, max_cost_usd=s.max_cost_usd, started=now(),
                                kevo_commit=describe(self.device)["kevo_commit"])
-            self.ledger = Ledger.create(self.root, header, yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False),
-                                        describe(self.device), self.profile, baseline_replay_note(), self.heads,
-                                        self.summary())
+            with self.stop.writing():
+                self.ledger = Ledger.create(self.root, header, yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False),
+                                            describe(self.device), self.profile, baseline_replay_note(), self.heads,
+                                            self.summary(), self._settings_json())
         self.parents = {op: search_parent(op, self.heads[op], self.history) for op in self.heads}
         self.view.update(ledger=str(self.root), funnel=funnel(self.history))
 
-    def record(self, record: CandidateRecord, exchanges: list[Exchange]) -> None:
+    def head(self, op: str, pool) -> Kernel:
+        """One head's kernel and verdict, from the loop's pool (ParallelRun: from its executor)."""
+        return evaluate_head(op, self.cfg, self.settings.target, pool, self.catalog)
+
+    def _resume(self) -> None:
+        self.ledger = Ledger(self.root)
+        discarded = self.ledger.recover()            # we hold the lock: a killed session's leftovers go
+        header = self.ledger.header()
+        if (header.target, header.ops) != (self.settings.target, self.cfg.agent.ops):
+            raise RunError(f"{self.root} is a run of {header.target} ({', '.join(header.ops)}); "
+                           "resume it with the same target and agent.ops")
+        self.heads, self.history, self.profile = self.ledger.heads(), self.ledger.history(), self.ledger.profile()
+        done = self.ledger.summary()
+        self.meter.cost_usd = done.get("cost_usd", 0.0)
+        self.meter.input_tokens, self.meter.output_tokens = done.get("input_tokens", 0), done.get("output_tokens", 0)
+        self.elapsed_before = float(done.get("elapsed_s", 0.0))
+        self.last_id = self.ledger.last_id()
+        self.head_device_s = (max(0.0, done["device_s"] - device_seconds({}, self.history)) if "device_s" in done
+                              else device_seconds(self.heads, []))
+        self.ledger.retag({op: best_kernel(op, self.heads[op], self.history).ref for op in self.heads},
+                          {op: k.ref for op, k in self.heads.items()})
+        s, pending = self.settings, self.ledger.pending()
+        body = [f"proposer {s.provider}" + (f" (the run began with {header.provider})" if s.provider != header.provider else "")
+                + f"; budgets, all sessions together: {s.budget_minutes:g} min, "
+                f"{s.max_candidates or 'no limit on'} candidates, ${s.max_cost_usd:g}, "
+                f"{f'{s.max_device_minutes:g} min' if s.max_device_minutes else 'no limit on'} device time; "
+                f"{self.elapsed_before / 60:.1f} min spent before",
+                f"discarded, written but never committed by the session before: {', '.join(discarded)}" if discarded else "",
+                f"proposed but not yet evaluated, evaluated first: {', '.join(p.id for p in pending)}" if pending else ""]
+        with self.stop.writing():
+            self.ledger.commit(f"resume {s.run_id}", body,
+                               {"environment.json": json.dumps(describe(self.device), indent=1),
+                                "settings.json": self._settings_json(), "summary.json": json.dumps(self.summary(), indent=1)},
+                               {"Run": s.run_id})
+
+    def record(self, record: CandidateRecord, exchanges: list[Exchange], trailers: dict | None = None) -> None:
         op = record.op
         self.history.append(record)
+        self.last_id = max(self.last_id, id_number(record.id))
         known = op in self.heads
         new_best = known and best_kernel(op, self.heads[op], self.history).ref == record.id
-        self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
-                                     self.summary(), new_best)
+        files, trailers = {}, dict(trailers or {})
         if known and record.outcome == "accepted":      # the bottleneck moves: a new head, a new profile
             self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
                                     source=record.source or "", knobs=record.knobs, speedup=record.speedup,
                                     verdict=record.verdict)
             self.profile = standin_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
                                            why=f"rebuilt after {record.id} became the {op} head")
-            self.ledger.commit(f"head {op} <- {record.id}: profile rebuilt", [self.profile.note],
-                               {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
-                                "profile.json": self.profile.model_dump_json(indent=1)}, {"Head": f"{op}={record.id}"})
+            files = {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
+                     "profile.json": self.profile.model_dump_json(indent=1)}
+            trailers["Head"] = f"{op}={record.id}"
+        with self.stop.writing():
+            self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
+                                         self.summary(), new_best, files, trailers)
         if known:
             self.parents[op] = search_parent(op, self.heads[op], self.history)
         self.view.record(record, self.summary())
 
+    def commit_proposal(self, proposal: Proposal) -> None:
+        with self.stop.writing():
+            self.ledger.commit_proposal(proposal, self.summary())
+        self.last_id = max(self.last_id, id_number(proposal.id))
+
+    def _submit(self, pending: list) -> Future:
+        state = self.state(pending)
+        if not pending:
+            self.view.update(activity=f"proposing {state.next_id}")
+        return _background(self.proposer.propose, state)
+
+    def _await(self, fut: Future):
+        """The proposal once written, or _ABANDONED as soon as a signal says the run must stop. (A budget
+        that ends meanwhile does not abandon it: what it cost is recorded; a wait for a provider ends then.)"""
+        while True:
+            try:
+                return fut.result(timeout=0.2)
+            except FutureTimeout:
+                if self.stop.why:
+                    return _ABANDONED
+
     def drive(self) -> tuple[str, bool]:
         overlap = self.cfg.agent.overlap and not self.proposer.instant
-        stop, fatal = self.limit(), False
-        with ThreadPoolExecutor(1, thread_name_prefix="kevo-proposer") as ex:
-            def submit(pending: list):
-                state = self.state(pending)
-                if not pending:
-                    self.view.update(activity=f"proposing {state.next_id}")
-                return ex.submit(self.proposer.propose, state), bool(pending)
-            fut, stale = submit([]) if not stop else (None, False)
-            while fut is not None:
+        backlog = self.ledger.pending()         # committed before a stop, never evaluated: first
+        fut, stale, stop, fatal = None, False, "", False
+        while True:
+            if (stop := self.stop.why) or (fut is None and (stop := self.limit())):
+                break
+            if backlog:
+                proposal, new = backlog.pop(0), False
+            else:
+                if fut is None:
+                    fut, stale = self._submit([]), False
                 try:
-                    proposal = fut.result()
+                    proposal = self._await(fut)
                 except ProviderStop as e:
-                    return str(e), True
-                fut = None
+                    fut = None
+                    stop, fatal = (self.halted(), False) if self.halted() else (str(e), True)
+                    break
+                if proposal is _ABANDONED:
+                    stop = self.stop.why
+                    break                       # the proposal being written is abandoned (the thread is a daemon)
+                fut, new = None, True
                 if proposal is None:
-                    if stale:               # built before the last verdict: ask again with it
-                        fut, stale = submit([])
+                    if stale:                   # built before the last verdict: ask again with it
                         continue
                     stop = "search exhausted: the proposer has nothing left worth trying"
                     break
-                ready = proposal.outcome == "ready"
-                if overlap and ready and not self.limit(in_flight=1):
-                    fut, stale = submit([proposal])
-                if not ready:
-                    self.record(unevaluated(proposal, proposal.outcome, proposal.stage, proposal.reason), proposal.exchanges)
-                elif why := self.limit():
-                    self.record(unevaluated(proposal, "unevaluated", "budget", why), proposal.exchanges)
+            ready = proposal.outcome == "ready"
+            if new and ready and not self.proposer.instant:
+                self.commit_proposal(proposal)  # from here a stop loses nothing: a resumed run evaluates it
+            if overlap and ready and fut is None and not self.limit(in_flight=1):
+                fut, stale = self._submit([proposal]), True
+            if not ready:
+                self.record(unevaluated(proposal, proposal.outcome, proposal.stage, proposal.reason), proposal.exchanges)
+            elif why := self.budget():          # a signal since it was proposed: it is evaluated all the same
+                stop = why
+                self.record(unevaluated(proposal, "unevaluated", "budget", why), proposal.exchanges)
+                break
+            else:
+                meanwhile = "; proposing the next meanwhile" if fut is not None else ""
+                self.view.update(activity=f"evaluating {proposal.id} ({', '.join(STAGE_NAMES)}){meanwhile}",
+                                 claim=f"{proposal.id} [{proposal.op}] {proposal.claim.hypothesis}")
+                stage_news = (lambda name, p=proposal, m=meanwhile:
+                              self.view.update(activity=f"evaluating {p.id}: {name}{m}"))
+                record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
+                                                    self.settings.target, self._pool, on_stage=stage_news)
+                trailers, sick = check_device(record, self._pool, lambda text: self.view.update(activity=text))
+                self.record(record, exchanges, trailers)
+                if stop_msg or sick:
+                    stop, fatal = stop_msg or sick, True
+                    break
+        if fut is not None:                     # a proposal written while the run was ending: keep what it cost
+            try:
+                late = self._await(fut)
+            except ProviderStop:
+                late = None
+            if isinstance(late, Proposal) and late.exchanges:
+                if self.stop.why and late.outcome == "ready":
+                    self.commit_proposal(late)  # stopped by a signal: evaluated when the run is resumed
                 else:
-                    meanwhile = f"; proposing c{len(self.history) + 2:03d} meanwhile" if fut is not None else ""
-                    self.view.update(activity=f"evaluating {proposal.id} ({', '.join(STAGE_NAMES)}){meanwhile}",
-                                     claim=f"{proposal.id} [{proposal.op}] {proposal.claim.hypothesis}")
-                    stage_news = (lambda name, p=proposal, m=meanwhile:
-                                  self.view.update(activity=f"evaluating {p.id}: {name}{m}"))
-                    record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
-                                                        self.settings.target, self._pool, on_stage=stage_news)
-                    self.record(record, exchanges)
-                    if stop_msg:
-                        stop, fatal = stop_msg, True
-                        break
-                if fut is None:
-                    stop = self.limit()
-                    if stop:
-                        break
-                    fut, stale = submit([])
-            if fut is not None:             # a proposal written while the run was ending: keep what it cost
-                try:
-                    late = fut.result()
-                except ProviderStop:
-                    late = None
-                if late is not None and late.exchanges:
                     self.record(unevaluated(late, "unevaluated", "budget", f"the run ended: {stop}"), late.exchanges)
         return stop, fatal
 
@@ -271,28 +360,41 @@ class Run:
         self.view.update(activity=f"ended: {stop}", claim="")
         notes = not_run(self.heads, self.history)
         summary = self.summary(stop)
+        pending = [p.id for p in self.ledger.pending()]
         text = "\n".join([f"# {self.settings.run_id}: ended", "", f"Stopped: {stop}", "",
+                          *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
+                            if pending else []),
                           "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
-        self.ledger.commit(f"end {self.settings.run_id}: {stop}"[:150], [text],
-                           {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
-                           {"Run": self.settings.run_id, "Candidates": len(self.history),
-                            "Cost": f"{self.meter.cost_usd:.6f}", "Fatal": str(fatal).lower()})
+        with self.stop.writing():
+            self.ledger.commit(f"end {self.settings.run_id}: {stop}"[:150], [text],
+                               {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
+                               {"Run": self.settings.run_id, "Candidates": len(self.history),
+                                "Cost": f"{self.meter.cost_usd:.6f}", "Fatal": str(fatal).lower()})
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}
         return RunResult(self.root, stop, fatal, self.history, self.heads, best, self.meter.cost_usd,
-                         funnel(self.history), notes)
+                         funnel(self.history), notes, self.stop.signum)
 
     def __call__(self, pool=None) -> RunResult:
-        own = pool is None
-        self.view.update(activity="starting the worker pool")
-        self._pool = pool or open_pool(self.cfg, self.settings.target, self.device)
         try:
-            self.start(self._pool)
-            stop, fatal = self.drive()
-            return self.finish(stop, fatal)
+            lock = RunLock(self.root).acquire()
+        except RunBusy as e:
+            raise RunError(str(e)) from None
+        own = pool is None
+        try:
+            with self.stop:
+                self.view.update(activity="starting the worker pool")
+                self._pool = pool or open_pool(self.cfg, self.settings.target, self.device)
+                try:
+                    self.start(self._pool)
+                    stop, fatal = self.drive()
+                    return self.finish(stop, fatal)
+                finally:
+                    if own:
+                        self._pool.close()
         finally:
-            if own:
-                self._pool.close()
+            lock.release()
 
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:
-    return Run(cfg, settings, view)(pool)
+    from agent.parallel import ParallelRun, in_parallel     # a subclass of Run: imported here, not above
+    return (ParallelRun if in_parallel(cfg) else Run)(cfg, settings, view)(pool)

@@ -3,7 +3,8 @@
 One pydantic model per top-level section; unknown keys are rejected and every error comes back as
 one line naming the key (`ConfigError`). Covers: the worker pool, the four cheap stages, and the
 targets' served shapes. the agent loop and its LLM providers (issue 4). the served scenario and the
-replay stage (issue 3). Later sections add their own models here.
+replay stage (issue 3). where evaluations run: the executor (issue 6). Later sections add their own
+models here.
 """
 from __future__ import annotations
 
@@ -164,6 +165,7 @@ class AgentConfig(Strict):
     budget_minutes: BudgetMinutes
     max_candidates: int | None = Field(ge=1)              # null: no limit
     max_cost_usd: float = Field(ge=0)                     # LLM spend after which a run stops
+    max_device_minutes: float | None = Field(gt=0)        # evaluator stage time (all sessions) after which a run stops; null: none
     min_ceiling: float = Field(ge=1)                      # claims with a lower end-to-end ceiling are not coded
     compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
     history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
@@ -205,6 +207,13 @@ class RetryConfig(Strict):
     max_s: float = Field(ge=0)
 
 
+class OutageConfig(Strict):
+    """When a provider's retries run out (it is down): wait, then ask again, doubling the wait up to max_wait_s."""
+    wait_s: float = Field(ge=0)             # the first wait after a round of retries ran out
+    max_wait_s: float = Field(ge=0)
+    give_up_s: float | None = Field(ge=0)   # an outage longer than this stops the run; null: wait as long as the budget lasts
+
+
 class Price(Strict):
     input: float = Field(ge=0)      # USD per million input tokens
     output: float = Field(ge=0)     # USD per million output tokens
@@ -216,6 +225,8 @@ class ProvidersConfig(Strict):
     timeout_s: float = Field(gt=0)
     max_output_tokens: int = Field(ge=256)
     retry: RetryConfig
+    outage: OutageConfig
+    fallback: Literal["openai", "anthropic"] | None   # asked (with its own models) while the run's provider is down
     prices: dict[str, Price]
 
     @model_validator(mode="after")
@@ -295,6 +306,27 @@ class ServedConfig(Strict):
         return self
 
 
+class DaskConfig(Strict):
+    scheduler: str | None          # a running `dask scheduler` (tcp://host:8786); null: a local cluster, one worker per slot
+    start_timeout_s: float = Field(gt=0)   # connecting, and waiting for the first worker with a GPU slot
+
+
+class ExecutorConfig(Strict):
+    """Where candidates are evaluated (harness/executors.py, harness/cluster.py; docs/CLUSTER.md)."""
+    kind: Literal["local", "dask"]             # local: slot processes on this machine; dask: a Dask cluster
+    gpus: Literal["auto"] | list[int]          # CUDA: the GPUs given a slot each (indices among those visible)
+    cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores
+    requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
+    dask: DaskConfig
+
+    @field_validator("gpus")
+    @classmethod
+    def _distinct(cls, v):
+        if v != "auto" and (not v or len(set(v)) != len(v) or min(v) < 0):
+            raise ValueError("gpus must be auto or a non-empty list of distinct GPU indices (two slots on one GPU would time each other)")
+        return v
+
+
 class Config(Strict):
     device: Literal["auto", "cuda", "cpu"]
     worker: WorkerConfig
@@ -303,6 +335,14 @@ class Config(Strict):
     agent: AgentConfig
     providers: ProvidersConfig
     served: ServedConfig
+    executor: ExecutorConfig
+
+    @model_validator(mode="after")
+    def _slots_can_pin(self) -> "Config":
+        if "CUDA_VISIBLE_DEVICES" not in self.worker.env_passthrough:
+            raise ValueError("worker.env_passthrough must include CUDA_VISIBLE_DEVICES: each evaluation slot is "
+                             "pinned to its GPU by it, and its workers must inherit the pin")
+        return self
 
     @model_validator(mode="after")
     def _served_fits_target(self) -> "Config":

@@ -3,7 +3,8 @@
 `Pool` owns the zygote (harness/zygote.py) and a private scratch folder; `WorkerHandle.request`
 sends one request and returns the worker's JSON reply, or raises `WorkerFailure` when the worker
 timed out (its process group is killed), died (with how), or broke the protocol. The candidate's
-source is copied into the worker's own folder; the evaluator keeps its own copy.
+source is copied into the worker's own folder; the evaluator keeps its own copy. `Pool.check_health`
+runs a known computation in a fresh worker (after a crash or a hang, before the next candidate).
 """
 from __future__ import annotations
 
@@ -23,6 +24,28 @@ from harness.config import PROJECT_ROOT, WorkerConfig
 from harness.errors import HarnessError
 from harness.sandbox import clean_env, redact
 from harness.transport import ProtocolError, recv_json, send_pickle
+
+
+# A tiny Triton kernel and a sum whose result is exact in float32 (3 * 1023 * 1024 / 2), run at import.
+_HEALTH = """import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _triple(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, 3.0 * tl.load(x_ptr + offs, mask=mask), mask=mask)
+
+
+x = torch.arange(1024, dtype=torch.float32, device=DEVICE)
+out = torch.empty_like(x)
+_triple[(4,)](x, out, 1024, BLOCK=256)
+got = float(out.sum())
+if got != 1571328.0:
+    raise RuntimeError("health check: 3 * sum(0..1023) came out %r, not 1571328" % got)
+"""
 
 
 class WorkerFailure(Exception):
@@ -107,6 +130,23 @@ class Pool:
         (handle.workdir / "candidate.py").write_text(source)
         self._spare = self._fork()
         return handle
+
+    def check_health(self) -> str:
+        """A known computation in a fresh worker: "" when it comes out right, else what went wrong."""
+        try:
+            handle = self.spawn(_HEALTH.replace("DEVICE", repr(self.device)))
+        except (WorkerFailure, HarnessError) as e:
+            return f"no fresh worker: {e}"
+        try:
+            reply = handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")},
+                                   self.cfg.start_timeout_s, "running the health check")
+        except WorkerFailure as e:
+            return str(e)
+        finally:
+            handle.close()
+        # A module that imported cleanly is answered with the ops it defines (none here); one whose import
+        # raised (a wrong sum, a device error), with the error instead.
+        return "" if "ops" in reply else str(reply.get("error", reply))[-1000:]
 
     def reap(self, pid: int) -> str:
         try:

@@ -78,8 +78,12 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
     ledger = result.ledger
     subjects = git(ledger, "log", "--reverse", "--format=%s").splitlines()
     assert subjects[0].startswith("start llm:") and subjects[-1] == "end llm: 5 candidates reached"
-    assert [s.split(":")[0] for s in subjects[1:-1]] == [f"{o} {c} at {st}" for c, o, st in outcomes]
-    trailers = git(ledger, "log", "-1", "--format=%(trailers:key=Verdict,key=Rounds,key=Cost,valueonly)", "HEAD~4")
+    proposed = [s.split(":")[0] for s in subjects if s.startswith("propose ")]   # committed before their verdicts
+    assert proposed == ["propose c002 [decode]", "propose c005 [decode]"]
+    verdicts = [s for s in subjects[1:-1] if not s.startswith("propose ")]
+    assert [s.split(":")[0] for s in verdicts] == [f"{o} {c} at {st}" for c, o, st in outcomes]
+    trailers = git(ledger, "log", "-1", "--format=%(trailers:key=Verdict,key=Rounds,key=Cost,valueonly)",
+                   "HEAD~5")                       # end, c005, its proposal, c004, c003, then c002
     assert trailers.split() == ["passed", "2", f"{c002.cost_usd:.6f}"]
 
     assert [e["purpose"] for e in exchanges(ledger, "c001")] == ["claim", "claim-repair"]

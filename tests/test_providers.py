@@ -67,7 +67,8 @@ def test_errors_retrying_cannot_fix_stop_at_once_with_one_line(service, name, st
 
 
 def test_retries_that_run_out_stop_the_run_naming_the_last_error(service):
-    fake, cfg, meter = service({"m": [Step.error(500, "upstream down")] * 3}, **{"providers.retry.attempts": 3})
+    fake, cfg, meter = service({"m": [Step.error(500, "upstream down")] * 3},
+                               **{"providers.retry.attempts": 3, "providers.outage.give_up_s": 0})   # no waiting
     with pytest.raises(ProviderStop, match=r"^openai: gave up after 3 attempts; last: 500 upstream down$"):
         ask(llm(cfg, "openai"), meter, "m", "planner", "claim", "system", HI)
     assert len(fake.seen) == 3

@@ -1,0 +1,265 @@
+"""Several candidates in flight at once: the run's drive when evaluations go through an executor
+(harness/executors.py: one slot process per GPU here, or a Dask cluster; docs/CLUSTER.md).
+
+One proposer thread writes proposals one after another, so ids and the order of proposals are what a
+serial run's would be; the planner is told every candidate still in flight. Each ready proposal is
+judged in its own thread, every round of it a job on the executor (c007, then c007.r1 for its first
+compile repair), so the loop's process evaluates no candidate (nor the heads, where Run.start asks
+`head()`); compile repairs ask the LLM from that thread, on this machine. Up to `executor.capacity`
+candidates are judged at once, and one more proposal is written meanwhile (`agent.overlap`).
+Verdicts are committed through Run.record strictly in candidate-id order (`InOrder`): one that
+finished early waits for those before it, so the ledger's order does not depend on which slot was
+faster. A job whose evaluator was lost more often than `executor.requeue_limit` allows
+(`EvaluationLost`) is recorded as unevaluated at `evaluator`, with the reason.
+Budgets, signals and resume are Run's. `max_candidates` counts proposals in flight; when the run must
+end, the candidates being judged are finished and committed first. A proposal never started is treated
+as the serial loop treats the one it was writing: after a signal (or an evaluator that cannot go on)
+it stays in the ledger as a proposal, evaluated first when the run is resumed; after any other end it
+is recorded unevaluated, with what it cost.
+Not here: running jobs, re-queueing, slot health (the executors); what a round is and how records are
+made (agent/evaluator.py); the budgets themselves, heads, resume (agent/loop.py).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from harness.config import Config
+from harness.errors import HarnessError
+from harness.evaluate import open_pool
+from harness.executors import Executor, InOrder, local_pins, open_executor
+from harness.records import Verdict
+from harness.slot import Done, Job
+
+from agent.evaluator import evaluate_head, judge, unevaluated
+from agent.loop import Run, RunResult
+from agent.providers import ProviderStop
+from agent.records import CandidateRecord, Exchange, Kernel, Proposal
+
+
+def in_parallel(cfg: Config) -> bool:
+    """Whether a run evaluates through an executor: a Dask cluster, or more than one slot on this machine."""
+    return cfg.executor.kind == "dask" or len(local_pins(cfg)) > 1
+
+
+# -----------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Judged:
+    record: CandidateRecord
+    exchanges: list[Exchange]
+    stop: str = ""                  # a provider stopped the run during a compile repair
+    slots: list[str] = field(default_factory=list)
+
+
+def _thread(fut: Future, name: str, fn, *args) -> Future:
+    """`fn(*args)` in a daemon thread, its outcome into `fut` (a stopping run never waits on it)."""
+    def work() -> None:
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:                      # handed to the loop as it is
+            fut.set_exception(e)
+    threading.Thread(target=work, name=name, daemon=True).start()
+    return fut
+
+
+class _PoolOnDemand:
+    """The loop's own worker pool, started only if something evaluates in this process (the heads, while
+    Run.start evaluates them in-process); closed by whoever made it."""
+
+    def __init__(self, cfg: Config, target: str, device) -> None:
+        self.args, self.pool = (cfg, target, device), None
+
+    def __getattr__(self, name: str):
+        if self.pool is None:
+            self.pool = open_pool(*self.args)
+        return getattr(self.pool, name)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+class ParallelRun(Run):
+    """A run whose candidates are judged through an executor, several at once (the module's docstring)."""
+
+    def __init__(self, cfg: Config, settings, view) -> None:
+        super().__init__(cfg, settings, view)
+        self.executor: Executor | None = None       # opened on first use, inside the run's lock
+        self.evaluations: list[Done] = []           # every job's Done as it came back (diagnostics, trailers)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stages: dict[str, str] = {}           # candidate id -> the stage it is at (the live view)
+        self._proposing = ""
+        self._reported: set[str] = set()            # slots taken out that a commit has already named
+
+    def slots(self) -> Executor:
+        if self.executor is None:
+            self.view.update(activity=f"starting the evaluation slots ({self.cfg.executor.kind} executor)")
+            self.executor = open_executor(self.cfg, self.settings.target)
+        return self.executor
+
+    def evaluate(self, job: str, source: str) -> Verdict:
+        """One job on the executor, waiting for its verdict (in a judge thread, or for a head)."""
+        cid = job.split(".")[0]
+        done = self.slots().submit(Job(id=job, source=source), on_stage=lambda name: self._news(cid, name)).result()
+        with self._lock:
+            self.evaluations.append(done)
+        return done.verdict
+
+    def head(self, op: str, pool) -> Kernel:
+        """The head of `op`, evaluated on the executor (the hook Run.start calls, where it has one)."""
+        return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog, evaluate_fn=self.evaluate)
+
+    # -- the live view ------------------------------------------------------------------------------
+
+    def _news(self, cid: str | None, stage: str = "") -> None:
+        with self._lock:
+            if cid is not None:
+                self._stages[cid] = stage
+            self._stages = {c: s for c, s in self._stages.items() if s}
+            parts = [f"{c}: {s}" for c, s in sorted(self._stages.items())]
+            text = ("evaluating " + ", ".join(parts) if parts else "") + (
+                f"{'; ' if parts else ''}proposing {self._proposing}" if self._proposing else "")
+        self.view.update(activity=text or "waiting")
+
+    # -- the drive ----------------------------------------------------------------------------------
+
+    def _judge(self, proposal: Proposal, parent: Kernel) -> _Judged:
+        try:
+            record, exchanges, stop = judge(proposal, parent, self.proposer, self.cfg, self.settings.target, None,
+                                           evaluate_fn=self.evaluate)
+        finally:
+            self._news(proposal.id, "")
+        with self._lock:
+            slots = [d.slot for d in self.evaluations if d.id.split(".")[0] == proposal.id]
+        return _Judged(record, exchanges, stop, slots)
+
+    def _trailers(self, judged: _Judged) -> dict[str, str]:
+        out = {"Evaluated-On": ", ".join(judged.slots)} if judged.slots else {}
+        removed = dict(getattr(self.executor, "removed", {}))
+        new = {slot: why for slot, why in removed.items() if slot not in self._reported}
+        if new:
+            out["Slots-Out"] = "; ".join(" ".join(why.split())[:200] for why in new.values())
+            self._reported |= set(new)
+        return out
+
+    def _propose(self, held: dict[str, Proposal]) -> Future:
+        state = self.state(list(held.values()))
+        self._proposing = state.next_id
+        self._news(None)
+        fut: Future = Future()
+        fut.add_done_callback(lambda _: self._wake.set())
+        return _thread(fut, "kevo-proposer", self.proposer.propose, state)
+
+    def drive(self) -> tuple[str, bool]:
+        if why := self.limit():                     # spent before this session: what is pending stays so
+            return why, False
+        ex = self.slots()
+        ahead = 1 if self.cfg.agent.overlap and not self.proposer.instant else 0
+        order, held, futures = InOrder(), OrderedDict(), {}    # every proposal not yet recorded, in id order
+        waiting: deque[Proposal] = deque()                      # ready, not started
+        running: dict[str, Future] = {}
+        fut, asked, hold, stop, fatal, broken = None, 0, False, "", False, ""
+
+        def arrive(p: Proposal, new: bool) -> None:
+            if stop and self.proposer.instant and not p.exchanges:
+                return                               # written as the run ended, and it cost nothing
+            held[p.id], futures[p.id] = p, Future()
+            futures[p.id].add_done_callback(lambda _: self._wake.set())
+            order.track(p.id, futures[p.id])
+            if p.outcome != "ready":
+                futures[p.id].set_result(_Judged(unevaluated(p, p.outcome, p.stage, p.reason), p.exchanges))
+            elif stop:                               # written while the run was ending: what it cost is kept
+                futures[p.id].set_result(_Judged(unevaluated(p, "unevaluated", "budget", f"the run ended: {stop}"),
+                                                 p.exchanges))
+            else:
+                if new and not self.proposer.instant:
+                    self.commit_proposal(p)          # from here a stop loses nothing: a resumed run evaluates it
+                waiting.append(p)
+
+        for p in self.ledger.pending():              # committed before a stop, never evaluated: first
+            arrive(p, new=False)
+        while True:
+            self._wake.clear()
+            while not broken and order.ready():      # verdicts, strictly in candidate order
+                cid = next(iter(order.pending))
+                try:
+                    judged = order.next()
+                except HarnessError as e:            # the evaluator itself cannot go on (no slot left)
+                    broken, stop, fatal = cid, f"{e}; resume the run once the evaluator can run", True
+                    break
+                del held[cid]
+                self.record(judged.record, judged.exchanges, self._trailers(judged))
+                hold = False
+                if judged.stop and not fatal:
+                    stop, fatal = judged.stop, True
+            running = {c: f for c, f in running.items() if not f.done()}
+            if not stop and (why := self.stop.why or self.budget()):
+                stop = why
+            if fut is not None and self.stop.why:    # a signal: the proposal being written is abandoned
+                fut = None
+            if fut is not None and fut.done():
+                try:
+                    proposal = fut.result()
+                except ProviderStop as e:
+                    proposal = None
+                    if not stop:
+                        stop, fatal = (self.halted(), False) if self.halted() else (str(e), True)
+                fut, self._proposing = None, ""
+                if isinstance(proposal, Proposal):
+                    arrive(proposal, new=True)
+                elif not stop:                       # the proposer has nothing left, as things stand
+                    if held:
+                        hold = True                  # ask again once the next verdict is in
+                    elif len(self.history) == asked:
+                        stop = "search exhausted: the proposer has nothing left worth trying"
+            cap = ex.capacity if not stop and (waiting or fut is None) else 0     # Dask: asks the scheduler
+            while not stop and waiting and len(running) < max(cap, 1):
+                p = waiting.popleft()
+                self._news(p.id, "queued")
+                self.view.update(claim=f"{p.id} [{p.op}] {p.claim.hypothesis}" if p.claim else "")
+                running[p.id] = _thread(futures[p.id], f"kevo-judge-{p.id}", self._judge, p, self.parents[p.op])
+            if (not stop and not hold and fut is None and len(running) + len(waiting) < cap + ahead
+                    and not self.limit(in_flight=len(held))):
+                asked, fut = len(self.history), self._propose(held)
+            if stop and not running and fut is None:
+                break
+            self._wake.wait(0.2)
+        self._proposing = ""
+        self._leave(held, futures, stop, keep=bool(self.stop.why or broken), broken=broken)
+        return stop, fatal
+
+    def _leave(self, held: dict[str, Proposal], futures: dict[str, Future], stop: str, keep: bool,
+               broken: str) -> None:
+        """What is not recorded when the run ends, in order. Answered (a verdict, a malformed proposal): recorded,
+        unless something before it stays unrecorded. Never started: `keep` (a signal, or an evaluator that cannot
+        go on) leaves it in the ledger as a proposal for a resumed run; otherwise it is recorded unevaluated.
+        An instant proposer's is dropped (nothing spent, nothing committed)."""
+        cut = False
+        for cid, p in held.items():
+            f = futures[cid]
+            judged = f.result() if f.done() and not f.cancelled() and f.exception() is None else None
+            if judged is not None and not cut and cid != broken:
+                self.record(judged.record, judged.exchanges, self._trailers(judged))
+            elif self.proposer.instant:
+                continue
+            elif keep:
+                cut = True
+                if p.outcome != "ready":             # ready ones were committed as proposals when they came
+                    self.commit_proposal(p)
+            else:
+                self.record(unevaluated(p, "unevaluated", "budget", f"the run ended: {stop}"), p.exchanges)
+
+    def __call__(self, pool=None) -> RunResult:
+        own = pool is None
+        pool = _PoolOnDemand(self.cfg, self.settings.target, self.device) if own else pool
+        try:
+            return super().__call__(pool)
+        finally:
+            if self.executor is not None:
+                self.executor.close()
+            if own:
+                pool.close()

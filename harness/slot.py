@@ -1,0 +1,175 @@
+"""One evaluation slot: the staged evaluator pinned to one GPU (or a share of the CPU cores), one job
+at a time, with its own worker pool and a health check of its device.
+
+Every stage of a job runs in its slot, the microbench and the full scored replay included, and a
+slot runs one job at a time; with one slot per GPU, nothing else runs on a GPU while a microbench
+times on it or a replay serves from it (docs/CLUSTER.md). Pinning is by environment and affinity,
+set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
+inherit it. The health check is a known sum computed on the device in the slot's own process, then
+a tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`).
+Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
+worker process). `Job` and `Done` are pure data: they cross a pipe or a network as JSON.
+Not here: which slot runs which job, re-queueing, ordering (the executors).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Callable, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from harness.config import Config
+from harness.errors import HarnessError
+from harness.evaluate import evaluate, resolve_device
+from harness.pool import Pool
+from harness.records import Verdict
+
+_KNOWN = 4096
+_KNOWN_SUM = float(_KNOWN * (_KNOWN - 1))          # 2 * (0 + 1 + ... + 4095): exact in float32
+
+
+class Job(BaseModel):
+    """One evaluation: a candidate's source, to be judged by the stages up to `until` (None: all)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    id: str                   # unique per evaluation: the candidate's id, or its repair round's (c007.r1)
+    source: str
+    until: str | None = None
+
+
+class Done(BaseModel):
+    """A job's verdict and where and when it was reached (diagnostics; not part of any ledger)."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    verdict: Verdict
+    slot: str                 # gpu1, cpu0, or a Dask worker's address
+    started: float            # wall clock (time.time) in the slot
+    ended: float
+
+
+class Pin(BaseModel):
+    """Where a slot runs: one GPU (CUDA_VISIBLE_DEVICES), or a set of CPU cores (affinity)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    device: Literal["cuda", "cpu"]
+    visible: str | None = None        # the CUDA_VISIBLE_DEVICES value (an index or a GPU UUID)
+    cpus: tuple[int, ...] = ()        # empty: leave the affinity as it is
+
+
+def needs_check(verdict: Verdict) -> bool:
+    """A worker that crashed or hung may have left the device unwell: check it before the next job."""
+    return any(s.metrics.get("crashed") or s.metrics.get("timeout") for s in verdict.stages)
+
+
+class Slot:
+    def __init__(self, cfg: Config, target: str, pin: Pin | None = None, name: str = "") -> None:
+        self.cfg, self.target, self.pin = cfg, target, pin
+        self.name = pin.name if pin else name
+        self.pool: Pool | None = None
+        self._pinned = pin is None
+
+    def _apply_pin(self) -> None:
+        if self._pinned:
+            return
+        if self.pin.device == "cuda":
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.pin.visible or ""
+        if self.pin.cpus:
+            try:
+                os.sched_setaffinity(0, self.pin.cpus)
+            except OSError as e:
+                raise OSError(f"cannot pin to CPU cores {list(self.pin.cpus)}: {e.strerror}") from None
+            torch.set_num_threads(len(self.pin.cpus))
+        self._pinned = True
+
+    def device(self) -> torch.device:
+        if self.pin is None:
+            return resolve_device(self.cfg)
+        if self.pin.device == "cuda" and not torch.cuda.is_available():
+            raise HarnessError(f"no CUDA device visible with CUDA_VISIBLE_DEVICES={self.pin.visible}")
+        return torch.device(self.pin.device)
+
+    def _pool(self) -> Pool:
+        if self.pool is not None and self.pool.proc is not None and self.pool.proc.poll() is None:
+            return self.pool
+        if self.pool is not None:                  # its zygote died: start another
+            self.pool.close()
+        self.pool = None
+        self.pool = Pool(self.cfg.worker, self.device().type, self.target).start()
+        return self.pool
+
+    def check(self) -> str:
+        """'' when the slot can evaluate; otherwise one line saying why not."""
+        try:
+            self._apply_pin()
+            device = self.device()
+            x = torch.arange(_KNOWN, dtype=torch.float32, device=device)
+            got = float((x * 2).sum().item())
+            if got != _KNOWN_SUM:
+                return f"{self.name}: a known sum on {device.type} came out {got}, not {_KNOWN_SUM}"
+            why = self._pool().check_health()
+        except (OSError, RuntimeError, HarnessError) as e:
+            why = f"{type(e).__name__}: {e}"
+        return f"{self.name}: " + " ".join(why.split())[:500] if why else ""
+
+    def identity(self) -> str:
+        """The device this slot runs on, the same string for every slot that shares it."""
+        self._apply_pin()
+        host = socket.gethostname()
+        if self.device().type == "cuda":
+            return f"{host}/{torch.cuda.get_device_properties(0).uuid}"
+        return f"{host}/cpu{sorted(os.sched_getaffinity(0))}"
+
+    def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
+        started = time.time()
+        verdict = evaluate(job.source, self.target, self.cfg, self._pool(), until=job.until, on_stage=on_stage)
+        return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time())
+
+    def scratch(self) -> str:
+        """The pool's scratch folder, for whoever must clean up after this process is killed."""
+        return str(self.pool.root) if self.pool is not None else ""
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+
+def serve(fd: int) -> None:
+    """A slot process (`python -m harness.slot FD`, started by harness/executors.py). The first message
+    on FD is (config JSON, target, pin JSON); then it answers ("check",) and ("job", JSON) until FD
+    closes. SIGTERM ends it with its pool closed; SIGINT is left to the process that started it."""
+    from harness.sandbox import die_with_parent
+    die_with_parent()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    cfg_json, target, pin_json = conn.recv()
+    slot = Slot(Config.model_validate_json(cfg_json), target, Pin.model_validate_json(pin_json))
+    try:
+        conn.send(("health", slot.check(), slot.scratch()))
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return
+            if msg[0] == "check":
+                conn.send(("health", slot.check(), slot.scratch()))
+                continue
+            job = Job.model_validate_json(msg[1])
+            try:
+                done = slot.run(job, on_stage=lambda name: conn.send(("stage", name)))
+            except HarnessError as e:
+                conn.send(("error", str(e)))
+                continue
+            conn.send(("done", done.model_dump_json()))
+    finally:
+        slot.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))

@@ -1,0 +1,33 @@
+"""A fake LLM service that is down: 503 to every request while `down(api)` says so, its script kept for
+when it is back. For outages longer than a provider's retries."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from fakes.llm_server import FakeLLM, Seen
+
+
+@dataclass
+class FlakyLLM(FakeLLM):
+    down: Callable[[str], bool] = lambda api: False
+
+    def _answer(self, api: str, headers: dict, body: dict) -> tuple[int, dict]:
+        if not self.down(api):
+            return super()._answer(api, headers, body)
+        with self.lock:
+            self.seen.append(Seen(api, body.get("model", ""), headers, body))
+        if api == "openai":
+            return 503, {"error": {"message": "fake outage", "type": "fake", "code": "server_error"}}
+        return 503, {"type": "error", "error": {"type": "api_error", "message": "fake outage"}}
+
+
+def down_for(seconds: float) -> Callable[[str], bool]:
+    """Down from the first request on, for `seconds`."""
+    first: list[float] = []
+
+    def down(api: str) -> bool:
+        first.append(time.monotonic())
+        return first[-1] - first[0] < seconds
+    return down

@@ -1,0 +1,188 @@
+"""`kevo-agent replay`: a real past run (the loop against a fake OpenAI service on loopback) re-judged by
+today's harness, and its decisions re-made from the recorded exchanges with no key and no service.
+Each replay is committed on a replay/ branch of the run and leaves the run's branch and files alone."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from rich.console import Console
+
+from conftest import ROOT, config_with
+from fakes import scripts as S
+from fakes.llm_server import FakeLLM
+
+from agent.loop import run, settings_from
+from agent.replay import ReplayError, replay_decisions, replay_verdicts
+from agent.replay_report import commit_replay
+from agent.view import RunView
+
+PLANNER, CODER = "fake-planner", "fake-coder"
+KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
+
+
+def quiet() -> RunView:
+    return RunView(console=Console(file=io.StringIO(), width=200))
+
+
+def git(repo, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def untouched(repo) -> tuple:
+    """What a replay must not change: the checked-out branch, its tip, what is staged, the files."""
+    return (git(repo, "rev-parse", "--abbrev-ref", "HEAD"), git(repo, "rev-parse", "HEAD"),
+            git(repo, "ls-files", "--stage"), git(repo, "status", "--porcelain", "--untracked-files=all"))
+
+
+@pytest.fixture(scope="module")
+def past(pool, tmp_path_factory):
+    """A three-candidate run of the LLM loop: c001 fails to compile and is repaired (passed), c002 fails
+    parity, c003 is not worth coding. The next claim is written while a candidate is evaluated."""
+    coder_replies = [S.SYNTAX_ERROR, S.WRONG]           # c001's first file, then c002's
+
+    def coder(body: dict) -> str:                       # a compile repair may interleave with c002's file
+        asks = body["messages"][-1]["content"]
+        return S.GOOD if "rejected at the compile stage" in asks else coder_replies.pop(0)
+
+    scripts = {PLANNER: [S.claim(1.3), S.claim(1.2, stage="parity"), S.claim(1.001)], CODER: [coder] * 3}
+    runs = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp, FakeLLM(scripts) as fake:
+        mp.setenv("OPENAI_API_KEY", "sk-test-REPLAY-4242")
+        cfg = config_with(**{
+            "agent.runs_dir": str(runs), "agent.ops": ["decode"], "providers.openai.base_url": fake.openai_url,
+            "providers.openai.planner_model": PLANNER, "providers.openai.coder_model": CODER,
+            f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},
+            f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}})
+        result = run(cfg, settings_from(cfg, pool.device, provider="openai", max_candidates=3, run_id="past"),
+                     quiet(), pool=pool)
+    assert [(r.outcome, r.stage, len(r.rounds)) for r in result.history] == [
+        ("passed", "parity", 2), ("rejected", "parity", 1), ("not-worth-coding", "ceiling", 0)]
+    return result
+
+
+def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
+    root = past.ledger
+    before = untouched(root)
+    replay = replay_verdicts(root, config_with(), pool)
+
+    rows = {r.ref: r for r in replay.rows}
+    assert list(rows) == ["head:decode", "c001", "c002", "c003"]
+    for r in past.history:
+        row = rows[r.id]
+        assert (row.then.outcome, row.then.stage) == (r.outcome, r.stage)
+        if r.rounds:
+            assert (row.now.outcome, row.now.stage) == (r.outcome, r.stage) and row.change == "same"
+        else:
+            assert row.now is None and row.change == "not evaluated then"
+    assert rows["head:decode"].change == "same" and rows["head:decode"].now.outcome == "passed"
+    assert replay.failures == [] and replay.config_changes == []
+
+    done = commit_replay(root, replay)
+    assert untouched(root) == before
+    assert done.branch.startswith("replay/") and done.branch.endswith("-cpu")
+    assert git(root, "branch", "--list", "replay/*").split() == [done.branch]
+    assert git(root, "rev-parse", f"{done.branch}~1") == before[1]                # on top of the run's tip
+    committed = json.loads(git(root, "show", f"{done.branch}:replay/replay.json"))
+    assert [(r["ref"], r["change"]) for r in committed["rows"]] == [(r.ref, r.change) for r in replay.rows]
+    readme = git(root, "show", f"{done.branch}:replay/README.md")
+    assert "| c002 | decode | rejected at parity | rejected at parity | same |" in readme
+
+    only = replay_verdicts(root, config_with(), pool, only=["c002"], until="compile")
+    assert [(r.ref, r.then.outcome, r.then.stage, r.now.outcome, r.now.stage) for r in only.rows] == [
+        ("c002", "passed", "compile", "passed", "compile")]            # both verdicts cut after compile
+    with pytest.raises(ReplayError, match="'c009' is not a kernel of past"):
+        replay_verdicts(root, config_with(), pool, only=["c009"])
+
+
+def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
+    root = past.ledger
+    before = untouched(root)
+    allowed = [m for m in config_with().stages.compile.allowed_imports if m != "math"]
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config_with(**{"stages.compile.allowed_imports": allowed}).model_dump(mode="json")))
+    done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root), "--json"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    replay = json.loads(done.stdout)
+    changes = {r["ref"]: (r["change"], r["now"] and r["now"]["stage"]) for r in replay["rows"]}
+    assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
+                       "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
+    assert any(c.startswith("stages.compile.allowed_imports:") for c in replay["config_changes"])
+    assert "replaying c002 (3/4)" in done.stderr
+    assert untouched(root) == before
+    assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
+
+
+def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, pool, monkeypatch):
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    root = past.ledger
+    before = untouched(root)
+    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+
+    assert [(d.id, d.differs) for d in replay.decisions] == [("c001", []), ("c002", []), ("c003", [])]
+    for d, r in zip(replay.decisions, past.history, strict=True):
+        assert (d.now.op, d.now.expected_speedup, d.now.outcome, d.now.stage) == (
+            r.op, r.claim.expected_speedup, r.outcome, r.stage)
+    assert replay.failures == [] and replay.unasked == []
+    assert replay.divergences == []                 # today's prompts are the recorded ones, byte for byte
+    assert replay.stopped == {"then": "3 candidates reached", "now": "3 candidates reached"}
+    scratch = replay.scratch
+    assert scratch != str(root) and os.path.isdir(scratch)
+    assert json.loads(git(scratch, "show", "HEAD:run.json"))["provider"] == "recorded"     # a ledger of its own
+    assert json.loads(git(scratch, "show", "HEAD:candidates/c002/record.json"))["outcome"] == "rejected"
+
+    done = commit_replay(root, replay)
+    assert untouched(root) == before
+    assert done.branch.endswith("-cpu-llm-recorded")
+    committed = json.loads(git(root, "show", f"{done.branch}:replay/replay.json"))
+    assert committed["kind"] == "decisions" and [d["differs"] for d in committed["decisions"]] == [[], [], []]
+
+
+def tamper(root, cid: str, old: str, new: str) -> None:
+    """Rewrite the planner's first recorded reply for `cid`, and commit it (the replay reads commits)."""
+    path = root / "candidates" / cid / "exchanges.jsonl"
+    lines = path.read_text().splitlines()
+    first = json.loads(lines[0])
+    assert (first["role"], first["purpose"]) == ("planner", "claim") and old in first["reply"]
+    first["reply"] = first["reply"].replace(old, new)
+    path.write_text("\n".join([json.dumps(first), *lines[1:]]) + "\n")
+    git(root, "commit", "-qam", f"someone rewrote {cid}'s claim")
+
+
+def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_path, monkeypatch):
+    for key in KEYS:
+        monkeypatch.delenv(key, raising=False)
+    root = tmp_path / "tampered"
+    shutil.copytree(past.ledger, root)
+    tamper(root, "c001", '"expected_speedup": 1.3', '"expected_speedup": 1.001')    # now not worth coding
+    tamper(root, "c003", '"expected_speedup": 1.001', '"expected_speedup": 1.3')    # now worth coding: no code recorded
+
+    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+    differs = {d.id: d.differs for d in replay.decisions}
+    assert differs == {"c001": ["expected_speedup", "outcome", "stage"], "c002": [], "c003": ["not made now"]}
+    assert replay.failures == ["c001", "c003"]
+    c001 = replay.decisions[0]
+    assert (c001.then.outcome, c001.now.outcome, c001.now.stage) == ("passed", "not-worth-coding", "ceiling")
+    assert replay.unasked == ["c001: 2 recorded coder exchange(s) never asked for (code, compile-repair)"]
+    assert any(d.candidate == "c002" and d.role == "planner" for d in replay.divergences)   # its history changed
+    assert replay.stopped["now"] == ("recorded: nothing matches: c003 asked the coder for reply 1; "
+                                     "the run recorded 0 coder exchange(s) for c003")
+
+
+def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(pool, tmp_path):
+    cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
+    past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
+    replay = replay_decisions(past.ledger, config_with(), quiet(), pool=pool)
+    assert replay.proposer.startswith("the built-in proposer, run again")
+    assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]
+    assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
+        (r.claim.hypothesis, r.claim.expected_speedup) for r in past.history]
+    assert replay.failures == [] and replay.divergences == [] and replay.unasked == []

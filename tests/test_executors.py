@@ -1,0 +1,136 @@
+"""Evaluations in parallel: slot processes on this machine (LocalExecutor) and a real Dask cluster of
+worker processes on loopback (DaskExecutor) give the verdicts a serial evaluate() gives, in
+submission order, each job once — with a slot that cannot be used taken out, and an evaluator
+killed mid-job re-queued."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from candidates import CRASH_ON_BOUNDARY, REF_DECODE, SDPA_WRAPPER, WRONG_SHAPE
+from conftest import CUDA, ROOT, config_with
+from harness.config import ConfigError, load_config
+from harness.errors import HarnessError
+from harness.evaluate import evaluate
+from harness.executors import InOrder, LocalExecutor, local_pins
+from harness.slot import Job, Pin
+
+# Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
+# them makes its slot check its health again before the next job.
+JOBS = [Job(id="c001", source=REF_DECODE, until="parity"), Job(id="c002", source=CRASH_ON_BOUNDARY, until="parity"),
+        Job(id="c003", source=SDPA_WRAPPER, until="parity"), Job(id="c004", source=WRONG_SHAPE, until="parity")]
+# Slow while its worker imports it, so the test can kill its evaluator mid-job; then passes compile.
+SLOW = Job(id="c010", source=REF_DECODE + '\n__import__("time").sleep(4)\n', until="compile")
+
+
+def gist(verdict) -> tuple:
+    return (verdict.ok, verdict.accepted, verdict.failed_stage, verdict.reason,
+            [(s.name, s.status) for s in verdict.stages])
+
+
+@pytest.fixture(scope="module")
+def serial(cfg, pool):
+    return {job.id: gist(evaluate(job.source, "attention", cfg, pool, until=job.until)) for job in JOBS + [SLOW]}
+
+
+@pytest.fixture(scope="module")
+def local():
+    """Two CPU slots, each on its share of the cores, and a third pinned to a core this machine lacks."""
+    cfg = config_with(**{"executor.cpu_slots": 2})
+    missing = Pin(name="cpu-missing", device="cpu", cpus=(os.cpu_count() + 1000,))
+    with LocalExecutor(cfg, "attention", local_pins(cfg) + [missing]) as ex:
+        yield ex
+
+
+def drain(queue: InOrder) -> list:
+    out = []
+    while len(queue):
+        out.append(queue.next())
+    return out
+
+
+def test_local_slots_evaluate_at_once_and_agree_with_a_serial_run(local, serial):
+    queue = InOrder(local)
+    for job in JOBS:
+        assert queue.submit(job)
+    assert not queue.submit(JOBS[0])                       # already in flight: not evaluated twice
+    done = drain(queue)
+    assert [d.id for d in done] == [j.id for j in JOBS]    # submission order, each once
+    assert {d.id: gist(d.verdict) for d in done} == {j.id: serial[j.id] for j in JOBS}
+    assert {d.slot for d in done} == {"cpu0", "cpu1"}
+    overlapping = [(a.id, b.id) for a in done for b in done
+                   if a.slot != b.slot and a.started < b.ended and b.started < a.ended]
+    assert overlapping, [(d.id, d.slot, d.started, d.ended) for d in done]
+    assert local.capacity == 2                             # the crash's health re-check kept its slot
+
+
+def test_a_slot_whose_device_is_missing_is_taken_out_and_the_rest_go_on(local):
+    assert set(local.removed) == {"cpu-missing"}
+    assert "cannot pin to CPU cores" in local.removed["cpu-missing"]
+    assert local.capacity == 2
+    with pytest.raises(HarnessError, match="no evaluation slot passed its health check: cpu-missing"):
+        LocalExecutor(config_with(), "attention", [Pin(name="cpu-missing", device="cpu", cpus=(os.cpu_count() + 1000,))])
+
+
+def test_a_slot_process_killed_mid_job_has_its_job_requeued_and_answered_once(local, serial):
+    started = threading.Event()
+    fut = local.submit(SLOW, on_stage=lambda name: started.set())
+    assert started.wait(120)
+    victim = next(slot for slot, job_id in local.running().items() if job_id == SLOW.id)
+    os.kill(local.pid(victim), signal.SIGKILL)
+    done = fut.result(timeout=120)
+    assert local.requeued[SLOW.id] == 1
+    assert done.slot != victim and gist(done.verdict) == serial[SLOW.id]
+    assert local.submit(SLOW) is fut                       # the id is answered once
+
+
+def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_killed(serial):
+    from harness.cluster import TOPIC, DaskExecutor
+    cfg = config_with(**{"executor.kind": "dask", "executor.cpu_slots": 2})
+    jobs = [JOBS[0], JOBS[1], SLOW]            # two at once on the two workers; the slow one next, killed
+    with DaskExecutor(cfg, "attention") as ex:
+        assert ex.capacity == 2
+        queue = InOrder(ex)
+        started = threading.Event()
+        for job in jobs:
+            queue.submit(job, on_stage=(lambda name: started.set()) if job is SLOW else None)
+        assert started.wait(120)
+        victim = next(worker for worker, job_id in ex.running().items() if job_id == SLOW.id)
+        os.kill(ex.client.run(os.getpid)[victim], signal.SIGKILL)
+        done = drain(queue)
+        assert [d.id for d in done] == [j.id for j in jobs]
+        assert {d.id: gist(d.verdict) for d in done} == {j.id: serial[j.id] for j in jobs}
+        ran_on = [msg["slot"] for _, msg in ex.client.get_events(TOPIC) if msg["id"] == SLOW.id and msg["stage"] == "compile"]
+        assert len(ran_on) == 2 and ran_on[0] == victim and done[-1].slot == ran_on[1] != victim
+        a, b = done[0], done[1]
+        assert a.slot != b.slot and a.started < b.ended and b.started < a.ended    # evaluated at the same time
+        assert ex.submit(SLOW) is ex.submit(SLOW) and not queue.submit(SLOW)       # one verdict per id
+
+
+@pytest.mark.parametrize("old, new, words", [
+    ("  cpu_slots: 1", "  cpu_slots: 1\n  cpu_slot: 2", "executor.cpu_slot: unknown key"),
+    ("  gpus: auto", "  gpus: [0, 0]", "executor.gpus: Value error, gpus must be auto or a non-empty list of distinct"),
+    ("  kind: local", "  kind: ray", "executor.kind: Input should be 'local' or 'dask'"),
+    ("CUDA_VISIBLE_DEVICES, ", "", "worker.env_passthrough must include CUDA_VISIBLE_DEVICES"),
+])
+def test_an_executor_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
+    text = (ROOT / "config.yaml").read_text()
+    assert old in text
+    path = tmp_path / "config.yaml"
+    path.write_text(text.replace(old, new, 1))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_a_gpu_slot_pinned_to_a_missing_gpu_is_taken_out_and_gpu0_evaluates():
+    cfg = config_with(**{"executor.gpus": [0, 99]})
+    with LocalExecutor(cfg, "attention") as ex:
+        assert set(ex.removed) == {"gpu99"} and "CUDA_VISIBLE_DEVICES=99" in ex.removed["gpu99"]
+        done = ex.submit(Job(id="g001", source=REF_DECODE, until="parity")).result(timeout=900)
+        assert done.slot == "gpu0" and done.verdict.ok, done.verdict.reason
