@@ -36,7 +36,7 @@ from agent.environment import describe
 from agent.evaluator import check_device, device_seconds, evaluate_head, judge, now, unevaluated
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
-from agent.profile import baseline_replay_note, standin_profile
+from agent.profile import baseline_replay_note, run_profile
 from agent.proposers import PROPOSERS
 from agent.providers import Meter, ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
@@ -199,7 +199,7 @@ class Run:
                 self.view.update(activity=f"evaluating the {op} head (reference kernel)")
                 self.heads[op] = self.head(op, pool)
             self.head_device_s = device_seconds(self.heads, [])
-            self.profile = standin_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
+            self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
             s = self.settings
             header = RunHeader(id=s.run_id, target=s.target, provider=s.provider,
                                planner_model=s.planner_model if s.provider != "offline" else "",
@@ -260,7 +260,7 @@ class Run:
             self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
                                     source=record.source or "", knobs=record.knobs, speedup=record.speedup,
                                     verdict=record.verdict)
-            self.profile = standin_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
+            self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
                                            why=f"rebuilt after {record.id} became the {op} head")
             files = {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
                      "profile.json": self.profile.model_dump_json(indent=1)}

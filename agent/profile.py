@@ -1,16 +1,21 @@
 """The profile evidence a planner reasons from: each op's share f of the served step, and figures.
 
-Until the served scenario's profile exists (issue 3, `kevo-agent profile`), this builds a stand-in
-and says so: op shares are the assumptions in config (agent.standin_op_share), the shapes are the
-config's served placeholders, and the only measurements are the head kernels' own microbench figures
-(when this machine has CUDA). The baseline replay is likewise a note until stage 5 exists.
-Not covered: measuring where a served step's time goes — that is issue 3's profiler.
+When config names a recorded served profile (`served.recorded_shapes`: a `kevo-agent profile --json`
+file, which also sets the served shapes), the op shares are that profile's measurements. Otherwise
+a stand-in, which says so: op shares are the assumptions in config (agent.standin_op_share), the
+shapes are the config's served placeholders. Either way the heads' own microbench figures are added
+(when this machine has CUDA).
+Not covered: measuring where a served step's time goes — that is harness/profile.py.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
-from harness.config import Config
+from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
 from harness.evaluate import device_shapes
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
@@ -57,6 +62,48 @@ def standin_profile(cfg: Config, target: str, device: torch.device, arch: str, h
     note = ("stand-in profile: no served profile exists yet (issue 3's `kevo-agent profile`); op shares are "
             "assumptions from config, shapes are the config's placeholders, the figures are the heads' microbench")
     return Profile(source="stand-in", note=note + (f"; {why}" if why else ""), device=device.type, arch=arch, ops=ops)
+
+
+def measured_profile(cfg: Config, target: str, device: torch.device, arch: str, heads: dict[str, Kernel],
+                     path: Path, why: str = "") -> Profile:
+    """The evidence of a recorded served profile (a `kevo-agent profile --json` file): measured op
+    shares, where the rest of the step goes, the ceilings, the recorded shapes, and the heads' figures."""
+    try:
+        data = json.loads(path.read_text())
+        shares, buckets = data["op_shares"], data["buckets"]
+        where = (f"{data['preset']} on {data['trace']}, {data['steps_profiled']} of {data['steps']} steps profiled "
+                 f"on {data['device']}, mean step {data['step_ms_mean']:.2f} ms; {data['clock']}")
+    except FileNotFoundError:
+        raise HarnessError(f"served.recorded_shapes: {path}: no such profile (write one with kevo-agent profile --json)") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HarnessError(f"served.recorded_shapes: {path}: not a kevo profile ({type(e).__name__}: {e})") from None
+    shapes = device_shapes(cfg, target, device)
+    q, kv = shapes.heads[0]
+    top = sorted(buckets.items(), key=lambda kv_: -kv_[1]["share"])[:4]
+    ops = {}
+    for op in cfg.agent.ops:
+        share = float(shares.get(op, 0.0))
+        lines = [f"{op} share of the served step f = {share:.3f} (MEASURED: {where})",
+                 "largest parts of the step: " + ", ".join(f"{b['label']} {b['share']:.1%}" for _, b in top),
+                 f"end-to-end ceiling if {op} became s times faster: " + ", ".join(
+                     f"s={s} -> {v:.3f}x" for s, v in data.get("op_ceilings", {}).get(op, {}).items())]
+        lines += [f"served {op} shapes (recorded): batch {g.batch}, lengths {g.lengths[0]}..{g.lengths[1]}, "
+                  f"{q} q / {kv} kv heads, head_dim {shapes.head_dim}, {shapes.dtype}, weight {g.weight:.3f}"
+                  for g in getattr(shapes, op)]
+        if op in heads:
+            lines += kernel_figures(heads[op], cfg, target, device)
+        ops[op] = OpEvidence(share=max(share, 1e-6), lines=lines)
+    note = f"served profile {path.name}: op shares measured ({where})"
+    return Profile(source="served", note=note + (f"; {why}" if why else ""), device=device.type, arch=arch, ops=ops)
+
+
+def run_profile(cfg: Config, target: str, device: torch.device, arch: str, heads: dict[str, Kernel],
+                why: str = "") -> Profile:
+    """The measured profile when config names one (served.recorded_shapes), else the stand-in."""
+    if cfg.served.recorded_shapes is None:
+        return standin_profile(cfg, target, device, arch, heads, why)
+    path = Path(cfg.served.recorded_shapes)
+    return measured_profile(cfg, target, device, arch, heads, path if path.is_absolute() else PROJECT_ROOT / path, why)
 
 
 def baseline_replay_note() -> dict:

@@ -96,3 +96,22 @@ def test_profile_command_errors_are_one_line_and_exit_2(args, words):
     done = kevo(*args)
     assert done.returncode == 2 and done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert words in done.stderr
+
+
+def test_a_recorded_profile_gives_the_planner_measured_shares_instead_of_assumptions(report, tmp_path):
+    from agent.profile import run_profile
+    from harness.errors import HarnessError
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(report))
+    cfg = config_with(**{"served.recorded_shapes": str(path)})
+    profile = run_profile(cfg, "attention", torch.device("cpu"), "cpu", heads={})
+    assert profile.source == "served" and path.name in profile.note
+    for op in cfg.agent.ops:
+        assert profile.ops[op].share == pytest.approx(max(report["op_shares"][op], 1e-6))
+        assert "MEASURED" in profile.ops[op].lines[0]
+        recorded = {(r["batch"], tuple(r["lengths"])) for r in report["served_shapes"][op]}
+        assert any(f"batch {b}, lengths {lo}..{hi}" in " ".join(profile.ops[op].lines) for b, (lo, hi) in recorded)
+    assert run_profile(config_with(), "attention", torch.device("cpu"), "cpu", heads={}).source == "stand-in"
+    path.write_text(json.dumps({"served_shapes": report["served_shapes"]}))     # shapes, but no measured shares
+    with pytest.raises(HarnessError, match="not a kevo profile"):
+        run_profile(cfg, "attention", torch.device("cpu"), "cpu", heads={})
