@@ -29,7 +29,7 @@ from test_agent_unattended import SMALL
 from agent.session import LOCK_NAME
 
 SEED = 20261130
-KILLS = 2                               # while working, after an early one
+KILLS = 1                               # while working, after an early one (many more, cheaper: test_ledger_killed.py)
 N = 5                                   # candidates in all
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEY = "sk-test-killed-0001"

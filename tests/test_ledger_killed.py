@@ -1,0 +1,82 @@
+"""The ledger under SIGKILL, many times: a process committing candidates through the real Ledger is
+killed at seeded random moments (while it starts, writes files, adds to git's index, writes objects,
+moves the branch, tags), then reopened the way a resumed run reopens it (`recover`) and writing goes
+on. After every kill the repository is sound (`git fsck`), the working tree is the last commit, the
+candidates read back are exactly the committed ones, numbered without gaps or repeats, each whole
+(record, source, README), and every commit the writer saw return is there. The cheap complement of
+tests/test_agent_killed.py, which kills whole `kevo-agent run` processes a few times."""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from agent.ledger import Ledger, folder_state
+
+TESTS = Path(__file__).resolve().parent
+TRIALS = 16
+SEED = 20261130
+
+WRITER = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from pathlib import Path
+from test_ledger import candidate, commit, new_ledger
+from agent.ledger import Ledger, discard_unstarted, folder_state
+root = Path(sys.argv[1])
+state = folder_state(root)                     # what a resumed run does with the folder it finds
+assert state != "foreign", state
+if state == "started":
+    ledger = Ledger(root)
+    ledger.recover()
+    n = len(ledger.history())
+else:
+    if state == "unstarted":
+        discard_unstarted(root)
+    ledger, n = new_ledger(root), 0
+while True:
+    n += 1
+    cid = f"c{{n:03d}}"
+    commit(ledger, candidate(cid, "rejected" if n % 3 else "passed", "parity" if n % 3 else "microbench", 1.1),
+           new_best=n % 3 == 0)
+    print(cid, flush=True)
+"""
+
+
+def git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+
+def test_a_ledger_killed_at_random_moments_reopens_sound_with_every_acknowledged_commit(tmp_path):
+    root = tmp_path / "r1"
+    rng = random.Random(SEED)
+    acknowledged: set[str] = set()
+    discarded = 0                                     # kills that left files written but not committed
+    for trial in range(TRIALS):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(0.3, 1.5))            # start-up is ~0.6 s: some kills land before the first commit
+        proc.kill()
+        out, _ = proc.communicate()
+        acknowledged.update(out.split())
+        state = folder_state(root) if root.exists() else "new"
+        assert state != "foreign", trial
+        if state != "started":
+            continue                                  # killed before the first commit: a run starts such a folder again
+        ledger = Ledger(root)
+        discarded += bool(ledger.recover())
+        fsck = git(root, "fsck", "--strict", "--no-dangling")
+        assert fsck.returncode == 0, (trial, fsck.stdout, fsck.stderr)
+        assert git(root, "status", "--porcelain", "--untracked-files=all").stdout.strip() == "", trial
+        ids = [r.id for r in ledger.history()]
+        assert ids == [f"c{i:03d}" for i in range(1, len(ids) + 1)], (trial, ids)
+        assert acknowledged <= set(ids), (trial, sorted(acknowledged - set(ids)))
+        trailers = git(root, "log", "--reverse", "--format=%(trailers:key=Candidate,valueonly)").stdout.split()
+        assert trailers == ids, (trial, trailers, ids)
+        for cid in ids:
+            for name in ("record.json", "candidate.py", "README.md"):
+                assert (root / "candidates" / cid / name).is_file(), (trial, cid, name)
+    ledger = Ledger(root)
+    print(f"{TRIALS} kills, {len(ledger.history())} candidates committed, {discarded} kills mid-write")
+    assert len(ledger.history()) >= 10 and acknowledged, "too few commits happened between the kills to prove anything"
