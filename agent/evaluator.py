@@ -94,11 +94,10 @@ def check_device(record: CandidateRecord, pool: Pool, say=lambda text: None) -> 
     """After a candidate whose worker crashed or hung: a known computation in a fresh worker, before the next
     candidate gets the device. The trailer to commit, and a message if the device failed twice (the run
     must stop: its verdicts would mean nothing)."""
-    died = next((s for rnd in record.rounds for s in rnd.verdict.stages
-                 if s.metrics.get("crashed") or s.metrics.get("timeout")), None)
+    died = next((s for rnd in record.rounds for s in rnd.verdict.stages if s.worker_lost), None)
     if died is None:
         return {}, ""
-    how = "hung" if died.metrics.get("timeout") else "crashed"
+    how = died.worker_lost
     say(f"checking the {pool.device} after {record.id}'s worker {how} at {died.name}")
     why = pool.check_health()
     if why:

@@ -382,17 +382,25 @@ class Run:
         own = pool is None
         try:
             with self.stop:
-                self.view.update(activity="starting the worker pool")
-                self._pool = pool or open_pool(self.cfg, self.settings.target, self.device)
+                self._pool = pool or self.open_evaluator()
                 try:
                     self.start(self._pool)
                     stop, fatal = self.drive()
                     return self.finish(stop, fatal)
                 finally:
                     if own:
-                        self._pool.close()
+                        self.close_evaluator()
         finally:
             lock.release()
+
+    def open_evaluator(self):
+        """What evaluates here: the loop's own worker pool (ParallelRun: its executor's slots)."""
+        self.view.update(activity="starting the worker pool")
+        return open_pool(self.cfg, self.settings.target, self.device)
+
+    def close_evaluator(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:

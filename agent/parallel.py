@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from harness.config import Config
 from harness.errors import HarnessError
-from harness.evaluate import open_pool
 from harness.executors import Executor, InOrder, local_pins, open_executor
 from harness.records import Verdict
 from harness.slot import Done, Job
@@ -63,23 +62,6 @@ def _thread(fut: Future, name: str, fn, *args) -> Future:
             fut.set_exception(e)
     threading.Thread(target=work, name=name, daemon=True).start()
     return fut
-
-
-class _PoolOnDemand:
-    """The loop's own worker pool, started only if something evaluates in this process (the heads, while
-    Run.start evaluates them in-process); closed by whoever made it."""
-
-    def __init__(self, cfg: Config, target: str, device) -> None:
-        self.args, self.pool = (cfg, target, device), None
-
-    def __getattr__(self, name: str):
-        if self.pool is None:
-            self.pool = open_pool(*self.args)
-        return getattr(self.pool, name)
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
 
 
 class ParallelRun(Run):
@@ -253,13 +235,14 @@ class ParallelRun(Run):
             else:
                 self.record(unevaluated(p, "unevaluated", "budget", f"the run ended: {stop}"), p.exchanges)
 
+    def open_evaluator(self):
+        """No pool of the loop's own: heads and candidates are evaluated in the executor's slots (opened
+        lazily by `slots()`, inside the run's lock); Run.start is handed None for a pool."""
+        return None
+
     def __call__(self, pool=None) -> RunResult:
-        own = pool is None
-        pool = _PoolOnDemand(self.cfg, self.settings.target, self.device) if own else pool
         try:
             return super().__call__(pool)
         finally:
             if self.executor is not None:
                 self.executor.close()
-            if own:
-                pool.close()

@@ -31,6 +31,12 @@ class StageResult(BaseModel):
     def skipped(cls, name: str, reason: str) -> "StageResult":
         return cls(name=name, status="skipped", reason=reason)
 
+    @property
+    def worker_lost(self) -> str:
+        """How the stage's worker was lost, 'hung' or 'crashed' (harness/evaluate.py records WorkerFailure's
+        kind as a metric), else the empty string; such a worker may have left the device unwell."""
+        return "hung" if self.metrics.get("timeout") else "crashed" if self.metrics.get("crashed") else ""
+
 
 class Verdict(BaseModel):
     model_config = ConfigDict(extra="forbid")

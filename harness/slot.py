@@ -63,7 +63,7 @@ class Pin(BaseModel):
 
 def needs_check(verdict: Verdict) -> bool:
     """A worker that crashed or hung may have left the device unwell: check it before the next job."""
-    return any(s.metrics.get("crashed") or s.metrics.get("timeout") for s in verdict.stages)
+    return any(s.worker_lost for s in verdict.stages)
 
 
 class Slot:

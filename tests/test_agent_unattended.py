@@ -17,12 +17,11 @@ from conftest import config_with
 from fakes import scripts as S
 from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM
-from harness.records import StageResult, Verdict
+from test_ledger import candidate, commit, new_ledger
 
-from agent.conclusion import subject
 from agent.ledger import Ledger, LedgerError
 from agent.loop import run, settings_from
-from agent.records import (CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Proposal, Round, RunHeader)
+from agent.records import CandidateRecord, Proposal
 from agent.session import LOCK_NAME
 from agent.view import RunView
 
@@ -70,30 +69,12 @@ def llm_config(fake: FakeLLM, runs, **more):
 
 # -- the ledger -------------------------------------------------------------------------------------
 
-def small_ledger(root) -> Ledger:
-    header = RunHeader(id="r", target="attention", provider="offline", device="cpu", arch="cpu", ops=["decode"],
-                       budget_minutes=3, max_candidates=None, max_cost_usd=0, started="2026-11-30T00:00:00+00:00",
-                       kevo_commit="abc")
-    profile = Profile(source="stand-in", note="stand-in", device="cpu", arch="cpu",
-                      ops={"decode": OpEvidence(share=0.35, lines=["decode f = 0.35"])})
-    head = Kernel(ref="head:decode", op="decode", path="heads/decode.py", source="def decode(): pass\n")
-    return Ledger.create(root, header, "agent: {}\n", {}, profile, {"status": "not run", "note": "none"},
-                         {"decode": head}, {"candidates": 0})
-
-
 def verdict_record(cid: str) -> CandidateRecord:
-    v = Verdict.of([StageResult.passed("parity", "ok")])
-    return CandidateRecord(id=cid, op="decode", parent="head:decode", proposer="offline", outcome="passed",
-                           stage="parity", reason=v.reason, rounds=[Round(source=f"# {cid}\n", verdict=v)],
-                           conclusion=Conclusion(learned="-", kill_test_fired=None, predicted=None, observed=None))
-
-
-def commit(ledger: Ledger, r: CandidateRecord) -> str:
-    return ledger.commit_candidate(r, [], subject(r.outcome, r.id, r.stage, r.conclusion), {"candidates": 1}, False)
+    return candidate(cid, "passed", "microbench", 1.0)
 
 
 def test_a_ledger_killed_between_writing_and_committing_is_restored_to_its_last_commit(tmp_path):
-    ledger = small_ledger(tmp_path / "r")
+    ledger = new_ledger(tmp_path / "r")
     commit(ledger, verdict_record("c001"))
     root, tip = ledger.root, git(ledger.root, "rev-parse", "HEAD")
     # What SIGKILL can leave: files written for the next commit, half a summary, git's own lock files.
@@ -121,7 +102,7 @@ def test_a_ledger_killed_between_writing_and_committing_is_restored_to_its_last_
 
 
 def test_a_candidate_id_is_committed_once_and_a_proposal_waits_for_its_verdict(tmp_path):
-    ledger = small_ledger(tmp_path / "r")
+    ledger = new_ledger(tmp_path / "r")
     for cid in ("c999", "c1000"):
         commit(ledger, verdict_record(cid))
     assert [r.id for r in ledger.history()] == ["c999", "c1000"]         # by number, not as text
