@@ -34,7 +34,7 @@ def now() -> str:
 def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None) -> Kernel:
     entry, _ = catalog.family(target, op)
     source = (KNOWLEDGE / entry.files[0]).read_text()
-    verdict = evaluate_fn(f"head-{op}", source) if evaluate_fn else evaluate(source, target, cfg, pool)
+    verdict = evaluate_fn(f"head-{op}", source, 1.0) if evaluate_fn else evaluate(source, target, cfg, pool)
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
@@ -52,10 +52,11 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
     non-empty message if a provider stopped the run during a repair."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
-    evaluate_fn = evaluate_fn or (lambda job, src: evaluate(src, target, cfg, pool, on_stage=on_stage))
+    beat = parent.speedup if parent is not None and parent.speedup else 1.0     # only faster than it is replayed
+    evaluate_fn = evaluate_fn or (lambda job, src, bar: evaluate(src, target, cfg, pool, on_stage=on_stage, beat=bar))
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
         try:
-            verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source)
+            verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source, beat)
         except EvaluationLost as e:     # its evaluator died more often than executor.requeue_limit allows
             if not rounds:
                 return unevaluated(proposal, "unevaluated", "evaluator", str(e)), exchanges, ""

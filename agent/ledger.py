@@ -171,13 +171,15 @@ class Ledger:
         self.repo.create_tag(name, ref=sha, force=True)
 
     def commit_proposal(self, proposal: Proposal, summary: dict) -> str:
-        """An LLM's proposal, before it is evaluated: if the run dies now, the resumed run evaluates it."""
+        """An LLM's proposal, before its verdict: if the run dies now, the resumed run evaluates it (or, one
+        that is malformed or not worth coding, records it as such)."""
         d = f"candidates/{proposal.id}"
         if self.committed(f"{d}/proposal.json") is not None or self.committed(f"{d}/record.json") is not None:
             raise LedgerError(f"{proposal.id} is already in the ledger; a candidate id is never reused")
         c = proposal.claim
         body = [f"claim: {c.hypothesis}\npredicted s {c.expected_speedup:.3f}, ceiling {c.ceiling:.4f}" if c else "",
-                "evaluated next; a run stopped before its verdict evaluates it when resumed"]
+                "evaluated next; a run stopped before its verdict evaluates it when resumed" if proposal.outcome == "ready"
+                else f"not to be evaluated ({proposal.outcome} at {proposal.stage}); its verdict commit follows"]
         return self.commit(f"propose {proposal.id} [{proposal.op}]: {c.hypothesis if c else proposal.outcome}"[:150], body,
                            {f"{d}/proposal.json": proposal.model_dump_json(indent=1),
                             "summary.json": json.dumps(summary, indent=1)},

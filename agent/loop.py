@@ -4,7 +4,8 @@ Order of a run: resolve the proposer (an LLM key missing is an error before anyt
 run folder's lock, open the worker pool, evaluate the heads (the reference kernels), build the baseline
 profile (a stand-in until issue 3's profiler exists), make the ledger's first commit; then one candidate
 at a time. A slow proposer (an LLM) writes the next candidate in a thread while the current one is
-evaluated, so the GPU is not left idle; its proposal is committed before it is evaluated. The built-in
+evaluated, so the GPU is not left idle; its proposal is committed as soon as it is written (from that
+thread, under the ledger's lock), so a kill during a long evaluation loses no answered proposal. The built-in
 proposer answers at once and waits for each verdict. After an accepted kernel the head of its op moves
 and the profile is rebuilt, in the candidate's own commit. A candidate whose worker crashed or hung is
 followed by a health check of the device (a known computation in a fresh worker) before the next one.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,6 +129,8 @@ class Run:
             raise RunError(f"{self.root} exists and is not a kevo run; give another --run-id")
         self.history: list[CandidateRecord] = []
         self.elapsed_before, self.last_id, self.head_device_s = 0.0, 0, 0.0
+        self._ledger_lock = threading.Lock()        # commits come from this thread and the proposer's
+        self._kept: set[str] = set()                # proposals committed (once each)
 
     # -- limits -----------------------------------------------------------------------------------
 
@@ -265,23 +269,39 @@ class Run:
             files = {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
                      "profile.json": self.profile.model_dump_json(indent=1)}
             trailers["Head"] = f"{op}={record.id}"
-        with self.stop.writing():
+        with self._ledger_lock, self.stop.writing():
             self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
                                          self.summary(), new_best, files, trailers)
         if known:
             self.parents[op] = search_parent(op, self.heads[op], self.history)
         self.view.record(record, self.summary())
 
-    def commit_proposal(self, proposal: Proposal) -> None:
-        with self.stop.writing():
-            self.ledger.commit_proposal(proposal, self.summary())
-        self.last_id = max(self.last_id, id_number(proposal.id))
+    def commit_proposal(self, proposal: Proposal, from_proposer: bool = False) -> None:
+        """Commit a proposal before its evaluation, once. From the proposer's thread a second signal
+        cannot be deferred to it (signals reach the main thread), so that commit is not signal-guarded:
+        a stop in the middle of it is repaired by the ledger's `recover`, as after a SIGKILL."""
+        with self._ledger_lock:
+            if proposal.id in self._kept:
+                return
+            with nullcontext() if from_proposer else self.stop.writing():
+                self.ledger.commit_proposal(proposal, self.summary())
+            self._kept.add(proposal.id)
+            self.last_id = max(self.last_id, id_number(proposal.id))
+
+    def _write_proposal(self, state: ProposalState, overlapped: bool):
+        """The proposer's thread: write the next proposal and commit it at once if it is to be evaluated,
+        or if it will wait in memory for the current candidate's verdict (written meanwhile)."""
+        proposal = self.proposer.propose(state)
+        if isinstance(proposal, Proposal) and not self.proposer.instant and not self.stop.why \
+                and (proposal.outcome == "ready" or overlapped):
+            self.commit_proposal(proposal, from_proposer=True)
+        return proposal
 
     def _submit(self, pending: list) -> Future:
         state = self.state(pending)
         if not pending:
             self.view.update(activity=f"proposing {state.next_id}")
-        return _background(self.proposer.propose, state)
+        return _background(self._write_proposal, state, bool(pending))
 
     def _await(self, fut: Future):
         """The proposal once written, or _ABANDONED as soon as a signal says the run must stop. (A budget
@@ -350,7 +370,9 @@ class Run:
             except ProviderStop:
                 late = None
             if isinstance(late, Proposal) and late.exchanges:
-                if self.stop.why and late.outcome == "ready":
+                if late.outcome != "ready":     # malformed or not worth coding: that is its verdict
+                    self.record(unevaluated(late, late.outcome, late.stage, late.reason), late.exchanges)
+                elif self.stop.why:
                     self.commit_proposal(late)  # stopped by a signal: evaluated when the run is resumed
                 else:
                     self.record(unevaluated(late, "unevaluated", "budget", f"the run ended: {stop}"), late.exchanges)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from harness.stages import STAGE_NAMES
 
-from agent.knowledge import Catalog, KnobSpec, with_knobs
+from agent.knowledge import KNOWLEDGE, Catalog, KnobSpec, read_knobs, with_knobs
 from agent.records import Claim, KillTest, Knob, Proposal, ceiling
 from agent.state import CORRECTNESS_STAGES, ProposalState
 
@@ -44,9 +44,11 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
-def _single_steps(op: str, state: ProposalState, specs: dict[str, KnobSpec]):
-    """(knob, direction, new value, record) for every candidate that moved exactly one knob of its parent."""
-    knobs_of = {k.ref: k.knobs for k in state.heads.values()} | {r.id: r.knobs for r in state.history if r.knobs}
+def _single_steps(op: str, state: ProposalState, specs: dict[str, KnobSpec], reference: dict[str, Knob]):
+    """(knob, direction, new value, record) for every candidate that moved exactly one knob of its parent
+    (the reference kernel, `head:<op>`, is a parent too after an accepted candidate has replaced it as head)."""
+    knobs_of = ({f"head:{op}": reference} | {k.ref: k.knobs for k in state.heads.values()}
+                | {r.id: r.knobs for r in state.history if r.knobs})
     for r in state.history:
         parent = knobs_of.get(r.parent)
         if r.op != op or not r.knobs or parent is None:
@@ -65,6 +67,9 @@ class OfflineProposer:
 
     def __init__(self, catalog: Catalog, target: str, ops: list[str]) -> None:
         self.families = {op: catalog.family(target, op) for op in ops}
+        # the reference kernels' settings: measured as the first heads, so never proposed again
+        self.reference = {op: read_knobs((KNOWLEDGE / entry.files[0]).read_text())
+                          for op, (entry, _) in self.families.items()}
 
     def propose(self, state: ProposalState) -> Proposal | None:
         options = []                        # worth coding first, then single steps before jumps, then ceiling
@@ -92,8 +97,8 @@ class OfflineProposer:
         parent = state.parents[op].knobs
         tried = {_key(r.knobs) for r in state.history if r.op == op and r.knobs}
         tried |= {_key(p.knobs) for p in state.pending if p.op == op and p.knobs}
-        tried |= {_key(parent), _key(state.heads[op].knobs)}
-        steps = list(_single_steps(op, state, specs))
+        tried |= {_key(parent), _key(state.heads[op].knobs), _key(self.reference[op])}
+        steps = list(_single_steps(op, state, specs, self.reference[op]))
         banned = self._banned(steps, specs)
         moves = []
         for size in (1, 2):

@@ -83,10 +83,10 @@ class ParallelRun(Run):
             self.executor = open_executor(self.cfg, self.settings.target)
         return self.executor
 
-    def evaluate(self, job: str, source: str) -> Verdict:
+    def evaluate(self, job: str, source: str, beat: float = 1.0) -> Verdict:
         """One job on the executor, waiting for its verdict (in a judge thread, or for a head)."""
         cid = job.split(".")[0]
-        done = self.slots().submit(Job(id=job, source=source), on_stage=lambda name: self._news(cid, name)).result()
+        done = self.slots().submit(Job(id=job, source=source, beat=beat), on_stage=lambda name: self._news(cid, name)).result()
         with self._lock:
             self.evaluations.append(done)
         return done.verdict
@@ -149,10 +149,13 @@ class ParallelRun(Run):
         def arrive(p: Proposal, new: bool) -> None:
             if stop and self.proposer.instant and not p.exchanges:
                 return                               # written as the run ended, and it cost nothing
+            waits = bool(held)                       # its verdict is committed after those before it
             held[p.id], futures[p.id] = p, Future()
             futures[p.id].add_done_callback(lambda _: self._wake.set())
             order.track(p.id, futures[p.id])
             if p.outcome != "ready":
+                if new and waits and not self.proposer.instant:
+                    self.commit_proposal(p)          # it waits in memory: committed, a kill does not lose it
                 futures[p.id].set_result(_Judged(unevaluated(p, p.outcome, p.stage, p.reason), p.exchanges))
             elif stop:                               # written while the run was ending: what it cost is kept
                 futures[p.id].set_result(_Judged(unevaluated(p, "unevaluated", "budget", f"the run ended: {stop}"),

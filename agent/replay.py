@@ -2,7 +2,8 @@
 
 Verdicts (the default): the heads the run started from and every candidate's committed source (its last
 round, the one its verdict is for) go through today's stages on this machine with today's config. Each
-row is then against now: outcome, stage, speedup. A change is flagged; a *regression* — a kernel that
+row is then against now: outcome, stage, speedup (microbench's bar is the one it had then: its
+parent's speedup). A change is flagged; a *regression* — a kernel that
 passed (or was accepted) then and is rejected now — fails the command (exit 1). A kernel that only loses
 a stage this machine cannot run (microbench or replay without CUDA) is flagged as changed, not regressed.
 `--until STAGE` cuts both verdicts after that stage; `--only` picks candidates (or `head:<op>`).
@@ -188,6 +189,12 @@ def _skipped_here(then: Verdict, now: Verdict) -> str:
     return f"{', '.join(s.name for s in skipped)} ran then, skipped here ({why})"
 
 
+def _beat(verdict: Verdict) -> float:
+    """The speedup microbench had to beat then (its parent's), so the bar is the same now."""
+    bench = next((s for s in verdict.stages if s.name == "microbench"), None)
+    return bench.metrics.get("beat", 1.0) if bench is not None else 1.0
+
+
 def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
                     progress: Callable[[str], None] | None = None) -> Replay:
     """Today's stages on the run's heads and committed candidates; a pool is opened if none is given."""
@@ -212,7 +219,7 @@ def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None =
                 continue
             if progress:
                 progress(f"replaying {ref} ({i}/{len(subjects)})")
-            verdict = evaluate(source, h.target, cfg, workers, until=until)
+            verdict = evaluate(source, h.target, cfg, workers, until=until, beat=_beat(then_verdict))
             then, now = _side(then_verdict, until), _side(verdict, None)
             rows.append(VerdictRow(ref=ref, op=op, then=then, now=now, change=_change(then, now),
                                    note=_skipped_here(then_verdict, verdict)))

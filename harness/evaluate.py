@@ -48,8 +48,10 @@ def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> P
 
 
 def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None,
-             on_stage: Callable[[str], None] | None = None) -> Verdict:
-    """Run the stages in order; `on_stage(name)` is told as each one starts (a live view)."""
+             on_stage: Callable[[str], None] | None = None, beat: float = 1.0) -> Verdict:
+    """Run the stages in order; `on_stage(name)` is told as each one starts (a live view). `beat` is the
+    served-mix speedup over the torch baseline that microbench must beat beyond noise (a candidate's
+    parent's, so only kernels faster than the best so far reach the replay); under 1, the baseline's."""
     if target not in TARGETS:
         raise HarnessError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     if until is not None and until not in STAGE_NAMES:
@@ -57,7 +59,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=TARGETS[target], shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source)
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat))
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:

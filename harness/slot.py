@@ -40,6 +40,7 @@ class Job(BaseModel):
     id: str                   # unique per evaluation: the candidate's id, or its repair round's (c007.r1)
     source: str
     until: str | None = None
+    beat: float = 1.0         # the speedup over the torch baseline microbench must beat (the parent's)
 
 
 class Done(BaseModel):
@@ -126,7 +127,8 @@ class Slot:
 
     def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
         started = time.time()
-        verdict = evaluate(job.source, self.target, self.cfg, self._pool(), until=job.until, on_stage=on_stage)
+        verdict = evaluate(job.source, self.target, self.cfg, self._pool(), until=job.until, on_stage=on_stage,
+                           beat=job.beat)
         return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time())
 
     def scratch(self) -> str:

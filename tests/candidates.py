@@ -172,6 +172,34 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
 
+# The same faults on the GPU itself, on the boundary shape only: a kernel that spins forever on a flag
+# nobody sets (the worker blocks in CUDA until it is killed), and a store far outside any allocation
+# (an illegal address: the CUDA context is lost). For runs with injected faults (tests/bench/h200_run.py).
+GPU_HANG_ON_BOUNDARY = wrap_decode("""
+@triton.jit
+def _spin(flag_ptr):
+    seen = tl.load(flag_ptr, volatile=True)
+    while seen == 0:
+        seen = tl.load(flag_ptr, volatile=True)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    if int(seq_lens.min()) == 1:
+        _spin[(1,)](torch.zeros(1, dtype=torch.int32, device=q.device))
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+GPU_FAULT_ON_BOUNDARY = wrap_decode("""
+@triton.jit
+def _wild(x_ptr):
+    tl.store(x_ptr + (1 << 40), 1.0)
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    if int(seq_lens.min()) == 1:
+        _wild[(1,)](out)
+    return out
+""")
+
 RAISES_AT_IMPORT = """
 import torch
 raise RuntimeError("deliberate: tile shape 48 is not a power of two")

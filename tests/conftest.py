@@ -42,6 +42,6 @@ def pool(cfg):
 
 @pytest.fixture
 def evaluate_source(cfg, pool):
-    def run(source: str, until: str | None = None, config: Config | None = None):
-        return evaluate(source, "attention", config or cfg, pool, until=until)
+    def run(source: str, until: str | None = None, config: Config | None = None, beat: float = 1.0):
+        return evaluate(source, "attention", config or cfg, pool, until=until, beat=beat)
     return run

@@ -112,7 +112,7 @@ def test_anthropic_run_retries_overload_then_stops_on_an_auth_error_with_one_lin
     assert git(result.ledger, "log", "-1", "--format=%(trailers:key=Fatal,valueonly)").strip() == "true"
 
 
-def test_next_claim_is_written_while_the_current_candidate_is_evaluated(pool, tmp_path, monkeypatch):
+def test_next_claim_is_written_and_committed_while_the_current_candidate_is_evaluated(pool, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeLLM({PLANNER: [S.claim(1.3), S.claim(1.2)], CODER: [S.GOOD, S.GOOD]}) as fake:
         cfg = llm_config(fake, tmp_path, "openai")
@@ -121,3 +121,7 @@ def test_next_claim_is_written_while_the_current_candidate_is_evaluated(pool, tm
     in_flight = second.split("## In flight")[1].split("##")[0]
     assert "c001 [decode]" in in_flight                         # proposed before c001's verdict was in
     assert [r.outcome for r in result.history] == ["passed", "passed"]
+    subjects = [line.split(":")[0] for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()]
+    # committed as soon as it was written, not after c001's verdict: a kill meanwhile would not lose it
+    assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "passed c001 at parity",
+                             "passed c002 at parity"], subjects

@@ -12,6 +12,7 @@ from rich.console import Console
 from conftest import config_with
 from harness.records import StageResult, Verdict
 
+from agent.evaluator import judge
 from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
 from agent.ledger import Ledger
 from agent.loop import run, settings_from
@@ -86,6 +87,23 @@ def test_it_steps_from_the_fastest_correct_kernel_and_expects_the_same_step_to_p
     assert "measured 1.250x in c001" in p.claim.evidence[-1]
 
 
+def test_after_an_accepted_candidate_replaces_the_reference_head_its_step_still_counts_and_the_reference_is_not_proposed_again():
+    ref = head("decode", speedup=10.0)
+    c001 = record("c001", ref, "decode", {"SPLITS_PER_SM_TARGET": 4}, speedup=12.5)
+    accepted = Kernel(ref="c001", op="decode", path="candidates/c001/candidate.py", source=c001.source,
+                      knobs=c001.knobs, speedup=12.5)
+    prop = proposer(["decode"])
+    first = prop.propose(state([c001], {"decode": accepted}, ops=["decode"]))
+    assert first.knobs == {**c001.knobs, "SPLITS_PER_SM_TARGET": 8}             # the step that paid, again
+    assert first.claim.expected_speedup == pytest.approx(1.25) and "measured 1.250x in c001" in first.claim.evidence[-1]
+    history = [c001]
+    while (p := prop.propose(state(history, {"decode": accepted}, ops=["decode"]))) is not None:
+        assert p.knobs != ref.knobs, p.claim.hypothesis                        # measured already, as the first head
+        history.append(record(p.id, accepted, "decode", {**p.knobs}, failed="microbench", speedup=12.0))
+        assert len(history) < 40
+    assert len(history) > 10
+
+
 def test_a_step_that_measured_slower_makes_the_opposite_step_the_next_hypothesis():
     heads = {"decode": head("decode", speedup=1.2)}
     c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=0.96)
@@ -119,6 +137,25 @@ def test_an_in_flight_proposal_is_not_proposed_again():
     first = proposer(["decode"]).propose(state(ops=["decode"]))
     second = proposer(["decode"]).propose(state(ops=["decode"], pending=[first]))
     assert second.knobs != first.knobs
+
+
+def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_reach_the_replay():
+    heads = {"decode": head("decode", speedup=2.5)}
+    c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=2.7)
+    st = state([c001], heads, ops=["decode"])
+    p = proposer(["decode"]).propose(st)
+    bars: list[tuple[str, float]] = []
+
+    def evaluate_fn(job: str, source: str, beat: float) -> Verdict:
+        bars.append((job, beat))
+        return verdict("microbench", 2.6)
+    rec, _, stop = judge(p, st.parents["decode"], proposer(["decode"]), config_with(), "attention", None,
+                         evaluate_fn=evaluate_fn)
+    assert p.parent == "c001" and bars == [(p.id, 2.7)] and not stop         # the fastest so far, not the head
+    assert rec.outcome == "rejected" and rec.local_speedup == pytest.approx(2.6 / 2.7)
+    untimed = proposer(["decode"]).propose(state(ops=["decode"]))              # a parent never timed (a CPU run)
+    judge(untimed, head("decode"), proposer(["decode"]), config_with(), "attention", None, evaluate_fn=evaluate_fn)
+    assert bars[-1] == (untimed.id, 1.0)
 
 
 def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tmp_path):

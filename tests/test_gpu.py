@@ -21,6 +21,19 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
     print(bench.reason)
 
 
+def test_a_kernel_faster_than_torch_but_not_than_its_parent_stops_at_microbench(evaluate_source):
+    """The parent's speedup is the bar: the reference decode against a parent as fast as itself (its own
+    measured speedup) is not replayed, and the reason says it beat the baseline, not the parent."""
+    first = evaluate_source(C.REF_DECODE, until="microbench").stages[-1]
+    assert first.status == "passed", first.reason
+    v = evaluate_source(C.REF_DECODE, until="microbench", beat=first.metrics["speedup"])
+    bench = v.stages[-1]
+    assert bench.status == "failed" and v.failed_stage == "microbench"
+    assert bench.metrics["beat"] == first.metrics["speedup"] and bench.metrics["bar"] > bench.metrics["beat"]
+    assert bench.reason.startswith("faster than the baseline but not than its parent beyond noise"), bench.reason
+    print(bench.reason)
+
+
 def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_host_stalls(evaluate_source):
     """Whether the reference prefill beats per-sequence SDPA is a measurement (on the H200 it does not
     at 8k tokens); what must hold is that it is timed, never refused by a timer check, and that the

@@ -41,6 +41,7 @@ class EvalContext:
     deadline: float = 0.0
     stage: str = ""
     worker_s: float = 0.0            # this stage's time spent waiting on the worker (the rest is ours)
+    beat: float = 1.0                # the served-mix speedup over torch to beat: the candidate's parent's
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

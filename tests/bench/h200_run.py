@@ -1,0 +1,217 @@
+"""Benchmark (not a test): one whole `kevo-agent run` left alone, then its account — issues 4 and 5's H200 runs.
+
+    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH]
+    python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
+
+Writes the run's config to runs/<id>.config.yaml (config.yaml, plus `served.recorded_shapes` when a
+profile is given, and the served window when one is given) and runs the real command line
+(`python -m agent.cli run ...`) as a child process.
+
+`--faults` drives the run through the OpenAI SDK against a fake service on loopback (tests/fakes) whose
+scripted candidates are real kernels — knob variants of the reference kernels — and three injected
+faults: a candidate that hangs the GPU, one that faults it (an illegal address), and one that does not
+compile — its first three candidates, so that they are reached however long the heads' replay takes.
+The service goes down (503) for S seconds once it has answered K claims (`--outage K:S`); the run
+itself is SIGKILLed `--kill-at` seconds after its first claim was answered and resumed with
+`--resume`, as a person would after a reboot. Nothing is patched: the faults reach the run only through its provider
+and its candidates.
+
+Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
+faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
+the ledger. The figures go to docs/BENCHMARKS.md by hand, with the date.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+import candidates as C  # noqa: E402
+from fakes.flaky import FlakyLLM  # noqa: E402
+from fakes.scripts import claim, code  # noqa: E402
+
+from agent.ledger import Ledger  # noqa: E402
+
+PLANNER, CODER = "fake-planner", "fake-coder"
+
+# (op, knob changes or a fault's source, hypothesis, expected local speedup)
+DECODE_STEPS = [({"BLOCK_N": 128}, "Double BLOCK_N to 128: half the loop trips on the 2.5k-15k served contexts", 1.05),
+                ({"NUM_WARPS": 8}, "Eight warps per split program put more K/V loads in flight", 1.03),
+                ({"NUM_STAGES": 3}, "A third pipeline stage hides more HBM latency on the K/V stream", 1.04),
+                ({"SPLITS_PER_SM_TARGET": 4}, "Four split programs per SM fill the H200 at batch 1-10", 1.06),
+                ({"MIN_TOKENS_PER_SPLIT": 512}, "Coarser splits halve the merge work on long contexts", 1.02),
+                ({"BLOCK_N": 32}, "BLOCK_N 32 wastes fewer masked lanes on the ragged last tile", 1.02),
+                ({"NUM_WARPS": 2}, "Two warps leave registers for deeper pipelining", 1.02),
+                ({"MAX_SPLITS": 16}, "At most 16 splits per sequence cuts the merge pass", 1.02),
+                ({"NUM_STAGES": 4}, "Four pipeline stages for the longest contexts", 1.03),
+                ({"SPLITS_PER_SM_TARGET": 1}, "One split program per SM: fewer partials to merge", 1.02)]
+PREFILL_STEPS = [({"BLOCK_N": 128}, "BLOCK_N 128 halves K/V loop trips on the 2.5k-15k prompts", 1.05),
+                 ({"NUM_STAGES": 4}, "A fourth pipeline stage hides the K/V load latency", 1.03),
+                 ({"BLOCK_M": 64}, "BLOCK_M 64 doubles the programs for single long prompts", 1.04),
+                 ({"NUM_WARPS": 4}, "Four warps per 128-row tile cut register pressure", 1.02)]
+FAULTS = {0: ("decode", C.GPU_HANG_ON_BOUNDARY, "Skip the split merge for single-token contexts (injected fault: "
+                                                "hangs the GPU on a length-1 sequence)"),
+          1: ("decode", C.GPU_FAULT_ON_BOUNDARY, "Write the partials in place (injected fault: an illegal address "
+                                                 "on a length-1 sequence)"),
+          2: ("decode", C.REF_DECODE.replace("def decode(", "def decode((", 1),
+              "Inline the split heuristic (injected fault: a syntax error, then two repair rounds)")}
+
+
+def script(n: int = 600) -> list[tuple[str, str, str, float]]:
+    """The candidates the fake service proposes, in order: knob steps of the reference kernels, over and
+    over, with the faults first; (op, source, hypothesis, expected speedup)."""
+    steps = []
+    for i in range(n):
+        if i in FAULTS:
+            op, source, text = FAULTS[i]
+            steps.append((op, source, text, 1.05))
+            continue
+        if i % 3 == 2:
+            knobs, text, s = PREFILL_STEPS[(i // 3) % len(PREFILL_STEPS)]
+            steps.append(("prefill", C.with_knobs(C.REF_PREFILL, **knobs), text, s))
+        else:
+            knobs, text, s = DECODE_STEPS[(i - i // 3) % len(DECODE_STEPS)]
+            steps.append(("decode", C.with_knobs(C.REF_DECODE, **knobs), text, s))
+    return steps
+
+
+class Service:
+    """The fake provider: the planner's i-th answer is step i's claim, the coder answers with the code of
+    the claim its request quotes (so a compile repair gets the same code again); down during the outage."""
+
+    def __init__(self, steps, outage: tuple[int, float] | None) -> None:
+        self.steps, self.outage = steps, outage
+        self.first_answer: float | None = None   # when the first claim was answered: the kill's clock
+        self.down_since: float | None = None
+        self.answered = 0                    # claims handed out
+        self.current = 0                     # the last one
+        self.lock = threading.Lock()
+        self.fake = FlakyLLM({PLANNER: [self._plan] * len(steps), CODER: [self._code] * (4 * len(steps))},
+                             down=self._down)
+
+    def _down(self, api: str) -> bool:
+        return self.down_since is not None and time.monotonic() - self.down_since < self.outage[1]
+
+    def _plan(self, body: dict) -> str:
+        with self.lock:
+            i, self.current = self.answered, self.answered
+            self.answered += 1
+            self.first_answer = self.first_answer or time.monotonic()
+            if self.outage and self.answered == self.outage[0]:
+                self.down_since = time.monotonic()
+        op, _, text, s = self.steps[i]
+        return claim(s, op=op, hypothesis=text, evidence=[f"scripted step {i + 1} of the fake service"],
+                     kill_test={"stage": "microbench", "observation": "no gain beyond the parent's bar"})
+
+    def _code(self, body: dict) -> str:
+        asked = json.dumps(body)            # the claim it codes (or repairs) is quoted in the request
+        hits = [i for i in range(self.answered) if json.dumps(self.steps[i][2])[1:-1] in asked]
+        return code(self.steps[hits[-1] if hits else self.current][1])
+
+
+def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None) -> Path:
+    cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    if profile:
+        cfg["served"]["recorded_shapes"] = profile
+    if window:
+        cfg["served"]["cuda"]["window_s"] = window
+    cfg["agent"]["budget_minutes"] = {"cuda": minutes, "cpu": minutes}
+    if url:
+        cfg["providers"]["openai"].update(base_url=url, planner_model=PLANNER, coder_model=CODER)
+        cfg["providers"]["prices"][PLANNER] = cfg["providers"]["prices"][CODER] = {"input": 0.0, "output": 0.0}
+        cfg["providers"]["retry"] = {"attempts": 3, "initial_s": 1.0, "max_s": 4.0}
+        cfg["providers"]["outage"] = {"wait_s": 15.0, "max_wait_s": 60.0, "give_up_s": 3600.0}
+        cfg["stages"]["parity"]["timeout_s"] = 120      # a hung candidate costs this much of the run
+    path = ROOT / "runs" / f"{run_id}.config.yaml"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def launch(config: Path, args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "agent.cli", "--config", str(config), "run", *args],
+                            cwd=ROOT, env=env, start_new_session=True)
+
+
+def account(root: Path, wall_s: float, service: Service | None) -> dict:
+    ledger = Ledger(root)
+    history = ledger.history()
+    pending = ledger.pending()
+    evaluated = [r for r in history if r.rounds]
+    stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
+    out = {"candidates": len(history), "pending": len(pending),
+           "by_outcome": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
+           "evaluated": len(evaluated), "wall_s": round(wall_s, 1), "stage_s": round(stage_s, 1),
+           "candidates_per_hour": round(len(evaluated) / (wall_s / 3600), 1) if wall_s else None,
+           "accepted": [r.id for r in history if r.outcome == "accepted"],
+           "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
+                            for s in rnd.verdict.stages if s.worker_lost],
+           "exchange_notes": [f"{r.id}: {note}" for r in history
+                              for line in (ledger.committed(f"candidates/{r.id}/exchanges.jsonl") or "").splitlines()
+                              if (note := json.loads(line).get("note"))]}
+    if service is not None:
+        out["claims_answered"] = service.answered
+        out["every_answer_in_ledger"] = service.answered == len(history) + len(pending)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--profile", default=None, help="a recorded served profile (served.recorded_shapes)")
+    ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--window", type=float, default=None, help="served.cuda.window_s (default: config's)")
+    ap.add_argument("--outage", default="2:150", help="K:S, down for S seconds once K claims are answered (--faults)")
+    ap.add_argument("--kill-at", type=float, default=240.0,
+                    help="SIGKILL the run this long after the first claim, then resume it (--faults; 0: never)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    service = None
+    if args.faults:
+        k, secs = args.outage.split(":")
+        service = Service(script(), (int(k), float(secs)))
+        service.fake.__enter__()
+        env["OPENAI_API_KEY"] = "sk-fake-local-service"
+    config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
+                          args.window)
+    provider = ["--provider", "openai"] if service else ["--provider", "offline"]
+    t0 = time.monotonic()
+    proc = launch(config, ["--target", "attention", *provider, "--run-id", args.run_id], env)
+    events = []
+    if service and args.kill_at:
+        while proc.poll() is None and (service.first_answer is None or time.monotonic() - service.first_answer < args.kill_at):
+            time.sleep(0.5)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            events.append(f"SIGKILLed the run's process group at {time.monotonic() - t0:.0f} s "
+                          f"({args.kill_at:g} s after the first claim); resumed")
+            proc = launch(config, ["--resume", args.run_id], env)
+    rc = proc.wait()
+    wall = time.monotonic() - t0
+    out = {"run": args.run_id, "rc": rc, "events": events, **account(ROOT / "runs" / args.run_id, wall, service)}
+    if service is not None:
+        service.fake.__exit__(None, None, None)
+        out["service_requests"] = len(service.fake.seen)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
