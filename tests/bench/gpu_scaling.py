@@ -1,0 +1,130 @@
+"""Benchmark (not a test): candidates per hour on one GPU against two (issue 6's bar: at least 1.8x).
+
+    python tests/bench/gpu_scaling.py [--candidates 12] [--window 10] [--json PATH]
+    TRITON_INTERPRET=1 python tests/bench/gpu_scaling.py --cpu      # the script itself, on CPU slots (no speed figure)
+
+Two runs of `kevo-agent run` (the real command line) on the same scripted proposals — the fake OpenAI
+service of tests/bench/h200_run.py, decode knob variants of the reference kernel in a fixed order —
+one with `executor.gpus: [0]` (the serial loop), one with `[0, 1]` (a slot per GPU, several candidates
+in flight). Each run evaluates its own heads first; the rate counts only the candidates: from the
+first claim answered to the run's end. While they run, `nvidia-smi` is sampled every 500 ms for each
+GPU's busy share (a kernel running, not SM occupancy). Also printed: how long each slot held a job,
+from the ledger's `Evaluated-On` trailers and the records' seconds, and each run's stage mix, since a
+candidate that reaches the replay costs minutes where one rejected at microbench costs seconds: the
+two rates compare only if the mixes match.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from h200_run import ROOT, Service, launch, write_config  # noqa: E402
+
+import candidates as C  # noqa: E402
+from h200_run import DECODE_STEPS  # noqa: E402
+
+from agent.ledger import Ledger  # noqa: E402
+
+
+def steps() -> list[tuple[str, str, str, float]]:
+    return [("decode", C.with_knobs(C.REF_DECODE, **knobs), text, s) for knobs, text, s in DECODE_STEPS] * 20
+
+
+class Sampler:
+    """nvidia-smi's utilization.gpu per GPU, every 500 ms, in a thread; nothing where there is no nvidia-smi."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []        # (monotonic time, gpu index, percent busy)
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "500"], stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                self.samples.append((time.monotonic(), int(parts[0]), int(parts[1])))
+
+    def busy(self, t0: float, t1: float) -> dict[str, float]:
+        by = defaultdict(list)
+        for t, gpu, pct in self.samples:
+            if t0 <= t <= t1:
+                by[gpu].append(pct)
+        return {f"gpu{g}": round(sum(v) / len(v), 1) for g, v in sorted(by.items())}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+
+def one_run(run_id: str, n: int, window: float, executor: dict, cpu: bool, sampler: Sampler) -> dict:
+    shutil.rmtree(ROOT / "runs" / run_id, ignore_errors=True)
+    service = Service(steps(), None)
+    service.fake.__enter__()
+    try:
+        path = write_config(run_id, None, service.fake.openai_url, 60.0, window)
+        cfg = yaml.safe_load(path.read_text())
+        cfg["agent"]["ops"] = ["decode"]
+        cfg["executor"].update(executor)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")} | {"OPENAI_API_KEY": "sk-fake-local"}
+        proc = launch(path, ["--target", "attention", "--provider", "openai", "--run-id", run_id,
+                             "--max-candidates", str(n)], env)
+        rc = proc.wait()
+        t_end = time.monotonic()
+    finally:
+        service.fake.__exit__(None, None, None)
+    history = Ledger(ROOT / "runs" / run_id).history()
+    t_first = service.first_answer or t_end
+    wall = t_end - t_first
+    held: dict[str, float] = defaultdict(float)
+    log = subprocess.run(["git", "log", "--format=%(trailers:key=Candidate,key=Evaluated-On,valueonly,separator=%x09)"],
+                         cwd=ROOT / "runs" / run_id, capture_output=True, text=True).stdout
+    where = dict(line.split("\t", 1) for line in log.splitlines() if "\t" in line)
+    for r in history:
+        held[where.get(r.id, "the loop's own pool")] += r.seconds
+    return {"run": run_id, "rc": rc, "executor": executor, "candidates": len(history),
+            "stage_mix": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
+            "candidate_wall_s": round(wall, 1), "candidates_per_hour": round(len(history) / wall * 3600, 1) if wall else None,
+            "slot_busy_share": {slot: round(s / wall, 3) for slot, s in sorted(held.items())} if wall else {},
+            "gpu_busy_percent": sampler.busy(t_first, t_end), "device": "cpu slots" if cpu else "cuda"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--candidates", type=int, default=12)
+    ap.add_argument("--window", type=float, default=10.0, help="served.cuda.window_s for the replays")
+    ap.add_argument("--cpu", action="store_true", help="one CPU slot against two (tests the script; no speed figure)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    sampler = Sampler()
+    one, two = ({"cpu_slots": 1}, {"cpu_slots": 2}) if args.cpu else ({"gpus": [0]}, {"gpus": [0, 1]})
+    try:
+        runs = [one_run("scaling-1", args.candidates, args.window, one, args.cpu, sampler),
+                one_run("scaling-2", args.candidates, args.window, two, args.cpu, sampler)]
+    finally:
+        sampler.close()
+    a, b = (r["candidates_per_hour"] for r in runs)
+    out = {"runs": runs, "ratio": round(b / a, 2) if a and b else None,
+           "same_stage_mix": runs[0]["stage_mix"] == runs[1]["stage_mix"]}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
