@@ -1,19 +1,16 @@
 """The agent loop behind `kevo-agent run`: propose, evaluate, conclude, commit — until a budget ends.
 
 Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), take the
-run folder's lock, open the worker pool, evaluate the heads (the reference kernels), build the baseline
-profile (a stand-in until issue 3's profiler exists), make the ledger's first commit; then one candidate
-at a time. A slow proposer (an LLM) writes the next candidate in a thread while the current one is
-evaluated, so the GPU is not left idle; its proposal is committed as soon as it is written (from that
-thread, under the ledger's lock), so a kill during a long evaluation loses no answered proposal. The built-in
-proposer answers at once and waits for each verdict. After an accepted kernel the head of its op moves
-and the profile is rebuilt, in the candidate's own commit. A candidate whose worker crashed or hung is
-followed by a health check of the device (a known computation in a fresh worker) before the next one.
-The run ends at the first budget reached (wall time, candidates, cost, device time: totals over all its
-sessions), when the proposer has nothing left, on SIGINT/SIGTERM (after the current candidate's commit),
-or when a provider fails in a way retrying and waiting cannot fix (`fatal`). Resuming a run first
-evaluates the proposals it had committed but not judged. Everything a run learns is committed before the
-next step.
+run folder's lock, open the evaluator, evaluate the heads (the reference kernels), build the baseline
+profile, make the ledger's first commit; then the drive — one candidate at a time (agent/serial.py) or
+several in flight (agent/parallel.py) — and the end commit. Here is what both drives share: the run's
+state and budgets, starting and resuming, and every ledger write. After an accepted kernel the head of
+its op moves and the profile is rebuilt, in the candidate's own commit. Proposals are committed once
+each, from any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
+candidates, cost, device time: totals over all its sessions), when the proposer has nothing left, on
+SIGINT/SIGTERM (after the current candidate's commit), or when a provider fails in a way retrying and
+waiting cannot fix (`fatal`). Resuming a run first evaluates the proposals it had committed but not
+judged. Everything a run learns is committed before the next step.
 Not here: what to propose (proposers), how to judge (harness), how to show it (view), the settings (settings).
 """
 from __future__ import annotations
@@ -21,8 +18,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
-from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,19 +32,18 @@ from harness.targets import TARGETS
 
 from agent.conclusion import subject
 from agent.environment import describe
-from agent.evaluator import check_device, device_seconds, evaluate_head, judge, now, unevaluated
+from agent.evaluator import device_seconds, evaluate_head, now
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
 from agent.profile import baseline_replay_note, run_profile
 from agent.proposers import PROPOSERS
-from agent.providers import Meter, ProviderStop
+from agent.providers import Meter
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
 from agent.session import Interrupts, RunBusy, RunLock
 from agent.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
 from agent.state import ProposalState, best_kernel, search_parent
 
 FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
-_ABANDONED = object()           # what waiting for a proposal gives when the run must stop first
 
 
 @dataclass
@@ -64,10 +60,10 @@ class RunResult:
     signal: int = 0                 # the signal that stopped the run, if one did
 
 
-def _background(fn, *args) -> Future:
-    """`fn(*args)` in a daemon thread: a proposal still being written (an LLM call, a wait for a provider)
-    never keeps a stopping run alive."""
-    fut: Future = Future()
+def in_thread(name: str, fn, *args, fut: Future | None = None) -> Future:
+    """`fn(*args)` in a daemon thread, its outcome (or exception) into `fut` (a new one if none is given):
+    a proposal still being written or a candidate still being judged never keeps a stopping run alive."""
+    fut = fut if fut is not None else Future()
 
     def work() -> None:
         if fut.set_running_or_notify_cancel():
@@ -75,7 +71,7 @@ def _background(fn, *args) -> Future:
                 fut.set_result(fn(*args))
             except BaseException as e:                  # handed to the waiting thread as it is
                 fut.set_exception(e)
-    threading.Thread(target=work, name="kevo-proposer", daemon=True).start()
+    threading.Thread(target=work, name=name, daemon=True).start()
     return fut
 
 
@@ -288,95 +284,10 @@ class Run:
             self._kept.add(proposal.id)
             self.last_id = max(self.last_id, id_number(proposal.id))
 
-    def _write_proposal(self, state: ProposalState, overlapped: bool):
-        """The proposer's thread: write the next proposal and commit it at once if it is to be evaluated,
-        or if it will wait in memory for the current candidate's verdict (written meanwhile)."""
-        proposal = self.proposer.propose(state)
-        if isinstance(proposal, Proposal) and not self.proposer.instant and not self.stop.why \
-                and (proposal.outcome == "ready" or overlapped):
-            self.commit_proposal(proposal, from_proposer=True)
-        return proposal
-
-    def _submit(self, pending: list) -> Future:
-        state = self.state(pending)
-        if not pending:
-            self.view.update(activity=f"proposing {state.next_id}")
-        return _background(self._write_proposal, state, bool(pending))
-
-    def _await(self, fut: Future):
-        """The proposal once written, or _ABANDONED as soon as a signal says the run must stop. (A budget
-        that ends meanwhile does not abandon it: what it cost is recorded; a wait for a provider ends then.)"""
-        while True:
-            try:
-                return fut.result(timeout=0.2)
-            except FutureTimeout:
-                if self.stop.why:
-                    return _ABANDONED
-
     def drive(self) -> tuple[str, bool]:
-        overlap = self.cfg.agent.overlap and not self.proposer.instant
-        backlog = self.ledger.pending()         # committed before a stop, never evaluated: first
-        fut, stale, stop, fatal = None, False, "", False
-        while True:
-            if (stop := self.stop.why) or (fut is None and (stop := self.limit())):
-                break
-            if backlog:
-                proposal, new = backlog.pop(0), False
-            else:
-                if fut is None:
-                    fut, stale = self._submit([]), False
-                try:
-                    proposal = self._await(fut)
-                except ProviderStop as e:
-                    fut = None
-                    stop, fatal = (self.halted(), False) if self.halted() else (str(e), True)
-                    break
-                if proposal is _ABANDONED:
-                    stop = self.stop.why
-                    break                       # the proposal being written is abandoned (the thread is a daemon)
-                fut, new = None, True
-                if proposal is None:
-                    if stale:                   # built before the last verdict: ask again with it
-                        continue
-                    stop = "search exhausted: the proposer has nothing left worth trying"
-                    break
-            ready = proposal.outcome == "ready"
-            if new and ready and not self.proposer.instant:
-                self.commit_proposal(proposal)  # from here a stop loses nothing: a resumed run evaluates it
-            if overlap and ready and fut is None and not self.limit(in_flight=1):
-                fut, stale = self._submit([proposal]), True
-            if not ready:
-                self.record(unevaluated(proposal, proposal.outcome, proposal.stage, proposal.reason), proposal.exchanges)
-            elif why := self.budget():          # a signal since it was proposed: it is evaluated all the same
-                stop = why
-                self.record(unevaluated(proposal, "unevaluated", "budget", why), proposal.exchanges)
-                break
-            else:
-                meanwhile = "; proposing the next meanwhile" if fut is not None else ""
-                self.view.update(activity=f"evaluating {proposal.id} ({', '.join(STAGE_NAMES)}){meanwhile}",
-                                 claim=f"{proposal.id} [{proposal.op}] {proposal.claim.hypothesis}")
-                stage_news = (lambda name, p=proposal, m=meanwhile:
-                              self.view.update(activity=f"evaluating {p.id}: {name}{m}"))
-                record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
-                                                    self.settings.target, self._pool, on_stage=stage_news)
-                trailers, sick = check_device(record, self._pool, lambda text: self.view.update(activity=text))
-                self.record(record, exchanges, trailers)
-                if stop_msg or sick:
-                    stop, fatal = stop_msg or sick, True
-                    break
-        if fut is not None:                     # a proposal written while the run was ending: keep what it cost
-            try:
-                late = self._await(fut)
-            except ProviderStop:
-                late = None
-            if isinstance(late, Proposal) and late.exchanges:
-                if late.outcome != "ready":     # malformed or not worth coding: that is its verdict
-                    self.record(unevaluated(late, late.outcome, late.stage, late.reason), late.exchanges)
-                elif self.stop.why:
-                    self.commit_proposal(late)  # stopped by a signal: evaluated when the run is resumed
-                else:
-                    self.record(unevaluated(late, "unevaluated", "budget", f"the run ended: {stop}"), late.exchanges)
-        return stop, fatal
+        """Propose and judge until the run must end: (why it ended, whether that is fatal). One drive per
+        subclass: agent/serial.py (one candidate at a time), agent/parallel.py (several)."""
+        raise NotImplementedError
 
     def finish(self, stop: str, fatal: bool) -> RunResult:
         self.view.update(activity=f"ended: {stop}", claim="")
@@ -426,5 +337,6 @@ class Run:
 
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:
-    from agent.parallel import ParallelRun, in_parallel     # a subclass of Run: imported here, not above
-    return (ParallelRun if in_parallel(cfg) else Run)(cfg, settings, view)(pool)
+    from agent.parallel import ParallelRun, in_parallel     # subclasses of Run: imported here, not above
+    from agent.serial import SerialRun
+    return (ParallelRun if in_parallel(cfg) else SerialRun)(cfg, settings, view)(pool)

@@ -33,7 +33,7 @@ from harness.records import Verdict
 from harness.slot import Done, Job
 
 from agent.evaluator import evaluate_head, judge, unevaluated
-from agent.loop import Run, RunResult
+from agent.loop import Run, RunResult, in_thread
 from agent.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 
@@ -51,17 +51,6 @@ class _Judged:
     exchanges: list[Exchange]
     stop: str = ""                  # a provider stopped the run during a compile repair
     slots: list[str] = field(default_factory=list)
-
-
-def _thread(fut: Future, name: str, fn, *args) -> Future:
-    """`fn(*args)` in a daemon thread, its outcome into `fut` (a stopping run never waits on it)."""
-    def work() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:                      # handed to the loop as it is
-            fut.set_exception(e)
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return fut
 
 
 class ParallelRun(Run):
@@ -134,7 +123,7 @@ class ParallelRun(Run):
         self._news(None)
         fut: Future = Future()
         fut.add_done_callback(lambda _: self._wake.set())
-        return _thread(fut, "kevo-proposer", self.proposer.propose, state)
+        return in_thread("kevo-proposer", self.proposer.propose, state, fut=fut)
 
     def drive(self) -> tuple[str, bool]:
         if why := self.limit():                     # spent before this session: what is pending stays so
@@ -206,7 +195,7 @@ class ParallelRun(Run):
                 p = waiting.popleft()
                 self._news(p.id, "queued")
                 self.view.update(claim=f"{p.id} [{p.op}] {p.claim.hypothesis}" if p.claim else "")
-                running[p.id] = _thread(futures[p.id], f"kevo-judge-{p.id}", self._judge, p, self.parents[p.op])
+                running[p.id] = in_thread(f"kevo-judge-{p.id}", self._judge, p, self.parents[p.op], fut=futures[p.id])
             if (not stop and not hold and fut is None and len(running) + len(waiting) < cap + ahead
                     and not self.limit(in_flight=len(held))):
                 asked, fut = len(self.history), self._propose(held)
