@@ -88,8 +88,8 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:                            # a second signal: stopped at once, between commits
         where = (settings.root or settings.run_id) if settings else (args.resume or args.run_id)
-        print(f"kevo-agent: stopped at once; the ledger holds every commit made (resume: kevo-agent run --resume {where})",
-              file=sys.stderr)
+        resume = f" (resume: kevo-agent run --resume {where})" if where else ""
+        print(f"kevo-agent: stopped at once; the ledger holds every commit made{resume}", file=sys.stderr)
         return 130
     print_summary(result)
     if result.fatal:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Literal
 
 import git
+from pydantic import ValidationError
 
 from harness.sandbox import redact
 
@@ -105,7 +106,7 @@ class Ledger:
         for p in (gitdir / "objects").glob("obj*"):     # gitdb writes objects to obj* files, then renames them
             if p.is_file():
                 p.unlink()
-        self._exclude_lock()
+        self.exclude(LOCK_NAME)
         try:
             changed = [line[3:] for line in self.repo.git.status("--porcelain", "--untracked-files=all").splitlines()]
         except git.exc.GitCommandError:                  # an unreadable index: rebuilt from the last commit
@@ -116,12 +117,13 @@ class Ledger:
             self.repo.git.clean("-fdq")
         return changed
 
-    def _exclude_lock(self) -> None:
+    def exclude(self, pattern: str) -> None:
+        """Keep files matching `pattern` out of the ledger for good (its .git/info/exclude)."""
         exclude = self.root / ".git" / "info" / "exclude"
         text = exclude.read_text() if exclude.exists() else ""
-        if LOCK_NAME not in text.splitlines():
+        if pattern not in text.splitlines():
             exclude.parent.mkdir(parents=True, exist_ok=True)
-            exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + LOCK_NAME + "\n")
+            exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + pattern + "\n")
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -133,7 +135,7 @@ class Ledger:
         root.mkdir(parents=True, exist_ok=True)
         git.Repo.init(root)
         ledger = cls(root)
-        ledger._exclude_lock()
+        ledger.exclude(LOCK_NAME)
         files = {"run.json": header.model_dump_json(indent=1), "config.yaml": config_yaml,
                  "environment.json": json.dumps(environment, indent=1), "profile.json": profile.model_dump_json(indent=1),
                  "replay.json": json.dumps(replay, indent=1), "summary.json": json.dumps(summary, indent=1),
@@ -270,7 +272,12 @@ class Ledger:
         return out
 
     def header(self) -> RunHeader:
-        return RunHeader.model_validate_json(self._read("run.json"))
+        try:
+            return RunHeader.model_validate_json(self._read("run.json"))
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise LedgerError(f"{self.root}/run.json cannot be read by this kevo "
+                              f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
 
     def profile(self) -> Profile:
         return Profile.model_validate_json(self._read("profile.json"))

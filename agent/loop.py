@@ -146,6 +146,11 @@ class Run:
         """Why a wait (for a proposal, for a provider) must end now: a signal, or the time budget."""
         return self.stop.why or self.out_of_time()
 
+    def provider_stopped(self, e: Exception) -> tuple[str, bool]:
+        """(why, fatal) when a provider gave up: a wait cut short by a signal or the time budget is an
+        ordinary end; otherwise the provider's own failure, which is fatal."""
+        return (self.halted(), False) if self.halted() else (str(e), True)
+
     def limit(self, in_flight: int = 0) -> str:
         """Why the run must end now: a signal, or the first budget reached."""
         return self.stop.why or self.budget(in_flight)
@@ -298,7 +303,7 @@ class Run:
                           *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
                             if pending else []),
                           "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
-        with self.stop.writing():
+        with self._ledger_lock, self.stop.writing():     # a proposer thread may still be committing
             self.ledger.commit(f"end {self.settings.run_id}: {stop}"[:150], [text],
                                {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
                                {"Run": self.settings.run_id, "Candidates": len(self.history),

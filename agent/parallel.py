@@ -33,7 +33,7 @@ from harness.records import Verdict
 from harness.slot import Done, Job
 
 from agent.evaluator import evaluate_head, judge, unevaluated
-from agent.loop import Run, RunResult, in_thread
+from agent.loop import Run, in_thread
 from agent.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 
@@ -82,7 +82,10 @@ class ParallelRun(Run):
 
     def head(self, op: str, pool) -> Kernel:
         """The head of `op`, evaluated on the executor (the hook Run.start calls, where it has one)."""
-        return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog, evaluate_fn=self.evaluate)
+        try:
+            return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog, evaluate_fn=self.evaluate)
+        finally:
+            self._news(f"head-{op}", "")
 
     # -- the live view ------------------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class ParallelRun(Run):
                 if judged.stop and not fatal:
                     stop, fatal = judged.stop, True
             running = {c: f for c, f in running.items() if not f.done()}
-            if not stop and (why := self.stop.why or self.budget()):
+            if not stop and (why := self.limit()):
                 stop = why
             if fut is not None and self.stop.why:    # a signal: the proposal being written is abandoned
                 fut = None
@@ -181,7 +184,7 @@ class ParallelRun(Run):
                 except ProviderStop as e:
                     proposal = None
                     if not stop:
-                        stop, fatal = (self.halted(), False) if self.halted() else (str(e), True)
+                        stop, fatal = self.provider_stopped(e)
                 fut, self._proposing = None, ""
                 if isinstance(proposal, Proposal):
                     arrive(proposal, new=True)
@@ -232,9 +235,7 @@ class ParallelRun(Run):
         lazily by `slots()`, inside the run's lock); Run.start is handed None for a pool."""
         return None
 
-    def __call__(self, pool=None) -> RunResult:
-        try:
-            return super().__call__(pool)
-        finally:
-            if self.executor is not None:
-                self.executor.close()
+    def close_evaluator(self) -> None:
+        """The executor's slots, closed inside the run's lock (its GPUs are free before another run can start)."""
+        if self.executor is not None:
+            self.executor.close()

@@ -73,18 +73,18 @@ def measured_profile(cfg: Config, target: str, device: torch.device, arch: str, 
         shares, buckets = data["op_shares"], data["buckets"]
         where = (f"{data['preset']} on {data['trace']}, {data['steps_profiled']} of {data['steps']} steps profiled "
                  f"on {data['device']}, mean step {data['step_ms_mean']:.2f} ms; {data['clock']}")
+        largest = ", ".join(f"{b['label']} {b['share']:.1%}" for b in sorted(buckets.values(), key=lambda b: -b["share"])[:4])
     except FileNotFoundError:
         raise HarnessError(f"served.recorded_shapes: {path}: no such profile (write one with kevo-agent profile --json)") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HarnessError(f"served.recorded_shapes: {path}: not a kevo profile ({type(e).__name__}: {e})") from None
     shapes = device_shapes(cfg, target, device)
     q, kv = shapes.heads[0]
-    top = sorted(buckets.items(), key=lambda kv_: -kv_[1]["share"])[:4]
     ops = {}
     for op in cfg.agent.ops:
         share = float(shares.get(op, 0.0))
         lines = [f"{op} share of the served step f = {share:.3f} (MEASURED: {where})",
-                 "largest parts of the step: " + ", ".join(f"{b['label']} {b['share']:.1%}" for _, b in top),
+                 f"largest parts of the step: {largest}",
                  f"end-to-end ceiling if {op} became s times faster: " + ", ".join(
                      f"s={s} -> {v:.3f}x" for s, v in data.get("op_ceilings", {}).get(op, {}).items())]
         lines += [f"served {op} shapes (recorded): batch {g.batch}, lengths {g.lengths[0]}..{g.lengths[1]}, "

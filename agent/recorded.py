@@ -69,7 +69,6 @@ class Recording:
         self.exchanges = exchanges
         self.used: dict[tuple[str, str], int] = {}
         self.divergences: list[Divergence] = []
-        self.misses: list[str] = []
         self._lock = threading.Lock()
         self._local = threading.local()
 
@@ -89,7 +88,6 @@ class Recording:
             if n >= len(mine):
                 miss = (f"nothing matches: {cid} asked the {role} for reply {n + 1}; the run recorded "
                         f"{len(mine)} {role} exchange(s) for {cid}")
-                self.misses.append(miss)
                 raise ProviderStop(f"recorded: {miss}")
             self.used[(cid, role)] = n + 1
             ex = mine[n]

@@ -259,8 +259,7 @@ def run_config(cfg: Config, ran: Committed) -> Config:
     raw["providers"]["prices"] = {**cfg.model_dump(mode="json")["providers"]["prices"],
                                   **((theirs.get("providers") or {}).get("prices") or {})}
     raw["agent"].update(ops=list(ran.header.ops), runs_dir=str(ran.root.resolve().parent))
-    if "fallback" in raw["providers"]:
-        raw["providers"]["fallback"] = None             # only the recording answers: never a live provider
+    raw["providers"]["fallback"] = None                 # only the recording answers: never a live provider
     try:
         return Config.model_validate(raw)
     except ValidationError as e:

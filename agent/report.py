@@ -93,7 +93,7 @@ def _best_section(ledger: Ledger, header: RunHeader, op: str, head: Kernel, hist
     k = best_kernel(op, head, history)
     from_head = k.ref.startswith("head:")
     path = ledger.root / (f"heads/{op}.py" if from_head else f"best/{op}.py")
-    source = path.read_text() if path.is_file() else k.source
+    source = k.source
     record = next((r for r in history if r.id == k.ref), None)
     said = ("the reference kernel: no candidate beat it" if from_head else
             ("accepted by the full scored replay" if record and record.outcome == "accepted" else
@@ -131,9 +131,8 @@ def _rows_table(items: list[Row]) -> str:
 def _exchanges(ledger: Ledger, history: list[CandidateRecord]) -> list[Exchange]:
     out = []
     for r in history:
-        path = ledger.root / "candidates" / r.id / "exchanges.jsonl"
-        if path.is_file():
-            out += [Exchange.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+        text = ledger.committed(f"candidates/{r.id}/exchanges.jsonl") or ""
+        out += [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
     return out
 
 
@@ -175,10 +174,6 @@ def write(ledger: Ledger, out: Path | None = None) -> Path:
     out = out or ledger.root / "report.html"
     text = render(ledger)
     if out.resolve().parent == ledger.root.resolve():
-        exclude = ledger.root / ".git" / "info" / "exclude"
-        exclude.parent.mkdir(parents=True, exist_ok=True)
-        lines = exclude.read_text().splitlines() if exclude.is_file() else []
-        if f"/{out.name}" not in lines:
-            exclude.write_text("\n".join([*lines, f"/{out.name}"]) + "\n")
+        ledger.exclude(f"/{out.name}")
     out.write_text(text)
     return out

@@ -69,7 +69,7 @@ class SerialRun(Run):
                     proposal = self._await(fut)
                 except ProviderStop as e:
                     fut = None
-                    stop, fatal = (self.halted(), False) if self.halted() else (str(e), True)
+                    stop, fatal = self.provider_stopped(e)
                     break
                 if proposal is _ABANDONED:
                     stop = self.stop.why

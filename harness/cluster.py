@@ -200,12 +200,20 @@ class DaskExecutor:
             return
         capacity = self.capacity                 # asks the scheduler: not under the lock
         with self._lock:
+            stranded = list(self._waiting) if capacity == 0 and self.removed else []   # no worker will take them
+            if stranded:
+                self._waiting.clear()
             free = capacity - self._running
             batch = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
             batch = [(job, fut) for job, fut in batch if not fut.cancelled()]
             self._running += len(batch)
+        for _, fut in stranded:
+            settle(fut, error=self._none_left())
         for job, fut in batch:
             self._send(job, fut)
+
+    def _none_left(self) -> HarnessError:
+        return HarnessError("every Dask worker's slot was taken out: " + "; ".join(self.removed.values()))
 
     def _send(self, job: Job, fut: Future) -> None:
         with self._lock:
@@ -225,7 +233,7 @@ class DaskExecutor:
             self.client.retire_workers([address], close_workers=True, remove=True)
             if self.capacity:
                 return self._send(job, fut)
-            error = HarnessError("every Dask worker's slot was taken out: " + "; ".join(self.removed.values()))
+            error = self._none_left()
         if remote.cancelled():
             fut.cancel()
         elif error is None:

@@ -60,7 +60,11 @@ def local_pins(cfg: Config) -> list[Pin]:
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
         names = [v.strip() for v in seen.split(",")] if seen else [str(i) for i in range(torch.cuda.device_count())]
         indices = range(len(names)) if ex.gpus == "auto" else ex.gpus
-        return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else str(i)) for i in indices]
+        # an index past the GPUs seen fails the slot's health check honestly; past a CUDA_VISIBLE_DEVICES
+        # list it must not become a physical index (another slot's GPU, maybe): "-1" makes none visible
+        missing = "-1" if seen else None
+        return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else (missing or str(i)))
+                for i in indices]
     cores = sorted(os.sched_getaffinity(0))
     n = ex.cpu_slots
     shares = [cores[i::n] for i in range(n)] if n <= len(cores) else [[cores[i % len(cores)]] for i in range(n)]
@@ -192,6 +196,9 @@ class LocalExecutor:
                 if outcome == "lost":
                     conn.close()
                     proc.wait()
+                    if self._closed:                # killed by close(): no new slot process, no requeue
+                        entry.future.cancel()
+                        return
                     with self._cond:
                         self._live.discard(pin.name)
                         self._busy.pop(pin.name, None)

@@ -127,7 +127,7 @@ def chain(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        seen["after_kill"].append((seen["early"], head_subject(root), committed_problems(root)))
+        seen["after_kill"].append((seen["early"], head_subject(root), committed_problems(root), proc.returncode))
 
         # SIGTERM while a proposal is being evaluated; before that, a second run on the folder is refused.
         proc = kevo(*run, env=env, log=tmp / "term")
@@ -152,7 +152,7 @@ def chain(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            seen["after_kill"].append((round(delay, 2), head_subject(root), committed_problems(root)))
+            seen["after_kill"].append((round(delay, 2), head_subject(root), committed_problems(root), proc.returncode))
 
         final = subprocess.run([sys.executable, "-m", "agent.cli", *run], cwd=ROOT, env=env, capture_output=True,
                                text=True, timeout=300)
@@ -177,7 +177,8 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first(chain):
 
 
 def test_killed_at_random_moments_and_resumed_the_ledger_reads_as_if_never_killed(chain):
-    for delay, last, problems in chain["after_kill"]:
+    for delay, last, problems, returncode in chain["after_kill"]:
+        assert returncode == -signal.SIGKILL, (delay, last, returncode)     # the kill landed on a running run
         assert problems == [], (delay, last)             # the committed state is whole after every SIGKILL
     final, root = chain["final"], chain["root"]
     assert final.returncode == 0, final.stderr

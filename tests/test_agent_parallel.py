@@ -8,7 +8,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 
@@ -18,6 +17,7 @@ import candidates as C
 from conftest import config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM
+from test_ledger import git
 
 from agent.loop import run, settings_from
 from agent.parallel import ParallelRun
@@ -68,10 +68,6 @@ def settings(cfg, run_id: str, n: int):
 
 def view() -> RunView:
     return RunView(console=Console(file=io.StringIO(), width=200))
-
-
-def git(ledger, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ledger, capture_output=True, text=True, check=True).stdout
 
 
 def gist(verdict: dict) -> dict:

@@ -17,6 +17,7 @@ from rich.console import Console
 from conftest import ROOT, config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM
+from test_ledger import git
 
 from agent.loop import run, settings_from
 from agent.replay import ReplayError, replay_decisions, replay_verdicts
@@ -29,10 +30,6 @@ KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
 
 def quiet() -> RunView:
     return RunView(console=Console(file=io.StringIO(), width=200))
-
-
-def git(repo, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
 
 
 def untouched(repo) -> tuple:
@@ -180,6 +177,7 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
 def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(pool, tmp_path):
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
+    assert len(past.history) == 1
     replay = replay_decisions(past.ledger, config_with(), quiet(), pool=pool)
     assert replay.proposer.startswith("the built-in proposer, run again")
     assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]

@@ -17,7 +17,7 @@ from conftest import config_with
 from fakes import scripts as S
 from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM
-from test_ledger import candidate, commit, new_ledger
+from test_ledger import candidate, commit, git, new_ledger
 
 from agent.ledger import Ledger, LedgerError
 from agent.loop import run, settings_from
@@ -47,10 +47,6 @@ ABORTS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     __import__("os").abort()
 """)
-
-
-def git(root, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout
 
 
 def go(cfg, pool, **settings):

@@ -80,3 +80,4 @@ def test_a_ledger_killed_at_random_moments_reopens_sound_with_every_acknowledged
     ledger = Ledger(root)
     print(f"{TRIALS} kills, {len(ledger.history())} candidates committed, {discarded} kills mid-write")
     assert len(ledger.history()) >= 10 and acknowledged, "too few commits happened between the kills to prove anything"
+    assert discarded > 0, "no kill landed between writing and committing: the recovery was never exercised"

@@ -30,10 +30,9 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from h200_run import ROOT, Service, launch, write_config  # noqa: E402
+from h200_run import DECODE_STEPS, ROOT, Service, launch, write_config  # noqa: E402
 
 import candidates as C  # noqa: E402
-from h200_run import DECODE_STEPS  # noqa: E402
 
 from agent.ledger import Ledger  # noqa: E402
 
