@@ -11,6 +11,7 @@ candidate: it keeps the books, it does not judge.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import sys
 from collections import Counter
 from pathlib import Path
@@ -66,6 +67,8 @@ class AttentionOps:
                  "block_size": k_cache.shape[1], "max_seq_len": max(lens), "dtype": self.dtype}
         self.shapes.record("decode", lens)
         fn = self._route("decode", shape)
+        if fn is TARGET.ops["decode"].baseline:           # the engine's host-side lengths: no device read
+            return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens)
         return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
@@ -74,6 +77,8 @@ class AttentionOps:
                  "total_tokens": T, "max_seqlen": max_seqlen, "dtype": self.dtype}
         self.shapes.record("prefill", lens)
         fn = self._route("prefill", shape)
+        if fn is TARGET.ops["prefill"].baseline:
+            return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
         return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
     def stats(self) -> dict:

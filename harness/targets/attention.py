@@ -159,7 +159,7 @@ def prefill_reference(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> torch.Tensor
 # baselines: what a user runs today with torch alone
 # ---------------------------------------------------------------------------------------------
 
-def decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> torch.Tensor:
+def decode_masked(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
     """Gather the paged cache through the block table, zero what lies past each length, and make one
     masked SDPA call in which each KV head's group of query heads stands as that many query rows —
     so KV is never expanded per query head, and SDPA's fused memory-efficient kernel (float32
@@ -174,6 +174,49 @@ def decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> tor
     out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
                                          attn_mask=valid[:, None, None, :], scale=sm_scale)
     return out.reshape(B, H, D)
+
+
+def decode_clamped(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
+    """As `decode_masked`, but gathered token by token with every position past a sequence's end
+    pointed at its first token (finite, then masked out), so no `masked_fill` pass over the copy."""
+    B, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    L = block_table.shape[1] * bs
+    pos = torch.arange(L, device=q.device)
+    valid = pos[None, :] < seq_lens[:, None]                                              # [B, L]
+    token = block_table.long().repeat_interleave(bs, dim=1) * bs + (pos % bs)[None, :]     # [B, L] flat slot
+    token = torch.where(valid, token, token[:, :1])
+    k = k_cache.reshape(-1, KVH, D)[token].transpose(1, 2)                                 # [B, KVH, L, D]
+    v = v_cache.reshape(-1, KVH, D)[token].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
+                                         attn_mask=valid[:, None, None, :], scale=sm_scale)
+    return out.reshape(B, H, D)
+
+
+def decode_per_sequence(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
+    """One unmasked SDPA call per sequence on exactly its tokens, the group of query heads as query
+    rows; no mask, so SDPA's flash or cuDNN kernels may apply. `lengths` are the lengths as the
+    serving engine holds them on the host (without them, they are read from `seq_lens`)."""
+    B, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    lengths = lengths if lengths is not None else seq_lens.tolist()
+    out = torch.empty_like(q)
+    for b, n in enumerate(lengths):
+        blocks = block_table[b, :(n + bs - 1) // bs].long()
+        k = k_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]                 # [1, KVH, n, D]
+        v = v_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]
+        out[b] = F.scaled_dot_product_attention(q[b].reshape(1, KVH, H // KVH, D), k, v, scale=sm_scale).reshape(H, D)
+    return out
+
+
+# Three torch-only ways to the paged decode; tests/bench/decode_baselines.py times them on the served
+# shapes, and the fastest correct one (docs/BENCHMARKS.md) is the baseline the served engine runs.
+DECODE_BASELINES = {"masked": decode_masked, "clamped": decode_clamped, "per_sequence": decode_per_sequence}
+DECODE_BASELINE = "clamped"
+
+
+def decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
+    return DECODE_BASELINES[DECODE_BASELINE](q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lengths)
 
 
 def prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds: list[int] | None = None) -> torch.Tensor:
@@ -299,6 +342,7 @@ def boundary_cases(shapes) -> list[Case]:
 
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
             make_inputs=decode_inputs, reference=decode_reference, baseline=decode_baseline,
+            baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()},
             cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape),
             anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
 PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),

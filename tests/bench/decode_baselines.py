@@ -10,12 +10,13 @@ draws them), then timed two ways:
   - device: one call captured in a CUDA graph, replayed between L2 flushes, CUDA events (ms);
   - host: the eager call and a synchronize, by the host's clock (ms): what an eager engine pays.
 Ways:
-  - current: gather the padded block table, zero the garbage with masked_fill, one masked SDPA call;
+  - masked: gather the padded block table, zero the garbage with masked_fill, one masked SDPA call;
   - clamped: gather token by token with past-the-end positions pointed at the sequence's first
     token (finite, then masked), so no masked_fill pass; one masked SDPA call;
   - per_sequence: one unmasked SDPA call per sequence on exactly its tokens (the host knows the
     lengths, as a serving engine does), so SDPA's flash or cuDNN kernels may apply.
-Then the fastest correct way, by device time over the served mix, is what the baseline should become.
+The ways live in harness/targets/attention.py (DECODE_BASELINES); the fastest correct one over the served mix
+is set there as DECODE_BASELINE.
 """
 from __future__ import annotations
 
@@ -27,46 +28,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from harness.config import load_config  # noqa: E402
 from harness.evaluate import device_shapes  # noqa: E402
-from harness.targets.attention import decode_baseline, decode_cost, decode_inputs, decode_reference  # noqa: E402
+from harness.targets.attention import DECODE_BASELINES, decode_cost, decode_inputs, decode_reference  # noqa: E402
 from harness.targets import TARGETS  # noqa: E402
 
 
-def clamped(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None):
-    B, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    L = block_table.shape[1] * bs
-    pos = torch.arange(L, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None]                                              # [B, L]
-    token = block_table.long().repeat_interleave(bs, dim=1) * bs + (pos % bs)[None, :]     # [B, L] flat slot
-    token = torch.where(valid, token, token[:, :1])                                        # past the end: token 0
-    k = k_cache.reshape(-1, KVH, D)[token].transpose(1, 2)                                 # [B, KVH, L, D]
-    v = v_cache.reshape(-1, KVH, D)[token].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
-                                         attn_mask=valid[:, None, None, :], scale=sm_scale)
-    return out.reshape(B, H, D)
-
-
-def per_sequence(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None):
-    B, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    lengths = lengths if lengths is not None else seq_lens.tolist()
-    out = torch.empty_like(q)
-    for b, n in enumerate(lengths):
-        blocks = block_table[b, :(n + bs - 1) // bs].long()
-        k = k_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]                 # [1, KVH, n, D]
-        v = v_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]
-        out[b] = F.scaled_dot_product_attention(q[b].reshape(1, KVH, H // KVH, D), k, v, scale=sm_scale).reshape(H, D)
-    return out
-
-
-WAYS = {"current": lambda *a, lengths=None: decode_baseline(*a), "clamped": clamped, "per_sequence": per_sequence}
+WAYS = DECODE_BASELINES
 
 
 def device_ms(fn, flush: torch.Tensor, reps: int = 20) -> float:
@@ -115,7 +87,7 @@ def main() -> None:
     dtype = torch.float32 if args.cpu else torch.bfloat16
     cases = [c for c in TARGETS["attention"].served_cases(shapes) if c.op == "decode"]
     flush = None if args.cpu else torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    rows, mix = [], dict.fromkeys(WAYS, 0.0)
+    rows, mix, mix_host = [], dict.fromkeys(WAYS, 0.0), dict.fromkeys(WAYS, 0.0)
     for case in cases:
         x = decode_inputs(case, "normal", 7, device, dtype)
         args_ = (x["q"], x["k_cache"], x["v_cache"], x["block_table"], x["seq_lens"], x["sm_scale"])
@@ -132,11 +104,14 @@ def main() -> None:
                 d = device_ms(fn, flush)
                 row.update({f"{name}_device_ms": d, f"{name}_TBps": nbytes / d / 1e9, f"{name}_host_ms": host_ms(fn)})
                 mix[name] += case.weight * d
+                mix_host[name] += case.weight * row[f"{name}_host_ms"]
         rows.append(row)
         print(json.dumps(row))
     if not args.cpu:
         summary = {name: round(ms, 4) for name, ms in mix.items()}
-        print(json.dumps({"served_mix_device_ms": summary, "fastest": min(summary, key=summary.get)}))
+        host = {name: round(ms, 4) for name, ms in mix_host.items()}
+        print(json.dumps({"served_mix_device_ms": summary, "fastest_device": min(summary, key=summary.get),
+                          "served_mix_host_ms": host, "fastest_host": min(host, key=host.get)}))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
