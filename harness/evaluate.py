@@ -32,9 +32,13 @@ def resolve_device(cfg: Config) -> torch.device:
 
 def device_shapes(cfg: Config, target: str, device: torch.device):
     """The target's shapes for this device: the config's placeholders, or the shapes a profile of
-    the served scenario recorded (`served.recorded_shapes`), relative paths from the project root."""
-    from harness.served.shapes import ShapesError, apply_recorded
+    the served scenario recorded (`served.recorded_shapes`), relative paths from the project root;
+    either way drawn at the heads of the model the served scenario runs on this device."""
+    from harness.served.shapes import ShapesError, apply_recorded, served_heads_first
     section = getattr(getattr(cfg.targets, target), device.type)
+    if target == "attention":
+        preset = cfg.served.presets[getattr(cfg.served, device.type).preset]
+        section = served_heads_first(section, (preset.q_heads, preset.kv_heads))
     path = cfg.served.recorded_shapes
     try:
         return apply_recorded(section, None if path is None else PROJECT_ROOT / path)

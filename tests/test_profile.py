@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import CUDA, ROOT, config_with
+from harness.evaluate import device_shapes
 from harness.profile import BUCKETS, ceiling, profile_served, summarize
 from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
 from harness.targets.attention import served_cases
@@ -73,6 +74,21 @@ def test_recorded_shapes_become_the_config_shape_groups_parity_and_microbench_us
     (tmp_path / "bad.json").write_text('{"served_shapes": {"decode": [{"batch": 0, "lengths": [1, 2], "weight": 1}]}}')
     with pytest.raises(ShapesError, match="served_shapes.decode: malformed group"):
         load_recorded_shapes(tmp_path / "bad.json")
+
+
+def test_served_cases_are_drawn_at_the_heads_of_the_model_the_scenario_serves(tmp_path):
+    cuda = torch.device("cuda")            # only its type is read: no GPU needed
+    placeholders = served_cases(device_shapes(CFG, "attention", cuda))
+    preset = CFG.served.presets[CFG.served.cuda.preset]
+    assert CFG.targets.attention.cuda.heads[0] != (preset.q_heads, preset.kv_heads)      # the config lists 8B's first
+    assert {(c.params["q_heads"], c.params["kv_heads"]) for c in placeholders} == {(preset.q_heads, preset.kv_heads)}
+    h200 = "docs/data/profile-h200-qwen3-0.6b-long-60s.json"
+    recorded = served_cases(device_shapes(config_with(**{"served.recorded_shapes": h200}), "attention", cuda))
+    assert {(c.params["q_heads"], c.params["kv_heads"]) for c in recorded} == {(16, 8)}
+    other = json.loads((ROOT / h200).read_text()) | {"heads": [64, 8]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ShapesError, match=r"recorded with heads \[64, 8\], which the target's heads"):
+        apply_recorded(CFG.targets.attention.cuda, tmp_path / "other.json")
 
 
 def kevo(*args: str) -> subprocess.CompletedProcess:

@@ -53,7 +53,8 @@ class ShapesError(Exception):
 
 
 def load_recorded_shapes(path: Path | str) -> dict[str, list]:
-    """The `served_shapes` of a profile JSON as config shape groups, per op."""
+    """The `served_shapes` of a profile JSON as config shape groups, per op; and under "heads" the
+    [query heads, kv heads] the profile served, where it says."""
     from harness.config import ShapeGroup
     path = Path(path)
     try:
@@ -73,13 +74,29 @@ def load_recorded_shapes(path: Path | str) -> dict[str, list]:
                        for r in rows]
         except (KeyError, TypeError, ValidationError) as e:
             raise ShapesError(f"{path}: served_shapes.{op}: malformed group ({str(e).splitlines()[0]})") from None
+    heads = data.get("heads")
+    if isinstance(heads, list) and len(heads) == 2 and all(isinstance(h, int) for h in heads):
+        out["heads"] = (heads[0], heads[1])
     return out
+
+
+def served_heads_first(section: Any, heads: tuple[int, int] | list[int]) -> Any:
+    """The section with the served model's [query heads, kv heads] first in `heads`: the served cases
+    are drawn at the first pair, the boundary cases at every pair."""
+    pair = tuple(heads)
+    return section.model_copy(update={"heads": [pair] + [tuple(h) for h in section.heads if tuple(h) != pair]})
 
 
 def apply_recorded(section: Any, path: Path | str | None) -> Any:
     """A target's device section with its served shapes replaced by the recorded ones (ops that
-    recorded none keep the config's)."""
+    recorded none keep the config's), and the heads the profile served first."""
     if path is None:
         return section
     recorded = load_recorded_shapes(path)
+    heads = recorded.pop("heads", None)
+    if heads is not None:
+        if heads not in [tuple(h) for h in section.heads]:
+            raise ShapesError(f"{path}: recorded with heads {list(heads)}, which the target's heads "
+                              f"{[list(h) for h in section.heads]} do not include (a profile of another model?)")
+        section = served_heads_first(section, heads)
     return section.model_copy(update={op: groups for op, groups in recorded.items() if groups})
