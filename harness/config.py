@@ -100,7 +100,7 @@ class ReplayConfig(Strict):
     noise_factor: float = Field(ge=1)         # tolerances grow to this x the baseline's disagreement with itself
     ttft_p90_ms: float | None = Field(gt=0)   # the bars every request is scored against; null: the baseline's p90
     tpot_p90_ms: float | None = Field(gt=0)
-    min_margin: float = Field(ge=0)           # SLO attainment must beat the baseline's by max(noise band, this)
+    min_margin: float = Field(ge=0)           # the SLO score must beat the baselines' by a ratio of 1 + max(noise band, this)
 
 
 class StagesConfig(Strict):

@@ -105,6 +105,7 @@ def test_only_a_candidate_faster_beyond_noise_is_accepted():
     fast = _run("candidate", [t * 0.7 for t in ttft], [t * 0.7 for t in tpot])
     faster = judge(CFG, "float32", base, fast, again, ALL_CANDIDATE)
     assert faster.accepted and faster.metrics["accepted"] == 1.0 and faster.metrics["tpot_p90_speedup"] > 1.4
+    assert faster.metrics["slo_score"] > 1.3 * faster.metrics["slo_score_baseline"]
     assert faster.metrics["attainment"] == 1.0 and faster.metrics["attainment_baseline"] < 0.9
     assert Verdict.of([faster.stage_result()]).accepted
     same = judge(CFG, "float32", base, _run("candidate", ttft, tpot), again, ALL_CANDIDATE)
@@ -113,6 +114,28 @@ def test_only_a_candidate_faster_beyond_noise_is_accepted():
         same.stage_result()
     unaccounted = judge(CFG, "float32", base, fast, again, None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
+
+
+def test_a_baseline_two_percent_slower_moves_the_score_two_percent_where_attainment_collapses():
+    # Requests batched together share step times, so their TPOTs bunch just under the first baseline's p90.
+    ttft, tpot = [200.0 + 5 * (i % 7) for i in range(40)], [30.0 + 0.1 * (i % 5) for i in range(40)]
+    base, again = _run("baseline", ttft, tpot), _run("baseline again", [t * 1.02 for t in ttft], [t * 1.02 for t in tpot])
+    faster = judge(CFG, "float32", base, _run("candidate", ttft, [t * 0.8 for t in tpot]), again, ALL_CANDIDATE)
+    m = faster.metrics
+    assert m["attainment_baseline_again"] == 0.0 and m["attainment_baseline"] >= 0.8      # the knife edge
+    assert abs(m["noise"] - 0.02) < 1e-9 and faster.accepted
+    assert abs(m["gain"] - ((1 / 0.8 * 1.02) ** 0.5 - 1)) < 1e-9     # TPOT 1.25x over a mean 1.01x slower baseline
+    within_noise = judge(CFG, "float32", base, _run("candidate", ttft, [t * 0.995 for t in tpot]), again, ALL_CANDIDATE)
+    assert not within_noise.accepted and "needs +2.0%" in within_noise.reason
+
+
+def test_a_faster_decode_does_not_hide_a_ttft_far_over_its_bar():
+    ttft, tpot = [200.0 + 5 * (i % 7) for i in range(40)], [30.0 + 0.1 * (i % 5) for i in range(40)]
+    base, again = _run("baseline", ttft, tpot), _run("baseline again", ttft, tpot)
+    slow_first = judge(CFG, "float32", base, _run("candidate", [t * 3 for t in ttft], [t * 0.5 for t in tpot]), again,
+                       ALL_CANDIDATE)
+    assert slow_first.metrics["tpot_p90_speedup"] > 1.9 and not slow_first.accepted
+    assert slow_first.metrics["slo_score"] < slow_first.metrics["slo_score_baseline"]
 
 
 def _tokens(label: str, tokens: list[str], lps: list[float], leads: list[float]) -> ReplayRun:

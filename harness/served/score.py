@@ -1,9 +1,17 @@
-"""Judging replays: latency summaries, SLO attainment against p90 bars, and the correctness gates.
+"""Judging replays: latency summaries, each request scored against p90 bars, and the correctness gates.
 
-`summarize` gives p50/p90/p99 of TTFT and TPOT (milliseconds) and throughput. `attainment` is the
-share of requests that meet both bars (TTFT <= its bar, and TPOT <= its bar where a request has a
-TPOT). `compare` is the correctness gate: token by token, the other run's greedy tokens must equal
-the baseline's, with the chosen token's logprob within `tolerance`; where the tokens differ, that
+`summarize` gives p50/p90/p99 of TTFT and TPOT (milliseconds) and throughput. `headroom` scores one
+request against the bars: the geometric mean of TTFT bar / its TTFT and TPOT bar / its TPOT (above 1:
+faster than the bars), so a TTFT far over its bar is not hidden by a fast decode, and neither
+latency caps the credit the other earns (the tighter of the two would: with bars at a baseline's p90
+both sit near 1, and a decode twice as fast would score as little as the TTFT allows). `slo_score`
+is the geometric mean of that over a run's requests — a continuous score, so a server uniformly 2%
+slower scores 2% lower. `attainment`, the share of requests inside both bars, is reported beside
+it but decides nothing: in a batched engine the requests served together share their step times,
+so their TPOTs bunch, and with bars at a baseline's own p90 a 2% drift carries most of them across
+a bar (two replays of one baseline server on an H200 attained 0.727 and 0.136 at a 20 s window,
+2026-11-30). `compare` is the correctness gate: token by token, the other run's greedy tokens must
+equal the baseline's, with the chosen token's logprob within `tolerance`; where the tokens differ, that
 is tolerated only if the baseline's top two logprobs were within `margin` of each other (a
 near-tie), and the rest of that request is not compared (its contexts differ from there on).
 Not covered: running the replays (harness/stages/replay.py) or timing tokens (client.py).
@@ -45,6 +53,21 @@ def attainment(run: ReplayRun, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
         if c.token_times and c.ttft * 1e3 <= ttft_bar_ms and (c.tpot is None or c.tpot * 1e3 <= tpot_bar_ms):
             ok += 1
     return ok / len(run.completions) if run.completions else 0.0
+
+
+def headroom(ttft_ms: float, tpot_ms: float | None, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
+    """How far inside its bars one request finished: the geometric mean of bar/observed for TTFT and
+    TPOT (TTFT's alone for a request of one token, which has no TPOT)."""
+    h = ttft_bar_ms / max(ttft_ms, 1e-6)
+    return h if tpot_ms is None else math.sqrt(h * tpot_bar_ms / max(tpot_ms, 1e-6))
+
+
+def slo_score(run: ReplayRun, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
+    """The geometric mean of the requests' headroom (requests that streamed no token are left out: a
+    replay with any failed request never reaches scoring); NaN for none."""
+    logs = [math.log(headroom(c.ttft * 1e3, None if c.tpot is None else c.tpot * 1e3, ttft_bar_ms, tpot_bar_ms))
+            for c in run.completions if c.token_times]
+    return math.exp(sum(logs) / len(logs)) if logs else float("nan")
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@ and the baseline again (the two baselines bracket the candidate and give the noi
   - fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on
     an op the candidate implements means no acceptance (ops it does not define run the baseline and
     are reported, not held against it);
-  - score: every request against p90 bars for TTFT and TPOT (config, or the first baseline's p90);
-    the candidate's share of requests meeting both must beat the baselines' mean by more than
-    max(their difference, stages.replay.min_margin).
+  - score: every request against p90 bars for TTFT and TPOT (config, or the first baseline's p90),
+    by its headroom, the geometric mean of bar/TTFT and bar/TPOT; a replay's score is the geometric
+    mean of its requests' (harness/served/score.py says why not the share inside both bars: that
+    share flips on a 2% drift). The candidate's score must beat the two baselines' geometric mean by
+    a ratio above 1 + max(their relative difference, stages.replay.min_margin).
 `accepted` is 1 only when all three hold; otherwise the stage fails with the reason. A candidate
 whose server dies or errs is rejected, saying how; a baseline that cannot be served is a harness
 error. On CPU the stage is skipped: no CPU figure stands in for a served speedup (the CPU tests call
@@ -20,6 +22,7 @@ error. On CPU the stage is skipped: no CPU figure stands in for a served speedup
 """
 from __future__ import annotations
 
+import math
 import subprocess
 import time
 from dataclasses import dataclass
@@ -29,7 +32,7 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, start_server
-from harness.served.score import Gate, attainment, compare, summarize
+from harness.served.score import Gate, attainment, compare, slo_score, summarize
 from harness.served.traces import TraceError, TraceRequest, load_trace, requests_for
 from harness.stages.common import EvalContext, Rejected
 
@@ -108,19 +111,22 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
     s = {name: summarize(run) for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again))}
     ttft_bar = r.ttft_p90_ms or s["baseline"]["ttft_p90_ms"]
     tpot_bar = r.tpot_p90_ms or s["baseline"]["tpot_p90_ms"]
-    att = {name: attainment(run, ttft_bar, tpot_bar) for name, run in (("baseline", base), ("candidate", cand),
-                                                                       ("baseline_again", again))}
-    noise = abs(att["baseline"] - att["baseline_again"])
-    base_att = (att["baseline"] + att["baseline_again"]) / 2
+    runs = (("baseline", base), ("candidate", cand), ("baseline_again", again))
+    att = {name: attainment(run, ttft_bar, tpot_bar) for name, run in runs}
+    sc = {name: slo_score(run, ttft_bar, tpot_bar) for name, run in runs}
+    noise = abs(sc["baseline"] / sc["baseline_again"] - 1)
+    base_sc = math.sqrt(sc["baseline"] * sc["baseline_again"])
     need = max(noise, r.min_margin)
+    gain = sc["candidate"] / base_sc - 1
     fallback_share, fallback_words = _fallbacks(stats)
     b, c = s["baseline"], s["candidate"]
     metrics = {
         "accepted": 0.0, "gate_passed": float(gate.passed), "gate_tokens_compared": float(gate.compared), "gate_near_ties": float(gate.near_ties),
         "gate_max_logprob_diff": gate.max_logprob_diff, "logprob_tolerance": tol, "near_tie_margin": margin,
         "fallback_share": fallback_share, "ttft_bar_ms": ttft_bar, "tpot_bar_ms": tpot_bar,
+        "slo_score": sc["candidate"], "slo_score_baseline": sc["baseline"], "slo_score_baseline_again": sc["baseline_again"],
         "attainment": att["candidate"], "attainment_baseline": att["baseline"], "attainment_baseline_again": att["baseline_again"],
-        "noise": noise, "required_gain": need, "gain": att["candidate"] - base_att,
+        "noise": noise, "required_gain": need, "gain": gain,
         "tpot_p90_speedup": b["tpot_p90_ms"] / c["tpot_p90_ms"], "ttft_p90_speedup": b["ttft_p90_ms"] / c["ttft_p90_ms"],
         "throughput_ratio": c["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else float("nan"),
     }
@@ -128,16 +134,17 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
     for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again)):
         metrics[f"{name}_max_send_lag_s"] = run.max_send_lag_s     # a client that fell behind skews its timings
-    score = (f"{att['candidate']:.3f} of requests meet both p90 bars (TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms) "
-             f"against the baseline's {att['baseline']:.3f} and {att['baseline_again']:.3f}; p90 TPOT {c['tpot_p90_ms']:.2f} vs "
+    score = (f"SLO score {sc['candidate']:.3f} against the baselines' {sc['baseline']:.3f} and {sc['baseline_again']:.3f} "
+             f"({gain:+.1%}; p90 bars TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms; inside both: {att['candidate']:.2f} vs "
+             f"{att['baseline']:.2f} and {att['baseline_again']:.2f}); p90 TPOT {c['tpot_p90_ms']:.2f} vs "
              f"{b['tpot_p90_ms']:.2f} ms, p90 TTFT {c['ttft_p90_ms']:.1f} vs {b['ttft_p90_ms']:.1f} ms, "
              f"{c['throughput_tok_s']:.0f} vs {b['throughput_tok_s']:.0f} tokens/s")
     if not gate.passed:
         return ReplayOutcome(False, f"the served tokens differ from the baseline's: {gate.detail}", gate, metrics)
     if not fallback_share == 0.0:
         return ReplayOutcome(False, f"not accepted: {fallback_words}; gates passed ({gate.detail}); {score}", gate, metrics)
-    accepted = att["candidate"] - base_att > need
-    verdict = "accepted" if accepted else f"not better than the baseline beyond noise (needs +{need:.3f})"
+    accepted = gain > need
+    verdict = "accepted" if accepted else f"not better than the baseline beyond noise (needs {need:+.1%})"
     metrics["accepted"] = float(accepted)
     return ReplayOutcome(accepted, f"{verdict}: {score}; gates: {gate.detail}; {fallback_words}", gate, metrics)
 
