@@ -6,7 +6,7 @@ passed (the harness's driver stops at the first rejection). A candidate the comp
 goes back to its proposer with the stage's verbatim feedback, at most agent.compile_repair_rounds
 times; every round is kept (a repair the run stopped waiting for ends the rounds, not the run). Also
 evaluates the heads (the reference kernels) a run starts from, checks the device after a candidate's
-worker crashed or hung, and adds up the stage time (the device-time budget).
+worker crashed, hung or hit a CUDA error, and adds up the stage time (the device-time budget).
 Not here: choosing what to evaluate (proposers) or recording it (ledger).
 """
 from __future__ import annotations
@@ -92,8 +92,8 @@ HEALTH_RETRY_S = 5.0            # a device that fails its health check is checke
 
 
 def check_device(record: CandidateRecord, pool: Pool, say=lambda text: None) -> tuple[dict[str, str], str]:
-    """After a candidate whose worker crashed or hung: a known computation in a fresh worker, before the next
-    candidate gets the device. The trailer to commit, and a message if the device failed twice (the run
+    """After a candidate whose worker crashed, hung or hit a CUDA error: a known computation in a fresh
+    worker, before the next candidate gets the device. The trailer to commit, and a message if the device failed twice (the run
     must stop: its verdicts would mean nothing)."""
     died = next((s for rnd in record.rounds for s in rnd.verdict.stages if s.worker_lost), None)
     if died is None:

@@ -5,7 +5,7 @@ the GPU is not left idle. Its proposal is committed as soon as it is written, fr
 commit_proposal, under the ledger's lock). So a kill during a long evaluation loses no answered proposal,
 including one that is malformed or not worth coding and would otherwise wait in memory for the current
 verdict. The built-in proposer answers at once and waits for each verdict. A candidate whose worker
-crashed or hung is followed by a health check of the device (a known computation in a fresh worker)
+crashed, hung or hit a CUDA error is followed by a health check of the device (a known computation in a fresh worker)
 before the next one. A proposal still being written when a signal arrives is abandoned (its thread is a
 daemon); one that arrives as the run ends is kept: evaluated on resume after a signal, else recorded.
 Not here: the run's state, budgets and ledger writes (loop); several candidates at once (parallel).

@@ -5,7 +5,7 @@ An executor takes `Job`s (pure data: an id, a source, the last stage to run) and
 future `Done` (harness/slot.py). `LocalExecutor` starts one slot process per GPU (pinned with
 CUDA_VISIBLE_DEVICES) or, on a CPU, `executor.cpu_slots` processes each on its own share of the
 cores; a slot thread here feeds its process one job at a time, so no two jobs ever share a GPU. A
-slot that fails its health check, at start or after a job whose worker crashed or hung, is taken out
+slot that fails its health check, at start or after a job whose worker crashed, hung or hit a CUDA error, is taken out
 and the rest go on; with none left, submitting is an error. A slot process that dies mid-job is
 restarted and re-checked, and its job re-queued (first in line), at most `executor.requeue_limit`
 times. The Dask executor is harness/cluster.py.

@@ -34,8 +34,11 @@ class StageResult(BaseModel):
     @property
     def worker_lost(self) -> str:
         """How the stage's worker was lost, 'hung' or 'crashed' (harness/evaluate.py records WorkerFailure's
-        kind as a metric), else the empty string; such a worker may have left the device unwell."""
-        return "hung" if self.metrics.get("timeout") else "crashed" if self.metrics.get("crashed") else ""
+        kind as a metric) or 'hit a CUDA error' (the candidate raised one, an illegal address say, and its
+        worker ended on it), else the empty string; such a worker may have left the device unwell."""
+        m = self.metrics
+        return ("hung" if m.get("timeout") else "crashed" if m.get("crashed")
+                else "hit a CUDA error" if m.get("cuda_error") else "")
 
 
 class Verdict(BaseModel):

@@ -63,7 +63,7 @@ class Pin(BaseModel):
 
 
 def needs_check(verdict: Verdict) -> bool:
-    """A worker that crashed or hung may have left the device unwell: check it before the next job."""
+    """A worker that crashed, hung or hit a CUDA error may have left the device unwell: check it before the next job."""
     return any(s.worker_lost for s in verdict.stages)
 
 

@@ -297,8 +297,9 @@ def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limi
             reply = handlers[msg["cmd"]](msg)
         except BaseException as e:                                   # the candidate's failure, reported
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            fatal = isinstance(e, (SystemExit, KeyboardInterrupt)) or "CUDA" in str(e)
-            reply = {"ok": False, "error": _trim(text, log_limit), "fatal": fatal}
+            cuda_error = "CUDA" in str(e)                              # the context is gone with it
+            fatal = isinstance(e, (SystemExit, KeyboardInterrupt)) or cuda_error
+            reply = {"ok": False, "error": _trim(text, log_limit), "fatal": fatal, "cuda_error": cuda_error}
         send_json(sock, reply)
         if reply.get("fatal"):
             return

@@ -47,6 +47,10 @@ ABORTS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     __import__("os").abort()
 """)
+CUDA_ERROR = C.wrap_decode("""
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):   # what torch raises after an illegal address
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+""")
 
 
 def go(cfg, pool, **settings):
@@ -157,27 +161,30 @@ def test_budgets_are_totals_over_sessions_and_the_stop_line_names_the_one_reache
 
 # -- faults mid-run ---------------------------------------------------------------------------------
 
-def test_a_hanging_and_two_crashing_candidates_get_verdicts_the_device_is_checked_and_the_run_goes_on(
+def test_a_hanging_two_crashing_and_a_cuda_error_candidate_get_verdicts_the_device_is_checked_and_the_run_goes_on(
         pool, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    scripts = {PLANNER: [S.claim(1.3)] * 4, CODER: [S.code(HANGS), S.code(SEGFAULTS), S.code(ABORTS), S.GOOD]}
+    scripts = {PLANNER: [S.claim(1.3)] * 5, CODER: [S.code(HANGS), S.code(SEGFAULTS), S.code(ABORTS), S.code(CUDA_ERROR),
+                                                  S.GOOD]}
     with FakeLLM(scripts) as fake:
         cfg = llm_config(fake, tmp_path, **{"stages.compile.timeout_s": 3, "stages.dispatch.timeout_s": 3,
                                             "agent.compile_repair_rounds": 0})
-        result = go(cfg, pool, provider="openai", run_id="faults", max_candidates=4)
-    assert not result.fatal and result.stop == "4 candidates reached"
-    hang, segv, abort, good = result.history
+        result = go(cfg, pool, provider="openai", run_id="faults", max_candidates=5)
+    assert not result.fatal and result.stop == "5 candidates reached"
+    hang, segv, abort, cuda, good = result.history
     assert hang.outcome == "rejected" and "no reply within" in hang.reason and "killed" in hang.reason
     assert hang.verdict.stages[-1].metrics.get("timeout") == 1.0
     assert segv.outcome == "rejected" and "the worker died" in segv.reason and "SIGSEGV" in segv.reason
     assert abort.outcome == "rejected" and "the worker died" in abort.reason
+    assert cuda.outcome == "rejected" and "the candidate raised" in cuda.reason and "illegal memory access" in cuda.reason
     assert good.outcome == "passed"
     health = dict(line.split("\t") for line in git(
         result.ledger, "log", "--format=%(trailers:key=Candidate,valueonly,separator=)\t"
                               "%(trailers:key=Health,valueonly,separator=)").splitlines() if line.strip())
     assert health == {"c001": f"passed after the worker hung at {hang.stage}",
                       "c002": f"passed after the worker crashed at {segv.stage}",
-                      "c003": f"passed after the worker crashed at {abort.stage}", "c004": ""}
+                      "c003": f"passed after the worker crashed at {abort.stage}",
+                      "c004": f"passed after the worker hit a CUDA error at {cuda.stage}", "c005": ""}
 
 
 def test_a_run_waits_out_a_provider_outage_longer_than_its_retries_and_goes_on(pool, tmp_path, monkeypatch):

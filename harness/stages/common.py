@@ -142,6 +142,12 @@ def draw(ctx: EvalContext, case: Case, dist: str) -> Trial:
     return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(base, ref)))
 
 
+def candidate_raised(what: str, reply: dict) -> Rejected:
+    """The candidate's exception, from the worker's reply, as a rejection; a CUDA error is marked
+    (`cuda_error`), so that the device is checked before the next candidate gets it."""
+    return Rejected(f"{what}:\n{reply.get('error', '')}", **({"cuda_error": 1.0} if reply.get("cuda_error") else {}))
+
+
 def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> None:
     """Hand a trial to the worker without waiting: the next trial can be drawn meanwhile."""
     op: Op = ctx.target.ops[trial.case.op]
@@ -154,7 +160,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list
     shape = ctx.target.ops[trial.case.op].output_shape(trial.inputs)
     reply = ctx.collect(f"running {trial.case.label}")
     if not reply.get("ok"):
-        raise Rejected(f"{trial.case.label}: the candidate raised:\n{reply.get('error', '')}")
+        raise candidate_raised(f"{trial.case.label}: the candidate raised", reply)
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
     try:
         outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)

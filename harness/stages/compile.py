@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, draw, run_trial
+from harness.stages.common import EvalContext, Rejected, candidate_raised, draw, run_trial
 
 
 def static_check(ctx: EvalContext) -> list[str]:
@@ -52,7 +52,7 @@ def compile_stage(ctx: EvalContext) -> StageResult:
     trials = [draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal") for op in ctx.ops]  # while it imports
     reply = ctx.collect("importing the candidate")
     if not reply.get("ok"):
-        raise Rejected("import failed:\n" + reply.get("error", ""))
+        raise candidate_raised("import failed", reply)
     metrics = {"ops": float(len(ctx.ops)), "load_s": reply["_wall_s"]}
     for op, trial in zip(ctx.ops, trials):
         _, call = run_trial(ctx, trial)

@@ -12,7 +12,7 @@ Three observations on fresh served inputs, each able to reject:
 from __future__ import annotations
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, diff, draw, run_trial
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, run_trial
 
 # Ops that allocate, reshape, move or select memory without doing arithmetic on it.
 PLUMBING = {
@@ -46,7 +46,7 @@ def _profile(ctx: EvalContext, op: str, trial, launched: set[str]) -> dict[str, 
     d = ctx.cfg.stages.dispatch
     reply = ctx.request({"cmd": "profile", "op": op, "inputs": trial.recipe(ctx)}, f"profiling {op}")
     if not reply.get("ok"):
-        raise Rejected(f"{op}: the candidate raised under the profiler:\n{reply.get('error', '')}")
+        raise candidate_raised(f"{op}: the candidate raised under the profiler", reply)
     kernels: dict[str, float] = reply.get("kernels", {})
     total = sum(kernels.values()) or 1e-9
     library = {k: us for k, us in kernels.items() if any(p in k.lower() for p in d.library_kernel_patterns)

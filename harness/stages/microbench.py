@@ -24,7 +24,7 @@ import time
 import torch
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, diff, draw, drop_outputs
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs
 from harness.transport import ProtocolError, read_arena
 
 
@@ -65,7 +65,7 @@ def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple
         reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k}, f"clock check of the {impl}")
         walls.append(time.perf_counter() - t0)
         if not reply.get("ok"):
-            raise Rejected(f"{op}: the {impl} raised during the clock check:\n{reply.get('error', '')}")
+            raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
     return max(walls[1] - walls[0], 1e-9) * 1e3 / n, bool(prep.get("graph"))
 
 
@@ -98,7 +98,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     reply = ctx.collect(f"timing {case.label}")
     timed_s = time.perf_counter() - t_send
     if not reply.get("ok"):
-        raise Rejected(f"{case.label}: the candidate raised while being timed:\n{reply.get('error', '')}")
+        raise candidate_raised(f"{case.label}: the candidate raised while being timed", reply)
     expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
     try:
         outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)
