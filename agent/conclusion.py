@@ -1,5 +1,6 @@
 """The conclusion role: after the verdict, what was learned — in a sentence or two the next planner
-reads — whether the kill test fired, and predicted against observed speedup.
+reads — whether the kill test fired, predicted against observed speedup, and, where the full replay
+scored it, the served gain against the ceiling the profile gave for microbench's speedup.
 
 Written by code from the record, never by a model: a conclusion is a reading of the evidence, and the
 same evidence must always read the same way. Not here: the verdict itself (harness).
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from harness.records import Verdict
 
-from agent.records import Claim, Conclusion, Outcome, Round
+from agent.records import Claim, Conclusion, Outcome, Round, ceiling
 
 _SPEED_STAGES = ("microbench", "replay")
 
@@ -40,6 +41,21 @@ def _kill_fired(claim: Claim, verdict: Verdict, observed: float | None) -> bool 
     return False
 
 
+def _served(claim: Claim | None, verdict: Verdict) -> str:
+    """The replay's gains over the torch baseline, set against Amdahl's ceiling for microbench's speedup
+    over the same baseline on the claim's op share: how much of the local gain reached the served step."""
+    replay = next((s for s in verdict.stages if s.name == "replay" and "tpot_p90_speedup" in s.metrics), None)
+    if replay is None:
+        return ""
+    m = replay.metrics
+    ratio = m.get("throughput_ratio", float("nan"))
+    text = f"; served over torch: p90 TPOT {m['tpot_p90_speedup']:.2f}x, throughput {ratio:.2f}x"
+    local = speedup_of(verdict)
+    if claim is not None and local:
+        text += f" against a ceiling of {ceiling(claim.op_share, local):.2f}x for {local:.2f}x on f {claim.op_share:.2f}"
+    return text
+
+
 def _first(text: str, n: int = 160) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= n else line[: n - 1] + "…"
@@ -67,6 +83,7 @@ def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds:
     elif outcome != "rejected":
         skipped = [f"{s.name} skipped: {_why(s.reason)}" for s in verdict.stages if s.status == "skipped"]
         learned += "; speed not measured here" + (f" ({', '.join(skipped)})" if skipped else "")
+    learned += _served(claim, verdict)
     fired = _kill_fired(claim, verdict, observed) if claim else None
     if fired is not None:
         learned += f"; kill test ({claim.kill_test.stage}) {'fired' if fired else 'did not fire'}"
