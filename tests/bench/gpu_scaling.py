@@ -2,6 +2,8 @@
 
     python tests/bench/gpu_scaling.py [--candidates 12] [--window 10] [--json PATH]
     TRITON_INTERPRET=1 python tests/bench/gpu_scaling.py --cpu      # the script itself, on CPU slots (no speed figure)
+    python tests/bench/gpu_scaling.py --runs 1 --json a.json; ...; python tests/bench/gpu_scaling.py --runs 2 --json b.json
+    python tests/bench/gpu_scaling.py --combine a.json b.json       # the two runs made apart, compared
 
 Two runs of `kevo-agent run` (the real command line) on the same scripted proposals — the fake OpenAI
 service of tests/bench/h200_run.py, decode knob variants of the reference kernel in a fixed order —
@@ -70,7 +72,7 @@ class Sampler:
             self.proc.terminate()
 
 
-def one_run(run_id: str, n: int, window: float, executor: dict, cpu: bool, sampler: Sampler) -> dict:
+def one_run(run_id: str, executor: dict, *, n: int, window: float, cpu: bool, sampler: Sampler) -> dict:
     shutil.rmtree(ROOT / "runs" / run_id, ignore_errors=True)
     service = Service(steps(), None)
     service.fake.__enter__()
@@ -109,14 +111,26 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=10.0, help="served.cuda.window_s for the replays")
     ap.add_argument("--cpu", action="store_true", help="one CPU slot against two (tests the script; no speed figure)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--runs", default="1,2", help="which of the two runs to make now: 1, 2 or 1,2")
+    ap.add_argument("--combine", nargs=2, metavar="JSON", default=None,
+                    help="no run: read the two runs' --json outputs (of --runs 1 and --runs 2) and compare them")
     args = ap.parse_args()
-    sampler = Sampler()
-    one, two = ({"cpu_slots": 1}, {"cpu_slots": 2}) if args.cpu else ({"gpus": [0]}, {"gpus": [0, 1]})
-    try:
-        runs = [one_run("scaling-1", args.candidates, args.window, one, args.cpu, sampler),
-                one_run("scaling-2", args.candidates, args.window, two, args.cpu, sampler)]
-    finally:
-        sampler.close()
+    if args.combine:
+        runs = [json.loads(Path(f).read_text())["runs"][0] for f in args.combine]
+    else:
+        sampler = Sampler()
+        plan = {"1": ("scaling-1", {"cpu_slots": 1} if args.cpu else {"gpus": [0]}),
+                "2": ("scaling-2", {"cpu_slots": 2} if args.cpu else {"gpus": [0, 1]})}
+        try:
+            runs = [one_run(*plan[k], n=args.candidates, window=args.window, cpu=args.cpu, sampler=sampler)
+                    for k in args.runs.split(",")]
+        finally:
+            sampler.close()
+        if len(runs) == 1:
+            print(json.dumps({"runs": runs}, indent=1))
+            if args.json:
+                Path(args.json).write_text(json.dumps({"runs": runs}, indent=1))
+            return
     a, b = (r["candidates_per_hour"] for r in runs)
     out = {"runs": runs, "ratio": round(b / a, 2) if a and b else None,
            "same_stage_mix": runs[0]["stage_mix"] == runs[1]["stage_mix"]}
