@@ -166,8 +166,9 @@ def _report(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     if args.llm is not None and args.llm != "recorded":
         raise UsageError(f"--llm {args.llm!r}: only 'recorded' is known (the run's recorded exchanges, no key needed)")
-    if args.llm and (args.only or args.until):
-        raise UsageError("--only and --until are for the verdict replay; --llm recorded replays the run from its start")
+    if args.llm and (args.only or args.until or args.resume):
+        raise UsageError("--only, --until and --resume are for the verdict replay; --llm recorded replays the run from "
+                         "its start")
     only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None
     if only == []:
         raise UsageError("--only: give candidate ids (or head:<op>) separated by commas, e.g. --only c003,c007")
@@ -183,6 +184,7 @@ def _replay(args: argparse.Namespace) -> int:
     from agent.prompts import PromptError
     from agent.providers import ProviderStop
     from agent.replay import ReplayError, replay_decisions, replay_verdicts
+    from agent.replay_progress import ProgressError, finish
     from agent.replay_report import commit_replay, print_replay
     from agent.session import RunBusy, RunLock
     from agent.view import RunView
@@ -192,12 +194,20 @@ def _replay(args: argparse.Namespace) -> int:
             with RunView(console=err, provider="recorded") as view:
                 replay = replay_decisions(root, cfg, view)
         else:
-            replay = replay_verdicts(root, cfg, only=only, until=args.until,
-                                     progress=lambda line: err.print(line, highlight=False))
+            replay = replay_verdicts(root, cfg, only=only, until=args.until, resume=args.resume,
+                                     progress=lambda line: err.print(line, highlight=False, soft_wrap=True))
         with RunLock(root):                               # a resume's recovery never races this commit
             replay = commit_replay(root, replay)
-    except (ReplayError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
+            if not args.llm:
+                finish(root, replay)                      # the unfinished replay's ref: committed in full now
+    except (ReplayError, ProgressError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
         raise UsageError(str(e)) from None
+    except KeyboardInterrupt:
+        if args.llm:
+            raise
+        print(f"kevo-agent: replay interrupted; the kernels it finished are saved (continue: kevo-agent replay "
+              f"{args.run} --resume)", file=sys.stderr)
+        return 130
     if args.json:
         print(replay.model_dump_json())
     else:
@@ -243,10 +253,14 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rp.add_argument("--out", default=None, metavar="PATH", help="where to write it (default: runs/<id>/report.html)")
     rl = sub.add_parser("replay", help="a past run again with today's harness (or its recorded LLM): then vs now, "
-                                      "committed on a replay/ branch of the run")
+                                      "committed on a replay/ branch of the run; a verdict replay saves each kernel "
+                                      "as it finishes (--resume) and uses every evaluation slot of config executor")
     rl.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rl.add_argument("--only", default=None, metavar="IDS", help="only these candidates (or head:<op>), e.g. c003,c007")
     rl.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (both verdicts cut there)")
+    rl.add_argument("--resume", action="store_true",
+                    help="continue the newest unfinished (killed) verdict replay of the run with its --until and --only: "
+                         "only the kernels it had not finished are evaluated")
     rl.add_argument("--llm", default=None, metavar="recorded",
                     help="replay the run's decisions: its planner and coder answered from the recorded exchanges")
     rl.add_argument("--json", action="store_true", help="print exactly one JSON object")

@@ -6,7 +6,9 @@ row is then against now: outcome, stage, speedup (microbench's bar is the one it
 parent's speedup). A change is flagged; a *regression* — a kernel that
 passed (or was accepted) then and is rejected now — fails the command (exit 1). A kernel that only loses
 a stage this machine cannot run (microbench or replay without CUDA) is flagged as changed, not regressed.
-`--until STAGE` cuts both verdicts after that stage; `--only` picks candidates (or `head:<op>`).
+`--until STAGE` cuts both verdicts after that stage; `--only` picks candidates (or `head:<op>`). Each row is
+saved as its kernel finishes (agent/replay_progress.py), so a killed replay is continued with `--resume`; with
+more than one evaluation slot (config executor) the kernels are judged at once, one per slot.
 Decisions (`--llm recorded`): the real loop runs again into a scratch ledger beside the run
 (runs/<id>-recorded-<UTC time>), its planner and coder answered from the recorded exchanges
 (agent/recorded.py) — or, for a run of the built-in proposer, that proposer again (it is deterministic).
@@ -19,10 +21,12 @@ own by agent/replay_report.py. Not here: judging (harness), proposing (proposers
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager, nullcontext
+from concurrent.futures import as_completed
+from contextlib import closing, contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import git
 import torch
@@ -30,15 +34,21 @@ import yaml
 from pydantic import ValidationError
 
 from harness.config import Config
+from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool, resolve_device
+from harness.executors import open_executor
 from harness.records import Verdict
+from harness.slot import Job
+from harness.stages import STAGE_NAMES
 
 from agent.conclusion import outcome_of, speedup_of
 from agent.environment import describe
 from agent.loop import run, settings_from
+from agent.parallel import in_parallel
 from agent.proposers import PROPOSERS
 from agent.recorded import Recording, recorded_proposer
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
+from agent.replay_progress import Saved, Unfinished, newest, resumed
 from agent.replay_report import Decision, DecisionRow, Replay, Side, VerdictRow
 
 _OK = ("passed", "accepted")
@@ -195,36 +205,113 @@ def _beat(verdict: Verdict) -> float:
     return bench.metrics.get("beat", 1.0) if bench is not None else 1.0
 
 
+@dataclass(frozen=True)
+class _Kernel:
+    """One kernel to re-judge: a head or a candidate, with its verdict then (None: never evaluated then)."""
+    ref: str
+    op: str
+    source: str
+    then: Verdict | None
+    record: CandidateRecord | None = None
+
+
 def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
-                    progress: Callable[[str], None] | None = None) -> Replay:
-    """Today's stages on the run's heads and committed candidates; a pool is opened if none is given."""
+                    progress: Callable[[str], None] | None = None, resume: bool = False) -> Replay:
+    """Today's stages on the run's heads and committed candidates. Each kernel's row is saved as it finishes
+    (agent/replay_progress.py); `resume` continues the run's newest unfinished replay, its --until and --only
+    the saved ones, and evaluates only the kernels it had not finished. With no pool given and more than one
+    evaluation slot (config executor), the kernels are judged at once, one per slot (`_verdicts`); otherwise
+    one at a time in the pool (opened if none is given). The rows are in the run's order either way.
+    The caller commits the result (replay_report.commit_replay), then drops the saved state (replay_progress.finish)."""
+    say = progress or (lambda _: None)
     ran = Committed(root)
     h = ran.header
-    subjects = [(k.ref, k.op, k.source, k.verdict, None) for k in ran.heads()]
-    subjects += [(r.id, r.op, r.source, r.verdict, r) for r in ran.history()]
+    saved = newest(root)
+    if resume and saved is None:
+        raise ReplayError(f"{root}: no unfinished verdict replay to resume")
+    if saved is not None and not resume:
+        say(f"note: the unfinished replay of {saved.state.at} ({len(saved.state.rows)} kernel(s) done) is left as it "
+            "is; --resume continues it")
+    if pool is not None:
+        device = torch.device("cuda" if pool.device == "cuda" else "cpu")
+    else:
+        device = resolve_device(cfg)
+    now, changes = _here(device), ran.config_changes(cfg)
+    if resume:
+        until, only = resumed(saved, ran.tip.hexsha, now, changes, until, only)
+    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict) for k in ran.heads()]
+    kernels += [_Kernel(r.id, r.op, r.source, r.verdict, r) for r in ran.history()]
     if only:
-        known = [s[0] for s in subjects]
+        known = [k.ref for k in kernels]
         unknown = [x for x in only if x not in known]
         if unknown:
             raise ReplayError(f"--only: {unknown[0]!r} is not a kernel of {h.id} (known: {', '.join(known)})")
-        subjects = [s for s in subjects if s[0] in only]
-    at, _ = _stamp()
-    rows = []
-    with nullcontext(pool) if pool is not None else open_pool(cfg, h.target, resolve_device(cfg)) as workers:
-        device = torch.device("cuda" if workers.device == "cuda" else "cpu")
-        for i, (ref, op, source, then_verdict, record) in enumerate(subjects, 1):
-            if then_verdict is None:
-                rows.append(VerdictRow(ref=ref, op=op, then=Side(outcome=record.outcome, stage=record.stage,
-                                                                 reason=record.reason), change="not evaluated then"))
-                continue
-            if progress:
-                progress(f"replaying {ref} ({i}/{len(subjects)})")
-            verdict = evaluate(source, h.target, cfg, workers, until=until, beat=_beat(then_verdict))
-            then, now = _side(then_verdict, until), _side(verdict, None)
-            rows.append(VerdictRow(ref=ref, op=op, then=then, now=now, change=_change(then, now),
-                                   note=_skipped_here(then_verdict, verdict)))
-        return Replay(run=h.id, kind="verdicts", at=at, then=ran.where(), now=_here(device), until=until,
-                      config_changes=ran.config_changes(cfg), rows=rows)
+        kernels = [k for k in kernels if k.ref in only]
+    if resume:
+        rows = saved.done()
+        say(f"resuming the replay of {saved.state.at}: {len(rows)} kernel(s) reused from it"
+            + (f": {', '.join(rows)}" if rows else ""))
+    else:
+        saved = Saved.start(root, Unfinished(run=h.id, tip=ran.tip.hexsha, at=_stamp()[0], until=until, only=only,
+                                             now=now, config_changes=changes))
+        rows = {}
+    for k in kernels:
+        if k.then is None:
+            r = k.record
+            rows[k.ref] = VerdictRow(ref=k.ref, op=k.op, then=Side(outcome=r.outcome, stage=r.stage, reason=r.reason),
+                                     change="not evaluated then")
+    todo = [k for k in kernels if k.ref not in rows]
+    number = {k.ref: i for i, k in enumerate(kernels, 1)}
+
+    def tell(k: _Kernel) -> None:
+        say(f"replaying {k.ref} ({number[k.ref]}/{len(kernels)})")
+    try:
+        with closing(_verdicts(todo, h.target, cfg, pool, until, tell)) as verdicts:
+            for k, verdict in verdicts:
+                then, now_side = _side(k.then, until), _side(verdict, None)
+                rows[k.ref] = VerdictRow(ref=k.ref, op=k.op, then=then, now=now_side, change=_change(then, now_side),
+                                         note=_skipped_here(k.then, verdict))
+                saved.save(rows[k.ref])
+    except HarnessError as e:
+        kept = f"; the {len(saved.state.rows)} kernel(s) finished are saved, --resume continues" if saved.sha else ""
+        raise ReplayError(f"{e}".splitlines()[0] + kept) from None
+    return Replay(run=h.id, kind="verdicts", at=saved.state.at, then=ran.where(), now=now, until=until,
+                  config_changes=changes, rows=[rows[k.ref] for k in kernels])
+
+
+def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | None,
+              tell: Callable[[_Kernel], None]) -> Iterator[tuple[_Kernel, Verdict]]:
+    """Each kernel's verdict as it is reached, each against its own microbench bar (`_beat`). With no pool and
+    more than one slot (agent/parallel.in_parallel), every kernel is a job on the executor, which runs one job
+    per slot at a time, each slot on a GPU of its own (or a share of the cores): a kernel's replay stage never
+    shares a GPU with another's microbench. Otherwise one at a time, in the order given, in the pool."""
+    if not todo:
+        return
+    if pool is None and in_parallel(cfg):
+        ex = open_executor(cfg, target)
+
+        def started(k: _Kernel) -> Callable[[str], None]:          # told from a slot's thread as each stage starts
+            return lambda stage: tell(k) if stage == STAGE_NAMES[0] else None
+        try:
+            jobs = {ex.submit(Job(id=k.ref, source=k.source, until=until, beat=_beat(k.then)), on_stage=started(k)): k
+                    for k in todo}
+            failed: HarnessError | None = None
+            for fut in as_completed(jobs):
+                try:
+                    done = fut.result()
+                except HarnessError as e:           # lost too often, or no slot left: the others are still kept
+                    failed = failed or e
+                    continue
+                yield jobs[fut], done.verdict
+            if failed is not None:
+                raise failed
+        finally:
+            ex.close()
+        return
+    with nullcontext(pool) if pool is not None else open_pool(cfg, target, resolve_device(cfg)) as workers:
+        for k in todo:
+            tell(k)
+            yield k, evaluate(k.source, target, cfg, workers, until=until, beat=_beat(k.then))
 
 
 # -- decisions --------------------------------------------------------------------------------------

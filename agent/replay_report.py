@@ -188,17 +188,25 @@ def commit_replay(root: Path, r: Replay) -> Replay:
         n += 1
         unique = f"{name}-{n}"
     r = r.model_copy(update={"branch": unique})
-    index = git.IndexFile.new(repo, base.tree)           # in memory: the run's own .git/index is not touched
-    for rel, text in {"replay/replay.json": r.model_dump_json(indent=1), "replay/README.md": markdown(r)}.items():
-        data = redact(text).encode()
-        blob = repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
-        index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
     subject = f"replay {r.run} {r.kind} on {device}: {verdict_line(r)}"
     subject = subject if len(subject) <= 150 else subject[:149] + "…"
     trailers = {"Replay": r.kind, "Run": r.run, "Device": device, "Failures": len(r.failures),
                 "Kevo-Commit": r.now["kevo_commit"]}
-    message = redact(subject + "\n\n" + markdown(r) + "\n" + "\n".join(f"{k}: {v}" for k, v in trailers.items()) + "\n")
-    commit = git.Commit.create_from_tree(repo, index.write_tree(), message, parent_commits=[base], head=False,
-                                         author=AUTHOR, committer=AUTHOR)
+    message = subject + "\n\n" + markdown(r) + "\n" + "\n".join(f"{k}: {v}" for k, v in trailers.items()) + "\n"
+    commit = store_commit(repo, base, {"replay/replay.json": r.model_dump_json(indent=1), "replay/README.md": markdown(r)},
+                          message, parent=base)
     repo.create_head(unique, commit)
     return r
+
+
+def store_commit(repo: git.Repo, base: git.Commit, files: dict[str, str], message: str,
+                 parent: git.Commit) -> git.Commit:
+    """A commit of `base`'s tree with `files` (redacted) added, on `parent`, written as objects only: no ref
+    moves, and the run's .git/index and working tree are not touched (the index is in memory)."""
+    index = git.IndexFile.new(repo, base.tree)
+    for rel, text in files.items():
+        data = redact(text).encode()
+        blob = repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
+        index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
+    return git.Commit.create_from_tree(repo, index.write_tree(), redact(message), parent_commits=[parent], head=False,
+                                       author=AUTHOR, committer=AUTHOR)

@@ -1,6 +1,7 @@
 """`kevo-agent replay`: a real past run (the loop against a fake OpenAI service on loopback) re-judged by
 today's harness, and its decisions re-made from the recorded exchanges with no key and no service.
-Each replay is committed on a replay/ branch of the run and leaves the run's branch and files alone."""
+Each replay is committed on a replay/ branch of the run and leaves the run's branch and files alone; a verdict
+replay killed mid-way is continued with --resume, and one on two evaluation slots gives the rows of one."""
 from __future__ import annotations
 
 import io
@@ -9,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -20,8 +22,10 @@ from fakes.llm_server import FakeLLM
 from test_ledger import git
 
 from agent.loop import run, settings_from
+from agent.cli import main
 from agent.replay import ReplayError, replay_decisions, replay_verdicts
-from agent.replay_report import commit_replay
+from agent.replay_progress import PREFIX, finish, newest
+from agent.replay_report import VerdictRow, commit_replay
 from agent.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
@@ -81,7 +85,10 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
     assert rows["head:decode"].change == "same" and rows["head:decode"].now.outcome == "passed"
     assert replay.failures == [] and replay.config_changes == []
 
+    assert newest(root).state.at == replay.at and len(newest(root).state.rows) == 3     # saved as it went
     done = commit_replay(root, replay)
+    finish(root, done)
+    assert git(root, "for-each-ref", PREFIX) == ""                                  # committed: the saved rows go
     assert untouched(root) == before
     assert done.branch.startswith("replay/") and done.branch.endswith("-cpu")
     assert git(root, "branch", "--list", "replay/*").split() == [done.branch]
@@ -184,3 +191,78 @@ def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(p
     assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
         (r.claim.hypothesis, r.claim.expected_speedup) for r in past.history]
     assert replay.failures == [] and replay.divergences == [] and replay.unasked == []
+
+
+def fresh_copy(past, folder):
+    """The run in another folder, without the unfinished replays other tests left in it."""
+    root = folder / "run"
+    shutil.copytree(past.ledger, root)
+    for ref in git(root, "for-each-ref", "--format=%(refname)", PREFIX).split():
+        git(root, "update-ref", "-d", ref)
+    return root
+
+
+def judged(rows) -> list[tuple]:
+    return [(r.ref, r.then.outcome, r.then.stage, r.now and (r.now.outcome, r.now.stage), r.change, r.note) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(past, pool, tmp_path_factory):
+    """The verdict replay cut after parity, one kernel at a time in one pool, never interrupted."""
+    replay = replay_verdicts(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
+    assert judged(replay.rows) == [
+        ("head:decode", "passed", "parity", ("passed", "parity"), "same", ""),
+        ("c001", "passed", "parity", ("passed", "parity"), "same", ""),
+        ("c002", "rejected", "parity", ("rejected", "parity"), "same", ""),
+        ("c003", "not-worth-coding", "ceiling", None, "not evaluated then", "")]
+    return replay
+
+
+def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
+        past, uninterrupted, tmp_path, capsys):
+    root = fresh_copy(past, tmp_path)
+    before, branches = untouched(root), git(root, "branch", "--list", "replay/*").split()
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump(config_with().model_dump(mode="json")))
+    cli = [sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root)]
+
+    killed = subprocess.Popen([*cli, "--until", "parity"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 240
+    while (saved := newest(root)) is None or not saved.state.rows:                 # the first kernel saved: kill it
+        assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()
+        time.sleep(0.05)
+    killed.kill()
+    killed.wait()
+    killed.stderr.close()
+    kept = [r.ref for r in newest(root).state.rows]
+    assert killed.returncode == -9 and kept and len(kept) < 3                      # killed mid-way, for real
+    assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
+
+    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--until", "compile"]) == 2
+    assert "--until compile: the unfinished replay of" in capsys.readouterr().err     # its flags are the saved ones
+    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--llm", "recorded"]) == 2
+    assert "are for the verdict replay" in capsys.readouterr().err
+
+    done = subprocess.run([*cli, "--resume", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert f"kernel(s) reused from it: {', '.join(kept)}" in done.stderr
+    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("replaying ")] == [
+        r for r in ("head:decode", "c001", "c002") if r not in kept]               # only the rest evaluated
+    resumed = json.loads(done.stdout)
+    assert resumed["until"] == "parity" and resumed["kind"] == "verdicts"
+    assert judged(VerdictRow.model_validate(r) for r in resumed["rows"]) == judged(uninterrupted.rows)
+    assert git(root, "branch", "--list", "replay/*").split() == sorted([*branches, resumed["branch"]])
+    assert git(root, "rev-parse", f"{resumed['branch']}~1") == before[1]           # the same kind of commit
+    assert git(root, "for-each-ref", PREFIX) == "" and untouched(root) == before
+    assert main(["--config", str(cfg), "replay", str(root), "--resume"]) == 2
+    assert "no unfinished verdict replay to resume" in capsys.readouterr().err       # committed: nothing left
+
+
+def test_a_replay_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
+    root = fresh_copy(past, tmp_path)
+    lines = []
+    two = replay_verdicts(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
+                          until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
+    assert judged(two.rows) == judged(uninterrupted.rows)[1:]
+    assert sorted(lines) == ["replaying c001 (1/3)", "replaying c002 (2/3)"]
+    assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came
