@@ -183,7 +183,8 @@ def _replay(args: argparse.Namespace) -> int:
     from agent.loop import RunError
     from agent.prompts import PromptError
     from agent.providers import ProviderStop
-    from agent.replay import ReplayError, replay_decisions, replay_verdicts
+    from agent.replay import ReplayError, replay_decisions
+    from agent.replay_verdicts import replay_verdicts
     from agent.replay_progress import ProgressError, finish
     from agent.replay_report import commit_replay, print_replay
     from agent.session import RunBusy, RunLock

@@ -23,7 +23,8 @@ from test_ledger import git
 
 from agent.loop import run, settings_from
 from agent.cli import main
-from agent.replay import ReplayError, replay_decisions, replay_verdicts
+from agent.replay import ReplayError, replay_decisions
+from agent.replay_verdicts import replay_verdicts
 from agent.replay_progress import PREFIX, finish, newest
 from agent.replay_report import VerdictRow, commit_replay
 from agent.view import RunView
