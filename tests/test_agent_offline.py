@@ -158,58 +158,6 @@ def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_
     assert bars[-1] == (untimed.id, 1.0)
 
 
-def test_after_an_accepted_candidate_replaces_the_reference_head_its_step_still_counts_and_the_reference_is_not_proposed_again():
-    ref = head("decode", speedup=10.0)
-    c001 = record("c001", ref, "decode", {"SPLITS_PER_SM_TARGET": 4}, speedup=12.5)
-    accepted = Kernel(ref="c001", op="decode", path="candidates/c001/candidate.py", source=c001.source,
-                      knobs=c001.knobs, speedup=12.5)
-    prop = proposer(["decode"])
-    first = prop.propose(state([c001], {"decode": accepted}, ops=["decode"]))
-    assert first.knobs == {**c001.knobs, "SPLITS_PER_SM_TARGET": 8}             # the step that paid, again
-    assert first.claim.expected_speedup == pytest.approx(1.25) and "measured 1.250x in c001" in first.claim.evidence[-1]
-    history = [c001]
-    while (p := prop.propose(state(history, {"decode": accepted}, ops=["decode"]))) is not None:
-        assert p.knobs != ref.knobs, p.claim.hypothesis                        # measured already, as the first head
-        history.append(record(p.id, accepted, "decode", {**p.knobs}, failed="microbench", speedup=12.0))
-        assert len(history) < 40
-    assert len(history) > 10
-
-
-def test_a_step_that_measured_slower_makes_the_opposite_step_the_next_hypothesis():
-    heads = {"decode": head("decode", speedup=1.2)}
-    c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=0.96)
-    p = proposer(["decode"]).propose(state([c001], heads, ops=["decode"]))
-    assert p.parent == "head:decode" and p.knobs["SPLITS_PER_SM_TARGET"] == 1
-    assert p.claim.expected_speedup == pytest.approx(1.25) and "assuming the effect is symmetric" in p.claim.evidence[-1]
-
-
-def test_it_moves_away_from_a_rejected_region_and_ends_when_nothing_is_left():
-    history = [record("c001", head("decode"), "decode", {"BLOCK_N": 32}, failed="parity")]
-    prop = proposer(["decode"])
-    while (p := prop.propose(state(history, ops=["decode"]))) is not None:
-        assert p.knobs["BLOCK_N"] not in (16, 32), p.claim.hypothesis       # 32 failed: 16 lies beyond it
-        history.append(record(p.id, head("decode"), "decode", p.knobs))
-        assert len(history) < 40
-    tried = [r.knobs for r in history[1:]]
-    assert len(tried) == len({tuple(sorted(k.items())) for k in tried}) >= 10   # no repeats; every step, then jumps
-
-
-def test_a_step_whose_ceiling_is_under_the_minimum_is_recorded_once_then_the_search_has_converged():
-    p = proposer(["decode"]).propose(state(shares=(0.01, 0.01), ops=["decode"]))
-    assert p.outcome == "not-worth-coding" and p.stage == "ceiling" and p.source is None
-    assert p.claim.ceiling < 1.005 and "under the minimum 1.005" in p.reason
-    said = CandidateRecord(id=p.id, op="decode", parent=p.parent, proposer="offline", outcome=p.outcome, stage=p.stage,
-                           reason=p.reason, claim=p.claim, knobs=p.knobs,
-                           conclusion=Conclusion(learned=p.reason, kill_test_fired=None, predicted=None, observed=None))
-    assert proposer(["decode"]).propose(state([said], shares=(0.01, 0.01), ops=["decode"])) is None
-
-
-def test_an_in_flight_proposal_is_not_proposed_again():
-    first = proposer(["decode"]).propose(state(ops=["decode"]))
-    second = proposer(["decode"]).propose(state(ops=["decode"], pending=[first]))
-    assert second.knobs != first.knobs
-
-
 def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_reach_the_replay():
     heads = {"decode": head("decode", speedup=2.5)}
     c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=2.7)
@@ -227,6 +175,7 @@ def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_rea
     untimed = proposer(["decode"]).propose(state(ops=["decode"]))              # a parent never timed (a CPU run)
     judge(untimed, head("decode"), proposer(["decode"]), config_with(), "attention", None, evaluate_fn=evaluate_fn)
     assert bars[-1] == (untimed.id, 1.0)
+
 
 
 def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tmp_path):
