@@ -271,6 +271,7 @@ class ServedDevice(Strict):
     preset: str                  # a key of served.presets
     trace: str                   # JSONL trace, relative to the project root
     window_s: float = Field(gt=0)   # requests arriving within this many seconds are replayed
+    warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
 
 
 class ExternalServer(Strict):

@@ -3,8 +3,8 @@ machine), `InOrder` (verdicts back in submission order, each id once), and `open
 
 An executor takes `Job`s (pure data: an id, a source, the last stage to run) and answers each with a
 future `Done` (harness/slot.py). `LocalExecutor` starts one slot process per GPU (pinned with
-CUDA_VISIBLE_DEVICES) or, on a CPU, `executor.cpu_slots` processes each on its own share of the
-cores; a slot thread here feeds its process one job at a time, so no two jobs ever share a GPU. A
+CUDA_VISIBLE_DEVICES) or, on a CPU, `executor.cpu_slots` processes; each slot runs on its own share
+of the cores; a slot thread here feeds its process one job at a time, so no two jobs ever share a GPU. A
 slot that fails its health check, at start or after a job whose worker crashed, hung or hit a CUDA error, is taken out
 and the rest go on; with none left, submitting is an error. A slot process that dies mid-job is
 restarted and re-checked, and its job re-queued (first in line), at most `executor.requeue_limit`
@@ -52,23 +52,31 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
+def core_shares(n: int) -> list[tuple[int, ...]]:
+    """This process's CPU cores dealt out to n slots, every n-th core to each (one core each where
+    there are fewer cores than slots)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if n <= len(cores):
+        return [tuple(cores[i::n]) for i in range(n)]
+    return [(cores[i % len(cores)],) for i in range(n)]
+
+
 def local_pins(cfg: Config) -> list[Pin]:
-    """One pin per GPU (executor.gpus: indices among the GPUs this process sees), or cpu_slots pins
-    sharing this process's CPU cores between them."""
+    """One pin per GPU (executor.gpus: indices among the GPUs this process sees), or cpu_slots pins.
+    Either way each slot gets its own share of this process's CPU cores: an evaluation is mostly host
+    work, and on the 2-GPU H200 host a job took about 10% longer with a second slot free to use every
+    core (docs/BENCHMARKS.md, 2026-11-30 fourth session)."""
     ex = cfg.executor
     if resolve_device(cfg).type == "cuda":
         seen = os.environ.get("CUDA_VISIBLE_DEVICES")
         names = [v.strip() for v in seen.split(",")] if seen else [str(i) for i in range(torch.cuda.device_count())]
-        indices = range(len(names)) if ex.gpus == "auto" else ex.gpus
+        indices = list(range(len(names)) if ex.gpus == "auto" else ex.gpus)
         # an index past the GPUs seen fails the slot's health check honestly; past a CUDA_VISIBLE_DEVICES
         # list it must not become a physical index (another slot's GPU, maybe): "-1" makes none visible
         missing = "-1" if seen else None
-        return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else (missing or str(i)))
-                for i in indices]
-    cores = sorted(os.sched_getaffinity(0))
-    n = ex.cpu_slots
-    shares = [cores[i::n] for i in range(n)] if n <= len(cores) else [[cores[i % len(cores)]] for i in range(n)]
-    return [Pin(name=f"cpu{i}", device="cpu", cpus=tuple(s)) for i, s in enumerate(shares)]
+        return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else (missing or str(i)), cpus=cpus)
+                for i, cpus in zip(indices, core_shares(len(indices)))]
+    return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots))]
 
 
 @dataclass

@@ -189,7 +189,7 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     ops = AttentionOps(None, section.dtype)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], device, ops,
                          annotate=True, root=PROJECT_ROOT)
-    warm_up(engine)
+    warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
     acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
     totals = [0.0, 0]
     reader = bucket_device if device.type == "cuda" else bucket_host

@@ -15,7 +15,7 @@ from conftest import CUDA, ROOT, config_with
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
-from harness.executors import InOrder, LocalExecutor, local_pins
+from harness.executors import InOrder, LocalExecutor, core_shares, local_pins
 from harness.slot import Job, Pin
 
 # Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
@@ -65,6 +65,15 @@ def test_local_slots_evaluate_at_once_and_agree_with_a_serial_run(local, serial)
                    if a.slot != b.slot and a.started < b.ended and b.started < a.ended]
     assert overlapping, [(d.id, d.slot, d.started, d.ended) for d in done]
     assert local.capacity == 2                             # the crash's health re-check kept its slot
+
+
+def test_each_slot_gets_a_share_of_the_cores_no_other_slot_has():
+    cores = sorted(os.sched_getaffinity(0))
+    for n in range(1, len(cores) + 1):
+        shares = core_shares(n)
+        assert len(shares) == n and all(shares)
+        assert sorted(c for s in shares for c in s) == cores              # disjoint, and every core used
+    assert len(core_shares(len(cores) + 1)) == len(cores) + 1             # more slots than cores: one core each
 
 
 def test_a_slot_whose_device_is_missing_is_taken_out_and_the_rest_go_on(local):

@@ -68,22 +68,61 @@ def test_candidate_whose_served_shapes_fall_back_is_not_accepted(requests, basel
     assert 0 < outcome.metrics["fallback_share"] < 1 and "calls fell back" in outcome.reason
 
 
-CRASHES_WHEN_SERVING = C.wrap_decode("""
+def warm_up_decode_calls(requests) -> int:
+    """How many decode calls the served server's warm-up makes before the trace: the same warm-up,
+    run here on the same preset with a counting candidate (it is deterministic)."""
+    from types import SimpleNamespace
+
+    from harness.served.engine import make_engine, warm_up
+    from harness.served.ops import AttentionOps
+    from harness.targets.attention import decode_baseline
+    calls = [0]
+
+    def decode(*args):
+        calls[0] += 1
+        return decode_baseline(*args)
+
+    served = CFG.served.cpu
+    engine = make_engine(CFG.served.presets[served.preset], CFG.targets.attention.cpu.block_size, torch.float32,
+                         torch.device("cpu"), AttentionOps(SimpleNamespace(decode=decode)))
+    warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
+    return calls[0]
+
+
+def test_candidate_that_crashes_its_server_is_a_failure_saying_how(requests):
+    crashes_when_serving = C.wrap_decode(f"""
 _calls = [0]
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     _calls[0] += 1
-    if _calls[0] > 14:                       # the warm-up makes 10 calls: this is while serving the trace
+    if _calls[0] > {warm_up_decode_calls(requests) + 4}:      # past the warm-up: while serving the trace
         __import__("ctypes").string_at(0)
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
-
-
-def test_candidate_that_crashes_its_server_is_a_failure_saying_how(requests):
     with pytest.raises(ServerFailure) as err:
-        replay_once(CFG, "cpu", CRASHES_WHEN_SERVING, requests, "candidate")
+        replay_once(CFG, "cpu", crashes_when_serving, requests, "candidate")
     assert "the server killed by signal 11 (SIGSEGV) during the replay" in str(err.value)
     assert "requests did not complete" in str(err.value)
+
+
+def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(requests, baselines):
+    # torch's decode, fast on the tiny model; one call past the warm-up sleeps as a compile would
+    stalls_once = f"""
+import time
+from harness.targets.attention import decode_baseline
+_calls = [0]
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    _calls[0] += 1
+    if _calls[0] == {warm_up_decode_calls(requests) + 3}:
+        time.sleep(0.4)
+    return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+"""
+    cand, stats = replay_once(CFG, "cpu", stalls_once, requests, "candidate")
+    assert stats["ops"]["decode"]["stalls"] >= 1 and stats["ops"]["decode"]["worst_stall_ms"] >= 400
+    outcome = judge(CFG, "float32", baselines[0], cand, baselines[1], stats)
+    assert outcome.metrics["candidate_stalls"] >= 1 and outcome.metrics["candidate_stall_ms"] >= 400
+    assert "held the host over 50 ms in the window" in outcome.reason
 
 
 def _run(label: str, ttft_ms: list[float], tpot_ms: list[float], tokens: int = 5) -> ReplayRun:

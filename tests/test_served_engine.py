@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import config_with
-from harness.served.engine import Engine, EngineError, Request, make_engine, run_requests
+from harness.served.engine import Engine, EngineError, Request, make_engine, run_requests, warm_up
 from harness.served.model import ModelError, hf_shapes, random_weights
 from harness.served.ops import AttentionOps
 from harness.served.traces import TraceRequest, generate, requests_for
-from harness.targets.attention import decode_baseline
+from harness.targets.attention import decode_baseline, prefill_baseline
 
 CFG = config_with()
 TINY = CFG.served.presets["tiny"]
@@ -151,3 +151,41 @@ def test_a_candidate_output_of_the_wrong_shape_is_an_error_naming_it():
     e.step()
     with pytest.raises(TypeError, match=r"the candidate's decode returned \[1, 1, 16\] torch.float32 on cpu; expected \[1, 4, 16\]"):
         e.step()
+
+
+def _shape_spy() -> tuple[SimpleNamespace, dict[str, list]]:
+    """A candidate that runs the baselines and notes the shapes it is called on."""
+    seen: dict[str, list] = {"decode_batch": [], "decode_context": [], "prefill_prompts": []}
+
+    def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        seen["decode_batch"].append(q.shape[0])
+        seen["decode_context"].append(int(seq_lens.max()))
+        return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+        seen["prefill_prompts"].append(cu_seqlens.diff().tolist())
+        return prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
+
+    return SimpleNamespace(decode=decode, prefill=prefill), seen
+
+
+def test_warm_up_meets_every_decode_batch_size_and_the_served_prompt_lengths_before_the_window():
+    prompts = [len(r.prompt) for r in trace(12, seed=3)]
+    spread = [prompts[i * len(prompts) // 7] for i in range(7)]
+    candidate, seen = _shape_spy()
+    e = engine(AttentionOps(candidate))
+    warm_up(e, prompts, limit=7)
+    assert set(range(1, 8)) <= set(seen["decode_batch"])             # 7 at once, then one fewer a step, down to 1
+    assert max(seen["decode_context"]) >= max(spread)                  # decode over contexts of the served lengths
+    met = sorted(n for call in seen["prefill_prompts"] for n in call)
+    for n in spread + [min(prompts), max(prompts)]:
+        assert n in met
+    alone = [call[0] for call in seen["prefill_prompts"] if len(call) == 1]
+    assert len(set(alone) & set(prompts)) == 7 and {min(prompts), max(prompts)} <= set(alone)   # 7 lengths alone
+    assert e.ops.stats()["decode"]["calls"] == 0 and e.steps == 0      # counts start afresh for the window
+
+
+def test_warm_up_without_served_lengths_is_the_fixed_one():
+    candidate, seen = _shape_spy()
+    warm_up(engine(AttentionOps(candidate)))
+    assert sorted(set(seen["decode_batch"])) == [1, 2, 3, 4, 5] and max(seen["decode_context"]) <= 106

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -209,14 +210,42 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
     return out
 
 
-def warm_up(engine: Engine) -> None:
-    """Compile and tune before anything is timed: prompts either side of a cache block, all admitted
-    in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1). Deterministic:
-    10 decode and 2 prefill calls on a 2-layer model. Counts and recorded shapes start afresh."""
+def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None) -> None:
+    """Compile and tune before anything is timed. First, fixed: prompts either side of a cache block,
+    all admitted in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1).
+
+    Then, given the served requests' prompt lengths, the shape classes that serving them will
+    produce: Triton specializes integer arguments (1, multiples of 16) and a kernel file may choose
+    constexprs from the shape, so a class first met inside the timed window compiles there and stalls
+    every request in flight (up to 1.3 s a class for the reference kernels on the H200: docs/BENCHMARKS.md).
+    Up to `limit` (default: the engine's max_running) of the served prompt lengths, spread over the list:
+    - sent at once, twice (in the served order, then longest first); their outputs outlast the prefill
+      steps that admit them all and are one token longer each, so they end one a step and decode runs
+      at every batch size from the largest the KV cache holds down to 1, over contexts of the served
+      lengths: in the second pass the longest contexts leave first;
+    - then each distinct length alone, as a prompt arriving at an idle server is served.
+    Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
+    Counts and recorded shapes start afresh."""
     from harness.served.traces import TraceRequest
     bs, cap, vocab = engine.bs, engine.cache.num_blocks * engine.bs, engine.model.p.vocab
     lengths = [n for n in (1, bs - 1, bs + 1, 2 * bs + 3, 100) if 1 <= n and n + 6 <= cap // 8]
     reqs = [TraceRequest(i, 0.0, [(7 * i + j) % vocab for j in range(n)], 2 + i) for i, n in enumerate(lengths)]
     run_requests(engine, reqs, realtime=False)
+    k = min(len(prompts), engine.max_running if limit is None else limit)
+    if k:
+        spread = [prompts[i * len(prompts) // k] for i in range(k)]
+        distinct = sorted(set(prompts))
+        m = min(k, len(distinct))                   # the shortest and the longest among them
+        alone = sorted({distinct[round(i * (len(distinct) - 1) / max(1, m - 1))] for i in range(m)})
+
+        def filler(i: int, n: int, out: int) -> TraceRequest:
+            n = max(1, min(n, cap - out))
+            return TraceRequest(i, 0.0, [(11 * i + 3 * j + 1) % vocab for j in range(n)], out)
+
+        admitting = math.ceil(sum(spread) / engine.max_prefill_tokens) + math.ceil(k / engine.max_running)
+        for order in (spread, sorted(spread, reverse=True)):
+            run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
+        for i, n in enumerate(alone):
+            run_requests(engine, [filler(k + i, n, 2)], realtime=False)
     engine.ops.reset()
     engine.steps = engine.tokens_out = 0

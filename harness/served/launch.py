@@ -24,6 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,23 +139,24 @@ def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
     raise ServerFailure(f"the server was not ready within {timeout_s:.0f} s" + (f"; its last output:\n{tail}" if tail else ""))
 
 
-def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path) -> dict:
-    """What the embedded server is told: the preset, the attention layout, the candidate's file."""
+def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = ()) -> dict:
+    """What the embedded server is told: the preset, the attention layout, the candidate's file, and the
+    prompt lengths it will serve (its warm-up meets their shapes before anything is timed)."""
     served = getattr(cfg.served, device)
     section = getattr(cfg.targets.attention, device)
     return {"preset": cfg.served.presets[served.preset].model_dump(), "block_size": section.block_size,
             "dtype": section.dtype, "device": device, "candidate": str(candidate) if candidate else None,
             "workdir": str(workdir), "sandbox": cfg.worker.sandbox, "model_name": f"kevo-{served.preset}",
-            "root": str(PROJECT_ROOT)}
+            "root": str(PROJECT_ROOT), "warm_prompts": list(warm), "warm_limit": served.warm_requests}
 
 
-def start_embedded(cfg: Config, device: str, source: str | None) -> ServerHandle:
+def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = ()) -> ServerHandle:
     workdir = _scratch()
     candidate = None
     if source is not None:
         candidate = workdir / "candidate.py"
         candidate.write_text(source)
-    spec = embedded_spec(cfg, device, candidate, workdir)
+    spec = embedded_spec(cfg, device, candidate, workdir, warm)
     (workdir / "spec.json").write_text(json.dumps(spec))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -197,5 +199,7 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
     return _wait_ready(h, ext.start_timeout_s)
 
 
-def start_server(cfg: Config, device: str, source: str | None) -> ServerHandle:
-    return start_external(cfg, source) if cfg.served.external else start_embedded(cfg, device, source)
+def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = ()) -> ServerHandle:
+    """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (an external
+    server warms itself up as its own command does)."""
+    return start_external(cfg, source) if cfg.served.external else start_embedded(cfg, device, source, warm)

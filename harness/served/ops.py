@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +22,10 @@ import torch
 
 from harness.served.shapes import ShapeRecorder
 from harness.targets.attention import TARGET
+
+# A candidate call that holds the host this long: it compiled (a shape class the warm-up did not
+# meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
+STALL_MS = 50.0
 
 
 def load_candidate(path: Path | str) -> ModuleType:
@@ -40,6 +45,7 @@ class AttentionOps:
 
     def reset(self) -> None:
         self.calls: dict[str, Counter] = {op: Counter() for op in TARGET.ops}
+        self.stalls: dict[str, list[float]] = {op: [] for op in TARGET.ops}     # ms, calls over STALL_MS
         self.shapes = ShapeRecorder()
 
     def _route(self, op: str, shape: dict):
@@ -52,6 +58,14 @@ class AttentionOps:
             return TARGET.ops[op].baseline
         self.calls[op]["candidate"] += 1
         return fn
+
+    def _timed(self, op: str, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        ms = (time.perf_counter() - t) * 1e3
+        if ms > STALL_MS:
+            self.stalls[op].append(ms)
+        return out
 
     @staticmethod
     def _checked(op: str, out, q: torch.Tensor) -> torch.Tensor:
@@ -69,7 +83,7 @@ class AttentionOps:
         fn = self._route("decode", shape)
         if fn is TARGET.ops["decode"].baseline:           # the engine's host-side lengths: no device read
             return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens)
-        return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
+        return self._checked("decode", self._timed("decode", fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
         T, H, D = q.shape
@@ -79,13 +93,16 @@ class AttentionOps:
         fn = self._route("prefill", shape)
         if fn is TARGET.ops["prefill"].baseline:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
-        return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
+        return self._checked("prefill", self._timed("prefill", fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
     def stats(self) -> dict:
         """Per op: calls, how many the candidate served, fell back (declined shapes), or were never
-        the candidate's (ops it does not define)."""
+        the candidate's (ops it does not define); and the candidate's calls that held the host over
+        STALL_MS (how many, their total and the worst, in ms)."""
         out = {}
         for op, c in self.calls.items():
+            st = self.stalls[op]
             out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
-                       "not_implemented": c["not_implemented"], "implemented": self.impl[op] is not None}
+                       "not_implemented": c["not_implemented"], "implemented": self.impl[op] is not None,
+                       "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0)}
         return out

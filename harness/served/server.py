@@ -228,7 +228,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     ops = AttentionOps(module, spec["dtype"])
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          root=Path(spec["root"]))
-    warm_up(engine)
+    warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
     loop = EngineLoop(engine)
     loop.thread.start()
     app = build_app(loop, spec["model_name"], notes)

@@ -32,6 +32,7 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, start_server
+from harness.served.ops import STALL_MS
 from harness.served.score import Gate, attainment, compare, slo_score, summarize
 from harness.served.traces import TraceError, TraceRequest, load_trace, requests_for
 from harness.stages.common import EvalContext, Rejected
@@ -61,7 +62,7 @@ def explain(run: ReplayRun, server: ServerHandle) -> str:
 def replay_once(cfg: Config, device: str, source: str | None, requests: list[TraceRequest],
                 label: str) -> tuple[ReplayRun, dict | None]:
     """Start a server (with the candidate, or the baseline for None), replay, read its accounting."""
-    with start_server(cfg, device, source) as server:
+    with start_server(cfg, device, source, [len(r.prompt) for r in requests]) as server:
         run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
         if run.failures():
             raise ServerFailure(explain(run, server))
@@ -97,6 +98,22 @@ def _fallbacks(stats: dict | None) -> tuple[float, str]:
     return (declined / calls if calls else float("nan")), "; ".join(words)
 
 
+def _stalls(stats: dict | None) -> tuple[dict[str, float], str]:
+    """The candidate's calls that held the server's host in the window (compiles inside it, or waits
+    on the GPU): metrics, and a clause for the reason (empty when there were none)."""
+    ops = stats.get("ops") if isinstance(stats, dict) else None
+    rows = [s for s in ops.values() if isinstance(s, dict) and "stalls" in s] if isinstance(ops, dict) else []
+    if not rows:
+        return {}, ""
+    n, total = sum(int(s["stalls"]) for s in rows), sum(float(s["stall_ms"]) for s in rows)
+    worst = max(float(s["worst_stall_ms"]) for s in rows)
+    metrics = {"candidate_stalls": float(n), "candidate_stall_ms": total}
+    if not n:
+        return metrics, ""
+    return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over {STALL_MS:g} ms in the window "
+                     f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
+
+
 def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: ReplayRun, stats: dict | None) -> ReplayOutcome:
     r = cfg.stages.replay
     g = r.gates[dtype]
@@ -119,6 +136,7 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
     need = max(noise, r.min_margin)
     gain = sc["candidate"] / base_sc - 1
     fallback_share, fallback_words = _fallbacks(stats)
+    stall_metrics, stall_words = _stalls(stats)
     b, c = s["baseline"], s["candidate"]
     metrics = {
         "accepted": 0.0, "gate_passed": float(gate.passed), "gate_tokens_compared": float(gate.compared), "gate_near_ties": float(gate.near_ties),
@@ -129,7 +147,7 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
         "noise": noise, "required_gain": need, "gain": gain,
         "tpot_p90_speedup": b["tpot_p90_ms"] / c["tpot_p90_ms"], "ttft_p90_speedup": b["ttft_p90_ms"] / c["ttft_p90_ms"],
         "throughput_ratio": c["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else float("nan"),
-    }
+    } | stall_metrics
     for name, summary in s.items():
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
     for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again)):
@@ -138,7 +156,7 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
              f"({gain:+.1%}; p90 bars TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms; inside both: {att['candidate']:.2f} vs "
              f"{att['baseline']:.2f} and {att['baseline_again']:.2f}); p90 TPOT {c['tpot_p90_ms']:.2f} vs "
              f"{b['tpot_p90_ms']:.2f} ms, p90 TTFT {c['ttft_p90_ms']:.1f} vs {b['ttft_p90_ms']:.1f} ms, "
-             f"{c['throughput_tok_s']:.0f} vs {b['throughput_tok_s']:.0f} tokens/s")
+             f"{c['throughput_tok_s']:.0f} vs {b['throughput_tok_s']:.0f} tokens/s{stall_words}")
     if not gate.passed:
         return ReplayOutcome(False, f"the served tokens differ from the baseline's: {gate.detail}", gate, metrics)
     if not fallback_share == 0.0:
