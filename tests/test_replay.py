@@ -68,6 +68,11 @@ def test_candidate_whose_served_shapes_fall_back_is_not_accepted(requests, basel
     assert 0 < outcome.metrics["fallback_share"] < 1 and "calls fell back" in outcome.reason
 
 
+@pytest.fixture(scope="module")
+def warm_calls(requests) -> int:
+    return warm_up_decode_calls(requests)
+
+
 def warm_up_decode_calls(requests) -> int:
     """How many decode calls the served server's warm-up makes before the trace: the same warm-up,
     run here on the same preset with a counting candidate (it is deterministic)."""
@@ -89,13 +94,13 @@ def warm_up_decode_calls(requests) -> int:
     return calls[0]
 
 
-def test_candidate_that_crashes_its_server_is_a_failure_saying_how(requests):
+def test_candidate_that_crashes_its_server_is_a_failure_saying_how(requests, warm_calls):
     crashes_when_serving = C.wrap_decode(f"""
 _calls = [0]
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     _calls[0] += 1
-    if _calls[0] > {warm_up_decode_calls(requests) + 4}:      # past the warm-up: while serving the trace
+    if _calls[0] > {warm_calls + 4}:      # past the warm-up: while serving the trace
         __import__("ctypes").string_at(0)
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
@@ -105,7 +110,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     assert "requests did not complete" in str(err.value)
 
 
-def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(requests, baselines):
+def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(requests, baselines, warm_calls):
     # torch's decode, fast on the tiny model; one call past the warm-up sleeps as a compile would
     stalls_once = f"""
 import time
@@ -114,7 +119,7 @@ _calls = [0]
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     _calls[0] += 1
-    if _calls[0] == {warm_up_decode_calls(requests) + 3}:
+    if _calls[0] == {warm_calls + 3}:
         time.sleep(0.4)
     return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """
