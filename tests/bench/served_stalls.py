@@ -1,14 +1,14 @@
 """Benchmark (not a test): candidate calls that stall inside the served window, with the fixed warm-up
 against the warm-up that also meets the served prompt lengths (harness/served/engine.py `warm_up`).
 
-    python tests/bench/served_stalls.py [--window 20] [--threshold-ms 50]
+    python tests/bench/served_stalls.py [--window 20]
 
 Each mode runs in a fresh process with an empty Triton cache: the 0.6B-shaped engine on CUDA with
 both reference kernels (knowledge/attention/), the warm-up, then the trace's requests at their arrival
-times, in this process (no HTTP). Every call to the candidate's decode and prefill is timed on the host
-without a synchronize: a launch is asynchronous, so a call that holds the host past the threshold is
-a compile (or autotuning). Prints, per mode: the warm-up's seconds, the stalled calls in the window
-and their total, and the steps' p50 / p99 / max wall time.
+times, in this process (no HTTP). The served ops count every candidate call that holds the host over
+STALL_MS (harness/served/ops.py; a launch is asynchronous, so such a call compiled, autotuned or waited
+on the GPU), as the served server does. Prints, per mode: the warm-up's seconds, the stalled calls in
+the window and their total, and the steps' p50 / p99 / max wall time.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _load(path: Path):
     return mod
 
 
-def one_mode(mode: str, window: float, threshold_ms: float) -> dict:
+def one_mode(mode: str, window: float) -> dict:
     import torch
 
     from harness.config import PROJECT_ROOT, load_config
@@ -46,25 +46,12 @@ def one_mode(mode: str, window: float, threshold_ms: float) -> dict:
     served, section = cfg.served.cuda, cfg.targets.attention.cuda
     dec = _load(ROOT / "knowledge/attention/decode_paged_splitkv.py")
     pre = _load(ROOT / "knowledge/attention/prefill_causal_tiled.py")
-    stalls: list[tuple[str, float]] = []
-    timing = [False]
-
-    def timed(name, fn):
-        def call(*args):
-            t = time.perf_counter()
-            out = fn(*args)
-            ms = (time.perf_counter() - t) * 1e3
-            if timing[0] and ms > threshold_ms:
-                stalls.append((name, ms))
-            return out
-        return call
-
-    ops = AttentionOps(SimpleNamespace(decode=timed("decode", dec.decode), prefill=timed("prefill", pre.prefill)), section.dtype)
+    ops = AttentionOps(SimpleNamespace(decode=dec.decode, prefill=pre.prefill), section.dtype)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], torch.device("cuda"),
                          ops, root=PROJECT_ROOT)
     requests = served_requests(cfg, "cuda", window)
     t = time.perf_counter()
-    warm_up(engine, [len(r.prompt) for r in requests] if mode == "served" else (), served.warm_requests)
+    warm_up(engine, [len(r.prompt) for r in requests] if mode == "served" else (), served.warm_requests)  # ends with ops.reset()
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t
     steps: list[float] = []
@@ -75,8 +62,8 @@ def one_mode(mode: str, window: float, threshold_ms: float) -> dict:
         steps.append((now - last[0]) * 1e3)
         last[0] = now
 
-    timing[0] = True
     run_requests(engine, requests, realtime=True, on_step=on_step)
+    stalls = [(op, ms) for op, found in ops.stalls.items() for ms in found]
     q = statistics.quantiles(steps, n=100, method="inclusive")
     return {"mode": mode, "warm_up_s": round(warm_s, 1), "requests": len(requests), "steps": len(steps),
             "stalled_calls": len(stalls), "stalled_ms": round(sum(ms for _, ms in stalls)),
@@ -87,17 +74,16 @@ def one_mode(mode: str, window: float, threshold_ms: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=float, default=20.0)
-    ap.add_argument("--threshold-ms", type=float, default=50.0)
     ap.add_argument("--mode", choices=["fixed", "served"], default=None, help="one mode, in this process (used by the parent)")
     a = ap.parse_args()
     if a.mode:
-        print(json.dumps(one_mode(a.mode, a.window, a.threshold_ms)))
+        print(json.dumps(one_mode(a.mode, a.window)))
         return
     for mode in ("fixed", "served"):
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TRITON_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-            out = subprocess.run([sys.executable, __file__, "--mode", mode, "--window", str(a.window),
-                                  "--threshold-ms", str(a.threshold_ms)], env=env, capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--mode", mode, "--window", str(a.window)],
+                                 env=env, capture_output=True, text=True)
             if out.returncode:
                 print(f"{mode}: exit {out.returncode}\n{out.stderr[-3000:]}")
                 continue
