@@ -58,7 +58,7 @@ def _change(then: Side, now: Side) -> str:
     return "changed"
 
 
-def _skippedhere(then: Verdict, now: Verdict) -> str:
+def _skipped_here(then: Verdict, now: Verdict) -> str:
     ran = {s.name for s in then.stages if s.status != "skipped"}
     skipped = [s for s in now.stages if s.status == "skipped" and s.name in ran]
     if not skipped:
@@ -138,7 +138,7 @@ def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None =
             for k, verdict in verdicts:
                 then, now_side = _side(k.then, until), _side(verdict, None)
                 rows[k.ref] = VerdictRow(ref=k.ref, op=k.op, then=then, now=now_side, change=_change(then, now_side),
-                                         note=_skippedhere(k.then, verdict))
+                                         note=_skipped_here(k.then, verdict))
                 saved.save(rows[k.ref])
     except HarnessError as e:
         kept = f"; the {len(saved.state.rows)} kernel(s) finished are saved, --resume continues" if saved.sha else ""

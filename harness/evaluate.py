@@ -36,12 +36,14 @@ def device_shapes(cfg: Config, target: str, device: torch.device):
     either way drawn at the heads of the model the served scenario runs on this device."""
     from harness.served.shapes import ShapesError, apply_recorded, served_heads_first
     section = getattr(getattr(cfg.targets, target), device.type)
+    served = None
     if target == "attention":
         preset = cfg.served.presets[getattr(cfg.served, device.type).preset]
-        section = served_heads_first(section, (preset.q_heads, preset.kv_heads))
+        served = (preset.q_heads, preset.kv_heads)
+        section = served_heads_first(section, served)
     path = cfg.served.recorded_shapes
     try:
-        return apply_recorded(section, None if path is None else PROJECT_ROOT / path)
+        return apply_recorded(section, None if path is None else PROJECT_ROOT / path, served)
     except ShapesError as e:
         raise HarnessError(str(e)) from None
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import CUDA, ROOT, config_with
+from harness.errors import HarnessError
 from harness.evaluate import device_shapes
 from harness.profile import BUCKETS, ceiling, profile_served, summarize
 from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
@@ -89,6 +90,9 @@ def test_served_cases_are_drawn_at_the_heads_of_the_model_the_scenario_serves(tm
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ShapesError, match=r"recorded with heads \[64, 8\], which the target's heads"):
         apply_recorded(CFG.targets.attention.cuda, tmp_path / "other.json")
+    (tmp_path / "8b.json").write_text(json.dumps(other | {"heads": [32, 8]}))      # the target's, not the served model's
+    with pytest.raises(HarnessError, match=r"recorded with heads \[32, 8\], while the served model has \[16, 8\]"):
+        device_shapes(config_with(**{"served.recorded_shapes": str(tmp_path / "8b.json")}), "attention", cuda)
 
 
 def kevo(*args: str) -> subprocess.CompletedProcess:

@@ -87,14 +87,18 @@ def served_heads_first(section: Any, heads: tuple[int, int] | list[int]) -> Any:
     return section.model_copy(update={"heads": [pair] + [tuple(h) for h in section.heads if tuple(h) != pair]})
 
 
-def apply_recorded(section: Any, path: Path | str | None) -> Any:
+def apply_recorded(section: Any, path: Path | str | None, served: tuple[int, int] | None = None) -> Any:
     """A target's device section with its served shapes replaced by the recorded ones (ops that
-    recorded none keep the config's), and the heads the profile served first."""
+    recorded none keep the config's), and the heads the profile served first. `served`: the heads of
+    the model the served scenario runs, which a recorded profile's heads must be."""
     if path is None:
         return section
     recorded = load_recorded_shapes(path)
     heads = recorded.pop("heads", None)
     if heads is not None:
+        if served is not None and heads != tuple(served):
+            raise ShapesError(f"{path}: recorded with heads {list(heads)}, while the served model has "
+                              f"{list(served)} (a profile of another model?)")
         if heads not in [tuple(h) for h in section.heads]:
             raise ShapesError(f"{path}: recorded with heads {list(heads)}, which the target's heads "
                               f"{[list(h) for h in section.heads]} do not include (a profile of another model?)")

@@ -14,17 +14,15 @@ compile inside the served window. GPU only; the figures are wall times of single
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-def load(path: str):
-    spec = importlib.util.spec_from_file_location("k", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from harness.served.ops import load_candidate  # noqa: E402
 
 
 def timed(fn) -> float:
@@ -64,7 +62,7 @@ def main() -> None:
     ap.add_argument("--prefill", default="knowledge/attention/prefill_causal_tiled.py")
     ap.add_argument("--decode", default="knowledge/attention/decode_paged_splitkv.py")
     a = ap.parse_args()
-    p, dmod = load(a.prefill), load(a.decode)
+    p, dmod = load_candidate(a.prefill), load_candidate(a.decode)
     rows = [("prefill", "warm-up: 1,15,17,35,100", prefill_case(p, [1, 15, 17, 35, 100]))]
     rows += [("decode", f"warm-up: batch {b}, contexts <= 108", decode_case(dmod, [8 + 20 * i for i in range(b)])) for b in (5, 4, 3, 2, 1)]
     rows += [("prefill", "one prompt of 40", prefill_case(p, [40])),

@@ -13,7 +13,6 @@ the window and their total, and the steps' p50 / p99 / max wall time.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -27,25 +26,18 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def one_mode(mode: str, window: float) -> dict:
     import torch
 
     from harness.config import PROJECT_ROOT, load_config
     from harness.served.engine import make_engine, run_requests, warm_up
-    from harness.served.ops import AttentionOps
+    from harness.served.ops import AttentionOps, load_candidate
     from harness.stages.replay import served_requests
     from harness.transport import DTYPES
     cfg = load_config()
     served, section = cfg.served.cuda, cfg.targets.attention.cuda
-    dec = _load(ROOT / "knowledge/attention/decode_paged_splitkv.py")
-    pre = _load(ROOT / "knowledge/attention/prefill_causal_tiled.py")
+    dec = load_candidate(ROOT / "knowledge/attention/decode_paged_splitkv.py")
+    pre = load_candidate(ROOT / "knowledge/attention/prefill_causal_tiled.py")
     ops = AttentionOps(SimpleNamespace(decode=dec.decode, prefill=pre.prefill), section.dtype)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], torch.device("cuda"),
                          ops, root=PROJECT_ROOT)
