@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Literal
 
 import git
+from gitdb.base import IStream
+from gitdb.db.loose import LooseObjectDB
 from pydantic import ValidationError
 
 from harness.sandbox import redact
@@ -42,6 +44,21 @@ FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "r
                "settings.json", "README.md", "heads", ".git"}
 
 AUTHOR = git.Actor("kevo", "kevo@localhost")
+
+
+class _ObjectsWrittenHere(git.GitCmdObjectDB):
+    """Objects read through git, as gitpython does by default, but written by this process: gitdb's loose
+    store writes each to a temp file and renames it into place. gitpython's own store pipes every object
+    into a `git hash-object -w --stdin --literally` child; a run SIGKILLed mid-pipe leaves that child to
+    write what it had read so far, an empty or truncated object that `git fsck` reports as bogus."""
+
+    def store(self, istream: IStream) -> IStream:
+        return LooseObjectDB.store(self, istream)
+
+
+def open_repo(root: Path) -> git.Repo:
+    """A run's repository, opened for reading and writing by kevo (every writer opens it here)."""
+    return git.Repo(root, odbt=_ObjectsWrittenHere)
 
 
 class LedgerError(Exception):
@@ -72,7 +89,7 @@ def folder_state(root: Path) -> Literal["new", "started", "unstarted", "foreign"
     if ".git" not in entries:
         return "foreign"
     try:
-        repo = git.Repo(root)
+        repo = open_repo(root)
         if repo.head.is_valid():
             repo.head.commit.tree / "run.json"
             return "started"
@@ -92,7 +109,7 @@ class Ledger:
     def __init__(self, root: Path) -> None:
         self.root = root
         try:
-            self.repo = git.Repo(root)
+            self.repo = open_repo(root)
         except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError):
             raise LedgerError(f"{root} is not a run ledger (no git repository)") from None
 

@@ -28,6 +28,7 @@ from harness.config import Config
 from harness.evaluate import resolve_device
 
 from agent.environment import describe
+from agent.ledger import open_repo
 from agent.loop import run, settings_from
 from agent.proposers import PROPOSERS
 from agent.recorded import Recording, recorded_proposer
@@ -50,7 +51,7 @@ class Committed:
     def __init__(self, root: Path) -> None:
         self.root = root
         try:
-            self.repo = git.Repo(root)
+            self.repo = open_repo(root)
             self.tip = self.repo.head.commit
         except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError):
             raise ReplayError(f"{root} is not a kevo run (no git repository)") from None

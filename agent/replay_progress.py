@@ -24,6 +24,7 @@ from pathlib import Path
 import git
 from pydantic import Field, ValidationError
 
+from agent.ledger import open_repo
 from agent.records import Record
 from agent.replay_report import Replay, VerdictRow, store_commit
 
@@ -53,7 +54,7 @@ class Saved:
 
     def __init__(self, root: Path, state: Unfinished, ref: str, sha: str = "") -> None:
         self.root, self.state, self.ref, self.sha = root, state, ref, sha
-        self.repo = git.Repo(root)
+        self.repo = open_repo(root)
 
     @classmethod
     def start(cls, root: Path, state: Unfinished) -> "Saved":
@@ -96,7 +97,7 @@ def _refs(repo: git.Repo) -> dict[str, str]:
 
 def newest(root: Path) -> Saved | None:
     """The newest unfinished replay of the run, or None."""
-    repo = git.Repo(root)
+    repo = open_repo(root)
     refs = _refs(repo)
     if not refs:
         return None
@@ -141,7 +142,7 @@ def _mismatch(flag: str, given: str, kept: str | None, what: str) -> str:
 
 def finish(root: Path, replay: Replay) -> None:
     """Delete the unfinished ref of a replay now committed in full (nothing if it had none)."""
-    repo = git.Repo(root)
+    repo = open_repo(root)
     for ref, sha in _refs(repo).items():
         try:
             state = Unfinished.model_validate_json((repo.commit(sha).tree / FILE).data_stream.read())

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from harness.sandbox import redact
 
-from agent.ledger import AUTHOR
+from agent.ledger import AUTHOR, open_repo
 from agent.recorded import Divergence
 from agent.records import Record
 
@@ -177,7 +177,7 @@ def _slug(text: str) -> str:
 def commit_replay(root: Path, r: Replay) -> Replay:
     """Commit the replay on a branch of its own on top of the run's tip; the run's branch, index and
     working tree are left as they are (the commit is built from objects, with an index of its own)."""
-    repo = git.Repo(root)
+    repo = open_repo(root)
     base = repo.head.commit
     device = r.now["device"] if r.now["device"] != "cuda" else _slug(r.now["gpu"])
     name = f"replay/{datetime.fromisoformat(r.at).strftime('%Y%m%dT%H%M%SZ')}-{device}"

@@ -7,6 +7,7 @@ candidates read back are exactly the committed ones, numbered without gaps or re
 tests/test_agent_killed.py, which kills whole `kevo-agent run` processes a few times."""
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -81,3 +82,35 @@ def test_a_ledger_killed_at_random_moments_reopens_sound_with_every_acknowledged
     print(f"{TRIALS} kills, {len(ledger.history())} candidates committed, {discarded} kills mid-write")
     assert len(ledger.history()) >= 10 and acknowledged, "too few commits happened between the kills to prove anything"
     assert discarded > 0, "no kill landed between writing and committing: the recovery was never exercised"
+
+
+WRITES_THREE = f"""
+import sys
+sys.path.insert(0, {str(TESTS)!r})
+from pathlib import Path
+from test_ledger import candidate, commit, new_ledger
+from agent.ledger import open_repo
+from agent.replay_report import store_commit
+ledger = new_ledger(Path(sys.argv[1]))
+for n in (1, 2, 3):
+    commit(ledger, candidate(f"c{{n:03d}}", "rejected", "parity", None), new_best=False)
+repo = open_repo(ledger.root)
+store_commit(repo, repo.head.commit, {{"replay/replay.json": "{{}}"}}, "replay", parent=repo.head.commit)
+"""
+
+
+def test_objects_are_written_by_kevo_itself_so_no_git_child_is_left_writing_half_an_object(tmp_path):
+    """What the random kills above once caught (CI, 2026-11-30): gitpython's default store pipes each object
+    into a `git hash-object --stdin` child, and a kill mid-pipe left that child to write an empty commit.
+    A `git` on PATH that logs its arguments shows which git commands a ledger's writes run."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
+    bin_dir.mkdir()
+    real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
+    (bin_dir / "git").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {real} "$@"\n')
+    (bin_dir / "git").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)
+    ran = log.read_text().splitlines()
+    assert any(line.startswith("tag") for line in ran), ran          # the logging git is the one gitpython ran
+    assert [line for line in ran if line.startswith(("hash-object", "mktree", "commit-tree"))] == []
+    assert git(tmp_path / "r1", "fsck", "--strict", "--no-dangling").returncode == 0
