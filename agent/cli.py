@@ -69,6 +69,11 @@ def _run(args: argparse.Namespace) -> int:
             getattr(cfg.providers, cfg.providers.fallback).api_key(cfg.providers.fallback)
         if args.model and args.model not in cfg.providers.prices:
             raise UsageError(f"providers.prices has no entry for model {args.model!r}; add one (0 for a local server)")
+        from agent.providers import ProviderStop, check_keys
+        try:
+            check_keys(cfg.providers, provider)              # a refused key: said now, before the heads' minutes
+        except ProviderStop as e:
+            raise UsageError(str(e)) from None
     from harness.evaluate import resolve_device          # imports torch: after the cheap checks
     from agent.knowledge import CatalogError
     from agent.ledger import LedgerError

@@ -52,6 +52,7 @@ class LLM(Protocol):
 
 
 _TRANSIENT_STATUS = {408, 409, 429}
+_CHECK_TIMEOUT_S = 20.0         # the key check at start: a service this slow is left to the run's waits
 
 
 def _sdks():
@@ -125,6 +126,19 @@ class _Base:
             raise ProviderStop(_why_fatal(e, self.name, self.pcfg.api_key_env)) from None
         raise AssertionError("unreachable")
 
+    def check(self) -> None:
+        """One call that costs no tokens (listing models): a key the service refuses raises ProviderStop now.
+        Anything else (the service down, a compatible server without that endpoint) is left to the run's
+        own retries and waits."""
+        try:
+            self._list()
+        except tuple(sdk.APIError for sdk in _sdks()) as e:
+            if _status(e) in (401, 403):
+                raise ProviderStop(_why_fatal(e, self.name, self.pcfg.api_key_env)) from None
+
+    def _list(self) -> None:
+        raise NotImplementedError
+
 
 class OpenAIChat(_Base):
     name = "openai"
@@ -142,6 +156,9 @@ class OpenAIChat(_Base):
         return Reply((choice.message.content if choice else "") or "", getattr(usage, "prompt_tokens", 0) or 0,
                      getattr(usage, "completion_tokens", 0) or 0, (choice.finish_reason if choice else "") or "")
 
+    def _list(self) -> None:
+        self.client.with_options(timeout=min(self.common.timeout_s, _CHECK_TIMEOUT_S)).models.list()
+
 
 class AnthropicMessages(_Base):
     name = "anthropic"
@@ -157,8 +174,20 @@ class AnthropicMessages(_Base):
         text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
         return Reply(text, r.usage.input_tokens or 0, r.usage.output_tokens or 0, r.stop_reason or "")
 
+    def _list(self) -> None:
+        self.client.with_options(timeout=min(self.common.timeout_s, _CHECK_TIMEOUT_S)).models.list(limit=1)
+
 
 PROVIDERS: dict[str, type[_Base]] = {"openai": OpenAIChat, "anthropic": AnthropicMessages}
+
+
+def check_keys(common: ProvidersConfig, provider: str) -> None:
+    """The keys of `provider` and of its fallback, tried before a run starts: a wrong one is said in one
+    line (ProviderStop) before the heads are evaluated, which takes minutes on a GPU, not after."""
+    llm = PROVIDERS[provider](getattr(common, provider), common)
+    for who in (llm, llm.fallback):
+        if who is not None:
+            who.check()
 
 
 class Meter:

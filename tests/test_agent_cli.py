@@ -9,7 +9,7 @@ import sys
 import yaml
 
 from conftest import ROOT, config_with
-from fakes.llm_server import FakeLLM, Step
+from fakes.llm_server import FakeLLM
 
 
 def kevo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -56,8 +56,11 @@ def test_run_errors_are_one_line_and_exit_2(tmp_path):
         assert words in done.stderr, (args, done.stderr)
 
 
-def test_an_authentication_error_stops_the_run_with_one_line(tmp_path):
-    with FakeLLM({"fake-planner": [Step.error(401, "Incorrect API key provided")]}) as fake:
+def test_a_refused_key_is_said_in_one_line_before_anything_starts(tmp_path):
+    """A wrong key is found by one call that costs no tokens, before torch loads and the heads are
+    evaluated (minutes on a GPU): no run folder is made and nothing is asked of the planner. A key refused
+    later in a run (revoked overnight) ends it with a commit: tests/test_agent_loop_llm.py."""
+    with FakeLLM({"fake-planner": ["never asked"]}, keys={"sk-the-right-key"}) as fake:
         cfg = config_file(tmp_path, **{"providers.openai.base_url": fake.openai_url,
                                        "providers.openai.planner_model": "fake-planner",
                                        "providers.prices.fake-planner": {"input": 1.0, "output": 1.0}})
@@ -65,7 +68,6 @@ def test_an_authentication_error_stops_the_run_with_one_line(tmp_path):
                     env={**os.environ, "OPENAI_API_KEY": "sk-wrong-key-123456"})
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        f"kevo-agent: run stopped: openai: authentication failed (401 Incorrect API key provided); check OPENAI_API_KEY "
-        f"(ledger: {tmp_path / 'runs' / 'auth'})"]
-    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path / "runs" / "auth", capture_output=True, text=True)
-    assert log.stdout.splitlines()[0].startswith("end auth: openai: authentication failed")
+        "kevo-agent: openai: authentication failed (401 fake: incorrect API key provided); check OPENAI_API_KEY"]
+    assert not (tmp_path / "runs" / "auth").exists()
+    assert len(fake.listed) == 1 and fake.seen == []

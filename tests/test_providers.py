@@ -9,7 +9,7 @@ from conftest import config_with
 from fakes.llm_server import FakeLLM, Step
 from harness.config import ConfigError
 
-from agent.providers import PROVIDERS, Meter, ProviderStop, ask
+from agent.providers import PROVIDERS, Meter, ProviderStop, ask, check_keys
 from agent.records import Message
 
 KEY = "sk-test-provider-0001"
@@ -21,8 +21,8 @@ def service(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     monkeypatch.setenv("ANTHROPIC_API_KEY", KEY)
 
-    def start(scripts, **more):
-        fake = FakeLLM(scripts).__enter__()
+    def start(scripts, keys=None, **more):
+        fake = FakeLLM(scripts, keys=keys).__enter__()
         cfg = config_with(**{"providers.openai.base_url": fake.openai_url, "providers.anthropic.base_url": fake.anthropic_url,
                              "providers.retry.initial_s": 0.01, "providers.retry.max_s": 0.02,
                              "providers.prices.m": {"input": 3.0, "output": 15.0}, **more})
@@ -106,3 +106,37 @@ def test_a_needed_key_that_is_unset_is_an_error_naming_the_variable(monkeypatch)
 def test_a_model_without_a_price_is_a_config_error():
     with pytest.raises(Exception, match="prices has no entry for 'gpt-unpriced'"):
         config_with(**{"providers.openai.coder_model": "gpt-unpriced"})
+
+
+@pytest.mark.parametrize("name", ["openai", "anthropic"])
+def test_a_refused_key_stops_at_the_check_before_any_tokens_are_spent(service, name):
+    fake, cfg, _ = service({"m": ["never sent"]}, keys={"sk-the-right-one"})
+    with pytest.raises(ProviderStop) as stop:
+        check_keys(cfg.providers, name)
+    assert str(stop.value) == (f"{name}: authentication failed (401 fake: incorrect API key provided); "
+                               f"check {name.upper()}_API_KEY")
+    assert len(fake.listed) == 1 and fake.seen == []
+
+
+def test_the_check_passes_a_taken_key_and_tries_the_fallbacks_too(service):
+    fake, cfg, _ = service({"m": ["never sent"]}, keys={KEY}, **{"providers.fallback": "anthropic"})
+    check_keys(cfg.providers, "openai")
+    assert [s.api for s in fake.listed] == ["openai", "anthropic"] and fake.seen == []
+
+
+def test_a_refused_fallback_key_stops_the_check_as_well(service, monkeypatch):
+    fake, cfg, _ = service({"m": ["never sent"]}, keys={KEY}, **{"providers.fallback": "anthropic"})
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-wrong")
+    with pytest.raises(ProviderStop, match="^anthropic: authentication failed .*; check ANTHROPIC_API_KEY$"):
+        check_keys(cfg.providers, "openai")
+
+
+def test_a_service_that_cannot_say_leaves_the_run_to_its_own_retries(monkeypatch):
+    """Nothing listening (the service down), or a compatible server without a models endpoint: neither is a
+    verdict on the key, so the check lets the run start, where retries and outage waits take over."""
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    down = config_with(**{"providers.openai.base_url": "http://127.0.0.1:9/v1"})
+    check_keys(down.providers, "openai")
+    with FakeLLM({"m": ["never sent"]}, keys={"sk-other"}, lists_models=False) as fake:
+        check_keys(config_with(**{"providers.openai.base_url": fake.openai_url}).providers, "openai")
+    assert len(fake.listed) == 1 and fake.seen == []

@@ -1,6 +1,8 @@
 """A fake LLM service on loopback speaking the OpenAI Chat Completions and Anthropic Messages APIs over
 real HTTP, so the real SDKs talk to it. Scripted per model: each model has a queue of steps, a reply
-text or an HTTP error, served in order; every request is kept for the test to inspect.
+text or an HTTP error, served in order; every request is kept for the test to inspect. It lists its
+models (GET .../models, as both services do), and given `keys` it refuses any other key with 401, as a
+real service does, on every request.
 """
 from __future__ import annotations
 
@@ -27,6 +29,12 @@ _ANTHROPIC_ERR = {401: "authentication_error", 404: "not_found_error", 429: "rat
                   529: "overloaded_error"}
 
 
+def _error(api: str, status: int, message: str) -> tuple[int, dict]:
+    if api == "openai":
+        return status, {"error": {"message": message, "type": "fake", "code": _OPENAI_ERR.get(status, "server_error")}}
+    return status, {"type": "error", "error": {"type": _ANTHROPIC_ERR.get(status, "api_error"), "message": message}}
+
+
 @dataclass
 class Seen:
     api: str            # openai | anthropic
@@ -38,7 +46,10 @@ class Seen:
 @dataclass
 class FakeLLM:
     scripts: dict[str, list[Step | str | Callable[[dict], Step | str]]]
-    seen: list[Seen] = field(default_factory=list)
+    seen: list[Seen] = field(default_factory=list)        # completions asked for
+    keys: set[str] | None = None                          # None: any key is taken
+    listed: list[Seen] = field(default_factory=list)      # model lists asked for
+    lists_models: bool = True                             # False: a compatible server without that endpoint
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
@@ -53,7 +64,16 @@ class FakeLLM:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 api = "anthropic" if self.path.rstrip("/").endswith("/messages") else "openai"
-                status, payload = fake._answer(api, dict(self.headers), body)
+                self._send(*(fake._refused(api, self.headers) or fake._answer(api, dict(self.headers), body)))
+
+            def do_GET(self) -> None:
+                api = "anthropic" if "anthropic-version" in {k.lower() for k in self.headers} else "openai"
+                fake.listed.append(Seen(api, "", dict(self.headers), {}))
+                if not fake.lists_models or not self.path.split("?")[0].rstrip("/").endswith("/models"):
+                    return self._send(404, {"detail": "Not Found"})
+                self._send(*(fake._refused(api, self.headers) or fake._models(api)))
+
+            def _send(self, status: int, payload: dict) -> None:
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -83,6 +103,21 @@ class FakeLLM:
     def left(self, model: str) -> int:
         return len(self.scripts.get(model, []))
 
+    def _refused(self, api: str, headers) -> tuple[int, dict] | None:
+        if self.keys is None:
+            return None
+        key = headers.get("x-api-key") or headers.get("Authorization", "").removeprefix("Bearer ")
+        return None if key in self.keys else _error(api, 401, "fake: incorrect API key provided")
+
+    def _models(self, api: str) -> tuple[int, dict]:
+        ids = sorted(self.scripts)
+        if api == "openai":
+            return 200, {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "fake"}
+                                                    for m in ids]}
+        data = [{"id": m, "type": "model", "display_name": m, "created_at": "2026-01-01T00:00:00Z"} for m in ids]
+        return 200, {"data": data, "has_more": False, "first_id": ids[0] if ids else None,
+                     "last_id": ids[-1] if ids else None}
+
     def _answer(self, api: str, headers: dict, body: dict) -> tuple[int, dict]:
         model = body.get("model", "")
         with self.lock:
@@ -94,11 +129,7 @@ class FakeLLM:
         if isinstance(step, str):
             step = Step(text=step)
         if step.status != 200:
-            if api == "openai":
-                return step.status, {"error": {"message": step.message, "type": "fake",
-                                               "code": _OPENAI_ERR.get(step.status, "server_error")}}
-            return step.status, {"type": "error", "error": {"type": _ANTHROPIC_ERR.get(step.status, "api_error"),
-                                                            "message": step.message}}
+            return _error(api, step.status, step.message)
         n_in, n_out = len(json.dumps(body)) // 4, max(1, len(step.text) // 4)
         if api == "openai":
             return 200, {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": model,
