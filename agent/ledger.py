@@ -15,9 +15,10 @@ An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.
 environment values before it is written. `history()` reads the candidates back, so a run can be
 resumed from its ledger alone.
 
-Crash consistency: a commit is the unit of record. Files are written, then committed; git writes objects
-and refs through temporary and lock files renamed into place, so a SIGKILL at any moment leaves the last
-commit whole, plus perhaps stale lock files and uncommitted files. `recover()` (by the holder of the
+Crash consistency: a commit is the unit of record. Files are written, then committed; objects are written
+by this process to temporary files renamed into place (`open_repo`), refs by git through lock files, so a
+SIGKILL at any moment leaves the last commit whole, plus perhaps stale lock and temporary files,
+unreferenced whole objects and uncommitted files. `recover()` (by the holder of the
 run's lock, agent/session.py) removes those and resets the working tree to the last commit; reading is
 always from committed state. A power cut is another matter: nothing here calls fsync.
 Not here: deciding anything (loop), the run folder's lock (session).
