@@ -6,7 +6,9 @@ redacted of the evaluator's secrets before it leaves.
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -53,6 +55,32 @@ def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> P
     return Pool(cfg.worker, device.type, target).start()
 
 
+def run_queue_s() -> dict[int, float]:
+    """Seconds the threads of this process and of every process below it (the worker pool, the candidate's
+    worker, a replay's servers) have spent ready to run but waiting for a core, summed over each process's
+    threads, by pid (Linux schedstat; {} where it cannot be read). Read from the host's /proc, so a worker
+    in its own PID namespace is found by its host pid. A stage's growth of it (`cpu_wait_s`, thread-seconds:
+    it can exceed the stage's wall time) is what the stage lost to CPU contention, less what processes
+    that ended during the stage had lost. Diagnostics only: tests/bench/gpu_scaling.py reads it."""
+    out: dict[int, float] = {}
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{pid}/task").iterdir())
+        except OSError:                                         # ended meanwhile, or no /proc here
+            continue
+        total = 0.0
+        for task in tasks:
+            try:
+                total += int((task / "schedstat").read_text().split()[1]) / 1e9
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError, IndexError):            # a thread that ended meanwhile
+                pass
+        out[pid] = total
+    return out
+
+
 def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None,
              on_stage: Callable[[str], None] | None = None, beat: float = 1.0) -> Verdict:
     """Run the stages in order; `on_stage(name)` is told as each one starts (a live view). `beat` is the
@@ -73,6 +101,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             if on_stage is not None:
                 on_stage(name)
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
+            waited = run_queue_s()
             t0 = time.monotonic()
             try:
                 result = stage(ctx)
@@ -83,6 +112,8 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             result.seconds = round(time.monotonic() - t0, 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)
+            if result.status != "skipped" and (now := run_queue_s()):
+                result.metrics["cpu_wait_s"] = round(max(0.0, sum(v - waited.get(pid, 0.0) for pid, v in now.items())), 3)
             result.reason = redact(result.reason)
             results.append(result)
             if result.status == "failed" or name == until:

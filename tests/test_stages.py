@@ -2,10 +2,16 @@
 interpreter, float32). Microbench needs CUDA: here it must say so, never stand in a CPU figure."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
 import candidates as C
 from conftest import CUDA, config_with
+from harness.evaluate import run_queue_s
 
 
 def stage_of(verdict):
@@ -32,6 +38,44 @@ def test_microbench_says_it_needs_cuda_instead_of_reporting_a_cpu_figure(evaluat
     bench = v.stages[-1]
     assert bench.name == "microbench" and bench.status == "skipped"
     assert "needs CUDA" in bench.reason and bench.metrics == {}
+
+
+def test_a_stage_says_how_long_its_processes_waited_for_a_core(evaluate_source):
+    """Twice as many busy loops as there are cores: parity's processes spend much of the stage waiting."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(2 * len(os.sched_getaffinity(0)))]
+    try:
+        parity = evaluate_source(C.REF_DECODE, until="parity").stages[2]
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert parity.name == "parity" and parity.status == "passed", parity.reason
+    assert parity.metrics["cpu_wait_s"] >= 0.3 * parity.seconds, (parity.metrics, parity.seconds)
+
+
+def test_the_wait_counts_processes_below_this_one_found_by_their_host_pids():
+    """A grandchild (as a worker is, below the pool and its zygote) pinned to one core beside another busy
+    loop waits about half the time; run_queue_s finds it by walking down from this process."""
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
+                               "'-c', 'while True: pass']); print(p.pid, flush=True); p.wait()"],
+                              stdout=subprocess.PIPE, text=True)
+    rival = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        grandchild = int(parent.stdout.readline())
+        core = min(os.sched_getaffinity(0))
+        for pid in (grandchild, rival.pid):
+            os.sched_setaffinity(pid, {core})
+        before = run_queue_s()
+        time.sleep(1.5)
+        after = run_queue_s()
+    finally:
+        for p in (parent, rival):
+            p.kill()
+            p.wait()
+        os.kill(grandchild, 9)
+    assert grandchild in before and grandchild in after
+    assert after[grandchild] - before[grandchild] >= 0.4, (before[grandchild], after[grandchild])
 
 
 def test_correct_kernel_with_other_blocking_and_summation_order_passes(evaluate_source):

@@ -11,7 +11,9 @@ one with `executor.gpus: [0]` (the serial loop), one with `[0, 1]` (a slot per G
 in flight). Each run evaluates its own heads first; the rate counts only the candidates: from the
 first claim answered to the run's end. While they run, `nvidia-smi` is sampled every 500 ms for each
 GPU's busy share (a kernel running, not SM occupancy). Also printed: how long each slot held a job,
-from the ledger's `Evaluated-On` trailers and the records' seconds, and each run's stage mix, since a
+from the ledger's `Evaluated-On` trailers and the records' seconds; per stage, the mean time, the time
+spent waiting on the worker and the thread-seconds its processes waited for a core (`cpu_wait_s`:
+where a job is slower with two slots, this says whether CPU contention is why); and each run's stage mix, since a
 candidate that reaches the replay costs minutes where one rejected at microbench costs seconds: the
 two rates compare only if the mixes match.
 """
@@ -98,7 +100,17 @@ def one_run(run_id: str, executor: dict, *, n: int, window: float, cpu: bool, sa
     where = dict(line.split("\t", 1) for line in log.splitlines() if "\t" in line)
     for r in history:
         held[where.get(r.id, "the loop's own pool")] += r.seconds
+    stages: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    for r in history:
+        for rnd in r.rounds:
+            for st in rnd.verdict.stages:
+                if st.status != "skipped":
+                    stages[st.name].append((st.seconds, st.metrics.get("worker_s", 0.0), st.metrics.get("cpu_wait_s", 0.0)))
+    per_stage = {name: {"n": len(v), "mean_s": round(sum(x[0] for x in v) / len(v), 3),
+                        "mean_worker_s": round(sum(x[1] for x in v) / len(v), 3),
+                        "mean_cpu_wait_s": round(sum(x[2] for x in v) / len(v), 3)} for name, v in stages.items()}
     return {"run": run_id, "rc": rc, "executor": executor, "candidates": len(history),
+            "stages": per_stage,
             "stage_mix": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
             "candidate_wall_s": round(wall, 1), "candidates_per_hour": round(len(history) / wall * 3600, 1) if wall else None,
             "slot_busy_share": {slot: round(s / wall, 3) for slot, s in sorted(held.items())} if wall else {},
