@@ -131,12 +131,12 @@ class _Base:
         Anything else (the service down, a compatible server without that endpoint) is left to the run's
         own retries and waits."""
         try:
-            self._list()
+            self._list(self.client.with_options(timeout=min(self.common.timeout_s, _CHECK_TIMEOUT_S)))
         except tuple(sdk.APIError for sdk in _sdks()) as e:
             if _status(e) in (401, 403):
                 raise ProviderStop(_why_fatal(e, self.name, self.pcfg.api_key_env)) from None
 
-    def _list(self) -> None:
+    def _list(self, client) -> None:
         raise NotImplementedError
 
 
@@ -156,8 +156,8 @@ class OpenAIChat(_Base):
         return Reply((choice.message.content if choice else "") or "", getattr(usage, "prompt_tokens", 0) or 0,
                      getattr(usage, "completion_tokens", 0) or 0, (choice.finish_reason if choice else "") or "")
 
-    def _list(self) -> None:
-        self.client.with_options(timeout=min(self.common.timeout_s, _CHECK_TIMEOUT_S)).models.list()
+    def _list(self, client) -> None:
+        client.models.list()
 
 
 class AnthropicMessages(_Base):
@@ -174,8 +174,8 @@ class AnthropicMessages(_Base):
         text = "".join(getattr(b, "text", "") for b in r.content if getattr(b, "type", "") == "text")
         return Reply(text, r.usage.input_tokens or 0, r.usage.output_tokens or 0, r.stop_reason or "")
 
-    def _list(self) -> None:
-        self.client.with_options(timeout=min(self.common.timeout_s, _CHECK_TIMEOUT_S)).models.list(limit=1)
+    def _list(self, client) -> None:
+        client.models.list(limit=1)
 
 
 PROVIDERS: dict[str, type[_Base]] = {"openai": OpenAIChat, "anthropic": AnthropicMessages}

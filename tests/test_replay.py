@@ -70,10 +70,6 @@ def test_candidate_whose_served_shapes_fall_back_is_not_accepted(requests, basel
 
 @pytest.fixture(scope="module")
 def warm_calls(requests) -> int:
-    return warm_up_decode_calls(requests)
-
-
-def warm_up_decode_calls(requests) -> int:
     """How many decode calls the served server's warm-up makes before the trace: the same warm-up,
     run here on the same preset with a counting candidate (it is deterministic)."""
     from types import SimpleNamespace
