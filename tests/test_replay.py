@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import pytest
 import torch
@@ -43,6 +44,16 @@ def test_reference_kernel_passes_the_gates_on_the_served_path(requests, baseline
     assert outcome.metrics["gate_tokens_compared"] >= 0.8 * sum(r.output_len for r in requests)
     assert outcome.metrics["fallback_share"] == 0.0
     assert f"{other} not implemented" in outcome.reason and "the served tokens differ" not in outcome.reason
+
+
+def test_the_replay_records_how_long_each_server_took_to_start_and_warm_up(requests, baselines):
+    t = time.monotonic()
+    cand, stats = replay_once(CFG, "cpu", C.REF_DECODE, requests, "candidate")
+    wall = time.monotonic() - t
+    assert 0 < cand.server_ready_s < wall - cand.duration_s          # ready before the first request was sent
+    metrics = judge(CFG, "float32", baselines[0], cand, baselines[1], stats).metrics
+    assert metrics["candidate_server_ready_s"] == cand.server_ready_s
+    assert metrics["baseline_server_ready_s"] > 0 and metrics["baseline_again_server_ready_s"] > 0
 
 
 def test_kernel_that_drops_the_newest_token_fails_the_gates():

@@ -51,6 +51,7 @@ class ReplayRun:
     completions: list[Completion]
     duration_s: float          # first send to last token
     max_send_lag_s: float      # how late this client sent a request, at worst
+    server_ready_s: float = float("nan")   # the server's start to ready (launch.ServerHandle.ready_s), when known
 
     def failures(self) -> list[Completion]:
         return [c for c in self.completions if not c.complete]

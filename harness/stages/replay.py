@@ -64,6 +64,7 @@ def replay_once(cfg: Config, device: str, source: str | None, requests: list[Tra
     """Start a server (with the candidate, or the baseline for None), replay, read its accounting."""
     with start_server(cfg, device, source, [len(r.prompt) for r in requests]) as server:
         run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
+        run.server_ready_s = server.ready_s
         if run.failures():
             raise ServerFailure(explain(run, server))
         return run, server.stats()
@@ -152,6 +153,7 @@ def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: Repl
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
     for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again)):
         metrics[f"{name}_max_send_lag_s"] = run.max_send_lag_s     # a client that fell behind skews its timings
+        metrics[f"{name}_server_ready_s"] = run.server_ready_s     # start to ready, the warm-up in it: the stage's cost
     score = (f"SLO score {sc['candidate']:.3f} against the baselines' {sc['baseline']:.3f} and {sc['baseline_again']:.3f} "
              f"({gain:+.1%}; p90 bars TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms; inside both: {att['candidate']:.2f} vs "
              f"{att['baseline']:.2f} and {att['baseline_again']:.2f}); p90 TPOT {c['tpot_p90_ms']:.2f} vs "

@@ -8,7 +8,9 @@ both reference kernels (knowledge/attention/), the warm-up, then the trace's req
 times, in this process (no HTTP). The served ops count every candidate call that holds the host over
 STALL_MS (harness/served/ops.py; a launch is asynchronous, so such a call compiled, autotuned or waited
 on the GPU), as the served server does. Prints, per mode: the warm-up's seconds, the stalled calls in
-the window and their total, and the steps' p50 / p99 / max wall time.
+the window and their total, and the p50 / p99 / max of the time between one step's end and the next's:
+that includes the engine's idle waits for arrivals, the first one among them (2.08 s into the
+long-context trace), so the max is a wait, not a step, unless it is above that.
 """
 from __future__ import annotations
 
