@@ -52,7 +52,6 @@ class ServerHandle:
     workdir: Path
     external: bool
     log_limit: int
-    started: float = 0.0       # time.monotonic() when the process was started
     ready_s: float = float("nan")   # from start to answering GET /v1/models: the import, the model, the warm-up
 
     def alive(self) -> bool:
@@ -122,7 +121,9 @@ def _scratch() -> Path:
 
 
 def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
-    deadline = time.monotonic() + timeout_s
+    """Called as soon as the process is started, so the wait is its start-to-ready time."""
+    started = time.monotonic()
+    deadline = started + timeout_s
     while time.monotonic() < deadline:
         if not h.alive():
             tail = h.log_tail()
@@ -132,7 +133,7 @@ def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
         try:
             with urllib.request.urlopen(h.url + "/models", timeout=2) as r:
                 if r.status == 200:
-                    h.ready_s = time.monotonic() - h.started
+                    h.ready_s = time.monotonic() - started
                     return h
         except (OSError, urllib.error.URLError):
             pass
@@ -169,13 +170,12 @@ def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[
     extra = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(workdir)}
     if device == "cpu":
         extra["TRITON_INTERPRET"] = "1"
-    started = time.monotonic()
     with open(workdir / "log.txt", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
                                 pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     sock.close()
-    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars, started)
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars)
     return _wait_ready(h, cfg.served.start_timeout_s)
 
 
@@ -192,7 +192,6 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
     argv = [a.replace("{port}", str(port)) for a in ext.command]
     env = clean_env(cfg.worker.env_passthrough + ext.env_passthrough,
                     {"KEVO_CANDIDATE": candidate, "KEVO_PORT": str(port), "HOME": os.environ.get("HOME", str(workdir))})
-    started = time.monotonic()
     try:
         with open(workdir / "log.txt", "wb") as log:
             proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
@@ -200,7 +199,7 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
     except OSError as e:
         shutil.rmtree(workdir, ignore_errors=True)
         raise ServerFailure(f"cannot start the external server {shlex.join(argv)}: {e}") from None
-    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars, started)
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars)
     return _wait_ready(h, ext.start_timeout_s)
 
 

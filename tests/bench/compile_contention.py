@@ -41,6 +41,8 @@ def first_calls_ms(n: int) -> list[float]:
     totals = []
     for p in procs:
         out, _ = p.communicate(timeout=300)
+        if p.returncode:
+            raise SystemExit(f"{FIRST_CALLS.name} exited with {p.returncode}: no figure from this round")
         rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
         totals.append(sum(float(r[-2]) for r in rows))
     for c in caches:

@@ -106,9 +106,9 @@ def one_run(run_id: str, executor: dict, *, n: int, window: float, cpu: bool, sa
             for st in rnd.verdict.stages:
                 if st.status != "skipped":
                     stages[st.name].append((st.seconds, st.metrics.get("worker_s", 0.0), st.metrics.get("cpu_wait_s", 0.0)))
-    per_stage = {name: {"n": len(v), "mean_s": round(sum(x[0] for x in v) / len(v), 3),
-                        "mean_worker_s": round(sum(x[1] for x in v) / len(v), 3),
-                        "mean_cpu_wait_s": round(sum(x[2] for x in v) / len(v), 3)} for name, v in stages.items()}
+    per_stage = {name: {"n": len(v)} | {key: round(sum(col) / len(v), 3) for key, col in
+                                         zip(("mean_s", "mean_worker_s", "mean_cpu_wait_s"), zip(*v))}
+                 for name, v in stages.items()}
     return {"run": run_id, "rc": rc, "executor": executor, "candidates": len(history),
             "stages": per_stage,
             "stage_mix": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
