@@ -317,6 +317,7 @@ class ExecutorConfig(Strict):
     kind: Literal["local", "dask"]             # local: slot processes on this machine; dask: a Dask cluster
     gpus: Literal["auto"] | list[int]          # CUDA: the GPUs given a slot each (indices among those visible)
     cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores
+    slot_cores: Literal["blocks", "interleaved", "none"] = "blocks"   # how the cores are dealt to the slots
     requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
     dask: DaskConfig
 

@@ -23,6 +23,8 @@ from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS
 from harness.transport import DTYPES
 
+_TICKS = os.sysconf("SC_CLK_TCK")                  # /proc/PID/stat's unit of CPU time
+
 
 def resolve_device(cfg: Config) -> torch.device:
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -55,29 +57,34 @@ def open_pool(cfg: Config, target: str, device: torch.device | None = None) -> P
     return Pool(cfg.worker, device.type, target).start()
 
 
-def run_queue_s() -> dict[int, float]:
-    """Seconds the threads of this process and of every process below it (the worker pool, the candidate's
-    worker, a replay's servers) have spent ready to run but waiting for a core, summed over each process's
-    threads, by pid (Linux schedstat; {} where it cannot be read). Read from the host's /proc, so a worker
-    in its own PID namespace is found by its host pid. A stage's growth of it (`cpu_wait_s`, thread-seconds:
-    it can exceed the stage's wall time) is what the stage lost to CPU contention, less what processes
-    that ended during the stage had lost. Diagnostics only: tests/bench/gpu_scaling.py reads it."""
-    out: dict[int, float] = {}
+def sched_s() -> dict[int, tuple[float, float]]:
+    """For this process and every process below it (the worker pool, the candidate's worker, a replay's
+    servers), by pid: (seconds on a core, seconds ready to run but waiting for one), each summed over the
+    process's threads (Linux schedstat; {} where it cannot be read). The first also holds the CPU time of
+    children it has waited for (/proc/PID/stat: a compiler's ptxas, say). Read from the host's /proc, so a
+    worker in its own PID namespace is found by its host pid. A stage's growth of them (`cpu_s`,
+    `cpu_wait_s`: thread-seconds, which can exceed the stage's wall time) is the CPU it used and what it
+    lost to CPU contention, less what processes that ended during the stage had had. Diagnostics only:
+    tests/bench/gpu_scaling.py reads them."""
+    out: dict[int, tuple[float, float]] = {}
     todo = [os.getpid()]
     while todo:
         pid = todo.pop()
         try:
             tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:                                         # ended meanwhile, or no /proc here
             continue
-        total = 0.0
+        fields = stat[stat.rindex(")") + 2:].split()            # after the command name, which may hold spaces
+        ran, waited = (int(fields[13]) + int(fields[14])) / _TICKS, 0.0    # cutime, cstime: reaped children
         for task in tasks:
             try:
-                total += int((task / "schedstat").read_text().split()[1]) / 1e9
+                on_cpu, delay = (task / "schedstat").read_text().split()[:2]
+                ran, waited = ran + int(on_cpu) / 1e9, waited + int(delay) / 1e9
                 todo += [int(c) for c in (task / "children").read_text().split()]
-            except (OSError, ValueError, IndexError):            # a thread that ended meanwhile
+            except (OSError, ValueError):                       # a thread that ended meanwhile
                 pass
-        out[pid] = total
+        out[pid] = (ran, waited)
     return out
 
 
@@ -101,7 +108,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             if on_stage is not None:
                 on_stage(name)
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
-            waited = run_queue_s()
+            before = sched_s()
             t0 = time.monotonic()
             try:
                 result = stage(ctx)
@@ -112,8 +119,9 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             result.seconds = round(time.monotonic() - t0, 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)
-            if result.status != "skipped" and (now := run_queue_s()):
-                result.metrics["cpu_wait_s"] = round(max(0.0, sum(v - waited.get(pid, 0.0) for pid, v in now.items())), 3)
+            if result.status != "skipped" and (now := sched_s()):
+                for i, key in enumerate(("cpu_s", "cpu_wait_s")):
+                    result.metrics[key] = round(max(0.0, sum(v[i] - before.get(pid, (0.0, 0.0))[i] for pid, v in now.items())), 3)
             result.reason = redact(result.reason)
             results.append(result)
             if result.status == "failed" or name == until:

@@ -23,6 +23,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
@@ -52,13 +53,39 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def core_shares(n: int) -> list[tuple[int, ...]]:
-    """This process's CPU cores dealt out to n slots, every n-th core to each (one core each where
-    there are fewer cores than slots)."""
-    cores = sorted(os.sched_getaffinity(0))
-    if n <= len(cores):
+def _locality(cpu: int) -> tuple[int, int]:
+    """(NUMA node, first core of its last-level cache group) from sysfs; (0, 0) where the host says nothing."""
+    sysfs = Path("/sys/devices/system/cpu") / f"cpu{cpu}"
+    node = next((int(p.name[4:]) for p in sysfs.glob("node[0-9]*")), 0)
+    group = 0
+    for idx in sorted(sysfs.glob("cache/index[0-9]*")):
+        try:
+            if (idx / "level").read_text().strip() == "3":
+                group = int((idx / "shared_cpu_list").read_text().strip().replace("-", ",").split(",")[0])
+        except (OSError, ValueError):
+            pass
+    return node, group
+
+
+def core_shares(n: int, layout: str = "blocks") -> list[tuple[int, ...]]:
+    """This process's CPU cores dealt out to n slots (`deal_cores`)."""
+    return deal_cores(sorted(os.sched_getaffinity(0)), n, layout)
+
+
+def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], tuple] = _locality) -> list[tuple[int, ...]]:
+    """The cores dealt out to n slots (one core each where there are fewer cores than slots). blocks:
+    contiguous runs of the cores ordered by `locality` (NUMA node and last-level cache), so that a slot
+    shares as little cache with another as the host allows; interleaved: every n-th core to each; none:
+    every slot gets every core."""
+    if layout == "none":
+        return [tuple(cores)] * n
+    if n > len(cores):
+        return [(cores[i % len(cores)],) for i in range(n)]
+    if layout == "interleaved":
         return [tuple(cores[i::n]) for i in range(n)]
-    return [(cores[i % len(cores)],) for i in range(n)]
+    ordered = sorted(cores, key=lambda c: (*locality(c), c))
+    cuts = [len(cores) * i // n for i in range(n + 1)]
+    return [tuple(sorted(ordered[a:b])) for a, b in zip(cuts, cuts[1:])]
 
 
 def local_pins(cfg: Config) -> list[Pin]:
@@ -75,8 +102,8 @@ def local_pins(cfg: Config) -> list[Pin]:
         # list it must not become a physical index (another slot's GPU, maybe): "-1" makes none visible
         missing = "-1" if seen else None
         return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else (missing or str(i)), cpus=cpus)
-                for i, cpus in zip(indices, core_shares(len(indices)))]
-    return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots))]
+                for i, cpus in zip(indices, core_shares(len(indices), ex.slot_cores))]
+    return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots, ex.slot_cores))]
 
 
 @dataclass

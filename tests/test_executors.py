@@ -15,7 +15,7 @@ from conftest import CUDA, ROOT, config_with
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
-from harness.executors import InOrder, LocalExecutor, core_shares, local_pins
+from harness.executors import InOrder, LocalExecutor, core_shares, deal_cores, local_pins
 from harness.slot import Job, Pin
 
 # Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
@@ -69,11 +69,22 @@ def test_local_slots_evaluate_at_once_and_agree_with_a_serial_run(local, serial)
 
 def test_each_slot_gets_a_share_of_the_cores_no_other_slot_has():
     cores = sorted(os.sched_getaffinity(0))
-    for n in range(1, len(cores) + 1):
-        shares = core_shares(n)
-        assert len(shares) == n and all(shares)
-        assert sorted(c for s in shares for c in s) == cores              # disjoint, and every core used
-    assert len(core_shares(len(cores) + 1)) == len(cores) + 1             # more slots than cores: one core each
+    for layout in ("blocks", "interleaved"):
+        for n in range(1, len(cores) + 1):
+            shares = core_shares(n, layout)
+            assert len(shares) == n and all(shares)
+            assert sorted(c for s in shares for c in s) == cores          # disjoint, and every core used
+        assert len(core_shares(len(cores) + 1, layout)) == len(cores) + 1  # more slots than cores: one core each
+    assert core_shares(2, "interleaved") == [tuple(cores[0::2]), tuple(cores[1::2])]
+    assert core_shares(3, "none") == [tuple(cores)] * 3
+
+
+def test_blocks_keep_each_slot_inside_one_cache_group_where_the_host_numbers_them_alternately():
+    """On a host whose last-level cache groups alternate core by core (as some two-socket machines number
+    them), each slot's block is one group, where runs of numbers would mix both groups in every slot."""
+    assert deal_cores(list(range(8)), 2, "blocks", locality=lambda c: (0, c % 2)) == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert deal_cores(list(range(8)), 2, "blocks", locality=lambda c: (0, 0)) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert deal_cores(list(range(7)), 3, "blocks", locality=lambda c: (c // 4, 0)) == [(0, 1), (2, 3), (4, 5, 6)]
 
 
 def test_a_slot_whose_device_is_missing_is_taken_out_and_the_rest_go_on(local):
@@ -123,6 +134,7 @@ def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_ki
     ("  cpu_slots: 1", "  cpu_slots: 1\n  cpu_slot: 2", "executor.cpu_slot: unknown key"),
     ("  gpus: auto", "  gpus: [0, 0]", "executor.gpus: Value error, gpus must be auto or a non-empty list of distinct"),
     ("  kind: local", "  kind: ray", "executor.kind: Input should be 'local' or 'dask'"),
+    ("  slot_cores: blocks", "  slot_cores: block", "executor.slot_cores: Input should be 'blocks', 'interleaved' or 'none'"),
     ("CUDA_VISIBLE_DEVICES, ", "", "worker.env_passthrough must include CUDA_VISIBLE_DEVICES"),
 ])
 def test_an_executor_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):

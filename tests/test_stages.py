@@ -11,7 +11,7 @@ import pytest
 
 import candidates as C
 from conftest import CUDA, config_with
-from harness.evaluate import run_queue_s
+from harness.evaluate import sched_s
 
 
 def stage_of(verdict):
@@ -56,7 +56,7 @@ def test_a_stage_says_how_long_its_processes_waited_for_a_core(evaluate_source):
 
 def test_the_wait_counts_processes_below_this_one_found_by_their_host_pids():
     """A grandchild (as a worker is, below the pool and its zygote) pinned to one core beside another busy
-    loop waits about half the time; run_queue_s finds it by walking down from this process."""
+    loop waits about half the time; sched_s finds it by walking down from this process."""
     parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, "
                                "'-c', 'while True: pass']); print(p.pid, flush=True); p.wait()"],
                               stdout=subprocess.PIPE, text=True)
@@ -66,16 +66,36 @@ def test_the_wait_counts_processes_below_this_one_found_by_their_host_pids():
         core = min(os.sched_getaffinity(0))
         for pid in (grandchild, rival.pid):
             os.sched_setaffinity(pid, {core})
-        before = run_queue_s()
+        before = sched_s()
         time.sleep(1.5)
-        after = run_queue_s()
+        after = sched_s()
     finally:
         for p in (parent, rival):
             p.kill()
             p.wait()
         os.kill(grandchild, 9)
     assert grandchild in before and grandchild in after
-    assert after[grandchild] - before[grandchild] >= 0.4, (before[grandchild], after[grandchild])
+    assert after[grandchild][1] - before[grandchild][1] >= 0.4, (before[grandchild], after[grandchild])
+    assert after[grandchild][0] - before[grandchild][0] >= 0.4, (before[grandchild], after[grandchild])   # and ran half
+
+
+def test_the_cpu_of_a_child_that_ran_and_ended_within_the_stage_counts_in_its_parent():
+    """As a compiler's ptxas does under the worker: one second of busy child, reaped, shows in the parent."""
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.0: pass"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; sys.stdin.readline(); "
+                               f"subprocess.run([sys.executable, '-c', {busy!r}]); print('done', flush=True); sys.stdin.readline()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)                                   # the parent's own start is not what is measured
+        before = sched_s()
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
+        assert parent.stdout.readline().strip() == "done"
+        after = sched_s()
+    finally:
+        parent.kill()
+        parent.wait()
+    assert after[parent.pid][0] - before[parent.pid][0] >= 0.9, (before[parent.pid], after[parent.pid])
 
 
 def test_correct_kernel_with_other_blocking_and_summation_order_passes(evaluate_source):

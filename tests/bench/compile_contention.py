@@ -1,15 +1,19 @@
 """Benchmark (not a test): is a Triton compile slower while another runs beside it, on other cores and another GPU?
 
-    python tests/bench/compile_contention.py [--rounds 2]
+    python tests/bench/compile_contention.py [--rounds 2] [--layouts]
 
-Issue 6's two-GPU run finds each evaluation about 12% slower than in the one-GPU run, in the stages that
-are mostly Triton compiles (compile, parity's first calls), although the slots have separate GPUs and
-separate core shares and their processes wait no longer for a core (`cpu_wait_s`). This separates the
+Issue 6's two-GPU run in the sixth session found each evaluation about 12% slower than in the one-GPU
+run, in the stages that are mostly Triton compiles (compile, parity's first calls), although the slots
+have separate GPUs and separate core shares and their processes waited no longer for a core
+(`cpu_wait_s`); the seventh session's found none (docs/BENCHMARKS.md). This separates the
 host from kevo: it runs tests/bench/jit_first_calls.py (the reference kernels' first calls on 13 shape
-classes: nearly all compile time) once alone and then twice at once, one per GPU, each process pinned
-to its slot's core share (harness.executors.core_shares, as the evaluation slots are) with its own empty
-Triton cache, and prints each process's summed first-call time. Rounds alternate alone / side by side
-so that a neighbour's load on the host shows as spread between rounds. GPU only.
+classes: nearly all compile time) alone on every core and then twice at once, one per GPU, each process
+pinned to its slot's core share (harness.executors.core_shares, as the evaluation slots are) with its
+own empty Triton cache, and prints each process's summed first-call time. With --layouts it also runs
+alone on slot 0's share and on one core, and side by side on halves and on every other core. Each
+round runs every layout once, starting one layout later than the round before, so that a layout's
+place in the round (the host's state after the last one) does not pass for its effect; the spread
+between rounds is the bench's noise. GPU only.
 """
 from __future__ import annotations
 
@@ -29,10 +33,25 @@ from harness.executors import core_shares  # noqa: E402
 FIRST_CALLS = ROOT / "tests" / "bench" / "jit_first_calls.py"
 
 
-def first_calls_ms(n: int) -> list[float]:
-    """n processes at once, process i on GPU i and core share i; each one's summed first-call ms."""
+def topology() -> str:
+    """What the host says of its cores: model, NUMA nodes, last-level cache groups (sysfs; a VM may hide them)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?")
+    nodes = sorted(str(p.read_text().strip()) for p in Path("/sys/devices/system/node").glob("node*/cpulist"))
+    groups = set()
+    for idx in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index*"):
+        try:
+            if (idx / "level").read_text().strip() == "3":
+                groups.add((idx / "shared_cpu_list").read_text().strip())
+        except OSError:
+            pass
+    return f"{model}; NUMA nodes {nodes or '?'}; L3 groups {sorted(groups) or '?'}"
+
+
+def first_calls_ms(shares: list[tuple[int, ...]]) -> list[float]:
+    """One process per share at once, process i on GPU i and pinned to shares[i]; each one's summed first-call ms."""
     procs, caches = [], []
-    for i, cpus in enumerate(core_shares(n)):
+    for i, cpus in enumerate(shares):
         cache = tempfile.TemporaryDirectory()
         caches.append(cache)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), TRITON_CACHE_DIR=cache.name)
@@ -50,19 +69,43 @@ def first_calls_ms(n: int) -> list[float]:
     return totals
 
 
+def layouts(every: bool) -> dict[str, list[tuple[int, ...]]]:
+    """The default pair (alone on every core against the slots' shares), and with --layouts the others
+    that tell a shared host from a smaller share or a layout: alone on half the cores or on one, and
+    the two ways of dealing the cores side by side."""
+    cores = tuple(sorted(os.sched_getaffinity(0)))
+    out = {"alone, every core": [cores], "side by side, the slots' shares": core_shares(2)}
+    more = {"alone, slot 0's share": [core_shares(2)[0]], "side by side, halves": core_shares(2, "blocks"),
+            "side by side, every other core": core_shares(2, "interleaved"), "alone, one core": [cores[:1]]}
+    for name, shares in more.items() if every and len(cores) >= 2 else ():
+        if shares not in out.values():                  # the slots' shares are one of the two ways
+            out[name] = shares
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layouts", action="store_true", help="also: alone on half the cores or one, and halves side by side")
     a = ap.parse_args()
-    alone, beside = [], []
-    for r in range(a.rounds):
+    print(topology(), flush=True)
+    plan = layouts(a.layouts)
+    for name, shares in plan.items():
+        print(f"{name}: cores {[f'{s[0]}..{s[-1]} ({len(s)})' for s in shares]}", flush=True)
+    got: dict[str, list[list[float]]] = {name: [] for name in plan}
+    names = list(plan)
+    for r in range(a.rounds):            # each round goes through every layout, starting one later each time
         t = time.perf_counter()
-        alone += first_calls_ms(1)
-        beside += first_calls_ms(2)
-        print(f"round {r}: alone {alone[-1]:.0f} ms; side by side {beside[-2]:.0f} and {beside[-1]:.0f} ms "
-              f"({time.perf_counter() - t:.0f} s)", flush=True)
-    ma, mb = sum(alone) / len(alone), sum(beside) / len(beside)
-    print(f"mean first-call time: alone {ma:.0f} ms, side by side {mb:.0f} ms: {mb / ma:.3f}x")
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            got[name].append(first_calls_ms(plan[name]))
+        print(f"round {r} ({time.perf_counter() - t:.0f} s): " +
+              "; ".join(f"{name} {' and '.join(f'{v:.0f}' for v in got[name][-1])} ms" for name in plan), flush=True)
+    base = sum(v[0] for v in got["alone, every core"]) / a.rounds
+    print("mean summed first-call time, and against alone on every core:")
+    for name, rounds in got.items():
+        each = [sum(col) / a.rounds for col in zip(*rounds)]
+        print(f"  {name}: {' and '.join(f'{v:.0f} ms ({v / base:.3f}x)' for v in each)}; "
+              f"mean {sum(each) / len(each) / base:.3f}x")
 
 
 if __name__ == "__main__":

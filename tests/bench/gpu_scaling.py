@@ -11,9 +11,11 @@ one with `executor.gpus: [0]` (the serial loop), one with `[0, 1]` (a slot per G
 in flight). Each run evaluates its own heads first; the rate counts only the candidates: from the
 first claim answered to the run's end. While they run, `nvidia-smi` is sampled every 500 ms for each
 GPU's busy share (a kernel running, not SM occupancy). Also printed: how long each slot held a job,
-from the ledger's `Evaluated-On` trailers and the records' seconds; per stage, the mean time, the time
-spent waiting on the worker and the thread-seconds its processes waited for a core (`cpu_wait_s`:
-where a job is slower with two slots, this says whether CPU contention is why); and each run's stage mix, since a
+from the ledger's `Evaluated-On` trailers and the records' seconds; per stage, the mean of its time and
+of every metric it records, among them the time spent waiting on the worker, the CPU its processes used
+(`cpu_s`) and the thread-seconds they waited for a core (`cpu_wait_s`: where a job is slower with two
+slots, this says whether CPU contention is why), and each mean with two slots over one
+(`two_slots_over_one`); and each run's stage mix, since a
 candidate that reaches the replay costs minutes where one rejected at microbench costs seconds: the
 two rates compare only if the mixes match.
 """
@@ -100,15 +102,15 @@ def one_run(run_id: str, executor: dict, *, n: int, window: float, cpu: bool, sa
     where = dict(line.split("\t", 1) for line in log.splitlines() if "\t" in line)
     for r in history:
         held[where.get(r.id, "the loop's own pool")] += r.seconds
-    stages: dict[str, list[tuple[float, float, float]]] = defaultdict(list)
+    stages: dict[str, list[dict[str, float]]] = defaultdict(list)
     for r in history:
         for rnd in r.rounds:
             for st in rnd.verdict.stages:
                 if st.status != "skipped":
-                    stages[st.name].append((st.seconds, st.metrics.get("worker_s", 0.0), st.metrics.get("cpu_wait_s", 0.0)))
-    per_stage = {name: {"n": len(v)} | {key: round(sum(col) / len(v), 3) for key, col in
-                                         zip(("mean_s", "mean_worker_s", "mean_cpu_wait_s"), zip(*v))}
-                 for name, v in stages.items()}
+                    stages[st.name].append({"s": st.seconds} | st.metrics)
+    per_stage = {name: {"n": len(rows)} | {f"mean_{k}": round(sum(row.get(k, 0.0) for row in rows) / len(rows), 3)
+                                           for k in sorted(set().union(*rows))}
+                 for name, rows in stages.items()}
     return {"run": run_id, "rc": rc, "executor": executor, "candidates": len(history),
             "stages": per_stage,
             "stage_mix": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
@@ -124,6 +126,8 @@ def main() -> None:
     ap.add_argument("--window", type=float, default=10.0, help="served.cuda.window_s for the replays")
     ap.add_argument("--cpu", action="store_true", help="one CPU slot against two (tests the script; no speed figure)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--slot-cores", default=None, choices=["blocks", "interleaved", "none"],
+                    help="executor.slot_cores for both runs (default: config.yaml's)")
     ap.add_argument("--runs", default="1,2", help="which of the two runs to make now: 1, 2 or 1,2")
     ap.add_argument("--combine", nargs=2, metavar="JSON", default=None,
                     help="no run: read the two runs' --json outputs (of --runs 1 and --runs 2) and compare them")
@@ -132,8 +136,9 @@ def main() -> None:
         runs = [json.loads(Path(f).read_text())["runs"][0] for f in args.combine]
     else:
         sampler = Sampler()
-        plan = {"1": ("scaling-1", {"cpu_slots": 1} if args.cpu else {"gpus": [0]}),
-                "2": ("scaling-2", {"cpu_slots": 2} if args.cpu else {"gpus": [0, 1]})}
+        cores = {"slot_cores": args.slot_cores} if args.slot_cores else {}
+        plan = {"1": ("scaling-1", ({"cpu_slots": 1} if args.cpu else {"gpus": [0]}) | cores),
+                "2": ("scaling-2", ({"cpu_slots": 2} if args.cpu else {"gpus": [0, 1]}) | cores)}
         try:
             runs = [one_run(*plan[k], n=args.candidates, window=args.window, cpu=args.cpu, sampler=sampler)
                     for k in args.runs.split(",")]
@@ -145,8 +150,12 @@ def main() -> None:
                 Path(args.json).write_text(json.dumps({"runs": runs}, indent=1))
             return
     a, b = (r["candidates_per_hour"] for r in runs)
+    growth = {name: {k: round(v / runs[0]["stages"][name][k], 3) for k, v in st.items()
+                     if k != "n" and runs[0]["stages"].get(name, {}).get(k)}
+              for name, st in runs[1]["stages"].items()}
     out = {"runs": runs, "ratio": round(b / a, 2) if a and b else None,
-           "same_stage_mix": runs[0]["stage_mix"] == runs[1]["stage_mix"]}
+           "same_stage_mix": runs[0]["stage_mix"] == runs[1]["stage_mix"],
+           "two_slots_over_one": growth}
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
