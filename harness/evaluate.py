@@ -64,7 +64,8 @@ def sched_s() -> dict[int, tuple[float, float]]:
     children it has waited for (/proc/PID/stat: a compiler's ptxas, say). Read from the host's /proc, so a
     worker in its own PID namespace is found by its host pid. A stage's growth of them (`cpu_s`,
     `cpu_wait_s`: thread-seconds, which can exceed the stage's wall time) is the CPU it used and what it
-    lost to CPU contention, less what processes that ended during the stage had had. Diagnostics only:
+    lost to CPU contention, less what processes that ended during the stage had had; a child reaped
+    during the stage adds all its CPU, some of which it may have used before. Diagnostics only:
     tests/bench/gpu_scaling.py reads them."""
     out: dict[int, tuple[float, float]] = {}
     todo = [os.getpid()]
