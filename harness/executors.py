@@ -53,7 +53,7 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def _locality(cpu: int) -> tuple[int, int]:
+def core_locality(cpu: int) -> tuple[int, int]:
     """(NUMA node, first core of its last-level cache group) from sysfs; (0, 0) where the host says nothing."""
     sysfs = Path("/sys/devices/system/cpu") / f"cpu{cpu}"
     node = next((int(p.name[4:]) for p in sysfs.glob("node[0-9]*")), 0)
@@ -72,7 +72,7 @@ def core_shares(n: int, layout: str = "blocks") -> list[tuple[int, ...]]:
     return deal_cores(sorted(os.sched_getaffinity(0)), n, layout)
 
 
-def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], tuple] = _locality) -> list[tuple[int, ...]]:
+def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], tuple] = core_locality) -> list[tuple[int, ...]]:
     """The cores dealt out to n slots (one core each where there are fewer cores than slots). blocks:
     contiguous runs of the cores ordered by `locality` (NUMA node and last-level cache), so that a slot
     shares as little cache with another as the host allows; interleaved: every n-th core to each; none:

@@ -76,7 +76,8 @@ def test_the_wait_counts_processes_below_this_one_found_by_their_host_pids():
         os.kill(grandchild, 9)
     assert grandchild in before and grandchild in after
     assert after[grandchild][1] - before[grandchild][1] >= 0.4, (before[grandchild], after[grandchild])
-    assert after[grandchild][0] - before[grandchild][0] >= 0.4, (before[grandchild], after[grandchild])   # and ran half
+    ran, waited = (after[grandchild][i] - before[grandchild][i] for i in (0, 1))
+    assert ran >= 0.1 and ran + waited >= 1.2, (ran, waited)    # a busy loop is always either on a core or waiting for one
 
 
 def test_the_cpu_of_a_child_that_ran_and_ended_within_the_stage_counts_in_its_parent():

@@ -28,24 +28,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from harness.executors import core_shares  # noqa: E402
+from harness.executors import core_locality, core_shares  # noqa: E402
 
 FIRST_CALLS = ROOT / "tests" / "bench" / "jit_first_calls.py"
 
 
 def topology() -> str:
-    """What the host says of its cores: model, NUMA nodes, last-level cache groups (sysfs; a VM may hide them)."""
+    """The CPU model, and each (NUMA node, last-level cache group) with its cores as the slots' dealer sees
+    them (harness.executors.core_locality; a VM may hide the groups)."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "?")
-    nodes = sorted(str(p.read_text().strip()) for p in Path("/sys/devices/system/node").glob("node*/cpulist"))
-    groups = set()
-    for idx in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index*"):
-        try:
-            if (idx / "level").read_text().strip() == "3":
-                groups.add((idx / "shared_cpu_list").read_text().strip())
-        except OSError:
-            pass
-    return f"{model}; NUMA nodes {nodes or '?'}; L3 groups {sorted(groups) or '?'}"
+    groups: dict[tuple[int, int], list[int]] = {}
+    for c in sorted(os.sched_getaffinity(0)):
+        groups.setdefault(core_locality(c), []).append(c)
+    return f"{model}; (NUMA node, L3 group): cores " + "; ".join(f"{g}: {v[0]}..{v[-1]} ({len(v)})" for g, v in groups.items())
 
 
 def first_calls_ms(shares: list[tuple[int, ...]]) -> list[float]:
@@ -86,7 +82,8 @@ def layouts(every: bool) -> dict[str, list[tuple[int, ...]]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--layouts", action="store_true", help="also: alone on half the cores or one, and halves side by side")
+    ap.add_argument("--layouts", action="store_true",
+                    help="also: alone on slot 0's share or one core, and side by side on halves and on every other core")
     a = ap.parse_args()
     print(topology(), flush=True)
     plan = layouts(a.layouts)
