@@ -34,6 +34,13 @@ class WorkerConfig(Strict):
     reply_limit_bytes: int = Field(gt=1024)
     log_tail_chars: int = Field(ge=200)
     env_passthrough: list[str]
+    folder_bytes: int = Field(ge=64 << 20)           # the candidate's own folder, a tmpfs (Triton cache, /tmp)
+    shm_bytes: int = Field(ge=1 << 20)               # its private /dev/shm
+    file_size_bytes: int = Field(ge=16 << 20)        # RLIMIT_FSIZE: also bounds each reply's outputs
+    open_files: int = Field(ge=64)                   # RLIMIT_NOFILE
+    processes: int = Field(ge=64)                    # RLIMIT_NPROC, counted per user (every sandbox's is one)
+    cpu_seconds: int = Field(ge=60)                  # RLIMIT_CPU of a worker, its threads together
+    cpu_address_space_bytes: int = Field(ge=4 << 30)  # RLIMIT_AS, on the CPU device only
 
     @field_validator("env_passthrough")
     @classmethod

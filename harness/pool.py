@@ -2,9 +2,12 @@
 
 `Pool` owns the zygote (harness/zygote.py) and a private scratch folder; `WorkerHandle.request`
 sends one request and returns the worker's JSON reply, or raises `WorkerFailure` when the worker
-timed out (its process group is killed), died (with how), or broke the protocol. The candidate's
-source is copied into the worker's own folder; the evaluator keeps its own copy. `Pool.check_health`
-runs a known computation in a fresh worker (after a crash or a hang, before the next candidate).
+timed out (its process group is killed), died (with how), or broke the protocol. Nothing here
+opens a path a candidate could have made: the candidate's source goes to the worker in a message
+(it writes the file in its own folder, which only it can see); outputs come back as sealed memory
+files passed with the reply; the worker's stdout and stderr go to a memory file made here, of
+which only the tail is read. `Pool.check_health` runs a known computation in a fresh worker
+(after a crash or a hang, before the next candidate).
 """
 from __future__ import annotations
 
@@ -22,8 +25,11 @@ from pathlib import Path
 
 from harness.config import PROJECT_ROOT, WorkerConfig
 from harness.errors import HarnessError
+from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
-from harness.transport import ProtocolError, recv_json, send_pickle
+from harness.transport import Arena, ProtocolError, recv_json, send_pickle
+
+MAX_OUTPUT_FILES = 4          # descriptors accepted with one reply
 
 
 # A tiny Triton kernel and a sum whose result is exact in float32 (3 * 1023 * 1024 / 2), run at import.
@@ -59,8 +65,7 @@ class WorkerFailure(Exception):
 class Pool:
     def __init__(self, cfg: WorkerConfig, device: str, target: str) -> None:
         self.cfg, self.device, self.target = cfg, device, target
-        shm = Path("/dev/shm")   # memory-backed when the machine has it: outputs come back through files
-        self.root = Path(tempfile.mkdtemp(prefix="kevo-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        self.root = Path(tempfile.mkdtemp(prefix="kevo-"))   # the zygote's log; workers' folders without namespaces
         self.proc: subprocess.Popen | None = None
         self.ctl: socket.socket | None = None
         self.info: dict = {}
@@ -99,17 +104,25 @@ class Pool:
         return json.loads(data)
 
     def _fork(self) -> "WorkerHandle":
-        workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))
+        workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))   # used only without a mount namespace
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        reply = self._control({"cmd": "fork", "workdir": str(workdir), "target": self.target, "device": self.device,
-                               "log_limit": self.cfg.log_tail_chars, "sandbox": self.cfg.sandbox}, [theirs.fileno()])
-        theirs.close()
-        handle = WorkerHandle(self, reply["pid"], ours, workdir)
+        log = os.memfd_create("kevo-worker-log", os.MFD_CLOEXEC)
+        spec = sandbox_spec(self.cfg, workdir, self.device, self.root)
+        try:
+            reply = self._control({"cmd": "fork", "spec": spec, "target": self.target, "device": self.device,
+                                   "log_limit": self.cfg.log_tail_chars}, [theirs.fileno(), log])
+        except BaseException:
+            os.close(log)
+            raise
+        finally:
+            theirs.close()
+        handle = WorkerHandle(self, reply["pid"], ours, workdir, log)
         hello = handle.receive(self.cfg.start_timeout_s, "starting")
         if not hello.get("ok"):
             handle.close()
-            raise HarnessError(hello.get("error", "the worker did not start"))
-        handle.sandbox = hello.get("sandbox", "")
+            raise HarnessError(str(hello.get("error", "the worker did not start")))
+        handle.sandbox = str(hello.get("sandbox", ""))
+        handle.workdir = Path(str(hello.get("workdir", workdir)))
         send_pickle(handle.sock, {"cmd": "warmup"})       # CUDA context, profiler, ...: answered later
         return handle
 
@@ -120,16 +133,26 @@ class Pool:
         handle, self._spare = self._spare, None
         if handle is not None:
             try:
-                handle.receive(self.cfg.start_timeout_s, "warming up")
-                handle.request({"cmd": "ping"}, 10, "checking the spare is alive")
+                self._hand_over(handle, source)
             except WorkerFailure:
+                handle.close()                            # a spare that died waiting: make a fresh one
                 handle = None
         if handle is None:
             handle = self._fork()
-            handle.receive(self.cfg.start_timeout_s, "warming up")
-        (handle.workdir / "candidate.py").write_text(source)
+            try:
+                self._hand_over(handle, source)
+            except WorkerFailure:
+                handle.close()
+                raise
         self._spare = self._fork()
         return handle
+
+    def _hand_over(self, handle: "WorkerHandle", source: str) -> None:
+        handle.receive(self.cfg.start_timeout_s, "warming up")
+        reply = handle.request({"cmd": "source", "text": source}, 30, "handing over the candidate's source")
+        if not reply.get("ok"):
+            handle.close()
+            raise HarnessError(f"a fresh worker could not write the candidate's file: {reply.get('error', '')}"[:2000])
 
     def check_health(self) -> str:
         """A known computation in a fresh worker: "" when it comes out right, else what went wrong."""
@@ -180,23 +203,30 @@ class Pool:
 
 
 class WorkerHandle:
-    def __init__(self, pool: Pool, pid: int, sock: socket.socket, workdir: Path) -> None:
-        self.pool, self.pid, self.sock, self.workdir = pool, pid, sock, workdir
+    def __init__(self, pool: Pool, pid: int, sock: socket.socket, host_folder: Path, log: int) -> None:
+        self.pool, self.pid, self.sock, self.host_folder, self.log = pool, pid, sock, host_folder, log
+        self.workdir = host_folder          # as the worker sees it: its hello says (before any candidate code runs)
         self.alive = True
         self.sandbox = ""
 
     def log_tail(self) -> str:
-        try:
-            text = (self.workdir / "log.txt").read_text(errors="replace")
-        except OSError:
+        """The end of the worker's stdout and stderr, read from the memory file made for it."""
+        if self.log < 0:
             return ""
         limit = self.pool.cfg.log_tail_chars
-        return redact(text[-limit:].strip())
+        try:
+            size = os.fstat(self.log).st_size
+            data = os.pread(self.log, 4 * limit, max(0, size - 4 * limit))
+        except OSError:
+            return ""
+        return redact(data.decode(errors="replace")[-limit:].strip())
 
     def receive(self, timeout: float, doing: str) -> dict:
         self.sock.settimeout(max(0.01, timeout))
         try:
-            return recv_json(self.sock, self.pool.cfg.reply_limit_bytes)
+            reply, fds = recv_json(self.sock, self.pool.cfg.reply_limit_bytes, MAX_OUTPUT_FILES)
+            reply["_arenas"] = [Arena(fd, self.pool.cfg.file_size_bytes) for fd in fds]
+            return reply
         except (socket.timeout, TimeoutError):
             self.kill()
             raise WorkerFailure("timeout", f"no reply within {timeout:.0f} s while {doing}: killed") from None
@@ -251,4 +281,7 @@ class WorkerHandle:
 
     def close(self) -> None:
         self.kill()
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.log >= 0:
+            os.close(self.log)
+            self.log = -1
+        shutil.rmtree(self.host_folder, ignore_errors=True)   # rmtree does not follow links a candidate left

@@ -2,16 +2,22 @@
 
 Framing: 4-byte big-endian length + body. The evaluator sends pickles (the worker trusts its parent);
 the worker answers with JSON only, so nothing a candidate sends can run code in the evaluator.
-Tensors travel as raw bytes in "arena" files described by a manifest; the reader checks every entry.
+Tensors travel as raw bytes in "arenas": memory files (memfd) the worker fills, seals against any
+further change (write, shrink, grow) and passes over the socket with the reply (SCM_RIGHTS), with
+a manifest that says where each tensor lies. The evaluator maps an arena only after checking that
+it is a regular file sealed that way and no larger than the limit, so its bytes cannot change
+under the reader (no SIGBUS, no late edits) and no name the worker chose is ever opened.
 """
 from __future__ import annotations
 
+import fcntl
 import json
+import mmap
 import os
 import pickle
 import socket
+import stat
 import struct
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,66 +62,124 @@ def recv_pickle(sock: socket.socket, limit: int = 1 << 30) -> Any:
     return pickle.loads(_recv(sock, limit))
 
 
-def send_json(sock: socket.socket, obj: Any) -> None:
-    _send(sock, json.dumps(obj, allow_nan=True).encode())
+def send_json(sock: socket.socket, obj: Any, fds: list[int] = ()) -> None:
+    """A JSON reply; `fds` travel with its first bytes."""
+    body = json.dumps(obj, allow_nan=True).encode()
+    data = struct.pack(">I", len(body)) + body
+    if not fds:
+        sock.sendall(data)
+        return
+    sent = socket.send_fds(sock, [data], list(fds))
+    sock.sendall(data[sent:])
 
 
-def recv_json(sock: socket.socket, limit: int) -> dict:
+def recv_json(sock: socket.socket, limit: int, max_fds: int = 0) -> tuple[dict, list[int]]:
+    """A JSON object and the descriptors that came with its first bytes (any that arrive with later
+    bytes are closed by the kernel, as recv() without room for them discards them)."""
+    head, fds, flags, _ = socket.recv_fds(sock, 4, max(1, max_fds))
     try:
-        obj = json.loads(_recv(sock, limit).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"reply is not JSON: {e}") from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("reply is not a JSON object")
-    return obj
+        if not head:
+            raise EOFError("connection closed")
+        if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
+            raise ProtocolError(f"more than {max_fds} descriptors came with a reply")
+        (n,) = struct.unpack(">I", head + _recv_exact(sock, 4 - len(head)))
+        if n > limit:
+            raise ProtocolError(f"message of {n} bytes is over the {limit}-byte limit")
+        try:
+            obj = json.loads(_recv_exact(sock, n).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProtocolError(f"reply is not JSON: {e}") from None
+        if not isinstance(obj, dict):
+            raise ProtocolError("reply is not a JSON object")
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return obj, fds
 
 
-def write_arena(path: Path, tensors: dict[str, torch.Tensor]) -> list[dict]:
-    """Write tensors' bytes to one file; return the manifest that describes them."""
-    manifest, offset = [], 0
-    with open(path, "wb") as f:
-        for name, t in tensors.items():
-            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            pad = (-offset) % _ALIGN
-            f.write(b"\0" * pad)
-            offset += pad
-            f.write(raw.tobytes())
-            manifest.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
-                             "offset": offset, "nbytes": int(raw.nbytes), "file": str(path)})
-            offset += raw.nbytes
-    return manifest
+class Arena:
+    """A worker's sealed memory file, mapped read-only (copy-on-write) here; or why it was refused."""
+    SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+
+    def __init__(self, fd: int, limit: int) -> None:
+        """Takes `fd` over (closes it)."""
+        self.blob: torch.Tensor | None = None
+        self.error = ""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self.error = "an output descriptor is not a regular file"
+            elif fcntl.fcntl(fd, fcntl.F_GET_SEALS) & self.SEALS != self.SEALS:
+                self.error = "an output memory file is not sealed against writes"
+            elif st.st_size > limit:
+                self.error = f"an output file of {st.st_size} bytes is over the {limit}-byte limit"
+            elif st.st_size == 0:
+                self.blob = torch.empty(0, dtype=torch.uint8)
+            else:
+                m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self.blob = torch.frombuffer(m, dtype=torch.uint8)
+        except OSError as e:
+            self.error = f"an output descriptor cannot be read: {e.strerror}"
+        finally:
+            os.close(fd)
 
 
-def read_arena(manifest: list[dict], device: torch.device | str = "cpu", within: Path | None = None,
+def write_arena(tensors: dict[str, torch.Tensor], index: int = 0) -> tuple[list[dict], int]:
+    """Tensors' bytes in one sealed memory file; returns the manifest and the descriptor (to be sent
+    as the reply's `index`-th descriptor, then closed)."""
+    manifest, offset, raws = [], 0, []
+    for name, t in tensors.items():
+        raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        offset += (-offset) % _ALIGN
+        manifest.append({"name": name, "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape),
+                         "offset": offset, "nbytes": int(raw.nbytes), "arena": index})
+        raws.append((offset, raw))
+        offset += raw.nbytes
+    fd = os.memfd_create("kevo-outputs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, offset)
+        for at, raw in raws:
+            view = memoryview(raw).cast("B")
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], at + done)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, Arena.SEALS | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return manifest, fd
+
+
+def read_arena(manifest: list[dict], device: torch.device | str, arenas: list[Arena],
                expect: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> dict[str, torch.Tensor]:
-    """Read tensors back. `within` confines the files to one folder; `expect` pins names/shapes/dtypes."""
+    """Read tensors back from the arenas that came with the reply (`reply["_arenas"]`); `expect`
+    pins names/shapes/dtypes."""
     out: dict[str, torch.Tensor] = {}
-    cache: dict[str, torch.Tensor] = {}
+    if not isinstance(manifest, list):
+        raise ProtocolError("the outputs are not a list")
     for e in manifest:
         try:
             name, dtype, shape = str(e["name"]), DTYPES[e["dtype"]], tuple(int(s) for s in e["shape"])
-            offset, nbytes, file = int(e["offset"]), int(e["nbytes"]), Path(e["file"])
+            offset, nbytes, index = int(e["offset"]), int(e["nbytes"]), int(e["arena"])
         except (KeyError, TypeError, ValueError) as err:
             raise ProtocolError(f"bad manifest entry {e!r}: {err}") from None
-        if within is not None and not file.resolve().is_relative_to(within.resolve()):
-            raise ProtocolError(f"output file {file} is outside the worker's folder")
+        if not 0 <= index < len(arenas):
+            raise ProtocolError(f"{name}: no output file {index} came with the reply")
+        arena = arenas[index]
+        if arena.blob is None:
+            raise ProtocolError(arena.error)
         if expect is not None and expect.get(name, (shape, dtype)) != (shape, dtype):
             raise ProtocolError(f"{name}: got {dtype} {list(shape)}, expected {expect[name][1]} {list(expect[name][0])}")
         numel = 1
         for s in shape:
+            if s < 0:
+                raise ProtocolError(f"{name}: negative size in {list(shape)}")
             numel *= s
         esz = torch.empty((), dtype=dtype).element_size()
-        if nbytes != numel * esz or offset < 0:
-            raise ProtocolError(f"{name}: {nbytes} bytes do not hold {dtype} {list(shape)}")
-        if str(file) not in cache:
-            fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                size = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
-            cache[str(file)] = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)
-        blob = cache[str(file)]
-        if offset + nbytes > blob.numel():
-            raise ProtocolError(f"{name}: manifest points past the end of {file.name}")
-        out[name] = blob[offset:offset + nbytes].view(dtype).reshape(shape).to(device)
+        if nbytes != numel * esz or offset < 0 or offset % esz:
+            raise ProtocolError(f"{name}: {nbytes} bytes at {offset} do not hold {dtype} {list(shape)}")
+        if offset + nbytes > arena.blob.numel():
+            raise ProtocolError(f"{name}: the manifest points past the end of its output file")
+        out[name] = arena.blob[offset:offset + nbytes].view(dtype).reshape(shape).to(device)
     return out

@@ -2,14 +2,16 @@
 
 Runs inside the sandboxed worker process (harness/zygote.py makes it). Each request names inputs
 in an arena file; the worker copies them into persistent device buffers (the same addresses every
-check, so a cache keyed by pointer is caught), poisons the allocator, calls the candidate, and writes
-outputs back to its own folder. It decides nothing: the evaluator compares, clocks and judges.
-Replies are JSON.
+check, so a cache keyed by pointer is caught), poisons the allocator, calls the candidate, and hands
+outputs back in sealed memory files sent with the reply (harness/transport.py). It decides nothing:
+the evaluator compares, clocks and judges. Replies are JSON. The candidate's source arrives in a
+message and is written here, into the worker's own folder, before it is imported.
 """
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import socket
 import sys
 import time
@@ -41,7 +43,7 @@ class Worker:
         self.probes = Probes()
         self.probes.install()
         self.buffers: dict[tuple, torch.Tensor] = {}
-        self.outputs = 0
+        self.pending: list[int] = []                 # output descriptors for the reply being built
         self.timed_sets: dict[str, list[dict[str, Any]]] = {}
         self.graphs: dict[tuple[str, str], Any] = {}
 
@@ -87,8 +89,9 @@ class Worker:
         raise ValueError(f"unknown implementation {impl!r}")
 
     def _save(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
-        self.outputs += 1
-        return write_arena(self.workdir / f"out-{self.outputs}.bin", tensors)
+        manifest, fd = write_arena(tensors, len(self.pending))
+        self.pending.append(fd)
+        return manifest
 
     def _call(self, fn, op: str, args: dict[str, Any]) -> torch.Tensor:
         spec = self.target.ops[op]
@@ -100,6 +103,13 @@ class Worker:
         return out
 
     # -- requests ------------------------------------------------------------------------------
+    def source(self, msg: dict) -> dict:
+        """Write the candidate's file into this worker's fresh folder (never over anything)."""
+        fd = os.open(self.workdir / "candidate.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(msg["text"])
+        return {"ok": True}
+
     def load(self, msg: dict) -> dict:
         path = Path(msg["path"])
         spec = importlib.util.spec_from_file_location("candidate", path)
@@ -286,7 +296,7 @@ def preload() -> None:
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
-    handlers = {"load": worker.load, "call": worker.call, "profile": worker.profile, "time": worker.time,
+    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "profile": worker.profile, "time": worker.time,
                 "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:
@@ -300,6 +310,11 @@ def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limi
             cuda_error = "CUDA" in str(e)                              # the context is gone with it
             fatal = isinstance(e, (SystemExit, KeyboardInterrupt)) or cuda_error
             reply = {"ok": False, "error": _trim(text, log_limit), "fatal": fatal, "cuda_error": cuda_error}
-        send_json(sock, reply)
+        fds, worker.pending = worker.pending, []
+        try:
+            send_json(sock, reply, fds if reply.get("ok") else [])
+        finally:
+            for fd in fds:
+                os.close(fd)
         if reply.get("fatal"):
             return

@@ -3,10 +3,12 @@
 Started by the evaluator with an environment built from an allowlist (no keys), it never touches
 the GPU itself, so each forked worker creates its own CUDA context and shares no state with the
 candidates before it. A worker is made in three steps: fork a shim (own session, so a timeout can
-kill its process group); the shim enters new mount and PID namespaces and forks the worker, which
-is PID 1 there (when it dies the kernel kills everything the candidate started), mounts a /proc
-that shows only its sandbox, confines itself with Landlock, and serves requests; the shim mirrors
-the worker's exit so the zygote can report it. Control messages are JSON over a SOCK_SEQPACKET pair.
+kill its process group; stdout and stderr on the log file the evaluator made and keeps); the shim
+enters new namespaces and forks the worker, which is PID 1 there (when it dies the kernel kills
+everything the candidate started), builds its own root and locks itself down
+(harness/isolation.py), and serves requests; the shim mirrors the worker's exit so the zygote can
+report it. Sandboxing in the forked process, not by exec'ing a sandbox tool, keeps the warm import
+(docs/EVALUATOR.md says why). Control messages are JSON over a SOCK_SEQPACKET pair.
 
 Usage (by harness/pool.py only): python -m harness.zygote CONTROL_FD DEVICE
 """
@@ -21,21 +23,22 @@ import time
 from pathlib import Path
 
 from harness.isolation import isolate_namespaces, mirror_child, settle_inside
+from harness.sandbox import SandboxError
 
 
-def _worker_main(sock: socket.socket, cmd: dict) -> None:
+def _worker_main(sock: socket.socket, cmd: dict, namespaces: bool) -> None:
     """Runs in the sandboxed worker; never returns."""
     from harness import worker
     from harness.transport import send_json
-    workdir = Path(cmd["workdir"])
     code = 0
     try:
-        notes = settle_inside(workdir, cmd["sandbox"] == "required")
-        send_json(sock, {"ok": True, "sandbox": "; ".join(notes), "pid": os.getpid()})
+        workdir, notes = settle_inside(cmd["spec"], namespaces)
+        send_json(sock, {"ok": True, "sandbox": "; ".join(notes), "pid": os.getpid(), "workdir": str(workdir)})
         worker.serve(sock, workdir, cmd["target"], cmd["device"], cmd["log_limit"])
     except BaseException as e:                                             # noqa: BLE001 - reported, then exit
         try:
-            send_json(sock, {"ok": False, "error": f"sandbox: {type(e).__name__}: {e}"})
+            send_json(sock, {"ok": False, "error": f"sandbox: {e}; set worker.sandbox: best_effort to run without"
+                             if isinstance(e, SandboxError) else f"sandbox: {type(e).__name__}: {e}"})
         except OSError:
             pass
         code = 3
@@ -45,10 +48,12 @@ def _worker_main(sock: socket.socket, cmd: dict) -> None:
         os._exit(code)
 
 
-def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
+def _fork_worker(ctl: socket.socket, cmd: dict, fds: list[int]) -> int:
+    """`fds`: the worker's end of its connection, and its log file."""
     pid = os.fork()
     if pid:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
         return pid
     # shim
     try:
@@ -57,24 +62,29 @@ def _fork_worker(ctl: socket.socket, cmd: dict, fd: int) -> int:
         ctl.close()
         os.setsid()
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        log = os.open(Path(cmd["workdir"]) / "log.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd, log = fds
         os.dup2(log, 1)
         os.dup2(log, 2)
+        os.close(log)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
+        os.close(null)
         sock = socket.socket(fileno=fd)
+        namespaces = True
         try:
             isolate_namespaces()
         except OSError as e:
-            if cmd["sandbox"] == "required":
+            if cmd["spec"]["required"]:
                 from harness.transport import send_json
                 send_json(sock, {"ok": False, "error": f"sandbox: cannot create namespaces ({e}); "
                                                        "set worker.sandbox: best_effort to run without"})
                 os._exit(3)
+            namespaces = False
+            print(f"sandbox: no namespaces ({e})", flush=True)
         child = os.fork()
         if child == 0:
             die_with_parent()
-            _worker_main(sock, cmd)
+            _worker_main(sock, cmd, namespaces)
         sock.close()
         mirror_child(child)
     finally:
@@ -122,14 +132,14 @@ def main() -> None:
     ctl.send(json.dumps(info).encode())
     while True:
         try:
-            data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 1)
+            data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 2)
         except OSError:
             return
         if not data:
             return
         cmd = json.loads(data)
         if cmd["cmd"] == "fork":
-            reply = {"pid": _fork_worker(ctl, cmd, fds[0])}
+            reply = {"pid": _fork_worker(ctl, cmd, fds)}
         elif cmd["cmd"] == "reap":
             reply = {"status": _reap(int(cmd["pid"]), float(cmd.get("timeout", 2.0)))}
         else:

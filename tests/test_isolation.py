@@ -123,13 +123,14 @@ def test_candidate_cannot_signal_the_evaluator(evaluate_source):
         signal.signal(signal.SIGUSR1, previous)
 
 
-def test_each_candidate_gets_a_fresh_private_folder(evaluate_source, pool):
+def test_each_candidate_gets_a_fresh_private_folder(evaluate_source):
     body = probe("""
         os, tempfile = __import__("os"), __import__("tempfile")
-        seen = {"cwd": os.getcwd(), "tmp": tempfile.gettempdir(), "home": os.environ.get("HOME")}
+        seen = {"cwd": os.getcwd(), "tmp": tempfile.gettempdir(), "home": os.environ.get("HOME"),
+                "left": sorted(os.listdir("."))}
+        open("left-by-the-last-one", "w").close()
     """)
     first, second = (evaluate_source(body).stages[0].reason for _ in range(2))
-    cwd = [r.split("'cwd': '")[1].split("'")[0] for r in (first, second)]
-    assert cwd[0] != cwd[1]
-    for c, r in zip(cwd, (first, second)):
-        assert c.startswith(str(pool.root)) and f"'tmp': '{c}/tmp'" in r and f"'home': '{c}'" in r
+    for r in (first, second):
+        assert "'cwd': '/kevo'" in r and "'tmp': '/kevo/tmp'" in r and "'home': '/kevo'" in r, r
+        assert "left-by-the-last-one" not in r

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config import PROJECT_ROOT, Config
+from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
 
 
@@ -52,6 +53,7 @@ class ServerHandle:
     workdir: Path
     external: bool
     log_limit: int
+    log: int                        # a memory file holding the server's stdout and stderr (made here)
     ready_s: float = float("nan")   # from start to answering GET /v1/models: the import, the model, the warm-up
 
     def alive(self) -> bool:
@@ -62,10 +64,11 @@ class ServerHandle:
 
     def log_tail(self) -> str:
         try:
-            text = (self.workdir / "log.txt").read_text(errors="replace")
+            size = os.fstat(self.log).st_size
+            data = os.pread(self.log, 4 * self.log_limit, max(0, size - 4 * self.log_limit))
         except OSError:
             return ""
-        return redact(text[-self.log_limit:].strip())
+        return redact(data.decode(errors="replace")[-self.log_limit:].strip())
 
     def stats(self) -> dict | None:
         """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
@@ -107,6 +110,9 @@ class ServerHandle:
                 break
             time.sleep(0.05)
         shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.log >= 0:
+            os.close(self.log)
+            self.log = -1
 
     def __enter__(self) -> "ServerHandle":
         return self
@@ -116,8 +122,12 @@ class ServerHandle:
 
 
 def _scratch() -> Path:
-    shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="kevo-served-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+    """A fresh folder of the trusted side's own: written before the server starts, never read back."""
+    return Path(tempfile.mkdtemp(prefix="kevo-served-"))
+
+
+def _log() -> int:
+    return os.memfd_create("kevo-server-log", os.MFD_CLOEXEC)
 
 
 def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
@@ -148,9 +158,12 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
     prompt lengths it will serve (its warm-up meets their shapes before anything is timed)."""
     served = getattr(cfg.served, device)
     section = getattr(cfg.targets.attention, device)
-    return {"preset": cfg.served.presets[served.preset].model_dump(), "block_size": section.block_size,
+    preset = cfg.served.presets[served.preset]
+    weights = () if preset.weights is None else (str(PROJECT_ROOT / preset.weights),)   # absolute stays absolute
+    return {"preset": preset.model_dump(), "block_size": section.block_size,
             "dtype": section.dtype, "device": device, "candidate": str(candidate) if candidate else None,
-            "workdir": str(workdir), "sandbox": cfg.worker.sandbox, "model_name": f"kevo-{served.preset}",
+            "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
+            "model_name": f"kevo-{served.preset}",
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm), "warm_limit": served.warm_requests}
 
 
@@ -170,12 +183,12 @@ def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[
     extra = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "HOME": str(workdir)}
     if device == "cpu":
         extra["TRITON_INTERPRET"] = "1"
-    with open(workdir / "log.txt", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
-                                pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    log = _log()
+    proc = subprocess.Popen([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
+                            pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     sock.close()
-    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars)
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars, log)
     return _wait_ready(h, cfg.served.start_timeout_s)
 
 
@@ -192,14 +205,15 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
     argv = [a.replace("{port}", str(port)) for a in ext.command]
     env = clean_env(cfg.worker.env_passthrough + ext.env_passthrough,
                     {"KEVO_CANDIDATE": candidate, "KEVO_PORT": str(port), "HOME": os.environ.get("HOME", str(workdir))})
+    log = _log()
     try:
-        with open(workdir / "log.txt", "wb") as log:
-            proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
     except OSError as e:
         shutil.rmtree(workdir, ignore_errors=True)
+        os.close(log)
         raise ServerFailure(f"cannot start the external server {shlex.join(argv)}: {e}") from None
-    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars)
+    h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars, log)
     return _wait_ready(h, ext.start_timeout_s)
 
 

@@ -2,11 +2,12 @@
 
 Started by harness/served/launch.py only, as `python -m harness.served.server LISTEN_FD SPEC_JSON`,
 with an environment built from an allowlist (no keys) and a loopback socket its parent bound and
-put into listening state: Landlock forbids this process to bind or connect TCP, so it only
-accepts on that socket. Before any candidate code is imported it confines itself as the
-evaluator's workers do (harness/zygote.py): new PID and mount namespaces (it is PID 1 there, with
-a /proc that shows only itself), and Landlock (writes only under its own folder, /dev and
-/proc/self; no TCP bind/connect; no signals out). It then builds the engine, warms it up, and serves:
+put into listening state: its network namespace has no interfaces and its seccomp filter no
+socket but AF_UNIX, so it only accepts on that socket. Before any candidate code is imported it
+enters the same sandbox as the evaluator's workers (harness/isolation.py): it is PID 1 of new
+namespaces, in a root of its own holding the interpreter, the libraries, harness/, the preset's
+weights and its own folder (to which it copies the candidate's file, read before it went in), with
+no capabilities, rlimits and seccomp. It then builds the engine, warms it up, and serves:
   POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream
   GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error)
 Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
@@ -28,27 +29,32 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def _enter_sandbox(spec: dict, keep_fd: int) -> list[str]:
-    """Namespaces and Landlock, like the evaluator's workers. Returns notes; in the shim (the
-    process left outside the new PID namespace) it never returns: it mirrors the server's exit."""
+def _enter_sandbox(spec: dict, keep_fd: int) -> tuple[Path, list[str]]:
+    """The workers' sandbox (harness/isolation.py). Returns the folder and the notes; in the shim
+    (the process left outside the new PID namespace) it never returns: it mirrors the server's exit."""
     from harness import sandbox
     from harness.isolation import isolate_namespaces, mirror_child, settle_inside
-    required = spec["sandbox"] == "required"
+    box = spec["sandbox"]
     notes: list[str] = []
     try:
         isolate_namespaces()
     except OSError as e:
-        if required:
+        if box["required"]:
             raise SystemExit(f"sandbox: cannot create namespaces ({e}); set worker.sandbox: best_effort to run without")
         notes.append(f"no namespaces ({e})")
+        namespaces = False
     else:
+        namespaces = True
         child = os.fork()
         if child:
             os.close(keep_fd)
             mirror_child(child)
         sandbox.die_with_parent()
-    notes += settle_inside(Path(spec["workdir"]), required)
-    return notes
+    try:
+        folder, more = settle_inside(box, namespaces)
+    except sandbox.SandboxError as e:
+        raise SystemExit(f"sandbox: {e}; set worker.sandbox: best_effort to run without") from None
+    return folder, notes + more
 
 
 class EngineLoop:
@@ -247,7 +253,13 @@ def main() -> None:
     from harness.sandbox import die_with_parent
     die_with_parent()
     fd, spec = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    notes = _enter_sandbox(spec, fd)
+    source = Path(spec["candidate"]).read_text() if spec["candidate"] else None   # before the sandbox hides it
+    folder, notes = _enter_sandbox(spec, fd)
+    if source is not None:
+        out = os.open(folder / "candidate.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(out, "w") as f:
+            f.write(source)
+        spec["candidate"] = str(folder / "candidate.py")
     serve(spec, fd, notes)
 
 

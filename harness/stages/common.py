@@ -8,7 +8,6 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,7 +162,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list
         raise candidate_raised(f"{trial.case.label}: the candidate raised", reply)
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
     try:
-        outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)
+        outs = read_arena(reply.get("outputs", []), ctx.device, reply["_arenas"], expect=expect)
     except ProtocolError as e:
         raise Rejected(f"{trial.case.label}: wrong output: {e}") from None
     if set(outs) != set(expect):
@@ -178,12 +177,8 @@ def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1
 
 
 def drop_outputs(ctx: EvalContext, reply: dict) -> None:
-    """Delete output files the worker reported, only ever inside the worker's own folder."""
-    own = ctx.worker.workdir.resolve()
-    for name in {str(e.get("file", "")) for e in reply.get("outputs", []) if isinstance(e, dict)}:
-        path = Path(name).resolve()
-        if path.is_relative_to(own) and path.is_file():
-            path.unlink()
+    """Let go of the reply's output memory (the worker's sealed memory files, mapped here)."""
+    reply["_arenas"] = []
 
 
 __all__ = ["EvalContext", "Rejected", "Diff", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",

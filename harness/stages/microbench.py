@@ -101,7 +101,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
         raise candidate_raised(f"{case.label}: the candidate raised while being timed", reply)
     expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
     try:
-        outs = read_arena(reply.get("outputs", []), ctx.device, within=ctx.worker.workdir, expect=expect)
+        outs = read_arena(reply.get("outputs", []), ctx.device, reply["_arenas"], expect=expect)
     except ProtocolError as e:
         raise Rejected(f"{case.label}: outputs of the timed calls: {e}") from None
     drop_outputs(ctx, reply)
