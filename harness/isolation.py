@@ -23,6 +23,7 @@ sandbox note). Not covered: memory and GPU memory (no cgroup), and the time a pr
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import pwd
 import signal
@@ -118,12 +119,13 @@ def exposed_paths(spec: dict) -> list[str]:
     """The host paths bound read-only into the sandbox, outermost first, none inside another.
     Never the trusted side's scratch, a home folder, the project checkout (only its harness/), or a
     folder that holds any of them."""
-    import torch
-    import triton
     env = os.environ
     wanted = list(_SYSTEM) + [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
     wanted += [p for p in sys.path if os.path.isabs(p)]
-    wanted += [os.path.dirname(os.path.dirname(m.__file__)) for m in (torch, triton)]
+    for name in ("torch", "triton"):                 # found, not imported: an import may start threads
+        spec_ = importlib.util.find_spec(name)
+        if spec_ is not None and spec_.origin:
+            wanted.append(os.path.dirname(os.path.dirname(spec_.origin)))
     wanted += [env[k] for k in ("CUDA_HOME",) if env.get(k)]
     wanted += [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if os.path.isabs(p)]
     if env.get("TRITON_PTXAS_PATH"):
@@ -265,10 +267,17 @@ def _fresh_root(spec: dict) -> str:
 
 
 # -- the whole sequence ------------------------------------------------------------------------
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 def settle_inside(spec: dict, namespaces: bool) -> tuple[Path, list[str]]:
     """In the process that will run candidate code (PID 1 of its namespaces when `namespaces`).
     Returns its folder and the notes: what was applied, and (best effort only) what was skipped."""
     required, notes = spec["required"], []
+    threads = _threads()
+    if threads != 1:         # capabilities, no_new_privs and Landlock are per thread: none may run unlocked
+        raise sandbox.SandboxError(f"the process to confine has {threads} threads, not 1")
 
     def step(name: str, fn):
         try:
@@ -301,6 +310,8 @@ def settle_inside(spec: dict, namespaces: bool) -> tuple[Path, list[str]]:
     step("no_new_privs", sandbox.no_new_privs)
     writable = [folder, "/dev", "/proc/self"]       # /dev: the GPU's nodes open for writing; /proc/self: CUDA
     abi = step("Landlock", lambda: sandbox.confine(writable) if sandbox.landlock_abi() else None)
+    if _threads() != 1:
+        raise sandbox.SandboxError("a thread was started while the sandbox was being set up")
     rules = step("seccomp", sandbox.seccomp_filter)
     notes += [n for n in (who, abi and f"Landlock ABI {abi}", rules and f"seccomp ({rules} rules)") if n]
     if not abi and not any(n.startswith("no Landlock") for n in notes):

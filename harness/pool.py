@@ -79,12 +79,18 @@ class Pool:
         if self.device == "cpu":
             extra["TRITON_INTERPRET"] = "1"
         log = open(self.root / "zygote.log", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", str(theirs.fileno()), self.device],
-                                     pass_fds=[theirs.fileno()], env=clean_env(self.cfg.env_passthrough, extra),
-                                     cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                     start_new_session=True)
-        theirs.close()
-        log.close()
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", str(theirs.fileno()), self.device],
+                                         pass_fds=[theirs.fileno()], env=clean_env(self.cfg.env_passthrough, extra),
+                                         cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         start_new_session=True)
+        except OSError as e:
+            ours.close()
+            self.close()
+            raise HarnessError(f"cannot start the worker pool ({sys.executable}): {e}") from None
+        finally:
+            theirs.close()
+            log.close()
         self.ctl = ours
         ready, _, _ = select.select([ours], [], [], self.cfg.start_timeout_s)
         data = ours.recv(1 << 16) if ready else b""

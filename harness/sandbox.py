@@ -61,6 +61,7 @@ _CLONE_NEW = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x1000
 _AF_UNIX = 1
 _ACT_ALLOW, _ACT_ERRNO = 0x7FFF0000, 0x00050000
 _CMP_NE, _CMP_MASKED_EQ = 1, 7
+_FLTATR_CTL_TSYNC = 4
 
 
 class SandboxError(Exception):
@@ -93,6 +94,7 @@ def _libseccomp():
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
     lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    lib.seccomp_attr_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
     return lib
 
 
@@ -104,6 +106,9 @@ def seccomp_filter() -> int:
     if not ctx:
         raise SandboxError("seccomp: seccomp_init failed")
     rules = 0
+    if lib.seccomp_attr_set(ctx, _FLTATR_CTL_TSYNC, 1) < 0:      # every thread of the process, not only this one
+        lib.seccomp_release(ctx)
+        raise SandboxError("seccomp: cannot ask for the filter on every thread (TSYNC)")
 
     def add(name: str, err: int, *cmps: tuple[int, int, int, int]) -> None:
         nonlocal rules
