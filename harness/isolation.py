@@ -187,15 +187,14 @@ def _bind(src: str, dst: str, read_only: bool = True) -> None:
             _mount(None, mp, None, _REMOUNT | _BIND | _RDONLY | _kept_flags(mp))
 
 
-def gpu_nodes(device: str) -> tuple[list[str], str]:
+def gpu_nodes(device: str, driver: Path = Path("/proc/driver/nvidia/gpus")) -> tuple[list[str], str]:
     """The /dev names of this process's GPU (the first one CUDA_VISIBLE_DEVICES makes visible,
     counted in PCI order, as CUDA counts identical GPUs) plus the driver's shared nodes, and that
     GPU's UUID ("" when unknown). Raises SandboxError when the GPU cannot be told apart."""
     if not device.startswith("cuda"):
         return [], ""
     gpus = []                                                  # (bus, minor, uuid)
-    root = Path("/proc/driver/nvidia/gpus")
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
+    for d in sorted(driver.iterdir()) if driver.is_dir() else []:
         info = dict(line.split(":", 1) for line in (d / "information").read_text().splitlines() if ":" in line)
         gpus.append((d.name, int(info["Device Minor"].strip()), info.get("GPU UUID", "").strip()))
     if not gpus:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import ROOT
 
 # Each probe reports what it saw by raising at import: the text comes back as compile feedback.
@@ -134,3 +136,24 @@ def test_each_candidate_gets_a_fresh_private_folder(evaluate_source):
     for r in (first, second):
         assert "'cwd': '/kevo'" in r and "'tmp': '/kevo/tmp'" in r and "'home': '/kevo'" in r, r
         assert "left-by-the-last-one" not in r
+
+
+def test_a_worker_gets_the_node_of_the_gpu_cuda_visible_devices_names_first(tmp_path, monkeypatch):
+    """Which /dev/nvidiaN a sandbox exposes, read from the driver's /proc/driver/nvidia/gpus (faked
+    here: three GPUs whose minors are not in bus order); CUDA counts identical GPUs in PCI order."""
+    from harness.isolation import gpu_nodes
+    from harness.sandbox import SandboxError
+    for bus, minor, uuid in (("0000:19:00.0", 2, "GPU-aaaa"), ("0000:3b:00.0", 0, "GPU-bbbb"), ("0000:4c:00.0", 1, "GPU-cccc")):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(f"Model: \t NVIDIA H200\nGPU UUID: \t {uuid}\n"
+                                                     f"Bus Location: \t {bus}\nDevice Minor: \t {minor}\n")
+    for visible, node, uuid in (("1", "nvidia0", "GPU-bbbb"), ("2,0", "nvidia1", "GPU-cccc"), ("GPU-aa", "nvidia2", "GPU-aaaa")):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        nodes, got = gpu_nodes("cuda", tmp_path)
+        assert nodes[-1] == node and got == uuid and all(not n[6:].isdigit() for n in nodes[:-1]), (visible, nodes)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert gpu_nodes("cuda", tmp_path)[0][-1] == "nvidia2"          # unset: CUDA's device 0, the first by bus
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-zzzz")
+    with pytest.raises(SandboxError, match="names none"):
+        gpu_nodes("cuda", tmp_path)
+    assert gpu_nodes("cpu", tmp_path) == ([], "")

@@ -24,6 +24,7 @@ import torch
 
 import candidates as C
 from conftest import ROOT, config_with
+from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
 from harness.stages.common import EvalContext, Rejected, draw, run_trial
 from harness.targets import TARGETS
@@ -218,6 +219,7 @@ import json, sys
 sys.executable = {exe!r}
 sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
 from conftest import config_with
+from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
 import candidates as C
 import test_sandbox_attacks as T
@@ -251,3 +253,24 @@ print("RESULT " + json.dumps(out))
     assert out["gpu"]["opened"] == [] and "vda" not in out["gpu"]["dev"], out
     assert out["fill"]["/dev/shm"]["written"] <= SHM and out["fill"]["/kevo"]["written"] <= FOLDER, out
     assert out["next"][0], out["next"]
+
+
+def test_a_layer_the_kernel_refuses_stops_a_required_sandbox_in_one_line_and_is_named_when_best_effort():
+    """More open files than the kernel allows any process (fs.nr_open): the rlimit cannot be applied."""
+    too_many = 1 << 31
+    strict = config_with(**{"worker.open_files": too_many})
+    pool = open_pool(strict, "attention")
+    try:
+        with pytest.raises(HarnessError) as refused:
+            pool.spawn("x = 1\n")
+    finally:
+        pool.close()
+    message = str(refused.value)
+    assert "\n" not in message and "rlimits" in message and "NOFILE" in message and "best_effort" in message, message
+    lenient = config_with(**{"worker.open_files": too_many, "worker.sandbox": "best_effort"})
+    pool = open_pool(lenient, "attention")
+    try:
+        v = evaluate(C.REF_DECODE, "attention", lenient, pool, until="compile")
+    finally:
+        pool.close()
+    assert v.ok and "no rlimits" in v.stages[0].reason and "seccomp" in v.stages[0].reason, v.stages[0].reason

@@ -127,11 +127,15 @@ def main() -> None:
         handle = pool.spawn(PROBE.replace("CHECKOUT", repr(str(ROOT))))
         first = time.perf_counter() - t0
         print(f"sandbox: {handle.sandbox}")
-        reply = handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 600, "probing")
+        try:
+            reply = handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 600, "probing")
+        except Exception as e:                          # noqa: BLE001 - a self-check says what happened
+            reply = {"error": f"{type(e).__name__}: {e}"}
+        tail = handle.log_tail()
         handle.close()
         error = str(reply.get("error", ""))
         if "REPORT " not in error:
-            print("the probe did not report:\n" + error[-3000:] + "\nlog:\n" + handle.log_tail())
+            print("the probe did not report:\n" + error[-3000:] + "\nlog:\n" + tail)
         else:
             rows = json.loads(error.rsplit("REPORT ", 1)[1].strip().splitlines()[0])
             w = [max(len(r[i]) for r in rows + [["tried", "expected", "got"]]) for i in range(2)]
