@@ -20,7 +20,6 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 from harness.isolation import isolate_namespaces, mirror_child, settle_inside
 from harness.sandbox import SandboxError

@@ -2,7 +2,7 @@
 # leaves the files there, so that a shared /dev/shm or folder would be full for every later candidate.
 import json
 
-LIMIT = @LIMIT@
+LIMIT = int("@LIMIT@")
 seen = {}
 for place in ("/dev/shm", "/kevo", "/tmp"):
     written, error = 0, ""

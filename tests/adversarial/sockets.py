@@ -3,7 +3,7 @@
 import json
 import socket
 
-PORT, UNIX_PATH, ABSTRACT = @PORT@, "@UNIX_PATH@", "@ABSTRACT@"
+PORT, UNIX_PATH, ABSTRACT = int("@PORT@"), "@UNIX_PATH@", "@ABSTRACT@"
 seen = {}
 
 
