@@ -120,7 +120,8 @@ def exposed_paths(spec: dict) -> list[str]:
     Never the trusted side's scratch, a home folder, the project checkout (only its harness/), or a
     folder that holds any of them."""
     env = os.environ
-    wanted = list(_SYSTEM) + [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    wanted = list(_SYSTEM) + prefixes
     wanted += [p for p in sys.path if os.path.isabs(p)]
     for name in ("torch", "triton"):                 # found, not imported: an import may start threads
         spec_ = importlib.util.find_spec(name)
@@ -140,7 +141,11 @@ def exposed_paths(spec: dict) -> list[str]:
             continue
         if any(_within(h, p) for h in hidden):     # it holds something hidden (or is it)
             continue
-        if _within(p, project) or _within(p, spec["scratch"]):
+        if _within(p, spec["scratch"]):
+            continue
+        # Inside the checkout only an interpreter's own folders (the README's .venv lives there), never
+        # the checkout itself or anything else in it (runs/, .git, config files).
+        if _within(p, project) and not any(_within(p, x) and not _within(project, x) for x in map(os.path.normpath, prefixes)):
             continue
         chosen.append(p)
     return chosen + [os.path.join(project, "harness")]
@@ -251,8 +256,9 @@ def _fresh_root(spec: dict) -> str:
         os.mkdir(f"{new}{FOLDER}/{sub}")
         if owner:
             os.chown(f"{new}{FOLDER}/{sub}", sandbox.NOBODY, sandbox.NOBODY)
-    os.mkdir(new + "/tmp")
-    _mount(f"{new}{FOLDER}/tmp", new + "/tmp", None, _BIND)
+    if not os.path.lexists(new + "/tmp"):           # a read-only path under /tmp (a PYTHONPATH there) keeps
+        os.mkdir(new + "/tmp")                       # /tmp read-only; TMPDIR is /kevo/tmp either way
+        _mount(f"{new}{FOLDER}/tmp", new + "/tmp", None, _BIND)
     _mount(None, new, None, _REMOUNT | _RDONLY | _NOSUID | _NODEV, "size=1m,mode=0755")
     os.chdir(new)
     _pivot(".", ".")                               # the old tree is stacked on "/" ...
