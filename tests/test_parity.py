@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import config_with
+from conftest import CUDA, config_with
 from harness.evaluate import device_shapes
 from harness.served.capture import served_qkv
 from harness.served.limits import served_limits
@@ -48,6 +48,16 @@ def test_served_limit_cases_come_from_the_served_preset_and_trace(cfg):
     step = _limit_case(smaller, "prefill", "tokens (max_prefill_tokens)")
     lengths = ATTENTION.ops["prefill"].make_inputs(step, "normal", 7, CPU, torch.float32)["cu_seqlens"].diff().tolist()
     assert sum(lengths) == 40 and len(lengths) == 6 and min(lengths) >= 1
+
+
+def test_on_cuda_the_limits_are_the_served_models_past_every_old_parity_maximum(cfg):
+    """Read from the config alone (no GPU needed): qwen3-0.6b's limits and the long-context trace,
+    beyond the old parity's largest batch (64) and longest prefill (8192)."""
+    shapes = device_shapes(cfg, "attention", torch.device("cuda"))
+    cases = ATTENTION.limit_cases(shapes, served_limits(cfg, "cuda"))
+    assert sorted(c.params["batch"] for c in cases if c.op == "decode") == [128, 129]
+    assert [c.params["lengths"] for c in cases if "one prompt" in c.label] == [[16384]]
+    assert all(c.params["length_range"] == (1, 17056) for c in cases if c.op == "decode")
 
 
 def test_decode_at_the_limits_reaches_the_longest_served_context_within_the_cache(cfg):
@@ -137,3 +147,15 @@ def test_the_same_two_ops_with_outputs_of_their_own_pass_interleaved(evaluate_so
     assert v.ok, v.reason
     parity = v.stages[-1]
     assert "interleaved over decode, prefill" in parity.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA): the fixtures' thresholds there are the old CUDA maxima")
+@pytest.mark.parametrize("fixture, words", [
+    ("big_batch_path.py", "batch 128 (max_running)"),
+    ("right_only_to_old_longest_prefill.py", "one prompt of 16384 tokens"),
+], ids=["big-batch-path", "old-longest-prefill"])
+def test_on_cuda_the_served_limits_reject_what_only_the_old_cuda_maxima_let_through(evaluate_source, fixture, words):
+    v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
+    assert v.failed_stage == "parity", v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
