@@ -17,8 +17,9 @@ import random
 import torch
 
 from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
 from harness.served.kvcache import PagedKVCache
-from harness.served.model import StepBatch, build_model
+from harness.served.model import ModelError, StepBatch, build_model
 from harness.targets.attention import prefill_baseline
 
 CAPTURE_TOKENS = 2048      # prompt length at most (and at most the preset's max_prefill_tokens)
@@ -60,7 +61,11 @@ def _capture(preset, block_size: int, dtype: torch.dtype, device_type: str) -> t
 
 
 def served_qkv(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[QKV, ...]:
-    """Per layer of the served model: (q [T, q_heads, head_dim], k, v [T, kv_heads, head_dim]) on the host."""
+    """Per layer of the served model: (q [T, q_heads, head_dim], k, v [T, kv_heads, head_dim]) on the host.
+    Weights that cannot be read are the evaluator's failure (HarnessError), not the candidate's."""
     preset = cfg.served.presets[getattr(cfg.served, device.type).preset]
     block_size = getattr(cfg.targets.attention, device.type).block_size
-    return _capture(preset, block_size, dtype, device.type)
+    try:
+        return _capture(preset, block_size, dtype, device.type)
+    except ModelError as e:
+        raise HarnessError(f"the served distribution needs the served model: {e}") from None
