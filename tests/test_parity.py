@@ -159,3 +159,13 @@ def test_on_cuda_the_served_limits_reject_what_only_the_old_cuda_maxima_let_thro
     v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
     assert v.failed_stage == "parity", v.reason
     assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_one_op_reusing_its_own_output_buffer_is_rejected_too(evaluate_source):
+    """The rule is the contract's: the returned tensor is the caller's. A decode that hands back the
+    same buffer call after call is caught when the next checks write over it."""
+    source = (ADVERSARIAL / "shared_output_buffer.py").read_text()
+    decode_only = source[:source.index("\ndef prefill(")] + "\n"
+    v = evaluate_source(decode_only, until="parity")
+    assert v.failed_stage == "parity", v.reason
+    assert "its output changed after it was returned" in v.stages[-1].reason
