@@ -1,7 +1,8 @@
 """`kevo-agent`: the command line. One function per subcommand, registered in COMMANDS.
 
 Exit codes: 0 ok, 1 the candidate (or run) was rejected, 2 the command itself could not run — always
-one line on stderr, never a traceback.
+one line on stderr, never a traceback. `evaluate` judges every file it can and exits 2 if any could
+not be judged (each such file is one line on stderr naming it).
 """
 from __future__ import annotations
 
@@ -18,30 +19,52 @@ class UsageError(Exception):
     """The command cannot run as asked; the message is one line."""
 
 
-def _evaluate(args: argparse.Namespace) -> int:
-    path = Path(args.candidate)
+def _read_candidate(path: Path) -> str:
+    """A candidate file's text, or UsageError naming the path."""
+    if path.is_dir():
+        raise UsageError(f"{path}: is a folder, not a candidate file (give its files, e.g. {path}/*.py)")
     if not path.is_file():
         raise UsageError(f"{path}: no such file")
     try:
-        source = path.read_text()
+        return path.read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: cannot read ({e})") from None
+
+
+def _evaluate(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
-    from harness.evaluate import evaluate, open_pool      # imports torch: after the cheap checks
+    from harness.evaluate import evaluate_each            # imports torch: after the cheap checks
     from harness.stages import STAGE_NAMES
     from harness.targets import TARGETS
     if args.target not in TARGETS:
         raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
     if args.until and args.until not in STAGE_NAMES:
         raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
-    with open_pool(cfg, args.target) as pool:
-        verdict = evaluate(source, args.target, cfg, pool, until=args.until)
-    if args.json:
-        print(verdict.model_dump_json())
-    else:
-        from agent.view import print_verdict
-        print_verdict(verdict, str(path))
-    return 0 if verdict.ok else 1
+    files: list[tuple[str, str | None, str]] = []      # (name, source or None, why not)
+    for name in args.candidates:
+        try:
+            files.append((name, _read_candidate(Path(name)), ""))
+        except UsageError as e:
+            files.append((name, None, str(e)))
+    judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until) \
+        if any(src is not None for _, src, _ in files) else iter(())
+    worst = 0
+    for name, source, why in files:
+        outcome = next(judged) if source is not None else why
+        if isinstance(outcome, str):                    # unreadable, or the slot judges nothing more
+            why = outcome if source is None else f"{name}: {outcome}"
+            print(f"kevo-agent: {why}".splitlines()[0], file=sys.stderr)
+            if args.json:
+                print(json.dumps({"file": name, "error": why}), flush=True)
+            worst = 2
+            continue
+        if args.json:
+            print(json.dumps({"file": name, **outcome.model_dump()}), flush=True)
+        else:
+            from agent.view import print_verdict
+            print_verdict(outcome, name)
+        worst = max(worst, 0 if outcome.ok else 1)
+    return worst
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -229,11 +252,20 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kevo-agent", description="Evolve GPU kernels and tell the truth about them.")
     p.add_argument("--config", default=None, help="config file (default: the project's config.yaml)")
     sub = p.add_subparsers(dest="command", required=True)
-    ev = sub.add_parser("evaluate", help="run the staged evaluator on one candidate file")
-    ev.add_argument("candidate", help="a Python file defining decode(...) and/or prefill(...)")
+    ev = sub.add_parser("evaluate", help="run the staged evaluator on candidate files, in order, in one worker pool",
+                        description="Judge candidate files in the order given, in one worker pool, as a run's "
+                                    "evaluation slot judges them.",
+                        epilog="exit status: 0 every file passed every stage that ran; 1 at least one was rejected; "
+                               "2 a file could not be judged (missing, a folder, unreadable: a one-line error "
+                               "naming it, and the other files are still judged) or the command itself could not "
+                               "run")
+    ev.add_argument("candidates", nargs="+", metavar="FILE", help="a Python file defining decode(...) and/or prefill(...)")
     ev.add_argument("--target", default="attention")
     ev.add_argument("--until", default=None, help="stop after this stage")
-    ev.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ev.add_argument("--json", action="store_true",
+                    help="print one JSON object per line, one per file in order: file, ok, accepted, failed_stage, "
+                         "reason, stages (each with name, status, reason, seconds, metrics); a file that could not "
+                         "be judged: file, error")
     rn = sub.add_parser("run", help="evolve kernels: propose, evaluate, record in a git ledger under runs/")
     rn.add_argument("--target", default=None, help="default: attention (a resumed run: its own)")
     rn.add_argument("--provider", default=None, help="offline | openai | anthropic (default: config agent.provider; "

@@ -71,11 +71,20 @@ class Floor(Strict):
 
 class ParityConfig(Strict):
     timeout_s: float = Field(gt=0)
-    distributions: list[Literal["normal", "peaky", "shifted_keys"]] = Field(min_length=1)
+    distributions: list[Literal["normal", "peaky", "shifted_keys", "served"]] = Field(min_length=1)
+    sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
+    unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)
     floors: dict[Literal["float32", "bfloat16", "float16"], Floor]
+
+    @field_validator("sm_scale")
+    @classmethod
+    def _scale_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0 < v[0] <= v[1]:
+            raise ValueError("sm_scale must be [lo, hi] with 0 < lo <= hi")
+        return v
 
 
 class MicrobenchConfig(Strict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -87,6 +87,27 @@ def sched_s() -> dict[int, tuple[float, float]]:
                 pass
         out[pid] = (ran, waited)
     return out
+
+
+def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None) -> Iterator[Verdict | str]:
+    """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
+    the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
+    check again before the next one. Yields a verdict per source, or, once the slot has failed its check
+    (it judges nothing more, as a run takes it out), the one-line reason for each source left."""
+    from harness.slot import Job, Slot, needs_check        # the slot imports this module
+    slot = Slot(cfg, target, name=resolve_device(cfg).type)
+    try:
+        why = slot.check()
+        for i, source in enumerate(sources):
+            if why:
+                yield f"not judged: {why}"
+                continue
+            verdict = slot.run(Job(id=f"file{i + 1}", source=source, until=until)).verdict
+            yield verdict
+            if needs_check(verdict):
+                why = slot.check()
+    finally:
+        slot.close()
 
 
 def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None,

@@ -44,6 +44,7 @@ class Worker:
         self.probes.install()
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.pending: list[int] = []                 # output descriptors for the reply being built
+        self.kept: dict[int, torch.Tensor] = {}          # outputs as returned, held for a later recheck (parity)
         self.timed_sets: dict[str, list[dict[str, Any]]] = {}
         self.graphs: dict[tuple[str, str], Any] = {}
 
@@ -152,6 +153,13 @@ class Worker:
             self._sync()
             outs[f"out{i}"] = out
             seconds[f"call{i}_s"] = time.perf_counter() - t0
+        for key in msg.get("recheck", ()):            # earlier outputs as they are now: no later call may change them
+            if key in self.kept:
+                outs[f"kept{key}"] = self.kept[key]
+        for key in msg.get("drop", ()):
+            self.kept.pop(key, None)
+        if "keep" in msg:
+            self.kept[msg["keep"]] = outs["out0"]
         modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),

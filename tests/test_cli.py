@@ -1,4 +1,5 @@
-"""`kevo-agent evaluate`: exactly one JSON object with --json, exit 0/1/2, one-line errors."""
+"""`kevo-agent evaluate FILE [FILE ...]`: one JSON object per file with --json, exit 0/1/2, one-line
+errors naming the file, several files judged in order in one worker pool."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,8 @@ def test_json_output_is_exactly_one_object_with_the_documented_fields_and_exit_0
     done = kevo("evaluate", "--json", "--until", "dispatch", str(ROOT / "knowledge/attention/decode_paged_splitkv.py"))
     assert done.returncode == 0, done.stderr
     verdict = json.loads(done.stdout)               # fails if anything else is on stdout
-    assert set(verdict) == {"ok", "accepted", "failed_stage", "reason", "stages"}
+    assert set(verdict) == {"file", "ok", "accepted", "failed_stage", "reason", "stages"}
+    assert verdict["file"].endswith("decode_paged_splitkv.py")
     assert verdict["ok"] is True and verdict["accepted"] is False and verdict["failed_stage"] is None
     for stage in verdict["stages"]:
         assert set(stage) == {"name", "status", "reason", "seconds", "metrics"}
@@ -56,3 +58,42 @@ def test_command_errors_are_one_line_and_exit_2(tmp_path):
         assert done.returncode == 2, (args, done.stderr)
         assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
         assert words in done.stderr and "Traceback" not in done.stderr
+
+
+def test_several_files_are_judged_in_order_and_a_missing_one_or_a_folder_costs_only_its_own_line(tmp_path):
+    """A folder and a missing file among candidates: each is one line on stderr naming it, the JSON
+    stream keeps one object per file in the order given, and every other file is still judged."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(C.DROPS_NEWEST_TOKEN)
+    empty = tmp_path / "empty.py"
+    empty.write_text("import torch\n")
+    good = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
+    missing, folder = str(tmp_path / "missing.py"), str(tmp_path)
+    done = kevo("evaluate", "--json", "--until", "parity", good, missing, str(bad), folder, str(empty))
+    assert done.returncode == 2, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [x["file"] for x in lines] == [good, missing, str(bad), folder, str(empty)]
+    assert lines[0]["ok"] is True and [s["name"] for s in lines[0]["stages"]] == ["compile", "dispatch", "parity"]
+    assert lines[2]["failed_stage"] == "parity" and "max abs error" in lines[2]["reason"]
+    assert lines[4]["failed_stage"] == "compile"
+    assert "no such file" in lines[1]["error"] and "is a folder" in lines[3]["error"]
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 2 and missing in errors[0] and "no such file" in errors[0]
+    assert folder in errors[1] and "is a folder" in errors[1] and "Traceback" not in done.stderr
+
+
+def test_several_files_without_json_print_a_block_each_and_exit_1_when_one_is_rejected(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\n")
+    good = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
+    done = kevo("evaluate", "--until", "compile", str(bad), good)
+    assert done.returncode == 1, done.stderr
+    out = done.stdout                                   # a block each (a table may wrap a long name), in order
+    assert out.count("┏") == 2 and out.index("rejected at compile") < out.index("passed every stage that ran")
+
+
+def test_help_documents_the_exit_codes():
+    done = kevo("evaluate", "--help")
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    assert "exit status: 0" in text and "1 at least one was rejected" in text and "2 a file could not be judged" in text

@@ -5,6 +5,7 @@ baseline errors are computed here, and the worker's outputs are read back and ju
 """
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -61,9 +62,13 @@ class EvalContext:
         finally:
             self.worker_s += time.monotonic() - t0
 
-    def cases(self, op: str, served: bool = True, boundary: bool = True) -> list[Case]:
+    def cases(self, op: str, served: bool = True, boundary: bool = True, limits: bool = False) -> list[Case]:
+        """The op's served shapes, boundary shapes and (with `limits`) the served engine's largest calls."""
         out = self.target.served_cases(self.shapes) if served else []
         out += self.target.boundary_cases(self.shapes) if boundary else []
+        if limits and self.target.limit_cases is not None:
+            from harness.served.limits import served_limits
+            out += self.target.limit_cases(self.shapes, served_limits(self.cfg, self.device.type))
         return [c for c in out if c.op == op]
 
 
@@ -128,13 +133,17 @@ class Trial:
         return {"case": self.case, "dist": self.dist, "seed": self.seed, "dtype": DTYPE_NAMES[ctx.dtype]}
 
 
-def draw(ctx: EvalContext, case: Case, dist: str) -> Trial:
+def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
     """Fresh inputs from a new secret seed. The seed is sent with the request that uses it, so the
     candidate learns each one only with inputs it is handed anyway, and never the next one; the
     worker rebuilds the inputs from it instead of receiving gigabytes, and any divergence (a
-    tampered generator) can only make the candidate's output disagree with this reference."""
+    tampered generator) can only make the candidate's output disagree with this reference. With
+    `vary` (parity), the target draws the rest of the check from the same seed (sm_scale, what
+    unused cache slots hold, ...) into the case the worker is sent."""
     op = ctx.target.ops[case.op]
     seed = secrets.randbits(62)
+    if vary and ctx.target.vary is not None:
+        case = ctx.target.vary(case, dist, random.Random(seed), ctx)
     inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
     ref = op.reference(**inputs)
     base = op.baseline(**inputs)
@@ -147,20 +156,27 @@ def candidate_raised(what: str, reply: dict) -> Rejected:
     return Rejected(f"{what}:\n{reply.get('error', '')}", **({"cuda_error": 1.0} if reply.get("cuda_error") else {}))
 
 
-def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> None:
-    """Hand a trial to the worker without waiting: the next trial can be drawn meanwhile."""
+def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1, keep: int | None = None,
+               recheck: list[int] = (), drop: list[int] = ()) -> None:
+    """Hand a trial to the worker without waiting: the next trial can be drawn meanwhile. The worker
+    holds the first output as returned under `keep`, sends back those held under `recheck` as they are
+    after this trial's calls (`kept<key>`), and lets go of those under `drop`."""
     op: Op = ctx.target.ops[trial.case.op]
     ctx.send({"cmd": "call", "op": op.name, "inputs": trial.recipe(ctx), "mode": mode, "repeat": repeat,
-              "out_shape": list(op.output_shape(trial.inputs))}, f"running {trial.case.label}")
+              "out_shape": list(op.output_shape(trial.inputs)), "recheck": list(recheck), "drop": list(drop),
+              **({} if keep is None else {"keep": keep})}, f"running {trial.case.label}")
 
 
-def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
-    """The worker's outputs for a trial sent earlier, as read and checked here, and its reply."""
+def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1,
+                  also: dict[str, tuple[int, ...]] | None = None) -> tuple[list[torch.Tensor], dict]:
+    """The worker's outputs for a trial sent earlier, as read and checked here, and its reply; the
+    outputs named in `also` (name -> shape: earlier outputs sent back for a recheck) follow in order."""
     shape = ctx.target.ops[trial.case.op].output_shape(trial.inputs)
     reply = ctx.collect(f"running {trial.case.label}")
     if not reply.get("ok"):
         raise candidate_raised(f"{trial.case.label}: the candidate raised", reply)
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
+    expect.update({name: (tuple(s), ctx.dtype) for name, s in (also or {}).items()})
     try:
         outs = read_arena(reply.get("outputs", []), ctx.device, reply["_arenas"], expect=expect)
     except ProtocolError as e:
@@ -168,7 +184,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list
     if set(outs) != set(expect):
         raise Rejected(f"{trial.case.label}: the worker returned {sorted(outs)}, expected {sorted(expect)}")
     drop_outputs(ctx, reply)
-    return [outs[f"out{i}"] for i in range(repeat)], reply
+    return [outs[f"out{i}"] for i in range(repeat)] + [outs[name] for name in also or {}], reply
 
 
 def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], dict]:

@@ -1,26 +1,43 @@
-"""Stage 3, parity: the same function as the float64 reference, on every served and boundary shape.
+"""Stage 3, parity: the same function as the float64 reference, on what serving sends.
 
-Every check draws fresh inputs from a secret seed; distributions rotate across checks (normal,
-peaky queries, keys with a large shared logit offset); unused cache slots hold NaN; the worker
-poisons the allocator before each call and reports whether inputs changed. Each call is repeated on
-identical inputs and must agree bit for bit. The tolerance is the baseline's own error against
-float64 on the same inputs times a factor, with a floor (config: stages.parity).
+The plan, per op: every served shape (`checks_per_shape` times), every boundary shape and every
+served-limit shape (once: batches of the served engine's max_running and one past it, prefill steps
+of max_prefill_tokens and the longest served prompt). Every check draws fresh inputs from a secret
+seed and, from the same seed, its sm_scale (a range around 1/sqrt(head_dim)) and what unused cache
+slots hold (NaN, zeros, stale values of other sequences, finite randoms); distributions rotate per op
+from a secret start (normal, peaky queries, keys with a large shared logit offset, the served model's
+own q, k, v). The ops' checks are interleaved in one worker, and every output is sent back again
+after each of the next two checks: it must not have changed (decode and prefill returning views of
+one buffer are each right alone and wrong together in a served step). The worker poisons the
+allocator before each call and reports whether inputs changed; each call is repeated on identical
+inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
+same inputs times a factor, with a floor (config: stages.parity).
 """
 from __future__ import annotations
+
+import itertools
+import secrets
 
 import torch
 
 from harness.records import StageResult
 from harness.stages.common import EvalContext, Rejected, collect_trial, diff, draw, send_trial
+from harness.targets import Case
+
+RECHECK_AFTER = 2          # every output is sent back after each of this many later checks
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0)) and torch.equal(a.isnan(), b.isnan())
 
 
+def _where(trial) -> str:
+    return f"{trial.case.label}, {trial.dist} inputs"
+
+
 def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
     """Raise Rejected if this trial's outputs fail; return its error as a fraction of the tolerance."""
-    where = f"{trial.case.label}, {trial.dist} inputs"
+    where = _where(trial)
     if reply.get("inputs_modified"):
         raise Rejected(f"{where}: the candidate wrote to its inputs {reply['inputs_modified']}")
     d = diff(outs[0], trial.ref, atol=trial.tol.max_abs)
@@ -35,28 +52,54 @@ def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
     return max(d.max_abs / trial.tol.max_abs, d.rel_l2 / trial.tol.rel_l2)
 
 
+def _plan(ctx: EvalContext) -> list[tuple[Case, str]]:
+    """Each op's checks with its distributions rotated from a secret start, the ops interleaved."""
+    p = ctx.cfg.stages.parity
+    per_op = []
+    for op in ctx.ops:
+        cases = [c for c in ctx.cases(op, limits=True) for _ in range(p.checks_per_shape if c.weight > 0 else 1)]
+        start = secrets.randbelow(len(p.distributions))
+        per_op.append([(c, p.distributions[(start + j) % len(p.distributions)]) for j, c in enumerate(cases)])
+    return [check for round_ in itertools.zip_longest(*per_op) for check in round_ if check is not None]
+
+
 def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
-    plan = [case for op in ctx.ops for case in ctx.cases(op)
-            for _ in range(p.checks_per_shape if case.weight > 0 else 1)]
+    plan = _plan(ctx)
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
+    firsts: dict[int, tuple] = {}            # check index -> (trial, its first output as read then)
 
-    def settle(trial) -> float:
-        outs, reply = collect_trial(ctx, trial, p.repeat_calls)
+    def settle(i: int, trial, rechecks: list[int]) -> float:
+        also = {f"kept{j}": tuple(firsts[j][1].shape) for j in rechecks}
+        outs, reply = collect_trial(ctx, trial, p.repeat_calls, also=also)
         took = reply.get("seconds")           # the worker's own account: the evaluator's cost figures only
         if isinstance(took, dict) and all(isinstance(v, (int, float)) for v in took.values()):
             spent["worker_inputs_s"] += took.get("inputs_s", 0.0)
             spent["worker_first_calls_s"] += took.get("call0_s", 0.0)
             spent["worker_repeats_s"] += sum(v for k, v in took.items() if k.startswith("call") and k != "call0_s")
-        return _judge(trial, outs, reply)
+        for j, now in zip(rechecks, outs[p.repeat_calls:]):
+            earlier, first = firsts[j]
+            if not _bitwise_equal(first, now):
+                between = "; then ".join(_where(t) for t in [firsts[k][0] for k in range(j + 1, i) if k in firsts] + [trial])
+                raise Rejected(f"{_where(earlier)}: its output changed after it was returned, when later checks ran "
+                               f"({between}): {diff(now, first, atol=0.0).describe()}. The returned tensor must be "
+                               f"the caller's: no later call may write to it (does it share memory with another "
+                               f"call's output?)")
+        error = _judge(trial, outs[:p.repeat_calls], reply)
+        firsts[i] = (trial, outs[0])
+        firsts.pop(i - RECHECK_AFTER - 1, None)
+        return error
 
-    for i, case in enumerate(plan):
-        trial = draw(ctx, case, p.distributions[i % len(p.distributions)])   # while the worker runs the last
+    for i, (case, dist) in enumerate(plan):
+        trial = draw(ctx, case, dist, vary=True)     # while the worker runs the last
         if pending is not None:
-            worst = max(worst, settle(pending))
-        send_trial(ctx, trial, repeat=p.repeat_calls)
-        pending = trial
+            worst = max(worst, settle(*pending))
+        rechecks = [j for j in range(max(0, i - RECHECK_AFTER), i)]
+        send_trial(ctx, trial, repeat=p.repeat_calls, keep=i, recheck=rechecks,
+                   drop=[i - RECHECK_AFTER] if i >= RECHECK_AFTER else [])
+        pending = (i, trial, rechecks)
     if pending is not None:
-        worst = max(worst, settle(pending))
-    return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance",
+        worst = max(worst, settle(*pending))
+    return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance, interleaved "
+                                        f"over {', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
                               checks=float(len(plan)), worst_error_over_tolerance=worst, **spent)

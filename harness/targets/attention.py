@@ -1,14 +1,18 @@
 """The `attention` target: paged decode and varlen causal prefill.
 
 Everything about the target lives here: the contract text, float64 references, input generators
-(three distributions, NaN in every unused cache slot, shuffled block tables), served and boundary
-cases, the torch baselines a user would run today, the cuDNN anchor, and the cost model.
+(four distributions, one of them the served model's own q, k, v; unused cache slots holding NaN,
+zeros, other sequences' stale values or finite randoms; shuffled block tables; sm_scale drawn per
+check), served, boundary and served-limit cases, the torch baselines a user would run today, the
+cuDNN anchor, and the cost model.
 Not covered here: how inputs travel to a worker, how outputs are compared (harness/stages).
 """
 from __future__ import annotations
 
 import itertools
 import math
+import random
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -22,13 +26,18 @@ decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> Tensor
     block_table  int32 [batch, max_blocks_per_seq]
     seq_lens     int32 [batch], 1 <= seq_lens[b] <= max_blocks_per_seq * block_size
     Token t of sequence b is at k_cache[block_table[b, t // block_size], t % block_size];
-    positions >= seq_lens[b] hold garbage. Query head h reads kv head h // (num_q_heads // num_kv_heads).
+    positions >= seq_lens[b] hold garbage (anything: NaN, zeros, other sequences' stale values).
+    Query head h reads kv head h // (num_q_heads // num_kv_heads).
     returns      [batch, num_q_heads, head_dim] in q.dtype
 
 prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> Tensor
     q [total_tokens, num_q_heads, head_dim]; k, v [total_tokens, num_kv_heads, head_dim]
     cu_seqlens int32 [batch + 1]; causal attention within each sequence; same head mapping
     returns      [total_tokens, num_q_heads, head_dim] in q.dtype
+
+Both: sm_scale is any positive float (scores are q.k * sm_scale). The returned tensor is the
+caller's: no later call of either function may change it (the served engine holds the prefill
+output while decode runs in the same step).
 """
 
 # ---------------------------------------------------------------------------------------------
@@ -36,10 +45,25 @@ prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> Tensor
 # ---------------------------------------------------------------------------------------------
 
 def _lengths(case: Case, gen: torch.Generator) -> list[int]:
-    if "lengths" in case.params:
-        return list(case.params["lengths"])
-    lo, hi = case.params["length_range"]
-    return torch.randint(lo, hi + 1, (case.params["batch"],), generator=gen).tolist()
+    """Fixed lengths; or `total` tokens split at random into `batch` sequences (a full prefill step);
+    or `batch` lengths drawn from `length_range`, one of them its top when `longest`, the rest scaled
+    down to fit `max_total` (what the KV cache holds at once)."""
+    p = case.params
+    if "lengths" in p:
+        return list(p["lengths"])
+    if "total" in p:
+        cuts = sorted((torch.randperm(p["total"] - 1, generator=gen)[: p["batch"] - 1] + 1).tolist())
+        return [b - a for a, b in zip([0, *cuts], [*cuts, p["total"]])]
+    lo, hi = p["length_range"]
+    n = torch.randint(lo, hi + 1, (p["batch"],), generator=gen).tolist()
+    top = int(torch.randint(0, len(n), (1,), generator=gen)) if p.get("longest") else None
+    if top is not None:
+        n[top] = hi
+    room = p.get("max_total", math.inf) - (hi if top is not None else 0)
+    rest = sum(x for i, x in enumerate(n) if i != top)
+    if rest > room:
+        n = [x if i == top else max(lo, x * int(room) // rest) for i, x in enumerate(n)]
+    return n
 
 
 def _gens(seed: int, device: torch.device) -> tuple[torch.Generator, torch.Generator]:
@@ -58,9 +82,48 @@ def _qkv(dist: str, q_shape, kv_shape, head_dim: int, gen: torch.Generator):
     elif dist == "shifted_keys":  # a large logit offset shared by all keys: needs max subtraction
         sign = torch.randint(0, 2, (head_dim,), generator=gen, device=gen.device).float() * 2 - 1
         k = k + 30.0 * sign
-    elif dist != "normal":
+    elif dist not in ("normal", "served"):   # served: i.i.d. here, the sequences' own rows written over it
         raise ValueError(f"unknown input distribution {dist!r}")
     return q, k, v
+
+
+def _served_rows(case: Case, lengths: list[int], gen: torch.Generator, device: torch.device, newest_q: bool = False):
+    """The served model's q, k, v (one layer, in `served_qkv`) for every token of every sequence (q:
+    only each sequence's newest token with `newest_q`): each sequence reads a window of consecutive
+    captured positions from a random start (wrapping), so keys keep their positions relative to the
+    queries (rotary embeddings). Heads map onto the captured ones group by group (kv head j -> captured
+    kv head j mod theirs, its query heads onto that group's)."""
+    p = case.params
+    qb, kb, vb = (t.to(device, torch.float32) for t in p["served_qkv"])
+    T, Hc, KVHc = qb.shape[0], qb.shape[1], kb.shape[1]
+    H, KVH = p["q_heads"], p["kv_heads"]
+    kv_map = torch.arange(KVH) % KVHc
+    q_map = kv_map.repeat_interleave(H // KVH) * (Hc // KVHc) + torch.arange(H) % (H // KVH) % (Hc // KVHc)
+    starts = torch.randint(0, T, (len(lengths),), generator=gen).tolist()
+    rows = torch.cat([(s + torch.arange(n)) % T for s, n in zip(starts, lengths)]).to(device)
+    q_rows = rows[torch.tensor(list(itertools.accumulate(lengths)), device=device) - 1] if newest_q else rows
+    return qb[q_rows][:, q_map.to(device)], kb[rows][:, kv_map.to(device)], vb[rows][:, kv_map.to(device)]
+
+
+def _sm_scale(case: Case) -> float:
+    return case.params.get("sm_scale", 1.0 / math.sqrt(case.params["head_dim"]))
+
+
+def _fill_unused(k: torch.Tensor, v: torch.Tensor, garbage: torch.Tensor, how: str, gen: torch.Generator) -> None:
+    """What unused slots hold: NaN; zeros (a fresh served cache); stale keys and values of other
+    sequences (recycled blocks); or finite randoms (left as drawn)."""
+    if how == "nan":
+        k[garbage], v[garbage] = float("nan"), float("nan")
+    elif how == "zeros":
+        k[garbage], v[garbage] = 0.0, 0.0
+    elif how == "stale":
+        used = (~garbage).flatten().nonzero()[:, 0]
+        slots = garbage.flatten().nonzero()[:, 0]
+        pick = used[torch.randint(0, used.numel(), (slots.numel(),), generator=gen).to(used.device)]
+        flat_k, flat_v = k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:])
+        flat_k[slots], flat_v[slots] = flat_k[pick], flat_v[pick]
+    elif how != "random":
+        raise ValueError(f"unknown unused-slot fill {how!r}")
 
 
 def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
@@ -81,13 +144,16 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
                       for n, nb in zip(lengths, blocks_per_seq)])   # tokens held by each owned block
     valid = torch.zeros(pool, bs, dtype=torch.bool)
     valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
-    garbage = ~valid.to(device)
-    k[garbage] = float("nan")                           # every unused slot holds NaN
-    v[garbage] = float("nan")
+    if dist == "served":                                # token t of sequence b where the table puts it
+        q, ks, vs = _served_rows(case, lengths, gen, device, newest_q=True)   # the newest position queries
+        slot = torch.cat([perm[starts[b] + torch.arange(n) // bs] * bs + torch.arange(n) % bs
+                          for b, n in enumerate(lengths)]).to(device)
+        k.view(-1, KVH, D)[slot], v.view(-1, KVH, D)[slot] = ks, vs
+    _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
     return {
         "q": q.to(device, dtype), "k_cache": k.to(device, dtype), "v_cache": v.to(device, dtype),
         "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
-        "sm_scale": 1.0 / math.sqrt(D),
+        "sm_scale": _sm_scale(case),
     }
 
 
@@ -97,10 +163,12 @@ def prefill_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype
     lengths, H, KVH, D = _lengths(case, gen), p["q_heads"], p["kv_heads"], p["head_dim"]
     total = sum(lengths)
     q, k, v = _qkv(dist, (total, H, D), (total, KVH, D), D, dev_gen)
+    if dist == "served":
+        q, k, v = _served_rows(case, lengths, gen, device)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
     return {
         "q": q.to(device, dtype), "k": k.to(device, dtype), "v": v.to(device, dtype),
-        "cu_seqlens": cu.to(device), "max_seqlen": max(lengths), "sm_scale": 1.0 / math.sqrt(D),
+        "cu_seqlens": cu.to(device), "max_seqlen": max(lengths), "sm_scale": _sm_scale(case),
     }
 
 
@@ -337,6 +405,55 @@ def boundary_cases(shapes) -> list[Case]:
     return cases
 
 
+def limit_cases(shapes, limits) -> list[Case]:
+    """At the served engine's limits (harness/served/limits.py), at the served heads: decode batches of
+    max_running and one past it, contexts up to the longest served one (one sequence at it), as many
+    tokens in all as the KV cache holds; a prefill step of max_prefill_tokens split over one past
+    max_running prompts; and one prompt as long as the longer of max_prefill_tokens and the longest
+    served prompt (a longer prompt runs alone)."""
+    heads = tuple(shapes.heads[0])
+    h = f"heads {heads[0]}/{heads[1]}"
+    ctx, cap = limits.longest_context, limits.kv_cache_tokens
+    cases = []
+    for batch, why in ((limits.max_running, "max_running"), (limits.max_running + 1, "max_running + 1")):
+        cases.append(Case("decode", f"decode at the served limits: batch {batch} ({why}), contexts up to {ctx}, {h}",
+                          _params(shapes, heads, batch=batch, length_range=(1, ctx), longest=True,
+                                  max_total=max(cap, ctx + batch), size=batch * ctx * heads[0])))
+    tokens = limits.max_prefill_tokens
+    batch = min(limits.max_running + 1, tokens)
+    cases.append(Case("prefill", f"prefill at the served limits: {tokens} tokens (max_prefill_tokens) in {batch} "
+                                 f"prompts (max_running + 1), {h}",
+                      _params(shapes, heads, batch=batch, total=tokens, size=tokens * heads[0])))
+    longest = max(tokens, limits.longest_prompt)
+    cases.append(Case("prefill", f"prefill at the served limits: one prompt of {longest} tokens (max_prefill_tokens "
+                                 f"{tokens}, longest served prompt {limits.longest_prompt}), {h}",
+                      _params(shapes, heads, lengths=[longest], size=longest * heads[0])))
+    return cases
+
+
+def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
+    """One check's draws from its secret seed (config: stages.parity): sm_scale, 1/sqrt(head_dim) times
+    a factor drawn log-uniformly from the range (one check in four exactly the served 1/sqrt(head_dim));
+    for decode, what unused cache slots hold; for the served distribution, which layer of the served
+    model's captured q, k, v. Each is named in the case's label, so feedback says what was drawn."""
+    p = ctx.cfg.stages.parity
+    D = case.params["head_dim"]
+    lo, hi = p.sm_scale
+    factor = 1.0 if rng.random() < 0.25 else math.exp(rng.uniform(math.log(lo), math.log(hi)))
+    params = {**case.params, "sm_scale": factor / math.sqrt(D)}
+    notes = [f"sm_scale {params['sm_scale']:.4g} ({factor:.3g}/sqrt({D}))"]
+    if case.op == "decode":
+        params["unused"] = rng.choice(p.unused_slots)
+        notes.append(f"unused slots hold {params['unused']}")
+    if dist == "served":
+        from harness.served.capture import served_qkv       # builds the served model: only when drawn
+        layers = served_qkv(ctx.cfg, ctx.device, ctx.dtype)
+        layer = rng.randrange(len(layers))
+        params["served_qkv"] = layers[layer]
+        notes.append(f"layer {layer} of the served model")
+    return replace(case, label=f"{case.label}; {', '.join(notes)}", params=params)
+
+
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
             make_inputs=decode_inputs, reference=decode_reference, baseline=decode_baseline,
             baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()},
@@ -354,4 +471,6 @@ TARGET = Target(
     served_cases=served_cases,
     boundary_cases=boundary_cases,
     contract=CONTRACT,
+    limit_cases=limit_cases,
+    vary=vary,
 )

@@ -62,6 +62,10 @@ class Target:
     served_cases: Callable[[Any], list[Case]]        # device section of the target's config -> cases
     boundary_cases: Callable[[Any], list[Case]]
     contract: str                                    # the text a coder is given
+    # The largest calls the served engine makes (device section, harness/served/limits.py's limits -> cases).
+    limit_cases: Callable[[Any, Any], list[Case]] | None = None
+    # One parity check's draws from its secret seed: (case, distribution, random.Random, EvalContext) -> the case varied.
+    vary: Callable[[Case, str, Any, Any], Case] | None = None
 
     def compile_case(self, shapes: Any, op: str) -> Case:
         """The smallest served case of an op: cheap to compile and launch."""

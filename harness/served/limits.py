@@ -1,0 +1,39 @@
+"""The largest calls the served engine can make to the attention ops, read from the served config.
+
+One source of truth, nothing copied: the preset's `max_running` (sequences batched together),
+`max_prefill_tokens` (prompt tokens admitted per step; a longer prompt runs alone) and
+`kv_cache_tokens` (what the paged cache holds at once), and the served trace's longest prompt and
+longest context (prompt plus output). Parity draws its served-limit cases from these
+(harness/targets/attention.py: `limit_cases`). Not covered: an external server's own limits
+(`served.external`): the preset's stand for them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
+from harness.served.traces import TraceError, load_trace
+
+
+@dataclass(frozen=True)
+class ServedLimits:
+    max_running: int
+    max_prefill_tokens: int
+    kv_cache_tokens: int
+    longest_prompt: int
+    longest_context: int
+
+
+def served_limits(cfg: Config, device_type: str) -> ServedLimits:
+    served = getattr(cfg.served, device_type)
+    preset = cfg.served.presets[served.preset]
+    path = PROJECT_ROOT / served.trace
+    try:
+        lines = load_trace(path)
+    except TraceError as e:
+        raise HarnessError(str(e)) from None
+    return ServedLimits(max_running=preset.max_running, max_prefill_tokens=preset.max_prefill_tokens,
+                        kv_cache_tokens=preset.kv_cache_tokens,
+                        longest_prompt=max(line.length for line in lines),
+                        longest_context=min(preset.kv_cache_tokens, max(line.length + line.output_len for line in lines)))

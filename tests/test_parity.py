@@ -1,0 +1,171 @@
+"""Parity draws what serving sends: sm_scale, batches and lengths to the served engine's limits, what
+unused cache slots hold, the served model's own q, k, v, and both ops interleaved in one worker.
+Each adversarial fixture in tests/adversarial/ passed the old parity and is rejected at parity now,
+for the reason its file names (CPU: Triton's interpreter, float32; on CUDA the same files run at the
+served sizes, their thresholds there being the old parity's CUDA maxima)."""
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import CUDA, config_with
+from harness.evaluate import device_shapes
+from harness.served.capture import served_qkv
+from harness.served.limits import served_limits
+from harness.stages.parity import _plan
+from harness.targets import TARGETS
+
+ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
+ATTENTION = TARGETS["attention"]
+CPU = torch.device("cpu")
+
+
+def _ctx(cfg, ops=("decode", "prefill")):
+    """What the draws read of an evaluation's context: no worker needed."""
+    from harness.stages.common import EvalContext
+    return EvalContext(cfg=cfg, target=ATTENTION, shapes=device_shapes(cfg, "attention", CPU), device=CPU,
+                       dtype=torch.float32, pool=None, source="", ops=list(ops))
+
+
+def _limit_case(cfg, op, words):
+    return next(c for c in _ctx(cfg).cases(op, served=False, boundary=False, limits=True) if words in c.label)
+
+
+def test_served_limit_cases_come_from_the_served_preset_and_trace(cfg):
+    lim = served_limits(cfg, "cpu")
+    preset = cfg.served.presets[cfg.served.cpu.preset]
+    assert (lim.max_running, lim.max_prefill_tokens, lim.kv_cache_tokens) == \
+        (preset.max_running, preset.max_prefill_tokens, preset.kv_cache_tokens)
+    batches = sorted(c.params["batch"] for c in _ctx(cfg).cases("decode", served=False, boundary=False, limits=True))
+    assert batches == [preset.max_running, preset.max_running + 1]
+    smaller = config_with(**{"served.presets.tiny.max_running": 5, "served.presets.tiny.max_prefill_tokens": 40})
+    assert sorted(c.params["batch"] for c in _ctx(smaller).cases("decode", served=False, boundary=False, limits=True)) == [5, 6]
+    step = _limit_case(smaller, "prefill", "tokens (max_prefill_tokens)")
+    lengths = ATTENTION.ops["prefill"].make_inputs(step, "normal", 7, CPU, torch.float32)["cu_seqlens"].diff().tolist()
+    assert sum(lengths) == 40 and len(lengths) == 6 and min(lengths) >= 1
+
+
+def test_on_cuda_the_limits_are_the_served_models_past_every_old_parity_maximum(cfg):
+    """Read from the config alone (no GPU needed): qwen3-0.6b's limits and the long-context trace,
+    beyond the old parity's largest batch (64) and longest prefill (8192)."""
+    shapes = device_shapes(cfg, "attention", torch.device("cuda"))
+    cases = ATTENTION.limit_cases(shapes, served_limits(cfg, "cuda"))
+    assert sorted(c.params["batch"] for c in cases if c.op == "decode") == [128, 129]
+    assert [c.params["lengths"] for c in cases if "one prompt" in c.label] == [[16384]]
+    assert all(c.params["length_range"] == (1, 17056) for c in cases if c.op == "decode")
+
+
+def test_decode_at_the_limits_reaches_the_longest_served_context_within_the_cache(cfg):
+    lim = served_limits(cfg, "cpu")
+    case = _limit_case(cfg, "decode", "max_running + 1")
+    for seed in range(5):
+        lens = ATTENTION.ops["decode"].make_inputs(case, "normal", seed, CPU, torch.float32)["seq_lens"].tolist()
+        assert len(lens) == lim.max_running + 1 and max(lens) == lim.longest_context and sum(lens) <= lim.kv_cache_tokens
+
+
+def test_each_check_draws_sm_scale_and_what_unused_slots_hold_from_its_seed(cfg):
+    ctx = _ctx(cfg)
+    case = ctx.cases("decode", boundary=False)[0]
+    served_scale = 1 / math.sqrt(case.params["head_dim"])
+    scales, fills = [], set()
+    for seed in range(60):
+        varied = ATTENTION.vary(case, "normal", random.Random(seed), ctx)
+        x = ATTENTION.ops["decode"].make_inputs(varied, "normal", seed, CPU, torch.float32)
+        scales.append(x["sm_scale"])
+        fills.add(varied.params["unused"])
+        assert varied.params["unused"] in varied.label and "sm_scale" in varied.label
+        bs = x["k_cache"].shape[1]
+        tables, lens = x["block_table"], x["seq_lens"].tolist()
+        used = torch.zeros(x["k_cache"].shape[:2], dtype=torch.bool)
+        for b, n in enumerate(lens):
+            for t in range(n):
+                used[tables[b, t // bs], t % bs] = True
+        k, garbage = x["k_cache"], x["k_cache"][~used]
+        if varied.params["unused"] == "nan":
+            assert garbage.isnan().all()
+        elif varied.params["unused"] == "zeros":
+            assert (garbage == 0).all()
+        elif varied.params["unused"] == "stale":           # copies of slots some sequence holds
+            held = k[used].reshape(-1, k.shape[-1])
+            assert all((held == row).all(1).any() for row in garbage.reshape(-1, k.shape[-1]))
+        else:
+            assert torch.isfinite(garbage).all() and (garbage != 0).any()
+    assert fills == set(cfg.stages.parity.unused_slots)
+    lo, hi = cfg.stages.parity.sm_scale
+    assert min(scales) < 0.8 * served_scale and max(scales) > 1.25 * served_scale
+    assert all(lo * served_scale * 0.999 <= s <= hi * served_scale * 1.001 for s in scales)
+    assert 0 < sum(s == served_scale for s in scales) < len(scales) / 2     # the served value, now and then
+
+
+def test_the_served_distribution_is_the_served_models_own_queries_keys_and_values(cfg):
+    ctx = _ctx(cfg)
+    layers = served_qkv(cfg, CPU, torch.float32)
+    assert len(layers) == cfg.served.presets["tiny"].layers
+    case = next(c for c in ctx.cases("prefill", served=False) if "mixed lengths" in c.label and "4/2" in c.label)
+    varied = ATTENTION.vary(case, "served", random.Random(3), ctx)
+    x = ATTENTION.ops["prefill"].make_inputs(varied, "served", 3, CPU, torch.float32)
+    layer = int(varied.label.split("layer ")[1].split()[0])
+    q_bank, k_bank, _ = layers[layer]
+    assert all((q_bank == row).all(-1).all(-1).any() for row in x["q"])         # every query a captured one
+    assert all((k_bank == row).all(-1).all(-1).any() for row in x["k"])
+    assert not torch.equal(q_bank, layers[1 - layer][0])                        # layers differ
+
+
+def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(cfg):
+    plan = _plan(_ctx(cfg))
+    ops = [case.op for case, _ in plan]
+    assert ops[:6] == ["decode", "prefill"] * 3
+    for op in ("decode", "prefill"):
+        assert {dist for case, dist in plan if case.op == op} == set(cfg.stages.parity.distributions)
+
+
+@pytest.mark.parametrize("fixture, words, never", [
+    ("ignores_sm_scale.py", "sm_scale", "(1/sqrt("),
+    ("big_batch_path.py", "decode at the served limits: batch", None),
+    ("masks_unused_by_nan.py", "unused slots hold", "unused slots hold nan"),
+    ("right_only_to_old_longest_prefill.py", "prefill at the served limits", None),
+    ("shared_output_buffer.py", "its output changed after it was returned", None),
+], ids=lambda v: v.removesuffix(".py") if isinstance(v, str) and v.endswith(".py") else "")
+def test_adversarial_fixture_is_rejected_at_parity_for_its_flaw(evaluate_source, fixture, words, never):
+    v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
+    assert v.failed_stage == "parity", v.reason
+    reason = v.stages[-1].reason
+    assert words in reason, reason
+    assert never is None or never not in reason.split(", output shape")[0], reason
+
+
+def test_the_same_two_ops_with_outputs_of_their_own_pass_interleaved(evaluate_source):
+    source = (ADVERSARIAL / "shared_output_buffer.py").read_text()
+    fixed = source.replace("    out = _output(q)\n", "    out = torch.empty_like(q)\n")
+    assert fixed.count("torch.empty_like(q)") == 2
+    v = evaluate_source(fixed, until="parity")
+    assert v.ok, v.reason
+    parity = v.stages[-1]
+    assert "interleaved over decode, prefill" in parity.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA): the fixtures' thresholds there are the old CUDA maxima")
+@pytest.mark.parametrize("fixture, words", [
+    ("big_batch_path.py", "batch 128 (max_running)"),
+    ("right_only_to_old_longest_prefill.py", "one prompt of 16384 tokens"),
+], ids=["big-batch-path", "old-longest-prefill"])
+def test_on_cuda_the_served_limits_reject_what_only_the_old_cuda_maxima_let_through(evaluate_source, fixture, words):
+    v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
+    assert v.failed_stage == "parity", v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_one_op_reusing_its_own_output_buffer_is_rejected_too(evaluate_source):
+    """The rule is the contract's: the returned tensor is the caller's. A decode that hands back the
+    same buffer call after call is caught when the next checks write over it."""
+    source = (ADVERSARIAL / "shared_output_buffer.py").read_text()
+    decode_only = source[:source.index("\ndef prefill(")] + "\n"
+    v = evaluate_source(decode_only, until="parity")
+    assert v.failed_stage == "parity", v.reason
+    assert "its output changed after it was returned" in v.stages[-1].reason
