@@ -32,11 +32,13 @@ What bounds it
     heads, d 128, page 16, shuffled pages, a 32768-token block table; do_bench
     median, L2 flushed), default knobs, TB/s and x cuDNN SDPA on contiguous KV:
     32 x 4k 3.86 (0.96), 64 x 4k 4.26 (1.00), 8 x 32k 4.14 (0.98), 16 x 8k
-    3.80 (0.94); 128 x 1k 3.90 (0.99) in the sweep before (host-bound noise hit
-    that row in the last run). The reference kernel on the same data: 2.94,
+    3.80 (0.94); 128 x 1k 3.90 (0.99) in the sweep before (the last run read
+    2.69 there, and 2.29 for the reference against 3.86 before, cuDNN steady:
+    not reproduced, unexplained). The reference kernel on the same data: 2.94,
     4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
-    16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs ~4.1-4.3:
-    what is left is the per-program start and drain, not the bytes.
+    16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
+    ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
+    that pattern, not profiled).
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
@@ -310,7 +312,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
-        PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused, SPLIT_CHUNK=split_chunk,
+        PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
+        SPLIT_CHUNK=split_chunk,
         CG=q.device.type == "cuda", DOT_PRECISION=dot_precision,
         num_warps=NUM_WARPS, num_stages=stages,
     )

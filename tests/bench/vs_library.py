@@ -330,7 +330,8 @@ def main(argv=None):
     pick = lambda rows: [r for r in rows if keep is None or f"{r[0]}x{r[1]}" in keep]  # noqa: E731
     gen = torch.Generator(device=DEV).manual_seed(0)
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)", "torch": torch.__version__, "triton": triton.__version__,
+            "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "triton": triton.__version__,
             "specs": specs, "argv": sys.argv[1:]}
     info["copy_TBps"] = copy_ceiling()
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s")
