@@ -1,0 +1,327 @@
+"""Paged GQA decode with device-side split sizing (a kernel family for kevo's proposer).
+
+What it does
+    One query token per sequence attends over its paged KV cache. One program per
+    (split, kv head, sequence) holds the whole GQA group of query heads (padded up
+    to 16 rows so `tl.dot` runs on tensor cores), so K/V are read once per kv head.
+    The grid's split count is an upper bound from shapes alone (block-table width,
+    batch x kv heads against the SM count); each program then sizes its sequence's
+    splits from the *real* length on the device: n = min(grid splits,
+    cdiv(seq_len, MIN_TOKENS_PER_SPLIT)), equal BLOCK_N-aligned chunks over
+    [0, seq_len), and programs past n exit at once. A short sequence in a wide
+    block table therefore costs one or two programs, not a row of empty splits,
+    and no host sync is needed.
+    PAGE_LOADS: one block-table read per page (pages x slots offsets), instead of
+    one per token (needs the page size to divide BLOCK_N; else per token).
+    Partials (unnormalised output, running max, sum; exp2 domain, sm_scale folded
+    with log2 e) are merged by a log-sum-exp merge over all heads of the group at
+    once: FUSED_COMBINE lets the last split program of each (sequence, kv head),
+    found with an atomic ticket, merge them in the same launch (no second kernel);
+    otherwise a small second kernel merges them. A sequence with one split writes
+    its output directly.
+
+Knobs (module constants below, one per line)
+    BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
+    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, CPU_SM_COUNT.
+
+What bounds it
+    Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V
+    plus partials (G x head_dim x 4 bytes per split program: < 1% at >= 256
+    tokens per split).
+    Measured (H200, 2026-12-01, tests/bench/vs_library.py: bf16, 32 q / 8 kv
+    heads, d 128, page 16, shuffled pages, a 32768-token block table; do_bench
+    median, L2 flushed), default knobs, TB/s and x cuDNN SDPA on contiguous KV:
+    32 x 4k 3.86 (0.96), 64 x 4k 4.26 (1.00), 8 x 32k 4.14 (0.98), 16 x 8k
+    3.80 (0.94); 128 x 1k 3.90 (0.99) in the sweep before (the last run read
+    2.69 there, and 2.29 for the reference against 3.86 before, cuDNN steady:
+    not reproduced, unexplained). The reference kernel on the same data: 2.94,
+    4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
+    16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
+    ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
+    that pattern, not profiled).
+
+Known limits
+    * The grid is sized from the block-table width; a batch whose lengths are far
+      under that width still launches (and instantly retires) the empty programs.
+    * FUSED_COMBINE keeps a per-device ticket buffer that the last program of each
+      (sequence, kv head) resets to zero; a launch killed mid-way would leave
+      tickets behind (the next call would then mis-merge). Kernels that fault kill
+      the process on CUDA anyway.
+"""
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # KV tokens per inner-loop step (power of two, 16..256)
+NUM_WARPS = 4  # warps per split program
+NUM_STAGES = 2  # software-pipelining depth of the K/V loads
+SPLIT_POLICY = 1  # 0: splits = cdiv(SMs x PROGRAMS_PER_SM, batch x kv heads); 1: fullest waves (see grid_splits)
+PROGRAMS_PER_SM = 4  # policy 0: split programs aimed at per SM; policy 1: programs resident per SM
+WAVES = 1  # policy 1: the most waves of SMs x PROGRAMS_PER_SM programs the split plan may fill
+MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
+MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
+PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
+FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
+CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
+
+_LOG2E = 1.4426950408889634
+_TICKETS = {}
+
+
+@triton.jit
+def _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N: tl.constexpr):
+    """Splits of one sequence and their token chunk, from its real length (device side)."""
+    n = tl.minimum(max_splits, tl.cdiv(seq_len, min_tokens))
+    n = tl.maximum(n, 1)
+    chunk = tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N
+    n = tl.cdiv(seq_len, chunk)
+    return n, chunk
+
+
+@triton.jit
+def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b, pid_kvh,
+                 GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr):
+    """Log-sum-exp merge of n_split partials [split, group, d] of one (sequence, kv head)."""
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    m_run = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, n_split, SPLIT_CHUNK):
+        offs_s = s0 + offs_c
+        msk = (offs_s[:, None] < n_split) & mask_g[None, :]
+        ml_off = offs_s[:, None] * GROUP + offs_g[None, :]
+        if CG:
+            m_s = tl.load(pm_base + 2 * ml_off, mask=msk, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(pm_base + 2 * ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
+            o_s = tl.load(po_base + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                          mask=msk[:, :, None], other=0.0, cache_modifier=".cg")
+        else:
+            m_s = tl.load(pm_base + 2 * ml_off, mask=msk, other=float("-inf"))
+            l_s = tl.load(pm_base + 2 * ml_off + 1, mask=msk, other=0.0)
+            o_s = tl.load(po_base + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                          mask=msk[:, :, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split holds >= 1 token; guard anyway
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(m_s - m_ref[None, :])
+        l_run = l_run * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        m_run = m_new
+    l_safe = tl.where(l_run > 0.0, l_run, 1.0)
+    o = acc / l_safe[:, None]
+    heads = pid_kvh * GROUP + offs_g
+    o_ptrs = out_ptr + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, max_splits, min_tokens, num_kv_heads,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    pid_kvh = tl.program_id(1)
+    pid_b = tl.program_id(2)
+
+    seq_len = tl.load(seqlens_ptr + pid_b)
+    n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+    if pid_s >= n_split:
+        return
+    start = pid_s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    heads = pid_kvh * GROUP + offs_g
+    q = tl.load(q_ptr + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_g[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+
+    bt_row = bt_ptr + pid_b.to(tl.int64) * stride_btb
+    k_head = k_ptr + pid_kvh.to(tl.int64) * stride_kh
+    v_head = v_ptr + pid_kvh.to(tl.int64) * stride_vh
+    n_pages = tl.cdiv(seq_len, PAGE_SIZE)
+    # Every step holds >= 1 valid token (its first), so m_i is finite after the first step.
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if PAGE_LOADS:
+            pages = start_n // PAGE_SIZE + tl.arange(0, PAGES)
+            phys = tl.load(bt_row + pages, mask=pages < n_pages, other=0).to(tl.int64)
+            slots = tl.arange(0, PAGE_SIZE)
+            k_rows = tl.reshape(phys[:, None] * stride_kb + slots[None, :] * stride_ks, [BLOCK_N])
+            v_rows = tl.reshape(phys[:, None] * stride_vb + slots[None, :] * stride_vs, [BLOCK_N])
+        else:
+            page = offs_n // PAGE_SIZE
+            phys = tl.load(bt_row + page, mask=mask_n, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+            k_rows = phys * stride_kb + slot * stride_ks
+            v_rows = phys * stride_vb + slot * stride_vs
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SINGLE:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+    else:
+        # partials: po [B, KVH, S, GROUP, D], pm [B, KVH, S, GROUP, 2] (max, sum)
+        row = (pid_b.to(tl.int64) * num_kv_heads + pid_kvh) * max_splits
+        po_base = po_ptr + row * (GROUP * HEAD_DIM)
+        pm_base = pm_ptr + row * (GROUP * 2)
+        ml_off = pid_s * GROUP + offs_g
+        tl.store(po_base + ml_off[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
+        tl.store(pm_base + 2 * ml_off, m_i, mask=mask_g)
+        tl.store(pm_base + 2 * ml_off + 1, l_i, mask=mask_g)
+        if FUSED:
+            tl.debug_barrier()  # every thread's partial stores precede the ticket (release, gpu scope)
+            ticket = ticket_ptr + pid_b.to(tl.int64) * num_kv_heads + pid_kvh
+            done = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+            if done == n_split - 1:
+                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # reset for the next call
+                _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b, pid_kvh,
+                             GROUP, GP, HEAD_DIM, SPLIT_CHUNK, CG)
+
+
+@triton.jit
+def _combine_kernel(
+    seqlens_ptr, out_ptr, po_ptr, pm_ptr,
+    max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    pid_kvh = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    seq_len = tl.load(seqlens_ptr + pid_b)
+    n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+    row = (pid_b.to(tl.int64) * num_kv_heads + pid_kvh) * max_splits
+    _merge_store(po_ptr + row * (GROUP * HEAD_DIM), pm_ptr + row * (GROUP * 2), out_ptr, n_split,
+                 stride_ob, stride_oh, pid_b, pid_kvh, GROUP, GP, HEAD_DIM, SPLIT_CHUNK, False)
+
+
+def _sm_count(device):
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SM_COUNT
+
+
+def _fit_stages(device, stages, smem_per_stage, smem_fixed):
+    """Lower the pipelining depth until the K/V ring buffer fits in shared memory."""
+    stages = max(1, int(stages))
+    if device.type != "cuda":
+        return stages
+    props = torch.cuda.get_device_properties(device)
+    budget = int((getattr(props, "shared_memory_per_block_optin", 0) or 101376) * 0.9)
+    while stages > 1 and smem_fixed + stages * smem_per_stage > budget:
+        stages -= 1
+    return stages
+
+
+def grid_splits(batch, num_kv_heads, table_tokens, device):
+    """The grid's splits per sequence, from shapes only (never reads tensor values).
+
+    Policy 0 aims at SMs x PROGRAMS_PER_SM programs. Policy 1 takes PROGRAMS_PER_SM as the programs
+    resident per SM and picks, among the split counts that fill at most WAVES waves, the one whose
+    last wave is fullest (programs / (waves x slots); ties to fewer splits): equal-length sequences
+    then finish together instead of leaving a part-empty last wave."""
+    per_split = max(1, batch * num_kv_heads)
+    by_len = -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))
+    cap = max(1, min(by_len, MAX_SPLITS))
+    slots = max(1, _sm_count(device) * PROGRAMS_PER_SM)
+    if SPLIT_POLICY == 0:
+        return max(1, min(-(-slots // per_split), cap))
+    best, best_fill = 1, 0.0
+    for s in range(1, cap + 1):
+        waves = -(-per_split * s // slots)
+        if waves > max(1, WAVES) and s > 1:
+            break
+        fill = per_split * s / (waves * slots)
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best
+
+
+def _tickets(device, n):
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
+
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, page_size, num_kv_heads, head_dim_k = k_cache.shape
+    assert head_dim_k == head_dim and v_cache.shape == k_cache.shape
+    assert num_q_heads % num_kv_heads == 0
+    assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, "head_dim must be a power of two >= 16"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_table.stride(1) == 1
+    group = num_q_heads // num_kv_heads
+    block_g = max(16, triton.next_power_of_2(group))
+    gp = triton.next_power_of_2(group)
+    out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+
+    splits = grid_splits(batch, num_kv_heads, block_table.shape[1] * page_size, q.device)
+    single = splits == 1
+    page_loads = bool(PAGE_LOADS) and page_size <= BLOCK_N and BLOCK_N % page_size == 0 \
+        and (page_size & (page_size - 1)) == 0
+    fused = bool(FUSED_COMBINE) and not single
+    if single:
+        po = pm = tickets = out
+    else:
+        po = torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32, device=q.device)
+        pm = torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
+        tickets = _tickets(q.device, batch * num_kv_heads) if fused else out
+    elem = k_cache.element_size()
+    stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
+    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
+    _split_kernel[(splits, num_kv_heads, batch)](
+        q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
+        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
+        PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
+        SPLIT_CHUNK=split_chunk,
+        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision,
+        num_warps=NUM_WARPS, num_stages=stages,
+    )
+    if not single and not fused:
+        _combine_kernel[(num_kv_heads, batch)](
+            seq_lens, out, po, pm, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
+            out.stride(0), out.stride(1),
+            GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLIT_CHUNK=split_chunk,
+            num_warps=4, num_stages=1,
+        )
+    return out

@@ -1,0 +1,348 @@
+"""Benchmark (not a test): kevo's attention kernels side by side with the library (issue 16's table).
+
+    python tests/bench/vs_library.py [SPEC ...] [--json PATH] [--only decode|prefill] [--rows 32x4096,...]
+    SPEC = path/to/kernel.py[:KNOB=VALUE,KNOB=VALUE...]   (repeatable; knob lines rewritten in a temp copy)
+
+With no SPEC it times the two reference kernels (knowledge/attention/decode_paged_splitkv.py,
+prefill_causal_tiled.py). Every kernel, cuDNN SDPA and flash SDPA run in this one process on the same
+data: bf16, 32 query / 8 kv heads, head_dim 128; `triton.testing.do_bench` median with its L2 flush.
+Decode: kevo reads a paged cache (block 16, shuffled pages, a block table `--table-tokens` wide, by
+default as wide as the longest row, as a server sizes it; its unused entries point at random pages),
+the library reads the same values as contiguous [B, kv heads, L, D] K/V. Prefill: causal, equal
+lengths, kevo packed (cu_seqlens), the library one batched [B, H, N, D] call. Figures: decode TB/s
+(K/V bytes once, q and out), prefill causal TFLOP/s (4 x D x N(N+1)/2 x H x B), kevo/cuDNN, and a
+correctness column, rel L2 against an fp32 reference (decode all heads; prefill heads 0-3 and 28-31),
+the worse of the first call and one after the timed calls. The library is timed before and after
+the row's kernels and counted at its faster time (clock or thermal drift never favours kevo).
+It prints numbers and asserts nothing. Needs only torch and triton (runs on the H200 image as is).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import importlib.util
+import json
+import math
+import pathlib
+import re
+import sys
+import tempfile
+import traceback
+import uuid
+
+if "--dry-run" in sys.argv:          # the CPU check of this script: interpreter, float32, tiny rows
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REF_DECODE = ROOT / "knowledge" / "attention" / "decode_paged_splitkv.py"
+REF_PREFILL = ROOT / "knowledge" / "attention" / "prefill_causal_tiled.py"
+DECODE_ROWS = [(32, 4096), (64, 4096), (128, 1024), (8, 32768), (16, 8192)]
+PREFILL_ROWS = [(1, 1024), (4, 2048), (1, 8192), (8, 4096)]
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+REF_HEADS = [0, 1, 2, 3, 28, 29, 30, 31]
+DEV, DT = "cuda", torch.bfloat16
+
+
+def load_spec(spec: str, tmp: pathlib.Path):
+    """(label, module) for `path[:K=V,...]`; knob lines `^K = ...` are rewritten in a temp copy."""
+    path, _, knob_text = spec.partition(":")
+    path = pathlib.Path(path)
+    text = path.read_text()
+    knobs = {}
+    for item in filter(None, knob_text.split(",")):
+        name, _, value = item.partition("=")
+        value = {"True": True, "False": False}.get(value, value)
+        if isinstance(value, str):
+            value = float(value) if "." in value else int(value)
+        pattern = re.compile(rf"^({name}) = ([^#\n]*?)(\s*#.*)?$", re.MULTILINE)
+        text, n = pattern.subn(lambda m: f"{m.group(1)} = {value!r}{m.group(3) or ''}", text, count=1)
+        if n != 1:
+            raise SystemExit(f"{spec}: knob {name} not found in {path}")
+        knobs[name] = value
+    target = tmp / f"{path.stem}_{uuid.uuid4().hex[:8]}.py"
+    target.write_text(text)
+    mod_spec = importlib.util.spec_from_file_location(target.stem, target)
+    module = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(module)
+    label = path.stem + ("[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]" if knobs else "")
+    return label, module
+
+
+def bench(fn, rep):
+    if DEV == "cpu":
+        import time
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    return triton.testing.do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
+
+
+def sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def rel_l2(out, ref):
+    out = out.float()
+    if not torch.isfinite(out).all():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def cudnn_sdpa(q, k, v, causal, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def flash_sdpa(q, k, v, causal, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=True)
+
+
+def library(name, fn, lib, causal, scale, rep):
+    """(output, ms, note): the call on the given K/V; if it refuses GQA, on K/V expanded beforehand."""
+    try:
+        out = fn(*lib, causal, scale)
+        return out, bench(lambda: fn(*lib, causal, scale), rep), ""
+    except RuntimeError:
+        q, k, v = lib
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = fn(q, k, v, causal, scale)
+        return out, bench(lambda: fn(q, k, v, causal, scale), rep), "K/V expanded to the q heads before timing"
+
+
+def time_library(row, lib, causal, scale, rep, err_of, work, unit):
+    """cuDNN and flash SDPA on the row's data. Called before the kernels (err_of given: checks the
+    output) and again after them (err_of None); a library's figure is its faster time of the two, so
+    that clock or thermal drift across a row never favours kevo, and kevo/cuDNN is set from it."""
+    for name, fn in (("cudnn", cudnn_sdpa), ("flash", flash_sdpa)):
+        if err_of is None and "ms" not in row.get(name, {}):
+            continue
+        try:
+            out, ms, note = library(name, fn, lib, causal, scale, rep)
+        except Exception as e:  # a library path missing on this build: recorded, not fatal
+            row[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:160]}
+            continue
+        if err_of is not None:
+            row[name] = {"ms": ms, unit: work / ms, "relL2": err_of(out), "ms_before": ms}
+            if note:
+                row[name]["note"] = note
+        else:
+            e = row[name]
+            e["ms_after"] = ms
+            e["ms"] = min(e["ms_before"], ms)
+            e[unit] = work / e["ms"]
+    if err_of is None and "ms" in row.get("cudnn", {}):
+        for entry in row["kernels"].values():
+            if "ms" in entry:
+                entry["vs_cudnn"] = row["cudnn"]["ms"] / entry["ms"]
+
+
+def decode_data(B, L, table_tokens, gen):
+    dev = DEV
+    q = torch.randn(B, HQ, D, device=dev, generator=gen).to(DT)
+    k = torch.randn(B, L, HKV, D, device=dev, generator=gen).to(DT)   # contiguous truth
+    v = torch.randn(B, L, HKV, D, device=dev, generator=gen).to(DT)
+    pages = L // PAGE
+    width = max(pages, -(-table_tokens // PAGE))
+    pool = B * pages + 64
+    perm = torch.randperm(pool, device=dev, generator=gen)
+    table = torch.randint(0, pool, (B, width), device=dev, generator=gen, dtype=torch.int32)
+    table[:, :pages] = perm[:B * pages].view(B, pages).to(torch.int32)
+    kc = torch.randn(pool, PAGE, HKV, D, device=dev, generator=gen).to(DT)  # spare pages: noise
+    vc = torch.randn_like(kc)
+    idx = table[:, :pages].reshape(-1).long()
+    kc[idx] = k.view(B * pages, PAGE, HKV, D)
+    vc[idx] = v.view(B * pages, PAGE, HKV, D)
+    seq_lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+    scale = 1.0 / math.sqrt(D)
+    # fp32 reference on the contiguous truth
+    qg = q.float().view(B, HKV, HQ // HKV, D)
+    s = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    ref = torch.einsum("bkgl,blkd->bkgd", s.softmax(-1), v.float()).reshape(B, HQ, D)
+    lib = (q[:, :, None, :].contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    return dict(q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens, scale=scale, ref=ref, lib=lib)
+
+
+def prefill_data(B, N, gen):
+    dev = DEV
+    q = torch.randn(B * N, HQ, D, device=dev, generator=gen).to(DT)
+    k = torch.randn(B * N, HKV, D, device=dev, generator=gen).to(DT)
+    v = torch.randn(B * N, HKV, D, device=dev, generator=gen).to(DT)
+    cu = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * N
+    scale = 1.0 / math.sqrt(D)
+    lib = tuple(t.view(B, N, -1, D).transpose(1, 2).contiguous() for t in (q, k, v))
+    heads = torch.tensor(REF_HEADS, device=dev)
+    ref = torch.empty(B, len(REF_HEADS), N, D, device=dev)
+    causal = torch.ones(N, N, device=dev, dtype=torch.bool).tril()
+    for b in range(B):
+        for i, h in enumerate(REF_HEADS):
+            qh = lib[0][b, h].float()
+            kh, vh = lib[1][b, h // (HQ // HKV)].float(), lib[2][b, h // (HQ // HKV)].float()
+            s = (qh @ kh.T * scale).masked_fill(~causal, float("-inf"))
+            ref[b, i] = s.softmax(-1) @ vh
+    return dict(q=q, k=k, v=v, cu=cu, N=N, scale=scale, ref=ref, lib=lib, heads=heads)
+
+
+def run_decode(kernels, rows, table_tokens, rep, gen):
+    results = []
+    for B, L in rows:
+        x = decode_data(B, L, table_tokens, gen)
+        nbytes = 2 * B * L * HKV * D * 2 + 2 * B * HQ * D * 2
+        row = {"B": B, "L": L, "table_tokens": x["table"].shape[1] * PAGE, "bytes": nbytes, "kernels": {}}
+        lib = x["lib"]
+        time_library(row, lib, False, x["scale"], rep, lambda o: rel_l2(o[:, :, 0], x["ref"]), nbytes / 1e9, "TBps")
+        for label, mod in kernels:
+            if not hasattr(mod, "decode"):
+                continue
+            args = (x["q"], x["kc"], x["vc"], x["table"], x["seq_lens"], x["scale"])
+            try:
+                out = mod.decode(*args)
+                sync()
+                err = rel_l2(out, x["ref"])
+                ms = bench(lambda: mod.decode(*args), rep)
+                err = max(err, rel_l2(mod.decode(*args), x["ref"]))   # again after the timed calls
+                entry = {"ms": ms, "TBps": nbytes / ms / 1e9, "relL2": err}
+            except Exception as e:
+                entry = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+                traceback.print_exc(limit=2)
+            row["kernels"][label] = entry
+        time_library(row, lib, False, x["scale"], rep, None, nbytes / 1e9, "TBps")
+        results.append(row)
+        del x
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        print_row("decode", row, "TBps", flush=True)
+    return results
+
+
+def run_prefill(kernels, rows, rep, gen):
+    results = []
+    for B, N in rows:
+        x = prefill_data(B, N, gen)
+        flops = 4 * D * N * (N + 1) / 2 * HQ * B
+        row = {"B": B, "N": N, "flops": flops, "kernels": {}}
+        lib, heads = x["lib"], x["heads"]
+        time_library(row, lib, True, x["scale"], rep, lambda o: rel_l2(o[:, heads], x["ref"]), flops / 1e9, "TFLOPs")
+        for label, mod in kernels:
+            if not hasattr(mod, "prefill"):
+                continue
+            args = (x["q"], x["k"], x["v"], x["cu"], N, x["scale"])
+            try:
+                out = mod.prefill(*args)
+                sync()
+                err = rel_l2(out.view(B, N, HQ, D).transpose(1, 2)[:, heads], x["ref"])
+                ms = bench(lambda: mod.prefill(*args), rep)
+                err = max(err, rel_l2(mod.prefill(*args).view(B, N, HQ, D).transpose(1, 2)[:, heads], x["ref"]))
+                entry = {"ms": ms, "TFLOPs": flops / ms / 1e9, "relL2": err}
+            except Exception as e:
+                entry = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+                traceback.print_exc(limit=2)
+            row["kernels"][label] = entry
+        time_library(row, lib, True, x["scale"], rep, None, flops / 1e9, "TFLOPs")
+        results.append(row)
+        del x
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        print_row("prefill", row, "TFLOPs", flush=True)
+    return results
+
+
+def _cell(e, unit):
+    if "error" in e:
+        return f"ERR {e['error'][:60]}"
+    ratio = f"  {e['vs_cudnn']:.3f}x" if "vs_cudnn" in e else ""
+    return f"{e['ms'] * 1e3:8.1f} us {e[unit]:7.2f} {unit}  relL2 {e['relL2']:.1e}{ratio}"
+
+
+def print_row(op, row, unit, flush=False):
+    shape = f"{row['B']} x {row.get('L', row.get('N'))}"
+    extra = f" (table {row['table_tokens']} tokens)" if "table_tokens" in row else ""
+    print(f"\n{op} {shape}{extra}", flush=flush)
+    for name in ("cudnn", "flash"):
+        e = row[name]
+        drift = (f"  (before {e['ms_before'] * 1e3:.1f} us, after {e['ms_after'] * 1e3:.1f} us)"
+                 if "ms_after" in e else "")
+        print(f"  {name:<58} {_cell(e, unit)}{drift}")
+    ok = {k: e for k, e in row["kernels"].items() if "ms" in e}
+    best = min(ok, key=lambda k: ok[k]["ms"]) if ok else None
+    for label, e in row["kernels"].items():
+        mark = "*" if label == best else " "
+        print(f" {mark}{label[:58]:<58} {_cell(e, unit)}", flush=flush)
+
+
+def summary(decode, prefill):
+    print("\n| op | B x len | best kevo kernel | kevo | cuDNN | flash | kevo / cuDNN | relL2 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for op, rows, unit in (("decode", decode, "TBps"), ("prefill", prefill, "TFLOPs")):
+        for row in rows:
+            ok = {k: e for k, e in row["kernels"].items() if "ms" in e}
+            if not ok:
+                continue
+            best = min(ok, key=lambda k: ok[k]["ms"])
+            e, c, f = ok[best], row["cudnn"], row["flash"]
+            fmt = (lambda r: f"{r[unit]:.2f}" if "ms" in r else "ERR")
+            print(f"| {op} | {row['B']} x {row.get('L', row.get('N'))} | {best} | {e[unit]:.2f} | {fmt(c)} | "
+                  f"{fmt(f)} | {e.get('vs_cudnn', float('nan')):.3f} | {e['relL2']:.1e} |")
+
+
+def copy_ceiling():
+    if DEV == "cpu":
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = bench(lambda: b.copy_(a), 100)
+    return 2 * a.numel() / ms / 1e9
+
+
+def main(argv=None):
+    global DEV, DT, DECODE_ROWS, PREFILL_ROWS
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
+    ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--only", choices=["decode", "prefill"])
+    ap.add_argument("--rows", help="comma list of BxL to keep, e.g. 32x4096,1x8192")
+    ap.add_argument("--table-tokens", type=int, default=max(L for _, L in DECODE_ROWS),
+                    help="decode block-table width in tokens (at least each row's length)")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    ap.add_argument("--no-refs", action="store_true", help="do not add the two reference kernels")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check this script on the CPU: Triton's interpreter, float32, tiny rows, no timing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        DEV, DT = "cpu", torch.float32
+        DECODE_ROWS, PREFILL_ROWS = [(2, 48)], [(2, 40)]
+        args.table_tokens = 96
+    elif not torch.cuda.is_available():
+        print("vs_library.py needs a CUDA GPU (or --dry-run)")
+        return 0
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="vs_library_"))
+    specs = ([] if args.no_refs else [str(REF_DECODE), str(REF_PREFILL)]) + list(args.specs)
+    kernels = [load_spec(s, tmp) for s in specs]
+    keep = set(args.rows.split(",")) if args.rows else None
+    pick = lambda rows: [r for r in rows if keep is None or f"{r[0]}x{r[1]}" in keep]  # noqa: E731
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "triton": triton.__version__,
+            "specs": specs, "argv": sys.argv[1:]}
+    info["copy_TBps"] = copy_ceiling()
+    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s")
+    decode = [] if args.only == "prefill" else run_decode(kernels, pick(DECODE_ROWS), args.table_tokens,
+                                                          args.rep, gen)
+    prefill = [] if args.only == "decode" else run_prefill(kernels, pick(PREFILL_ROWS), args.rep, gen)
+    summary(decode, prefill)
+    if args.json:
+        args.json.write_text(json.dumps({**info, "decode": decode, "prefill": prefill}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Issue 16's kernel families (knowledge/attention/decode_paged_gqa.py, prefill_causal_tma.py), tested
+like code: each file imported by path with knob lines rewritten, run at tiny shapes (Triton's
+interpreter in float32 on a machine without CUDA) and compared with the float64 references of
+tests/test_reference_kernels_standalone.py, at the lengths that break kernels: 1, a page or tile
+either side, mixed lengths in one batch, NaN in every unused cache slot, shuffled and over-wide block
+tables, peaky queries. Speed is measured on the H200 by tests/bench/vs_library.py, not here."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+from test_reference_kernels_standalone import (  # noqa: E402
+    _load, make_decode_inputs, run_decode, run_prefill,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+DECODE = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
+PREFILL = ROOT / "knowledge" / "attention" / "prefill_causal_tma.py"
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+# many small splits on device: 16-token steps and splits, a grid of up to 64 splits per sequence
+MANY_SPLITS = {"BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 16, "SPLIT_POLICY": 0, "PROGRAMS_PER_SM": 64}
+
+
+@pytest.fixture(scope="module")
+def knob_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("family_variants")
+
+
+# ------------------------------------------------------------------ decode
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)], ids=["gqa1", "gqa2", "gqa4"])
+def test_decode_default_knobs_match_reference_at_page_edge_lengths(hq, hkv):
+    page = 8
+    run_decode(_load(DECODE), [1, page - 1, page, page + 1, 45], hq, hkv, 16, page, seed=hq * 10 + hkv)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_combine", "combine_kernel"])
+def test_decode_splits_sized_on_device_merge_correctly_for_mixed_lengths(knob_dir, fused):
+    # A block table far wider than most lengths: the grid has splits that only the long sequence
+    # fills; the short ones retire them on the device, and length 1 gets a single split.
+    mod = _load(DECODE, {**MANY_SPLITS, "FUSED_COMBINE": fused}, knob_dir)
+    run_decode(mod, [1, 7, 8, 9, 100], 4, 2, 16, 8, extra_pages=4, q_scale=3.0, seed=31)
+
+
+def test_decode_fused_combine_leaves_every_ticket_at_zero(knob_dir):
+    mod = _load(DECODE, {**MANY_SPLITS, "FUSED_COMBINE": True}, knob_dir)
+    q, kc, vc, bt, sl = make_decode_inputs([3, 50, 17], 4, 1, 16, 8, extra_pages=3, seed=37)
+    first = mod.decode(q, kc, vc, bt, sl, 0.25)
+    assert int(mod._TICKETS[q.device].abs().sum()) == 0
+    again = mod.decode(q, kc, vc, bt, sl, 0.25)                  # the next call sees clean tickets
+    assert torch.equal(first, again)
+
+
+def test_decode_ignores_nan_in_unused_slots_of_a_wide_table(knob_dir):
+    mod = _load(DECODE, MANY_SPLITS, knob_dir)
+    q, kc, vc, bt, sl = make_decode_inputs([3, 9, 17], 4, 2, 16, 8, extra_pages=5, seed=41)
+    assert torch.isnan(kc).any() and torch.isnan(vc).any()
+    assert torch.isfinite(mod.decode(q, kc, vc, bt, sl, 0.25)).all()
+    run_decode(mod, [3, 9, 17], 4, 2, 16, 8, extra_pages=5, seed=41)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"PAGE_LOADS": True, "BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 16, "PROGRAMS_PER_SM": 16},
+        {"PAGE_LOADS": True, "BLOCK_N": 32},                        # page 8 divides 32: 4 pages a step
+        {"BLOCK_N": 32, "NUM_WARPS": 2, "NUM_STAGES": 1, "MIN_TOKENS_PER_SPLIT": 32, "WAVES": 3},
+        {"MAX_SPLITS": 1},
+    ],
+    ids=["page_loads_bn16", "page_loads_bn32", "bn32_waves3", "single_split"],
+)
+def test_decode_knob_variants_stay_correct(knob_dir, knobs):
+    run_decode(_load(DECODE, knobs, knob_dir), [1, 7, 8, 64, 33], 4, 2, 16, 8, q_scale=3.0, seed=43)
+
+
+def test_decode_is_stable_for_peaky_queries_and_head_dim_32_page_4(knob_dir):
+    run_decode(_load(DECODE, MANY_SPLITS, knob_dir), [5, 4, 13, 1, 40], 4, 2, 32, 4, q_scale=20.0, seed=47)
+
+
+def test_decode_grid_splits_come_from_shapes_and_fill_the_last_wave(knob_dir):
+    cpu = torch.device("cpu")
+    mod = _load(DECODE, {"SPLIT_POLICY": 1, "PROGRAMS_PER_SM": 4, "CPU_SM_COUNT": 132}, knob_dir)
+    # H200-like: 132 SMs x 4 = 528 slots; 16 x 8 kv heads = 128 programs a split -> 4 splits (512)
+    assert mod.grid_splits(16, 8, 32768, cpu) == 4
+    assert mod.grid_splits(64, 8, 32768, cpu) == 1             # 512 programs already fill a wave
+    assert mod.grid_splits(8, 8, 32768, cpu) == 8
+    assert mod.grid_splits(8, 8, 256, cpu) == 1                # a table of one split's tokens
+    policy0 = _load(DECODE, {"SPLIT_POLICY": 0, "PROGRAMS_PER_SM": 4, "CPU_SM_COUNT": 132}, knob_dir)
+    assert policy0.grid_splits(16, 8, 32768, cpu) == 5         # cdiv(528, 128)
+
+
+# ------------------------------------------------------------------ prefill
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)], ids=["gqa1", "gqa2", "gqa4"])
+def test_prefill_matches_reference_for_mixed_lengths_and_gqa(knob_dir, tma, hq, hkv):
+    mod = _load(PREFILL, {"BLOCK_M": 16, "BLOCK_N": 16, "USE_TMA": tma, "TMA_MIN_TOKENS": 0}, knob_dir)
+    run_prefill(mod, [1, 17, 5, 40, 16], hq, hkv, 16, seed=hq * 10 + hkv)
+
+
+def test_prefill_uses_tensor_descriptors_where_it_can():
+    mod = _load(PREFILL)
+    t = torch.randn(64, 4, 16)
+    assert mod.TensorDescriptor is not None and mod._tma_ok(t, t[:, :2].contiguous())
+    assert not mod._tma_ok(t[:, :2])                            # a strided view: pointer loads
+
+
+def test_prefill_default_knobs_handle_length_one_and_long_sequences():
+    run_prefill(_load(PREFILL), [70, 1, 3, 65], 4, 2, 16, seed=51)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"BLOCK_M": 16, "BLOCK_N": 16, "LAZY_RESCALE": True, "TMA_MIN_TOKENS": 0},
+        {"BLOCK_M": 32, "BLOCK_N": 16, "LAZY_RESCALE": True, "USE_TMA": False},
+        {"BLOCK_M": 32, "BLOCK_N": 16, "HEAVY_FIRST": False, "TMA_MIN_TOKENS": 0},
+        {"BLOCK_M": 16, "BLOCK_N": 32, "TMA_MIN_TOKENS": 0},
+    ],
+    ids=["lazy_tma", "lazy_pointers", "tile_order_reference", "bn_wider_than_bm"],
+)
+def test_prefill_knob_variants_stay_correct_for_peaky_queries(knob_dir, knobs):
+    run_prefill(_load(PREFILL, knobs, knob_dir), [33, 2, 64, 1], 4, 2, 32, q_scale=20.0, seed=53)
