@@ -227,7 +227,12 @@ class LocalExecutor:
                 entry = self._take(pin.name)
                 if entry is None:
                     return
-                outcome = self._run(conn, entry)
+                try:
+                    outcome = self._run(conn, entry)
+                except BaseException as e:          # a bug here must not leave the job's future pending forever
+                    settle(entry.future, error=HarnessError(f"{entry.job.id}: the {pin.name} slot thread failed: "
+                                                            f"{type(e).__name__}: {e}"))
+                    raise
                 if outcome == "lost":
                     conn.close()
                     proc.wait()
@@ -287,7 +292,12 @@ class LocalExecutor:
             if kind == "error":
                 settle(entry.future, error=HarnessError(payload))
                 return "done"
-            done = Done.model_validate_json(payload)
+            try:
+                done = Done.model_validate_json(payload)
+            except ValueError as e:                 # pydantic's ValidationError: settled, never left pending
+                settle(entry.future, error=HarnessError(f"{entry.job.id}: the slot's answer does not validate: "
+                                                        + " ".join(str(e).split())[:500]))
+                return "check"
             settle(entry.future, done, callback_error)
             return "check" if needs_check(done.verdict) else "done"
 
