@@ -34,6 +34,8 @@ class WorkerConfig(Strict):
     reply_limit_bytes: int = Field(gt=1024)
     log_tail_chars: int = Field(ge=200)
     env_passthrough: list[str]
+    gpu_memory_fraction: float = Field(gt=0, le=1)   # of the GPU's memory, the most a worker's allocator may hold
+    trusted_gpu_bytes: int = Field(ge=0)             # held by the evaluator before any candidate runs (harness/gpu_memory.py)
 
     @field_validator("env_passthrough")
     @classmethod

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from harness import replies
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -61,10 +63,11 @@ def send_json(sock: socket.socket, obj: Any) -> None:
 
 
 def recv_json(sock: socket.socket, limit: int) -> dict:
+    """One reply: strict JSON (no NaN or Infinity: harness/replies.py), an object; its schema is checked later."""
     try:
-        obj = json.loads(_recv(sock, limit).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"reply is not JSON: {e}") from None
+        obj = replies.loads(_recv(sock, limit))
+    except replies.MalformedReply as e:
+        raise ProtocolError(str(e)) from None
     if not isinstance(obj, dict):
         raise ProtocolError("reply is not a JSON object")
     return obj

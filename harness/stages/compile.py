@@ -48,14 +48,15 @@ def static_check(ctx: EvalContext) -> list[str]:
 def compile_stage(ctx: EvalContext) -> StageResult:
     ctx.ops = static_check(ctx)
     ctx.worker = ctx.pool.spawn(ctx.source)
-    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing the candidate")
+    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py"),
+              "gpu_memory_fraction": ctx.cfg.worker.gpu_memory_fraction}, "importing the candidate")
     trials = [draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal") for op in ctx.ops]  # while it imports
-    reply = ctx.collect("importing the candidate")
-    if not reply.get("ok"):
+    reply = ctx.collect("importing the candidate", "load")
+    if not reply.ok:
         raise candidate_raised("import failed", reply)
-    metrics = {"ops": float(len(ctx.ops)), "load_s": reply["_wall_s"]}
+    metrics = {"ops": float(len(ctx.ops)), "load_s": reply.wall_s}
     for op, trial in zip(ctx.ops, trials):
         _, call = run_trial(ctx, trial)
-        metrics[f"{op}_first_call_s"] = call["_wall_s"]
+        metrics[f"{op}_first_call_s"] = call.wall_s
     return StageResult.passed("compile", f"built and launched {', '.join(ctx.ops)}; sandbox: {ctx.worker.sandbox}",
                               **metrics)
