@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -47,8 +48,27 @@ class WorkerConfig(Strict):
 
 
 class CompileConfig(Strict):
+    """Stage 1; the allowlist of what a kernel file may name is checked by harness/allowlist.py."""
     timeout_s: float = Field(gt=0)
-    allowed_imports: list[str]
+    allowed_names: dict[str, list[str]] = Field(min_length=1)   # module -> dotted names it may be used for ("*": any)
+    forbidden_builtins: list[str]
+    forbidden_attributes: list[str]
+
+    @field_validator("allowed_names")
+    @classmethod
+    def _names(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        word = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+        for module, names in v.items():
+            if not all(word.match(p) for p in module.split(".")) and module != "__future__":
+                raise ValueError(f"{module!r} is not a module name")
+            if not names:
+                raise ValueError(f"{module}: an empty list (leave the module out instead)")
+            if "*" in names and len(names) > 1:
+                raise ValueError(f"{module}: '*' admits every public name; list nothing beside it")
+            for name in names:
+                if name != "*" and not all(word.match(p) for p in name.split(".")):
+                    raise ValueError(f"{module}: {name!r} is not a dotted public name (no dunder, no private)")
+        return v
 
 
 class DispatchConfig(Strict):

@@ -1,6 +1,7 @@
 """Stage 1, compile: is this a candidate at all, and do its kernels build and launch?
 
-Trusted side first (no candidate code runs): the source parses, imports only allowed modules, and
+Trusted side first (no candidate code runs): the source parses, names only the allowlisted surface
+(harness/allowlist.py: the modules, names, builtins and attributes of config `stages.compile`), and
 defines contract functions with the contract's argument names in order. Then a fresh sandboxed
 worker imports it and calls each op once on the smallest served shape; import and compiler errors
 come back verbatim (trimmed) as feedback for the coder.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 
+from harness import allowlist
 from harness.records import StageResult
 from harness.stages.common import EvalContext, Rejected, candidate_raised, draw, run_trial
 
@@ -19,17 +21,12 @@ def static_check(ctx: EvalContext) -> list[str]:
         tree = ast.parse(ctx.source)
     except SyntaxError as e:
         raise Rejected(f"syntax error at line {e.lineno}: {e.msg}\n    {(e.text or '').rstrip()}") from None
-    allowed = set(ctx.cfg.stages.compile.allowed_imports)
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""] if node.level == 0 else ["(relative import)"]
-        for name in names:
-            if name.split(".")[0] not in allowed:
-                raise Rejected(f"line {node.lineno}: imports {name}; a candidate may import only "
-                               f"{', '.join(sorted(allowed))}")
+    c = ctx.cfg.stages.compile
+    try:
+        allowlist.check(tree, allowlist.Rules.of(c.allowed_names, c.forbidden_builtins, c.forbidden_attributes))
+    except allowlist.Refused as e:
+        raise Rejected(f"{e} (a kernel file may name only the allowlisted surface: docs/EVALUATOR.md)",
+                       allowlist=1.0) from None
     defined = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     ops = []
     for name, op in ctx.target.ops.items():
