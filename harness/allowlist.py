@@ -28,7 +28,8 @@ import re
 from dataclasses import dataclass, field
 
 DUNDER = re.compile(r"^__\w+__$")
-READABLE_DUNDERS = {"__name__"}
+READABLE_DUNDERS = {"__name__"}        # may be read: `if __name__ == "__main__":` grants nothing
+HARMLESS_STRINGS = {"__main__"}
 NAMED_ATTR_BUILTINS = {"getattr", "setattr", "delattr", "hasattr"}
 
 
@@ -159,7 +160,8 @@ class _Checker:
             self.attribute(node)
         elif isinstance(node, ast.Call):
             self.call(node)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and DUNDER.match(node.value):
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and DUNDER.match(node.value)
+              and node.value not in HARMLESS_STRINGS):
             raise Refused(line, repr(node.value), "a dunder name as a string (how attributes are reached by name)")
         elif (isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.MatMult) and not in_kernel
               and "matmul" in self.rules.attributes):          # a @ b is a.matmul(b)
