@@ -111,7 +111,9 @@ def test_a_failing_reply_is_accepted_for_any_request_and_well_formed_ones_parse(
     ('if "seconds" in reply:\n    reply["seconds"]["inputs_s"] = float("nan")', "reply is not strict JSON: NaN"),
     ('if "ops" in reply:\n    reply["ops"] = {"decode": 1}', "field ops: Input should be a valid list"),
     ('if "launches" in reply:\n    reply["op_elements"] = {"mul": 1e300 * 1e10}', "reply is not strict JSON: Infinity"),
-], ids=["list-for-dict", "missing-key", "nan-seconds", "dict-for-list", "inf-elements"])
+    ('if "launches" in reply:\n    reply["outputs"][0]["file"] = reply["outputs"][0]["file"] + ".gone"', "wrong output"),
+    ('if "launches" in reply:\n    reply["outputs"][0]["file"] = reply["outputs"][0]["file"].rsplit("/", 1)[0]', "wrong output"),
+], ids=["list-for-dict", "missing-key", "nan-seconds", "dict-for-list", "inf-elements", "missing-file", "a-folder"])
 def test_a_reply_forged_by_the_candidate_is_a_rejection_at_compile_naming_what_was_wrong(evaluate_source, edit, words):
     v = evaluate_source(forging(edit), config=config_with(**FORGING))
     assert not v.ok and v.failed_stage == "compile", v.reason

@@ -175,8 +175,8 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     try:
         outs = read_arena([e.model_dump(exclude={"wall_s"}) for e in reply.outputs], ctx.device,
                           within=ctx.worker.workdir, expect=expect)
-    except ProtocolError as e:
-        raise Rejected(f"{case.label}: outputs of the timed calls: {e}") from None
+    except (ProtocolError, OSError, RuntimeError, ValueError) as e:
+        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", protocol=1.0) from None
     drop_outputs(ctx, reply)
     for i, t in enumerate(trials):
         d = diff(outs.get(f"set{i}", torch.full((1,), float("nan"))), t.ref)
