@@ -223,8 +223,8 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list
     try:
         outs = read_arena([e.model_dump(exclude={"wall_s"}) for e in reply.outputs], ctx.device,
                           within=ctx.worker.workdir, expect=expect)
-    except ProtocolError as e:
-        raise Rejected(f"{trial.case.label}: wrong output: {e}") from None
+    except (ProtocolError, OSError, RuntimeError, ValueError) as e:    # a manifest naming no file, a folder, ...
+        raise Rejected(f"{trial.case.label}: wrong output: {type(e).__name__}: {e}", protocol=1.0) from None
     if set(outs) != set(expect):
         raise Rejected(f"{trial.case.label}: the worker returned {sorted(outs)}, expected {sorted(expect)}")
     drop_outputs(ctx, reply)
