@@ -10,7 +10,7 @@ outside this surface (config `stages.compile`, each entry with its reason):
     except the forbidden ones;
   - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr`,
     `setattr`, `delattr`, `hasattr` only with a constant name, itself checked as an attribute;
-  - no dunder names or attributes (`__name__` may be read: it grants nothing), no private attributes
+  - no dunder names or attributes but `readable_dunders` (`__name__`: a string, it grants nothing), no private attributes
     (`x._C`), no string constant that is a dunder name (`{"__torch_function__": f}`), no function or class
     named with a dunder;
   - on any object, none of `forbidden_attributes`: the library compute methods (`x.matmul`, `x.softmax`),
@@ -28,8 +28,7 @@ import re
 from dataclasses import dataclass, field
 
 DUNDER = re.compile(r"^__\w+__$")
-READABLE_DUNDERS = {"__name__"}        # may be read: `if __name__ == "__main__":` grants nothing
-HARMLESS_STRINGS = {"__main__"}
+HARMLESS_STRINGS = {"__main__"}        # `if __name__ == "__main__":` grants nothing
 NAMED_ATTR_BUILTINS = {"getattr", "setattr", "delattr", "hasattr"}
 
 
@@ -46,10 +45,17 @@ class Rules:
     names: dict[str, tuple[str, ...]]           # module -> what may be named in it ("*": any public name)
     builtins: frozenset[str] = frozenset()      # forbidden builtins
     attributes: frozenset[str] = frozenset()    # forbidden after a dot, on any object
+    dunders: frozenset[str] = frozenset({"__name__"})   # dunder names and attributes that may be named
 
     @classmethod
-    def of(cls, names: dict[str, list[str]], builtins: list[str], attributes: list[str]) -> "Rules":
-        return cls({m: tuple(v) for m, v in names.items()}, frozenset(builtins), frozenset(attributes))
+    def of(cls, names: dict[str, list[str]], builtins: list[str], attributes: list[str],
+           dunders: list[str] = ("__name__",)) -> "Rules":
+        return cls({m: tuple(v) for m, v in names.items()}, frozenset(builtins), frozenset(attributes), frozenset(dunders))
+
+    @classmethod
+    def from_config(cls, c) -> "Rules":
+        """From config `stages.compile` (harness.config.CompileConfig)."""
+        return cls.of(c.allowed_names, c.forbidden_builtins, c.forbidden_attributes, c.readable_dunders)
 
 
 @dataclass
@@ -131,6 +137,8 @@ class _Checker:
                 raise Refused(line, full, f".{p} is forbidden (stages.compile.forbidden_attributes)")
 
     def check_word(self, line: int, shown: str, word: str) -> None:
+        if word in self.rules.dunders:
+            return
         if DUNDER.match(word):
             raise Refused(line, shown, "a dunder attribute")
         if word.startswith("_"):
@@ -191,7 +199,7 @@ class _Checker:
     def name(self, node: ast.Name) -> None:
         if node.id in self.rules.builtins:
             raise Refused(node.lineno, node.id, "a forbidden builtin (stages.compile.forbidden_builtins)")
-        if DUNDER.match(node.id) and not (node.id in READABLE_DUNDERS and isinstance(node.ctx, ast.Load)):
+        if DUNDER.match(node.id) and not (node.id in self.rules.dunders and isinstance(node.ctx, ast.Load)):
             raise Refused(node.lineno, node.id, "a dunder name")
         alias = self.aliases.get(node.id)
         if alias is not None and alias.module and isinstance(node.ctx, ast.Load):

@@ -53,6 +53,15 @@ class CompileConfig(Strict):
     allowed_names: dict[str, list[str]] = Field(min_length=1)   # module -> dotted names it may be used for ("*": any)
     forbidden_builtins: list[str]
     forbidden_attributes: list[str]
+    readable_dunders: list[str]      # dunder names a file may read, as names or attributes
+
+    @field_validator("readable_dunders")
+    @classmethod
+    def _dunders(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"__[A-Za-z]\w*__", name):
+                raise ValueError(f"{name!r} is not a dunder name")
+        return v
 
     @field_validator("allowed_names")
     @classmethod

@@ -29,14 +29,15 @@ def config_with(**overrides) -> Config:
 
 
 # The compile stage's allowlist opened wide (every public torch name; ctypes, numpy, os and time importable; no
-# builtin or attribute forbidden), as overrides for config_with: for candidates written to test the defenses
+# builtin or attribute forbidden; __import__ readable), as overrides for config_with: for candidates written to test the defenses
 # behind it (a crash through ctypes, work in numpy, a patched timer, a slow import). The allowlist is the first
 # line, not the only one; these prove the later ones hold without it.
 RUNTIME_ONLY = {
     "stages.compile.allowed_names": {**yaml.safe_load(DEFAULT_CONFIG.read_text())["stages"]["compile"]["allowed_names"],
                                      "torch": ["*"], "torch.nn.functional": ["*"], "ctypes": ["*"], "numpy": ["*"],
                                      "os": ["*"], "time": ["*"]},
-    "stages.compile.forbidden_builtins": [], "stages.compile.forbidden_attributes": []}
+    "stages.compile.forbidden_builtins": [], "stages.compile.forbidden_attributes": [],
+    "stages.compile.readable_dunders": ["__name__", "__import__"]}
 
 
 def runtime_only(**overrides) -> Config:

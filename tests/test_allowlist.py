@@ -14,7 +14,7 @@ from conftest import ROOT, config_with
 from harness.allowlist import Refused, Rules, check
 from harness.config import DEFAULT_CONFIG, ConfigError, load_config
 
-RULES = (lambda c: Rules.of(c.allowed_names, c.forbidden_builtins, c.forbidden_attributes))(load_config().stages.compile)
+RULES = Rules.from_config(load_config().stages.compile)
 HEAD = "import torch\nimport triton\nimport triton.language as tl\n"
 
 
@@ -152,8 +152,7 @@ def test_allowed_surface_with_aliases_passes():
 
 def test_the_allowlist_lives_in_the_config_and_a_widened_one_admits_more():
     wide = config_with(**{"stages.compile.allowed_names": {"torch": ["*"]}}).stages.compile
-    check(ast.parse("import torch\ny = torch.einsum\n"), Rules.of(wide.allowed_names, wide.forbidden_builtins,
-                                                               wide.forbidden_attributes))
+    check(ast.parse("import torch\ny = torch.einsum\n"), Rules.from_config(wide))
 
 
 @pytest.mark.parametrize("names, words", [
@@ -171,3 +170,21 @@ def test_a_malformed_allowlist_is_a_config_error_naming_the_key(tmp_path, names,
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert "stages.compile.allowed_names" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_name_may_be_read_as_a_name_or_an_attribute_and_nothing_else_dunder():
+    check(ast.parse("def f(g):\n    return g.__name__ if __name__ != '__main__' else ''\n"), RULES)
+    with pytest.raises(Refused, match="line 1: __name__: a dunder name"):
+        check(ast.parse("__name__ = 'x'\n"), RULES)
+    with pytest.raises(Refused, match="line 2: __import__: a dunder name"):
+        check(ast.parse("def f():\n    return __import__('os')\n"), Rules.from_config(
+            config_with(**{"stages.compile.forbidden_builtins": []}).stages.compile))
+
+
+def test_a_readable_dunder_that_is_not_a_dunder_is_a_config_error(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["stages"]["compile"]["readable_dunders"] = ["name"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="stages.compile.readable_dunders"):
+        load_config(path)

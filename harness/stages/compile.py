@@ -21,9 +21,8 @@ def static_check(ctx: EvalContext) -> list[str]:
         tree = ast.parse(ctx.source)
     except SyntaxError as e:
         raise Rejected(f"syntax error at line {e.lineno}: {e.msg}\n    {(e.text or '').rstrip()}") from None
-    c = ctx.cfg.stages.compile
     try:
-        allowlist.check(tree, allowlist.Rules.of(c.allowed_names, c.forbidden_builtins, c.forbidden_attributes))
+        allowlist.check(tree, allowlist.Rules.from_config(ctx.cfg.stages.compile))
     except allowlist.Refused as e:
         raise Rejected(f"{e} (a kernel file may name only the allowlisted surface: docs/EVALUATOR.md)",
                        allowlist=1.0) from None
