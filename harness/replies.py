@@ -53,8 +53,11 @@ Elements = Annotated[float, Field(ge=0, le=1e18, allow_inf_nan=False)]
 Micros = Annotated[float, Field(ge=0, le=86400e6, allow_inf_nan=False)]
 
 
-class Reply(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Reply(_Strict):
     wall_s: float = 0.0            # set by the evaluator: its own clock from request to reply (never the worker's)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -81,7 +84,7 @@ class Loaded(Reply):
     error: Text = ""
 
 
-class Entry(Reply):
+class Entry(_Strict):
     """One tensor of an output arena (harness/transport.py reads it, confined to the worker's folder)."""
     name: Name
     dtype: Name
@@ -128,8 +131,26 @@ class Burst(Reply):
     ok: Literal[True]
 
 
+class OpStats(_Strict):
+    calls: Count
+    candidate: Count
+    unsupported: Count
+    not_implemented: Count
+    implemented: bool
+    stalls: Count
+    stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+    worst_stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+
+
+class ServedStats(Reply):
+    """A served candidate's accounting (GET /kevo/stats, harness/served/ops.py): its process runs the
+    candidate, so it is a reply like any other. Only `ops` is read; the rest is diagnostics."""
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+    ops: dict[Name, OpStats] = Field(max_length=16)
+
+
 SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "profile": Profiled, "time": Timed,
-                                   "capture": Captured, "burst": Burst}
+                                   "capture": Captured, "burst": Burst, "served_stats": ServedStats}
 
 
 def _where(err: ValidationError) -> str:
@@ -145,7 +166,7 @@ def parse(kind: str, raw: Any, wall_s: float = 0.0) -> Reply:
     schema = SCHEMAS[kind]
     if not isinstance(raw, dict):
         raise MalformedReply(f"the reply is a JSON {type(raw).__name__}, not an object")
-    if raw.get("ok") is False and not (kind == "load" and "ops" in raw):
+    if raw.get("ok") is False and not (kind == "load" and "ops" in raw) and kind != "served_stats":
         schema = Failed
     try:
         return schema.model_validate({**raw, "wall_s": float(wall_s)})

@@ -252,3 +252,24 @@ def test_a_done_with_a_nan_metric_crosses_the_slot_pipe_intact():
     v = Verdict.of([StageResult.failed("replay", "r", fallback_share=math.nan)])
     done = Done(id="c001", verdict=v, slot="cpu0", started=0.0, ended=1.0)
     assert Done.model_validate_json(done.model_dump_json()) == done
+
+
+# -- the served candidate's accounting, read by the replay stage --------------------------------------------
+
+STATS = {"ops": {"decode": {"calls": 3, "candidate": 3, "unsupported": 0, "not_implemented": 0, "implemented": True,
+                            "stalls": 0, "stall_ms": 0.0, "worst_stall_ms": 0.0}}, "steps": 5, "error": None}
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: s["ops"].update(decode=[1]), "field ops.decode: Input should be a valid dictionary"),
+    (lambda s: s["ops"]["decode"].update(stall_ms=float("nan")), "field ops.decode.stall_ms: Input should be a finite number"),
+    (lambda s: s["ops"]["decode"].pop("calls"), "field ops.decode.calls: Field required"),
+    (lambda s: s.pop("ops"), "field ops: Field required"),
+], ids=["list-for-dict", "nan", "missing", "no-ops"])
+def test_the_served_candidate_s_accounting_is_validated_like_any_reply(edit, words):
+    stats = json.loads(json.dumps(STATS))
+    assert parse("served_stats", stats).ops["decode"].calls == 3
+    edit(stats)
+    with pytest.raises(MalformedReply) as err:
+        parse("served_stats", stats)
+    assert words in str(err.value), str(err.value)

@@ -221,7 +221,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1) -> tuple[list
         raise no_launch(f"{trial.case.op} ({ctx.stage}, {trial.case.label})")
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
     try:
-        outs = read_arena([e.model_dump(exclude={"wall_s"}) for e in reply.outputs], ctx.device,
+        outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device,
                           within=ctx.worker.workdir, expect=expect)
     except (ProtocolError, OSError, RuntimeError, ValueError) as e:    # a manifest naming no file, a folder, ...
         raise Rejected(f"{trial.case.label}: wrong output: {type(e).__name__}: {e}", protocol=1.0) from None

@@ -173,7 +173,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     synced, stream = timed_medians(reply, impls, m.reps * len(trials), case.label)
     expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
     try:
-        outs = read_arena([e.model_dump(exclude={"wall_s"}) for e in reply.outputs], ctx.device,
+        outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device,
                           within=ctx.worker.workdir, expect=expect)
     except (ProtocolError, OSError, RuntimeError, ValueError) as e:
         raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", protocol=1.0) from None
