@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.config import Config
+from harness.errors import HarnessError
 
 
 @dataclass
@@ -34,10 +35,14 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
         return None
     key = str(device)
     if key not in _HELD:
-        flush = torch.empty(max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
         working = cfg.worker.trusted_gpu_bytes
-        if working:
-            block = torch.empty(working, dtype=torch.uint8, device=device)
-            del block                     # back into torch's cache, which keeps it for this process
+        try:
+            flush = torch.empty(max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
+            if working:
+                block = torch.empty(working, dtype=torch.uint8, device=device)
+                del block                 # back into torch's cache, which keeps it for this process
+        except torch.OutOfMemoryError as e:
+            raise HarnessError(f"the evaluator cannot take its own GPU memory (worker.trusted_gpu_bytes = {working}, "
+                               f"plus microbench's flush buffer) before any candidate runs: {str(e).splitlines()[0]}") from None
         _HELD[key] = Reserve(flush, working)
     return _HELD[key]
