@@ -229,10 +229,10 @@ class LocalExecutor:
                     return
                 try:
                     outcome = self._run(conn, entry)
-                except BaseException as e:          # a bug here must not leave the job's future pending forever
-                    settle(entry.future, error=HarnessError(f"{entry.job.id}: the {pin.name} slot thread failed: "
-                                                            f"{type(e).__name__}: {e}"))
-                    raise
+                except Exception as e:              # a bug here must leave no future pending: not this job's,
+                    why = f"{pin.name}: the slot thread failed: {type(e).__name__}: {e}"     # nor the queue's
+                    settle(entry.future, error=EvaluationLost(f"{entry.job.id}: {why}"))
+                    return self._take_out(pin, why)
                 if outcome == "lost":
                     conn.close()
                     proc.wait()
@@ -295,8 +295,8 @@ class LocalExecutor:
             try:
                 done = Done.model_validate_json(payload)
             except ValueError as e:                 # pydantic's ValidationError: settled, never left pending
-                settle(entry.future, error=HarnessError(f"{entry.job.id}: the slot's answer does not validate: "
-                                                        + " ".join(str(e).split())[:500]))
+                settle(entry.future, error=EvaluationLost(f"{entry.job.id}: the slot's answer does not validate: "
+                                                          + " ".join(str(e).split())[:500]))
                 return "check"
             settle(entry.future, done, callback_error)
             return "check" if needs_check(done.verdict) else "done"

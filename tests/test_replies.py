@@ -19,9 +19,8 @@ import candidates as C
 from conftest import RUNTIME_ONLY, config_with, runtime_only
 from test_ledger import candidate, commit, new_ledger
 
-from harness.errors import HarnessError
 from harness.evaluate import device_shapes
-from harness.executors import LocalExecutor, _Entry
+from harness.executors import EvaluationLost, LocalExecutor, _Entry
 from harness.pool import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.replies import MalformedReply, loads, parse
@@ -241,7 +240,7 @@ def test_a_slot_answer_that_does_not_validate_settles_the_job_s_future_instead_o
     feeder.start()
     outcome = LocalExecutor._run(None, ours, entry)          # the slot thread's reading of one job's answer
     assert outcome == "check"
-    with pytest.raises(HarnessError, match="c001: the slot's answer does not validate"):
+    with pytest.raises(EvaluationLost, match="c001: the slot's answer does not validate"):
         entry.future.result(timeout=5)
 
 
