@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import candidates as C
-from conftest import RUNTIME_ONLY, config_with, runtime_only
+from conftest import RUNTIME_ONLY, config_with
 from test_ledger import candidate, commit, new_ledger
 
 from harness.evaluate import device_shapes
