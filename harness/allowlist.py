@@ -17,13 +17,17 @@ outside this surface (config `stages.compile`, each entry with its reason):
     the ways out of the allowlist (`x.numpy`, frames and code objects: `gi_frame`, `f_globals`), the
     submodules that lead to library or internal surface (`nn`, `ops`, `backends`, `profiler`, ...);
   - no `@` operator outside a `@triton.jit` function while `matmul` is a forbidden attribute (`a @ b` is
-    `a.matmul(b)` on tensors; `tl.dot` in a kernel).
+    `a.matmul(b)` on tensors; `tl.dot` in a kernel);
+  - nothing a wildcard module or a listed name leads to that lives outside the allowlisted packages,
+    followed on the real modules here (`tl.core.inspect` is the `inspect` module triton imported).
 A refusal names the line and the name. Not covered: what allowed calls do at run time (how much torch work
 a candidate issues, which aten ops run): the worker's audit sees every call (harness/stages/common.py).
 """
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from dataclasses import dataclass, field
 
@@ -126,15 +130,38 @@ class _Checker:
         rest = parts[len(module.split(".")):]
         allowed = self.rules.names[module]
         if "*" in allowed:
-            beyond = rest[1:]
+            beyond, named = rest[1:], []
         else:
             entry = next((e.split(".") for e in allowed if rest[:len(e.split("."))] == e.split(".")), None)
             if entry is None:
                 raise Refused(line, full, f"not on {module}'s allowlist (stages.compile.allowed_names.{module})")
-            beyond = rest[len(entry):]
+            beyond, named = rest[len(entry):], entry
         for p in beyond:
             if p in self.rules.attributes:
                 raise Refused(line, full, f".{p} is forbidden (stages.compile.forbidden_attributes)")
+        self.check_homes(line, full, module, named, rest[len(named):])
+
+    def check_homes(self, line: int, full: str, module: str, named: list[str], unlisted: list[str]) -> None:
+        """Follow the chain on the real modules (trusted: nothing of the candidate's runs) and refuse an
+        attribute the allowlist did not name that lives outside the allowlisted packages: a wildcard module's
+        own imports (`typing.sys`, `triton.language.core.inspect`) would otherwise be reachable through it."""
+        if not unlisted:
+            return
+        try:
+            obj = importlib.import_module(module)
+            for p in named:
+                obj = getattr(obj, p)
+        except Exception:                                   # noqa: BLE001 - what cannot be followed here
+            return                                          # cannot be reached there either
+        roots = {m.split(".")[0] for m in self.rules.names} | {"builtins"}
+        for p in unlisted:
+            try:
+                obj = getattr(obj, p)
+            except Exception:                               # noqa: BLE001 - made at run time, or absent
+                return
+            home = _home(obj)
+            if home.split(".")[0] not in roots:
+                raise Refused(line, full, f".{p} is {home}'s, outside the allowlisted modules")
 
     def check_word(self, line: int, shown: str, word: str) -> None:
         if word in self.rules.dunders:
@@ -227,6 +254,17 @@ class _Checker:
             if len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
                 raise Refused(node.lineno, node.func.id, "with a computed attribute name (only a constant string)")
             self.check_attribute(node.lineno, f"{node.func.id}(..., {node.args[1].value!r})", node.args[1].value)
+
+
+def _home(obj) -> str:
+    """The module an object belongs to: a module's own name, a function's or class's __module__, else its type's."""
+    if inspect.ismodule(obj):
+        return obj.__name__
+    if inspect.isfunction(obj) or inspect.isclass(obj) or inspect.isbuiltin(obj):
+        home = getattr(obj, "__module__", None)
+        if isinstance(home, str):
+            return home
+    return type(obj).__module__
 
 
 def check(tree: ast.Module, rules: Rules) -> None:

@@ -188,3 +188,22 @@ def test_a_readable_dunder_that_is_not_a_dunder_is_a_config_error(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="stages.compile.readable_dunders"):
         load_config(path)
+
+
+@pytest.mark.parametrize("body, line, name", [
+    ("y = tl.core.inspect.getmembers\n", 4, "triton.language.core.inspect.getmembers"),
+    ("y = tl.core.contextmanager\n", 4, "triton.language.core.contextmanager"),
+    ("import math\ny = math.pi.hex\n", 5, None),
+], ids=["tl-core-inspect", "tl-core-contextlib", "math-constant-method"])
+def test_a_wildcard_module_s_own_imports_are_not_reachable_through_it(body, line, name):
+    if name is None:                                   # a builtin value's method: builtins, allowed
+        check(ast.parse(HEAD + body), RULES)
+        return
+    err = refusal(body)
+    assert (err.line, err.name) == (line, name) and "outside the allowlisted modules" in err.why, str(err)
+
+
+def test_typing_is_listed_name_by_name():
+    for body in ("import typing\ny = typing.get_type_hints\n", "import typing\ny = typing.sys\n"):
+        with pytest.raises(Refused, match="not on typing's allowlist"):
+            check(ast.parse(body), RULES)
