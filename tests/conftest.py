@@ -35,7 +35,7 @@ def config_with(**overrides) -> Config:
 RUNTIME_ONLY = {
     "stages.compile.allowed_names": {**yaml.safe_load(DEFAULT_CONFIG.read_text())["stages"]["compile"]["allowed_names"],
                                      "torch": ["*"], "torch.nn.functional": ["*"], "ctypes": ["*"], "numpy": ["*"],
-                                     "os": ["*"], "time": ["*"]},
+                                     "os": ["*"], "posix": ["*"], "time": ["*"]},
     "stages.compile.forbidden_builtins": [], "stages.compile.forbidden_attributes": [],
     "stages.compile.readable_dunders": ["__name__", "__import__"]}
 
