@@ -252,9 +252,9 @@ class Worker:
                         call(fn, op, args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
                     for _ in range(per_graph):
-                        call(fn, op, args)
+                        self._call(fn, op, args)
                 self.graphs[(op, impl)] = graph
                 return {"ok": True, "graph": True, "op_calls": dict(self.probes.op_calls)}
             except Exception as e:
