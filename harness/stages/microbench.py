@@ -7,7 +7,8 @@ counts is device time on the stream. The evaluator then distrusts every number i
   - the reply fits its schema (harness/replies.py: finite times above zero, bounded) and holds exactly
     the implementations and repetitions asked for; every guard below is written `if not <what must
     hold>`, so a NaN that got this far would still reject;
-  - the timed and captured calls were watched by the audit like any other (no library op);
+  - the timed calls, and the calls made just before the CUDA-graph capture, were watched by the audit
+    like any other (no library op);
   - the outputs of the timed calls are re-checked against float64;
   - device time after the synchronize far beyond the stream's (less the synchronize's own cost,
     measured on the baseline) means work escaped the timed stream;
