@@ -34,12 +34,23 @@ def extract_code(reply: str) -> tuple[str | None, str]:
     return code.rstrip() + "\n", ""
 
 
+def allowlist_words(cfg: Config) -> str:
+    """The compile stage's allowlist (harness/allowlist.py) as the coder must read it."""
+    c = cfg.stages.compile
+    listed = "; ".join(f"{m}: {', '.join(names)}" for m, names in c.allowed_names.items() if m != "__future__")
+    return (f"{', '.join(m for m in c.allowed_names)}, and of each module name only what it lists ({listed}; "
+            "* is any public name). Never name a dunder or private attribute, a computed attribute name "
+            f"(getattr with a variable), any of {', '.join(c.forbidden_builtins)}, or any of these attributes on any "
+            f"object: {', '.join(c.forbidden_attributes)}; no @ outside a @triton.jit kernel. A file that does is "
+            "refused before it runs")
+
+
 class Coder:
     def __init__(self, llm: LLM, meter: Meter, model: str, cfg: Config, target: str, device: torch.device,
                  catalog: Catalog, arch: str) -> None:
         self.llm, self.meter, self.model, self.cfg = llm, meter, model, cfg
         self.target, self.device, self.catalog, self.arch = target, device, catalog, arch
-        self.system = render("coder_system", allowed_imports=", ".join(cfg.stages.compile.allowed_imports))
+        self.system = render("coder_system", allowed_imports=allowlist_words(cfg))
 
     def _ask(self, purpose: str, prompt: str) -> tuple[str | None, list[Exchange], str]:
         messages = [Message(role="user", content=prompt)]

@@ -26,6 +26,7 @@ Not here: deciding anything (loop), the run folder's lock (session).
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -71,7 +72,22 @@ def _trailers(fields: dict[str, object]) -> str:
 
 
 def _num(x: float | None, fmt: str = ".4f") -> str:
-    return "n/a" if x is None else format(x, fmt)
+    return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def _finite(obj):
+    """`obj` with every float that is not finite replaced by None: the ledger never holds NaN or Inf."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _json(obj) -> str:
+    return json.dumps(_finite(obj), indent=1, allow_nan=False)
 
 
 def id_number(cid: str) -> int:
@@ -155,8 +171,8 @@ class Ledger:
         ledger = cls(root)
         ledger.exclude(LOCK_NAME)
         files = {"run.json": header.model_dump_json(indent=1), "config.yaml": config_yaml,
-                 "environment.json": json.dumps(environment, indent=1), "profile.json": profile.model_dump_json(indent=1),
-                 "replay.json": json.dumps(replay, indent=1), "summary.json": json.dumps(summary, indent=1),
+                 "environment.json": _json(environment), "profile.json": profile.model_dump_json(indent=1),
+                 "replay.json": _json(replay), "summary.json": _json(summary),
                  "README.md": f"# kevo run {header.id}\n\n`git log` is this run's history: one commit per candidate, "
                               "rejections included. See candidates/<id>/README.md for each.\n"}
         if settings is not None:
@@ -178,6 +194,10 @@ class Ledger:
     def write(self, rel: str, text: str) -> None:
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
+        if rel.endswith(".json"):                       # whoever made it: no NaN or Infinity reaches the ledger
+            obj = json.loads(text)
+            if _finite(obj) != obj:                    # NaN != NaN, and Inf becomes None
+                text = _json(obj)
         path.write_text(redact(text))
 
     def commit(self, subject: str, body: list[str], files: dict[str, str], trailers: dict[str, object]) -> str:
@@ -202,7 +222,7 @@ class Ledger:
                 else f"not to be evaluated ({proposal.outcome} at {proposal.stage}); its verdict commit follows"]
         return self.commit(f"propose {proposal.id} [{proposal.op}]: {c.hypothesis if c else proposal.outcome}"[:150], body,
                            {f"{d}/proposal.json": proposal.model_dump_json(indent=1),
-                            "summary.json": json.dumps(summary, indent=1)},
+                            "summary.json": _json(summary)},
                            {"Proposal": proposal.id, "Op": proposal.op, "Parent": proposal.parent or "n/a",
                             "Cost": f"{sum(e.cost_usd for e in proposal.exchanges):.6f}"})
 
@@ -215,7 +235,7 @@ class Ledger:
         if self.committed(f"{d}/record.json") is not None:
             raise LedgerError(f"{record.id} already has a verdict in the ledger; a candidate is evaluated once")
         files = {**(files or {}), f"{d}/record.json": record.model_dump_json(indent=1),
-                 f"{d}/README.md": self._readme(record), "summary.json": json.dumps(summary, indent=1)}
+                 f"{d}/README.md": self._readme(record), "summary.json": _json(summary)}
         if exchanges:
             files[f"{d}/exchanges.jsonl"] = "".join(e.model_dump_json() + "\n" for e in exchanges)
         for i, rnd in enumerate(record.rounds):

@@ -237,7 +237,11 @@ class DaskExecutor:
         if remote.cancelled():
             fut.cancel()
         elif error is None:
-            settle(fut, Done.model_validate_json(remote.result()))
+            try:
+                settle(fut, Done.model_validate_json(remote.result()))
+            except ValueError as e:                 # pydantic's ValidationError: settled, never left pending
+                settle(fut, error=EvaluationLost(f"{job.id}: the slot's answer does not validate: "
+                                                 + " ".join(str(e).split())[:500]))
         elif isinstance(error, KilledWorker):
             settle(fut, error=EvaluationLost(f"{job.id}: Dask workers died under it "
                                               f"{self.cfg.executor.requeue_limit + 1} times ({error})"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -41,6 +42,8 @@ class WorkerConfig(Strict):
     processes: int = Field(ge=64)                    # RLIMIT_NPROC, counted per user (every sandbox's is one)
     cpu_seconds: int = Field(ge=60)                  # RLIMIT_CPU of a worker, its threads together
     cpu_address_space_bytes: int = Field(ge=4 << 30)  # RLIMIT_AS, on the CPU device only
+    gpu_memory_fraction: float = Field(gt=0, le=1)   # of the GPU's memory, the most a worker's allocator may hold
+    trusted_gpu_bytes: int = Field(ge=0)             # held by the evaluator before any candidate runs (harness/gpu_memory.py)
 
     @field_validator("env_passthrough")
     @classmethod
@@ -52,8 +55,36 @@ class WorkerConfig(Strict):
 
 
 class CompileConfig(Strict):
+    """Stage 1; the allowlist of what a kernel file may name is checked by harness/allowlist.py."""
     timeout_s: float = Field(gt=0)
-    allowed_imports: list[str]
+    allowed_names: dict[str, list[str]] = Field(min_length=1)   # module -> dotted names it may be used for ("*": any)
+    forbidden_builtins: list[str]
+    forbidden_attributes: list[str]
+    readable_dunders: list[str]      # dunder names a file may read, as names or attributes
+
+    @field_validator("readable_dunders")
+    @classmethod
+    def _dunders(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"__[A-Za-z]\w*__", name):
+                raise ValueError(f"{name!r} is not a dunder name")
+        return v
+
+    @field_validator("allowed_names")
+    @classmethod
+    def _names(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        word = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+        for module, names in v.items():
+            if not all(word.match(p) for p in module.split(".")) and module != "__future__":
+                raise ValueError(f"{module!r} is not a module name")
+            if not names:
+                raise ValueError(f"{module}: an empty list (leave the module out instead)")
+            if "*" in names and len(names) > 1:
+                raise ValueError(f"{module}: '*' admits every public name; list nothing beside it")
+            for name in names:
+                if name != "*" and not all(word.match(p) for p in name.split(".")):
+                    raise ValueError(f"{module}: {name!r} is not a dotted public name (no dunder, no private)")
+        return v
 
 
 class DispatchConfig(Strict):

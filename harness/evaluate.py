@@ -15,6 +15,7 @@ import torch
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
+from harness.gpu_memory import reserve
 from harness.pool import Pool, WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.sandbox import redact
@@ -122,7 +123,8 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=TARGETS[target], shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat))
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat),
+                      reserved=reserve(cfg, device))
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:

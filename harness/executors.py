@@ -227,7 +227,12 @@ class LocalExecutor:
                 entry = self._take(pin.name)
                 if entry is None:
                     return
-                outcome = self._run(conn, entry)
+                try:
+                    outcome = self._run(conn, entry)
+                except Exception as e:              # a bug here must leave no future pending: not this job's,
+                    why = f"{pin.name}: the slot thread failed: {type(e).__name__}: {e}"     # nor the queue's
+                    settle(entry.future, error=EvaluationLost(f"{entry.job.id}: {why}"))
+                    return self._take_out(pin, why)
                 if outcome == "lost":
                     conn.close()
                     proc.wait()
@@ -287,7 +292,12 @@ class LocalExecutor:
             if kind == "error":
                 settle(entry.future, error=HarnessError(payload))
                 return "done"
-            done = Done.model_validate_json(payload)
+            try:
+                done = Done.model_validate_json(payload)
+            except ValueError as e:                 # pydantic's ValidationError: settled, never left pending
+                settle(entry.future, error=EvaluationLost(f"{entry.job.id}: the slot's answer does not validate: "
+                                                          + " ".join(str(e).split())[:500]))
+                return "check"
             settle(entry.future, done, callback_error)
             return "check" if needs_check(done.verdict) else "done"
 

@@ -1,10 +1,13 @@
 """Instruments installed inside a worker: which Triton kernels launch, which torch ops run.
 
 `Probes` counts every Triton launch by kernel name (JIT, interpreted and precompiled launches), can
-skip them all ("ablate": is the kernel what produces the output?), and can audit the aten ops a
-candidate issues outside its kernels with a TorchDispatchMode. Runs in the untrusted process: it
-finds lazy or mistaken wrappers; it is not what keeps a determined adversary out (the trusted
-comparisons and clocks in the stages are).
+skip them all ("ablate": is the kernel what produces the output?), and audits the aten ops a candidate
+issues with a TorchDispatchMode: every op by name (`op_calls`, inside Triton launches too, where a launch
+hook could hide library work) and the elements produced outside launches (`op_elements`). The worker
+applies the audit to every call it makes for the candidate, in every stage. Runs in the untrusted
+process: the compile stage's allowlist leaves a candidate no name to detect or switch off the audit with
+(torch.utils, torch._C, private attributes); the trusted comparisons and clocks in the stages are what
+holds if it is subverted anyway.
 """
 from __future__ import annotations
 
@@ -96,8 +99,8 @@ class _Audit(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.probes.in_launch:
-            name = func.overloadpacket.__name__
-            self.probes.op_calls[name] += 1
+        name = func.overloadpacket.__name__
+        self.probes.op_calls[name] += 1             # inside a launch too: a hook run there is no hiding place
+        if not self.probes.in_launch:               # Triton's own plumbing (the interpreter's copies) is not work
             self.probes.op_elements[name] += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out

@@ -1,23 +1,53 @@
 """The typed records that flow through the evaluator: one stage's result and the whole verdict.
 
-Metrics are numbers, reasons are strings; a bad candidate is a failing record, never an exception.
+Metrics are finite numbers, reasons are strings; a bad candidate is a failing record, never an exception.
+A metric that is not finite (NaN or ±Inf: a replay without fallback accounting, a ratio over zero) is not
+kept: it is dropped at construction and the stage's reason says which one and what it was, so no verdict,
+ledger or Done message ever carries one. A stored metric of null (how ledgers written before this check
+kept a NaN) is dropped the same way when read back, so resuming such a run never fails on it.
 """
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Status = Literal["passed", "failed", "skipped"]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class StageResult(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
     name: str
     status: Status
     reason: str = ""
-    seconds: float = 0.0
-    metrics: dict[str, float] = Field(default_factory=dict)
+    seconds: Finite = 0.0
+    metrics: dict[str, Finite] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_metrics(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
+            return data
+        kept, dropped = {}, []
+        for key, value in data["metrics"].items():
+            if value is None:                       # a NaN stored as null by an older kevo: nothing to keep
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
+                dropped.append(f"{key} = {value}")
+                continue
+            kept[key] = value
+        data = {**data, "metrics": kept}
+        if dropped:
+            note = f"(not finite, so not recorded: {', '.join(dropped)})"
+            data["reason"] = f"{data.get('reason', '')} {note}".strip()
+        return data
+
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _finite_seconds(cls, v: Any) -> Any:
+        return 0.0 if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
 
     @classmethod
     def passed(cls, name: str, reason: str = "", **metrics: float) -> "StageResult":
@@ -49,8 +79,18 @@ class Verdict(BaseModel):
     reason: str
     stages: list[StageResult]
 
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _revalidate(cls, stages: Any) -> Any:
+        """Stage results are checked again here: metrics added to one after it was made (worker_s, cpu_s)
+        pass the same finiteness check as those it was made with."""
+        if isinstance(stages, list):
+            return [s.model_dump() if isinstance(s, StageResult) else s for s in stages]
+        return stages
+
     @classmethod
     def of(cls, stages: list[StageResult]) -> "Verdict":
+        stages = [StageResult.model_validate(s.model_dump()) for s in stages]
         failed = next((s for s in stages if s.status == "failed"), None)
         # Only the full scored replay may accept; it sets the metric `accepted` to 1 when it does.
         accepted = failed is None and any(

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from harness import replies
+
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -86,9 +88,9 @@ def recv_json(sock: socket.socket, limit: int, max_fds: int = 0) -> tuple[dict, 
         if n > limit:
             raise ProtocolError(f"message of {n} bytes is over the {limit}-byte limit")
         try:
-            obj = json.loads(_recv_exact(sock, n).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProtocolError(f"reply is not JSON: {e}") from None
+            obj = replies.loads(_recv_exact(sock, n))     # strict: no NaN or Infinity (harness/replies.py)
+        except replies.MalformedReply as e:
+            raise ProtocolError(str(e)) from None
         if not isinstance(obj, dict):
             raise ProtocolError("reply is not a JSON object")
     except BaseException:

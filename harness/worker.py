@@ -89,6 +89,12 @@ class Worker:
             return spec.baseline if args is None else spec.prepared_baseline(args)
         raise ValueError(f"unknown implementation {impl!r}")
 
+    def _watched(self, fn, op: str, args: dict[str, Any]) -> torch.Tensor:
+        """A call of the candidate's, with its aten ops outside Triton launches counted (`Probes.audit`):
+        every call made for the candidate is watched alike, so none is a safe moment for library compute."""
+        with self.probes.audit():
+            return self._call(fn, op, args)
+
     def _save(self, tensors: dict[str, torch.Tensor]) -> list[dict]:
         manifest, fd = write_arena(tensors, len(self.pending))
         self.pending.append(fd)
@@ -112,6 +118,9 @@ class Worker:
         return {"ok": True}
 
     def load(self, msg: dict) -> dict:
+        if self.device.type == "cuda" and msg.get("gpu_memory_fraction"):
+            # before the candidate's code runs: the rest of the GPU's memory stays the evaluator's
+            torch.cuda.set_per_process_memory_fraction(float(msg["gpu_memory_fraction"]), self.device)
         path = Path(msg["path"])
         spec = importlib.util.spec_from_file_location("candidate", path)
         module = importlib.util.module_from_spec(spec)
@@ -144,12 +153,11 @@ class Worker:
             self._poison(out_shape, DTYPES[msg["inputs"]["dtype"]])
             if mode == "ablate":
                 with self.probes.ablated():
-                    out = self._call(self._fn("candidate", op), op, args)
-            elif mode == "audit":
-                with self.probes.audit():
-                    out = self._call(self._fn("candidate", op), op, args)
+                    out = self._watched(self._fn("candidate", op), op, args)
+            elif msg.get("impl", "candidate") == "candidate":          # "audit" and "run" alike
+                out = self._watched(self._fn("candidate", op), op, args)
             else:
-                out = self._call(self._fn(msg.get("impl", "candidate"), op, args), op, args)
+                out = self._call(self._fn(msg["impl"], op, args), op, args)
             self._sync()
             outs[f"out{i}"] = out
             seconds[f"call{i}_s"] = time.perf_counter() - t0
@@ -170,12 +178,12 @@ class Worker:
         op = msg["op"]
         args = self._inputs(op, msg["inputs"])
         fn = self._fn("candidate", op)
-        self._call(fn, op, args)
-        self._sync()
         self.probes.reset()
+        self._watched(fn, op, args)
+        self._sync()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(int(msg.get("repeat", 3))):
-                self._call(fn, op, args)
+                self._watched(fn, op, args)
             self._sync()
         kernels: dict[str, float] = {}
         for e in prof.key_averages():
@@ -184,7 +192,7 @@ class Worker:
                 us = getattr(e, "self_cuda_time_total", 0.0)
             if us and getattr(e, "device_type", None) is not None and "CUDA" in str(e.device_type):
                 kernels[e.key] = kernels.get(e.key, 0.0) + float(us)
-        return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches)}
+        return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls)}
 
     def time(self, msg: dict) -> dict:
         """Interleaved timing: for each rep, each input set, each implementation (rotating order).
@@ -208,8 +216,10 @@ class Worker:
                     anchor_error = _trim(f"{type(e).__name__}: {e}", 300)
                     calls.pop(impl, None)
             else:
-                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a): self._call(fn, op, a)) for a in sets]
+                call = self._watched if impl == "candidate" else self._call
+                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a), call=call: call(fn, op, a)) for a in sets]
         impls = [i for i in impls if i in calls]
+        self.probes.reset()
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
         for _ in range(msg["warmup"]):
             for impl in dict.fromkeys(impls):
@@ -239,7 +249,7 @@ class Worker:
                     if impl == "candidate":
                         last[f"set{s}"] = out
         return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
-                "outputs": self._save(last) if last else []}
+                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls)}
 
     def burst(self, msg: dict) -> dict:
         """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
@@ -250,29 +260,32 @@ class Worker:
         fn = self._fn(impl, op, args)
         per_graph = 10
         if msg.get("prepare"):
+            call = self._watched if impl == "candidate" else self._call
+            self.probes.reset()
             try:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(2):
-                        self._call(fn, op, args)
+                        call(fn, op, args)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
                     for _ in range(per_graph):
                         self._call(fn, op, args)
                 self.graphs[(op, impl)] = graph
-                return {"ok": True, "graph": True}
+                return {"ok": True, "graph": True, "op_calls": dict(self.probes.op_calls)}
             except Exception as e:
                 self.graphs.pop((op, impl), None)
                 torch.cuda.synchronize()
-                return {"ok": True, "graph": False, "error": _trim(f"{type(e).__name__}: {e}", 400)}
+                return {"ok": True, "graph": False, "error": _trim(f"{type(e).__name__}: {e}", 400),
+                        "op_calls": dict(self.probes.op_calls)}
         graph = self.graphs.get((op, impl))
         n = int(msg["n"])
         if graph is not None:
             for _ in range(max(1, n // per_graph)):
                 graph.replay()
-        else:
+        else:                                   # the baseline only: the candidate must be captured
             for _ in range(n):
                 self._call(fn, op, args)
         self._sync()

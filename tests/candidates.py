@@ -1,8 +1,10 @@
 """Candidate sources for the evaluator's tests, built from the project's reference kernels.
 
 Each adversarial candidate is the reference decode kernel (renamed `_ref_decode`) plus a `decode`
-that misbehaves in one specific way. Some reach for modules through `__import__` on purpose: the
-static import filter is a courtesy, and these prove the runtime checks hold without it.
+that misbehaves in one specific way. Some name what the compile stage's allowlist refuses (numpy,
+ctypes, torch.nn.functional, the worker's timers) on purpose: with the project's config they are
+refused before they run; evaluated with conftest.RUNTIME_ONLY, they prove the runtime checks behind
+the allowlist hold without it.
 """
 from __future__ import annotations
 
@@ -93,7 +95,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 
 # The work happens in numpy, out of torch's sight; a decoy Triton kernel runs beside it.
 DECOY_KERNEL = wrap_decode("""
-np = __import__("numpy")
+import numpy as np
 
 @triton.jit
 def _decoy(x_ptr, n, BLOCK: tl.constexpr):
@@ -161,7 +163,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 CRASH_ON_BOUNDARY = wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     if int(seq_lens.min()) == 1:
-        __import__("ctypes").string_at(0)      # segmentation fault
+        import ctypes
+        ctypes.string_at(0)                    # segmentation fault
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
 
@@ -227,7 +230,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 
 FORGES_REPLIES = """
 import torch
-_os = __import__("os")
+import os as _os
 for fd in range(3, 64):                   # scribble on every descriptor, the evaluator's socket included
     try:
         _os.write(fd, b"\\x00\\x00\\x00\\x04junk")
@@ -274,12 +277,13 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 # Slows the baseline down inside the worker (it patches SDPA, which the baseline calls), so the
 # candidate looks faster by comparison.
 SLOWS_THE_BASELINE = wrap_decode("""
+import time
 import torch.nn.functional as F
 _sdpa = F.scaled_dot_product_attention
 
 def _slow(*args, **kwargs):
     out = _sdpa(*args, **kwargs)
-    torch.cuda._sleep(2_000_000)
+    time.sleep(0.002)                      # the stream idles until the timer's closing event is queued
     return out
 
 F.scaled_dot_product_attention = _slow

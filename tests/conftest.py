@@ -28,6 +28,29 @@ def config_with(**overrides) -> Config:
     return Config.model_validate(raw)
 
 
+# The compile stage's allowlist opened wide (every public torch name; ctypes, numpy, os and time importable; no
+# builtin or attribute forbidden; __import__ readable), as overrides for config_with: for candidates written to test the defenses
+# behind it (a crash through ctypes, work in numpy, a patched timer, a slow import). The allowlist is the first
+# line, not the only one; these prove the later ones hold without it.
+RUNTIME_ONLY = {
+    "stages.compile.allowed_names": {**yaml.safe_load(DEFAULT_CONFIG.read_text())["stages"]["compile"]["allowed_names"],
+                                     "torch": ["*"], "torch.nn.functional": ["*"], "ctypes": ["*"], "numpy": ["*"],
+                                     "os": ["*"], "posix": ["*"], "time": ["*"]},
+    "stages.compile.forbidden_builtins": [], "stages.compile.forbidden_attributes": [],
+    "stages.compile.readable_dunders": ["__name__", "__import__"]}
+
+
+def runtime_only(**overrides) -> Config:
+    return config_with(**RUNTIME_ONLY, **overrides)
+
+
+def runtime_only_yaml(path: Path) -> Path:
+    """RUNTIME_ONLY as a config file, for tests that go through `kevo-agent --config`."""
+    cfg = runtime_only()
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
 @pytest.fixture(scope="session")
 def cfg() -> Config:
     return config_with()

@@ -14,7 +14,7 @@ import time
 from rich.console import Console
 
 import candidates as C
-from conftest import config_with
+from conftest import RUNTIME_ONLY, config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
@@ -25,7 +25,7 @@ from agent.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 GOOD = C.with_knobs(C.REF_DECODE, BLOCK_N=32)
-SLOW = GOOD + '\n__import__("time").sleep(2)\n'        # slow while its worker imports it: time to kill it there
+SLOW = GOOD + '\nimport time\ntime.sleep(2)\n'        # slow while its worker imports it: time to kill it there
 BROKEN = GOOD.replace("def decode(", "def decode((", 1)  # does not compile; its repair is GOOD
 # Timing, and what a parity check drew from its secret seed, differ between any two evaluations of one source;
 # input tokens and cost follow the planner's prompt, which lists the candidates in flight (more of them here).
@@ -110,11 +110,12 @@ def kill_when_running(prun: ParallelRun, cid: str, killed: list[str]) -> None:
 def test_a_dask_run_with_a_worker_killed_mid_task_commits_what_a_serial_run_commits(pool, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-parallel")
     claims = [S.claim(1.3), S.claim(1.2), S.claim(1.25), S.claim(1.2, stage="dispatch"), S.claim(1.001)]
-    codes = [GOOD, BROKEN, SLOW, C.SDPA_WRAPPER]
+    codes = [GOOD, BROKEN, SLOW, C.POINTER_CACHE]
     with scripted(codes, claims) as fake:
-        serial = run(llm_config(fake, tmp_path), settings(llm_config(fake, tmp_path), "serial", 5), view(), pool=pool)
+        cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY)          # SLOW imports time
+        serial = run(cfg, settings(cfg, "serial", 5), view(), pool=pool)
     with scripted(codes, claims) as fake:
-        cfg = llm_config(fake, tmp_path, **{"executor.kind": "dask", "executor.cpu_slots": 2})
+        cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"executor.kind": "dask", "executor.cpu_slots": 2})
         prun, killed = ParallelRun(cfg, settings(cfg, "dask", 5), view()), []
         killer = threading.Thread(target=kill_when_running, args=(prun, "c003", killed), daemon=True)
         killer.start()
@@ -157,7 +158,7 @@ def test_a_candidate_whose_evaluator_is_lost_for_good_is_recorded_unevaluated_an
         pool, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-parallel")
     with scripted([SLOW, GOOD], [S.claim(1.3), S.claim(1.2)]) as fake:
-        cfg = llm_config(fake, tmp_path, **{"executor.cpu_slots": 2, "executor.requeue_limit": 0})
+        cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"executor.cpu_slots": 2, "executor.requeue_limit": 0})
         prun = ParallelRun(cfg, settings(cfg, "lost", 2), view())
         head = prun.head("decode", None)                     # the head through the executor, as Run.start can ask
 

@@ -109,9 +109,9 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
 def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
     root = past.ledger
     before = untouched(root)
-    allowed = [m for m in config_with().stages.compile.allowed_imports if m != "math"]
+    allowed = {m: names for m, names in config_with().stages.compile.allowed_names.items() if m != "math"}
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config_with(**{"stages.compile.allowed_imports": allowed}).model_dump(mode="json")))
+    cfg.write_text(yaml.safe_dump(config_with(**{"stages.compile.allowed_names": allowed}).model_dump(mode="json")))
     done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root), "--json"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 1, done.stderr
@@ -119,7 +119,7 @@ def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
     changes = {r["ref"]: (r["change"], r["now"] and r["now"]["stage"]) for r in replay["rows"]}
     assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
                        "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
-    assert any(c.startswith("stages.compile.allowed_imports:") for c in replay["config_changes"])
+    assert any(c.startswith("stages.compile.allowed_names") for c in replay["config_changes"])
     assert "replaying c002 (3/4)" in done.stderr
     assert untouched(root) == before
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()

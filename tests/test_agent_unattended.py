@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 import candidates as C
-from conftest import config_with
+from conftest import RUNTIME_ONLY, config_with
 from fakes import scripts as S
 from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM
@@ -40,12 +40,14 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 """)
 SEGFAULTS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
-    __import__("ctypes").string_at(0)   # reads address 0: SIGSEGV
+    import ctypes
+    ctypes.string_at(0)                 # reads address 0: SIGSEGV
     return q
 """)
 ABORTS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
-    __import__("os").abort()
+    import os
+    os.abort()
 """)
 CUDA_ERROR = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):   # what torch raises after an illegal address
@@ -167,7 +169,7 @@ def test_a_hanging_two_crashing_and_a_cuda_error_candidate_get_verdicts_the_devi
     scripts = {PLANNER: [S.claim(1.3)] * 5, CODER: [S.code(HANGS), S.code(SEGFAULTS), S.code(ABORTS), S.code(CUDA_ERROR),
                                                   S.GOOD]}
     with FakeLLM(scripts) as fake:
-        cfg = llm_config(fake, tmp_path, **{"stages.compile.timeout_s": 3, "stages.dispatch.timeout_s": 3,
+        cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"stages.compile.timeout_s": 3, "stages.dispatch.timeout_s": 3,
                                             "agent.compile_repair_rounds": 0})
         result = go(cfg, pool, provider="openai", run_id="faults", max_candidates=5)
     assert not result.fatal and result.stop == "5 candidates reached"

@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from candidates import CRASH_ON_BOUNDARY, REF_DECODE, SDPA_WRAPPER, WRONG_SHAPE
-from conftest import CUDA, ROOT, config_with
+from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
@@ -23,7 +23,7 @@ from harness.slot import Job, Pin
 JOBS = [Job(id="c001", source=REF_DECODE, until="parity"), Job(id="c002", source=CRASH_ON_BOUNDARY, until="parity"),
         Job(id="c003", source=SDPA_WRAPPER, until="parity"), Job(id="c004", source=WRONG_SHAPE, until="parity")]
 # Slow while its worker imports it, so the test can kill its evaluator mid-job; then passes compile.
-SLOW = Job(id="c010", source=REF_DECODE + '\n__import__("time").sleep(4)\n', until="compile")
+SLOW = Job(id="c010", source=REF_DECODE + '\nimport time\ntime.sleep(4)\n', until="compile")
 
 
 def gist(verdict) -> tuple:
@@ -33,13 +33,13 @@ def gist(verdict) -> tuple:
 
 @pytest.fixture(scope="module")
 def serial(cfg, pool):
-    return {job.id: gist(evaluate(job.source, "attention", cfg, pool, until=job.until)) for job in JOBS + [SLOW]}
+    return {job.id: gist(evaluate(job.source, "attention", runtime_only(), pool, until=job.until)) for job in JOBS + [SLOW]}
 
 
 @pytest.fixture(scope="module")
 def local():
     """Two CPU slots, each on its share of the cores, and a third pinned to a core this machine lacks."""
-    cfg = config_with(**{"executor.cpu_slots": 2})
+    cfg = runtime_only(**{"executor.cpu_slots": 2})           # JOBS crash through ctypes, SLOW imports time
     missing = Pin(name="cpu-missing", device="cpu", cpus=(os.cpu_count() + 1000,))
     with LocalExecutor(cfg, "attention", local_pins(cfg) + [missing]) as ex:
         yield ex
@@ -109,7 +109,7 @@ def test_a_slot_process_killed_mid_job_has_its_job_requeued_and_answered_once(lo
 
 def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_killed(serial):
     from harness.cluster import TOPIC, DaskExecutor
-    cfg = config_with(**{"executor.kind": "dask", "executor.cpu_slots": 2})
+    cfg = runtime_only(**{"executor.kind": "dask", "executor.cpu_slots": 2})
     jobs = [JOBS[0], JOBS[1], SLOW]            # two at once on the two workers; the slow one next, killed
     with DaskExecutor(cfg, "attention") as ex:
         assert ex.capacity == 2

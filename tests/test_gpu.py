@@ -7,7 +7,7 @@ import re
 import pytest
 
 import candidates as C
-from conftest import CUDA
+from conftest import CUDA, runtime_only
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")]
 
@@ -56,7 +56,8 @@ def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_h
     (C.SLOWS_THE_BASELINE, "tampered"),
 ], ids=["side-stream", "patched-timer", "slows-the-baseline"])
 def test_measurement_cheat_is_rejected_at_microbench(evaluate_source, source, words):
-    v = evaluate_source(source, until="microbench")
+    """Past the allowlist (which refuses each by name: test_measurement_cheat_is_refused_by_the_allowlist)."""
+    v = evaluate_source(source, until="microbench", config=runtime_only())
     assert v.failed_stage == "microbench", v.reason
     assert re.search(words, v.stages[-1].reason), v.stages[-1].reason
 
@@ -66,9 +67,18 @@ def test_dispatch_reads_launched_kernel_names_on_cuda(evaluate_source):
     assert v.ok and v.stages[-1].metrics["decode_own_device_share"] >= 0.6, v.reason
 
 
-def test_sdpa_wrapper_is_rejected_at_dispatch_on_cuda(evaluate_source):
+@pytest.mark.parametrize("source", [C.SIDE_STREAM, C.PATCHED_TIMER, C.SLOWS_THE_BASELINE],
+                         ids=["side-stream", "patched-timer", "slows-the-baseline"])
+def test_measurement_cheat_is_refused_by_the_allowlist(evaluate_source, source):
+    v = evaluate_source(source, until="microbench")
+    assert v.failed_stage == "compile" and v.stages[-1].metrics.get("allowlist") == 1.0, v.reason
+
+
+def test_sdpa_wrapper_is_rejected_at_compile_on_cuda_by_the_allowlist_and_past_it_by_the_audit(evaluate_source):
     v = evaluate_source(C.SDPA_WRAPPER)
-    assert v.failed_stage == "dispatch", v.reason
+    assert v.failed_stage == "compile" and "torch.nn.functional" in v.stages[-1].reason, v.reason
+    v = evaluate_source(C.SDPA_WRAPPER, config=runtime_only())
+    assert v.failed_stage == "compile" and "library compute" in v.stages[-1].reason, v.reason
 
 
 def test_illegal_memory_access_is_a_verdict_and_the_next_candidate_still_runs(evaluate_source):

@@ -14,7 +14,14 @@ import textwrap
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, runtime_only, runtime_only_yaml
+
+
+@pytest.fixture
+def evaluate_source(evaluate_source):
+    """These probe the sandbox, the layer behind the compile stage's allowlist (which refuses their
+    __import__, os and socket at once): evaluated with the allowlist opened (conftest.RUNTIME_ONLY)."""
+    return lambda source, **kw: evaluate_source(source, **{"config": runtime_only(), **kw})
 
 # Each probe reports what it saw by raising at import: the text comes back as compile feedback.
 REPORT = """
@@ -44,7 +51,8 @@ def test_no_secret_reaches_the_candidate_or_the_verdict(tmp_path):
         seen = {"pids": pids, "reversed": blob[::-1], "spaced": " ".join(blob)}   # dodges plain redaction
     """))
     env = dict(os.environ, OPENAI_API_KEY=secret, ANTHROPIC_API_KEY=secret, KEVO_SERVICE_TOKEN=secret)
-    done = subprocess.run([sys.executable, "-m", "agent.cli", "evaluate", "--json", str(leak)], env=env,
+    config = runtime_only_yaml(tmp_path / "config.yaml")
+    done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(config), "evaluate", "--json", str(leak)], env=env,
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     verdict = json.loads(done.stdout)
     reason = verdict["stages"][0]["reason"]

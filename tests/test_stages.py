@@ -10,7 +10,7 @@ import time
 import pytest
 
 import candidates as C
-from conftest import CUDA, config_with
+from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
 from harness.evaluate import sched_s
 
 
@@ -109,19 +109,21 @@ def test_until_stops_after_the_named_stage(evaluate_source):
     assert [s.name for s in v.stages] == ["compile"] and v.ok
 
 
-@pytest.mark.parametrize("source, stage, words", [
-    (C.UNWRITTEN_OUTPUT, "parity", "first mismatches"),
-    (C.SDPA_WRAPPER, "dispatch", "scaled_dot_product"),
-    (C.TORCH_ELEMENTWISE, "dispatch", "torch ops outside the kernel"),
-    (C.DECOY_KERNEL, "dispatch", "every Triton launch skipped"),
-    (C.POINTER_CACHE, "dispatch", "returned from a cache"),
-    (C.DROPS_NEWEST_TOKEN, "parity", "max abs error"),
-    (C.WRITES_INPUTS, "parity", "wrote to its inputs ['k_cache']"),
-    (C.NONDETERMINISTIC, "parity", "disagrees with call 1"),
-], ids=["unwritten-output", "sdpa-wrapper", "torch-elementwise", "decoy-kernel", "pointer-cache",
-        "drops-newest-token", "writes-inputs", "nondeterministic"])
-def test_bad_candidate_is_rejected_at_the_right_stage(evaluate_source, source, stage, words):
-    v = evaluate_source(source)
+@pytest.mark.parametrize("source, stage, words, config", [
+    (C.UNWRITTEN_OUTPUT, "parity", "first mismatches", None),
+    (C.SDPA_WRAPPER, "compile", "torch.nn.functional: imports a module outside the allowlist", None),
+    (C.SDPA_WRAPPER, "compile", "library compute instead of the candidate's kernel: aten::_scaled_dot_product", RUNTIME_ONLY),
+    (C.TORCH_ELEMENTWISE, "compile", "torch ops outside the kernel", None),     # its very first call
+    (C.DECOY_KERNEL, "compile", "numpy: imports a module outside the allowlist", None),
+    (C.DECOY_KERNEL, "dispatch", "every Triton launch skipped", RUNTIME_ONLY),
+    (C.POINTER_CACHE, "dispatch", "returned from a cache", None),
+    (C.DROPS_NEWEST_TOKEN, "parity", "max abs error", None),
+    (C.WRITES_INPUTS, "parity", "wrote to its inputs ['k_cache']", None),
+    (C.NONDETERMINISTIC, "parity", "disagrees with call 1", None),
+], ids=["unwritten-output", "sdpa-wrapper", "sdpa-wrapper-runtime", "torch-elementwise", "decoy-kernel",
+        "decoy-kernel-runtime", "pointer-cache", "drops-newest-token", "writes-inputs", "nondeterministic"])
+def test_bad_candidate_is_rejected_at_the_right_stage(evaluate_source, source, stage, words, config):
+    v = evaluate_source(source, config=config_with(**config) if config else None)
     assert not v.ok
     assert stage_of(v) == stage, v.reason
     assert words in v.stages[-1].reason, v.stages[-1].reason
@@ -134,7 +136,7 @@ def test_parity_feedback_names_shape_errors_and_first_mismatches(evaluate_source
 
 
 def test_crash_on_a_boundary_shape_is_a_verdict_naming_the_signal(evaluate_source):
-    v = evaluate_source(C.CRASH_ON_BOUNDARY)
+    v = evaluate_source(C.CRASH_ON_BOUNDARY, config=runtime_only())
     assert stage_of(v) == "parity", v.reason
     assert "SIGSEGV" in v.stages[-1].reason and v.stages[-1].metrics.get("crashed") == 1.0
 
@@ -147,7 +149,7 @@ def test_hang_is_cut_by_the_stage_timeout(evaluate_source):
 
 
 def test_evaluator_survives_and_reuses_the_pool_after_a_crash_and_a_hang(evaluate_source):
-    evaluate_source(C.CRASH_ON_BOUNDARY)
+    evaluate_source(C.CRASH_ON_BOUNDARY, config=runtime_only())
     v = evaluate_source(C.REF_DECODE, until="dispatch")
     assert v.ok, v.reason
 
@@ -159,13 +161,18 @@ def test_evaluator_survives_and_reuses_the_pool_after_a_crash_and_a_hang(evaluat
     ("def decode(q, k_cache, v_cache, seq_lens, block_table, sm_scale):\n    return q\n",
      "must be decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)"),
     ("import numpy\ndef decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    return q\n",
-     "imports numpy"),
+     "line 1: numpy: imports a module outside the allowlist"),
     ("def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)\n    return q\n", "syntax error at line 1"),
     ("import torch\n", "defines none of the contract's functions"),
-    (C.FORGES_REPLIES, "malformed reply"),
+    (C.FORGES_REPLIES, "line 3: os: imports a module outside the allowlist"),
 ], ids=["raises-at-import", "triton-compile-error", "wrong-shape", "wrong-signature", "forbidden-import",
         "syntax-error", "no-contract-function", "forged-replies"])
 def test_compile_stage_rejects_with_feedback_for_the_coder(evaluate_source, source, words):
     v = evaluate_source(source)
     assert stage_of(v) == "compile", v.reason
     assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_forged_replies_past_the_allowlist_are_a_protocol_failure_at_compile(evaluate_source):
+    v = evaluate_source(C.FORGES_REPLIES, config=runtime_only())
+    assert stage_of(v) == "compile" and "malformed reply" in v.stages[-1].reason, v.reason

@@ -1,7 +1,9 @@
 """What every stage shares: the evaluation context, sending a case to the worker, comparing outputs.
 
 All of it runs in the trusted evaluator: inputs are drawn here from secret seeds, references and
-baseline errors are computed here, and the worker's outputs are read back and judged here.
+baseline errors are computed here, and the worker's outputs are read back and judged here. Every
+reply is validated against its request's schema before it is read (`EvalContext.collect`), and every
+call the worker makes for the candidate, in any stage, is held to `library_use`.
 """
 from __future__ import annotations
 
@@ -14,9 +16,23 @@ from typing import Any
 import torch
 
 from harness.config import Config
+from harness import replies
+from harness.gpu_memory import Reserve
 from harness.pool import Pool, WorkerFailure, WorkerHandle
+from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
+
+# Ops that allocate, reshape, move or select memory without doing arithmetic on it: free in `library_use`.
+PLUMBING = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
+    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "fill", "fill_", "zero_", "arange",
+    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "as_strided",
+    "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "lift_fresh",
+    "copy_", "_to_copy", "clone", "contiguous", "cat", "stack", "index", "index_select", "gather", "masked_fill",
+    "where", "view_as_real", "view_as_complex", "_local_scalar_dense", "resolve_conj", "resolve_neg", "flatten",
+    "unflatten", "repeat_interleave", "repeat", "_reshape_alias", "set_", "record_stream", "lift_fresh_copy",
+}
 
 
 class Rejected(Exception):
@@ -42,25 +58,34 @@ class EvalContext:
     stage: str = ""
     worker_s: float = 0.0            # this stage's time spent waiting on the worker (the rest is ours)
     beat: float = 1.0                # the served-mix speedup over torch to beat: the candidate's parent's
+    reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def request(self, msg: dict, doing: str) -> dict:
+    def request(self, msg: dict, doing: str, kind: str) -> Reply:
         self.send(msg, doing)
-        return self.collect(doing)
+        return self.collect(doing, kind)
 
     def send(self, msg: dict, doing: str) -> None:
         assert self.worker is not None
         self.worker.send(msg, doing)
 
-    def collect(self, doing: str) -> dict:
+    def collect(self, doing: str, kind: str) -> Reply:
+        """The reply to the oldest request sent, validated against the schema of a `kind` request
+        (harness/replies.py). One that does not fit is a rejection naming the stage and the field, and its
+        worker is stopped: nothing it says afterwards is read."""
         assert self.worker is not None
         t0 = time.monotonic()
         try:
-            return self.worker.collect(self.remaining(), doing)
+            raw = self.worker.collect(self.remaining(), doing)
         finally:
             self.worker_s += time.monotonic() - t0
+        try:
+            return replies.parse(kind, raw, wall_s=raw.pop("_wall_s", 0.0), arenas=raw.pop("_arenas", []))
+        except MalformedReply as e:
+            self.worker.kill()
+            raise Rejected(f"{self.stage}: malformed reply while {doing}: {e}", protocol=1.0) from None
 
     def cases(self, op: str, served: bool = True, boundary: bool = True, limits: bool = False) -> list[Case]:
         """The op's served shapes, boundary shapes and (with `limits`) the served engine's largest calls."""
@@ -150,10 +175,37 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
     return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(base, ref)))
 
 
-def candidate_raised(what: str, reply: dict) -> Rejected:
+def candidate_raised(what: str, reply: Reply) -> Rejected:
     """The candidate's exception, from the worker's reply, as a rejection; a CUDA error is marked
     (`cuda_error`), so that the device is checked before the next candidate gets it."""
     return Rejected(f"{what}:\n{reply.get('error', '')}", **({"cuda_error": 1.0} if reply.get("cuda_error") else {}))
+
+
+def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls: int) -> float:
+    """Judge the aten ops the worker saw the candidate issue outside its Triton launches on `calls` calls
+    (every call it makes for the candidate is watched, in every stage: a candidate cannot save its library
+    calls for when no check is looking). Rejected for any library compute op, for torch compute beyond
+    `aux_work_fraction` of the calls' multiply-adds, or, where `launches` counts, for a call that launched no
+    Triton kernel. Returns the elements torch compute ops produced."""
+    d = ctx.cfg.stages.dispatch
+    op_calls = reply.get("op_calls") or {}
+    forbidden = sorted(n for n in op_calls if n in set(d.forbidden_ops))
+    if forbidden:
+        listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
+        raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", library_ops=1.0)
+    elements = reply.get("op_elements") or {}
+    compute = {n: e for n, e in elements.items() if n not in PLUMBING}
+    work = float(sum(compute.values()))
+    if not work <= d.aux_work_fraction * madds * calls:
+        top = ", ".join(f"aten::{n} ({e:.0f} elements)" for n, e in sorted(compute.items(), key=lambda x: -x[1])[:5])
+        raise Rejected(f"{where}: torch ops outside the kernel produce {work:.0f} elements, more than "
+                       f"{d.aux_work_fraction:.0%} of the op's {madds * calls:.0f} multiply-adds: {top}")
+    return work
+
+
+def no_launch(where: str) -> Rejected:
+    return Rejected(f"{where}: no Triton kernel was launched for a call on fresh inputs: the output is "
+                    "computed elsewhere or returned from a cache")
 
 
 def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1, keep: int | None = None,
@@ -168,34 +220,40 @@ def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 
 
 
 def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1,
-                  also: dict[str, tuple[int, ...]] | None = None) -> tuple[list[torch.Tensor], dict]:
-    """The worker's outputs for a trial sent earlier, as read and checked here, and its reply; the
-    outputs named in `also` (name -> shape: earlier outputs sent back for a recheck) follow in order."""
+                  also: dict[str, tuple[int, ...]] | None = None) -> tuple[list[torch.Tensor], Reply]:
+    """The worker's outputs for a trial sent earlier, as read and checked here, and its validated reply;
+    the outputs named in `also` (name -> shape: earlier outputs sent back for a recheck) follow in order.
+    Every call is held to `library_use` (no library compute, torch compute within its share, a Triton launch
+    per call), whichever stage made it."""
     shape = ctx.target.ops[trial.case.op].output_shape(trial.inputs)
-    reply = ctx.collect(f"running {trial.case.label}")
-    if not reply.get("ok"):
+    reply = ctx.collect(f"running {trial.case.label}", "call")
+    if not reply.ok:
         raise candidate_raised(f"{trial.case.label}: the candidate raised", reply)
+    op = ctx.target.ops[trial.case.op]
+    library_use(ctx, f"{trial.case.op} ({ctx.stage}, {trial.case.label})", reply, op.cost(trial.inputs).madds, repeat)
+    if sum(reply.launches.values()) < repeat:
+        raise no_launch(f"{trial.case.op} ({ctx.stage}, {trial.case.label})")
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
     expect.update({name: (tuple(s), ctx.dtype) for name, s in (also or {}).items()})
     try:
-        outs = read_arena(reply.get("outputs", []), ctx.device, reply["_arenas"], expect=expect)
-    except ProtocolError as e:
-        raise Rejected(f"{trial.case.label}: wrong output: {e}") from None
+        outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
+    except (ProtocolError, OSError, RuntimeError, ValueError) as e:
+        raise Rejected(f"{trial.case.label}: wrong output: {type(e).__name__}: {e}", protocol=1.0) from None
     if set(outs) != set(expect):
         raise Rejected(f"{trial.case.label}: the worker returned {sorted(outs)}, expected {sorted(expect)}")
     drop_outputs(ctx, reply)
     return [outs[f"out{i}"] for i in range(repeat)] + [outs[name] for name in also or {}], reply
 
 
-def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], dict]:
+def run_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1) -> tuple[list[torch.Tensor], Reply]:
     send_trial(ctx, trial, mode, repeat)
     return collect_trial(ctx, trial, repeat)
 
 
-def drop_outputs(ctx: EvalContext, reply: dict) -> None:
+def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     """Let go of the reply's output memory (the worker's sealed memory files, mapped here)."""
-    reply["_arenas"] = []
+    reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_launch", "PLUMBING", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

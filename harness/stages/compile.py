@@ -1,6 +1,7 @@
 """Stage 1, compile: is this a candidate at all, and do its kernels build and launch?
 
-Trusted side first (no candidate code runs): the source parses, imports only allowed modules, and
+Trusted side first (no candidate code runs): the source parses, names only the allowlisted surface
+(harness/allowlist.py: the modules, names, builtins and attributes of config `stages.compile`), and
 defines contract functions with the contract's argument names in order. Then a fresh sandboxed
 worker imports it and calls each op once on the smallest served shape; import and compiler errors
 come back verbatim (trimmed) as feedback for the coder.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ast
 
+from harness import allowlist
 from harness.records import StageResult
 from harness.stages.common import EvalContext, Rejected, candidate_raised, draw, run_trial
 
@@ -19,17 +21,11 @@ def static_check(ctx: EvalContext) -> list[str]:
         tree = ast.parse(ctx.source)
     except SyntaxError as e:
         raise Rejected(f"syntax error at line {e.lineno}: {e.msg}\n    {(e.text or '').rstrip()}") from None
-    allowed = set(ctx.cfg.stages.compile.allowed_imports)
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            names = [node.module or ""] if node.level == 0 else ["(relative import)"]
-        for name in names:
-            if name.split(".")[0] not in allowed:
-                raise Rejected(f"line {node.lineno}: imports {name}; a candidate may import only "
-                               f"{', '.join(sorted(allowed))}")
+    try:
+        allowlist.check(tree, allowlist.Rules.from_config(ctx.cfg.stages.compile))
+    except allowlist.Refused as e:
+        raise Rejected(f"{e} (a kernel file may name only the allowlisted surface: docs/EVALUATOR.md)",
+                       allowlist=1.0) from None
     defined = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     ops = []
     for name, op in ctx.target.ops.items():
@@ -48,14 +44,15 @@ def static_check(ctx: EvalContext) -> list[str]:
 def compile_stage(ctx: EvalContext) -> StageResult:
     ctx.ops = static_check(ctx)
     ctx.worker = ctx.pool.spawn(ctx.source)
-    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing the candidate")
+    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py"),
+              "gpu_memory_fraction": ctx.cfg.worker.gpu_memory_fraction}, "importing the candidate")
     trials = [draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal") for op in ctx.ops]  # while it imports
-    reply = ctx.collect("importing the candidate")
-    if not reply.get("ok"):
+    reply = ctx.collect("importing the candidate", "load")
+    if not reply.ok:
         raise candidate_raised("import failed", reply)
-    metrics = {"ops": float(len(ctx.ops)), "load_s": reply["_wall_s"]}
+    metrics = {"ops": float(len(ctx.ops)), "load_s": reply.wall_s}
     for op, trial in zip(ctx.ops, trials):
         _, call = run_trial(ctx, trial)
-        metrics[f"{op}_first_call_s"] = call["_wall_s"]
+        metrics[f"{op}_first_call_s"] = call.wall_s
     return StageResult.passed("compile", f"built and launched {', '.join(ctx.ops)}; sandbox: {ctx.worker.sandbox}",
                               **metrics)

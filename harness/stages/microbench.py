@@ -4,12 +4,18 @@ The worker times candidate, baseline (twice: the noise band) and the cuDNN ancho
 rotated fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
 CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
+  - the reply fits its schema (harness/replies.py: finite times above zero, bounded) and holds exactly
+    the implementations and repetitions asked for; every guard below is written `if not <what must
+    hold>`, so a NaN that got this far would still reject;
+  - the timed calls, and the calls made just before the CUDA-graph capture, were watched by the audit
+    like any other (no library op);
   - the outputs of the timed calls are re-checked against float64;
   - device time after the synchronize far beyond the stream's (less the synchronize's own cost,
     measured on the baseline) means work escaped the timed stream;
   - a time under bytes/bandwidth or FLOPs/peak is a measurement exploit;
-  - CUDA-graph bursts of back-to-back calls clocked by the evaluator's own clock must agree with
-    the worker's events (a patched timer), and give the speedup by that clock too;
+  - CUDA-graph bursts of back-to-back calls clocked by the evaluator's own clock (CLOCK_MONOTONIC_RAW,
+    which adjtimex cannot slew) must agree with the worker's events (a patched timer), be no faster
+    than physics either, and give the speedup by that clock too;
   - the evaluator times the baseline in its own process: the worker's figure for it must agree.
 The bar is the noise band (at least `min_margin`) over the torch baseline — or over the candidate's
 parent, when the loop names the parent's served-mix speedup (`beat`): both are ratios to the same torch
@@ -24,7 +30,8 @@ import time
 import torch
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs
+from harness.replies import Timed
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
 from harness.transport import ProtocolError, read_arena
 
 
@@ -49,24 +56,88 @@ def _time_here(fn, reps: int, flush: torch.Tensor, cover_cycles: int) -> float:
     return _median(times)
 
 
+def _clock() -> float:
+    """The evaluator's own clock, in seconds: CLOCK_MONOTONIC_RAW, which no adjtimex (tick or frequency)
+    slews, unlike perf_counter's CLOCK_MONOTONIC; the candidate's process cannot reach it either."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC_RAW)
+
+
 def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple[float, bool]:
     """Per-call time by the evaluator's clock, (wall of 2n calls - wall of n calls) / n, and whether
     the calls were replayed from a CUDA graph. The candidate must be capturable; the baseline may not be."""
-    prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True}, f"capturing the {impl}")
-    if not prep.get("ok"):
+    prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True}, f"capturing the {impl}", "capture")
+    if not prep.ok:
         raise Rejected(f"{op}: the {impl} raised while being captured:\n{prep.get('error', '')}")
-    if impl == "candidate" and not prep.get("graph"):
-        raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.get('error', '')}); "
-                       "kevo clocks device time through graph replays, and serving engines replay decode the same way")
+    if impl == "candidate":
+        library_use(ctx, f"{op} (microbench, captured for the clock check)", prep, float("inf"), 1)
+        if not prep.graph:
+            raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.error}); "
+                           "kevo clocks device time through graph replays, and serving engines replay decode the same way")
     n = 10 * int(min(500, max(1, ctx.cfg.stages.microbench.clock_check_ms / max(per_call_ms, 1e-3) / 10)))
     walls = []
     for k in (n, 2 * n):
-        t0 = time.perf_counter()
-        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k}, f"clock check of the {impl}")
-        walls.append(time.perf_counter() - t0)
-        if not reply.get("ok"):
+        t0 = _clock()
+        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k}, f"clock check of the {impl}", "burst")
+        walls.append(_clock() - t0)
+        if not reply.ok:
             raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
-    return max(walls[1] - walls[0], 1e-9) * 1e3 / n, bool(prep.get("graph"))
+    if not walls[1] > walls[0]:
+        raise Rejected(f"{op}: by the evaluator's clock {2 * n} calls of the {impl} took {walls[1] * 1e3:.3f} ms, "
+                       f"no longer than {n} calls ({walls[0] * 1e3:.3f} ms): its time per call cannot be clocked")
+    return (walls[1] - walls[0]) * 1e3 / n, bool(prep.graph)
+
+
+def timed_medians(reply: Timed, impls: list[str], calls: int, label: str) -> tuple[dict[str, float], dict[str, float]]:
+    """Median synced and streamed time per implementation key ("candidate:0", ...) of a validated `time`
+    reply, after checking it holds exactly the keys asked for (the anchor's may be missing: its library may
+    lack a kernel) with `calls` times each. The schema has already refused NaN, Inf, zero and negative times."""
+    want = {f"{impl}:{i}" for i, impl in enumerate(impls)}
+    need = {k for k in want if not k.startswith("anchor:")}
+    for field in ("synced_ms", "streamed_ms"):
+        got = getattr(reply, field)
+        if not need <= set(got) <= want:
+            raise Rejected(f"{label}: malformed reply while timing: field {field} has keys {sorted(got)}, "
+                           f"expected {sorted(want)}", protocol=1.0)
+        short = [k for k, v in got.items() if len(v) != calls]
+        if short:
+            raise Rejected(f"{label}: malformed reply while timing: field {field}.{short[0]} holds "
+                           f"{len(got[short[0]])} times, expected {calls}", protocol=1.0)
+    if set(reply.synced_ms) != set(reply.streamed_ms):
+        raise Rejected(f"{label}: malformed reply while timing: synced_ms and streamed_ms name different "
+                       "implementations", protocol=1.0)
+    return ({k: _median(v) for k, v in reply.synced_ms.items()}, {k: _median(v) for k, v in reply.streamed_ms.items()})
+
+
+def check_stream(label: str, cand: float, busy: float, ratio: float) -> None:
+    """Work launched on a side stream: device busy after the synchronize far beyond the stream's time.
+    Written so that a NaN anywhere rejects (every guard here is `if not <what must hold>`)."""
+    if not cand >= ratio * busy:
+        raise Rejected(f"{label}: {cand:.4f} ms of device time on the call's stream, but the device stays busy "
+                       f"for {busy:.4f} ms: work escapes the timed stream")
+
+
+def check_floor(label: str, cand: float, floor_ms: float, what: str) -> None:
+    if not cand >= floor_ms:
+        raise Rejected(f"{label}: {cand:.4f} ms by {what} is under the physical floor of {floor_ms:.4f} ms: "
+                       "a measurement exploit")
+
+
+def check_clock(label: str, cand: float, base: float, wall_c: float, wall_b: float, ratio: float, **metrics) -> None:
+    """The worker's event times against the evaluator's own clock (CUDA-graph bursts)."""
+    if not cand >= ratio * wall_c:
+        raise Rejected(f"{label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
+                       f"{wall_c:.4f} ms: the worker's timer is not to be believed")
+    speedup, by_clock = base / cand, wall_b / wall_c
+    if not speedup <= by_clock / ratio:
+        raise Rejected(f"{label}: {speedup:.2f}x by the worker's events but {by_clock:.2f}x by the "
+                       "evaluator's clock: the worker's timer is not to be believed", candidate_ms=cand,
+                       baseline_ms=base, candidate_clock_ms=wall_c, baseline_clock_ms=wall_b, **metrics)
+
+
+def check_trusted_baseline(label: str, there: float, here: float, tolerance: float) -> None:
+    if not (here > 0 and abs(there / here - 1) <= tolerance):
+        raise Rejected(f"{label}: the baseline takes {there:.4f} ms in the worker and {here:.4f} ms in the "
+                       "evaluator's own process: the worker's environment was tampered with")
 
 
 # The anchor (a library kernel on the case's shapes) does not depend on the candidate: it is timed
@@ -95,62 +166,52 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
               "cover_cycles": m.cover_cycles}, f"timing {case.label}")
     t_send = time.perf_counter()
     meanwhile()
-    reply = ctx.collect(f"timing {case.label}")
+    reply = ctx.collect(f"timing {case.label}", "time")
     timed_s = time.perf_counter() - t_send
-    if not reply.get("ok"):
+    if not reply.ok:
         raise candidate_raised(f"{case.label}: the candidate raised while being timed", reply)
+    library_use(ctx, f"{case.op} (microbench, timed calls of {case.label})", reply, float("inf"), 1)
+    synced, stream = timed_medians(reply, impls, m.reps * len(trials), case.label)
     expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
     try:
-        outs = read_arena(reply.get("outputs", []), ctx.device, reply["_arenas"], expect=expect)
-    except ProtocolError as e:
-        raise Rejected(f"{case.label}: outputs of the timed calls: {e}") from None
+        outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
+    except (ProtocolError, OSError, RuntimeError, ValueError) as e:
+        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", protocol=1.0) from None
     drop_outputs(ctx, reply)
     for i, t in enumerate(trials):
         d = diff(outs.get(f"set{i}", torch.full((1,), float("nan"))), t.ref)
         if f"set{i}" not in outs or not t.tol.admits(d):
             raise Rejected(f"{case.label}: the output of a timed call is wrong ({d.describe()})")
 
-    synced = {k: _median(v) for k, v in reply["synced_ms"].items()}
-    stream = {k: _median(v) for k, v in reply["streamed_ms"].items()}
     cand, b1, b2 = stream["candidate:0"], stream["baseline:1"], stream["baseline:2"]
     base = (b1 + b2) / 2
     noise = abs(b1 - b2) / min(b1, b2)
 
     sync_cost = _median([s - t for k in ("baseline:1", "baseline:2")
-                         for s, t in zip(reply["synced_ms"][k], reply["streamed_ms"][k])])
-    busy = synced["candidate:0"] - sync_cost
-    if cand < m.stream_escape_ratio * busy:
-        raise Rejected(f"{case.label}: {cand:.4f} ms of device time on the call's stream, but the device stays busy "
-                       f"for {busy:.4f} ms: work escapes the timed stream")
+                         for s, t in zip(reply.synced_ms[k], reply.streamed_ms[k])])
+    check_stream(case.label, cand, synced["candidate:0"] - sync_cost, m.stream_escape_ratio)
     costs = [spec.cost(t.inputs) for t in trials]
     nbytes = statistics.mean(c.bytes for c in costs)
     flops = statistics.mean(c.flops for c in costs)
     floor_ms = 1e3 * max(nbytes / m.hbm_bytes_per_s, flops / m.peak_flops)
-    if cand < floor_ms:
-        raise Rejected(f"{case.label}: {cand:.4f} ms is under the physical floor of {floor_ms:.4f} ms "
-                       f"({nbytes / 1e6:.1f} MB at {m.hbm_bytes_per_s / 1e12:.1f} TB/s, {flops / 1e9:.1f} GFLOP at "
-                       f"{m.peak_flops / 1e12:.0f} TFLOP/s): a measurement exploit")
+    floor_words = (f"{nbytes / 1e6:.1f} MB at {m.hbm_bytes_per_s / 1e12:.1f} TB/s, {flops / 1e9:.1f} GFLOP at "
+                   f"{m.peak_flops / 1e12:.0f} TFLOP/s")
+    check_floor(case.label, cand, floor_ms, f"the worker's events ({floor_words})")
 
     t_burst = time.perf_counter()
     wall_c, _ = _burst_ms(ctx, case.op, "candidate", cand)
     wall_b, base_graph = _burst_ms(ctx, case.op, "baseline", base)   # the baseline may not be capturable
-    if cand < m.clock_check_ratio * wall_c:
-        raise Rejected(f"{case.label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
-                       f"{wall_c:.4f} ms: the worker's timer is not to be believed")
+    # the clock's burst difference is noisier than events: the same slack as the clock check itself
+    check_floor(case.label, wall_c, m.clock_check_ratio * floor_ms, f"the evaluator's clock ({floor_words}, "
+                f"less {1 - m.clock_check_ratio:.0%} for its noise)")
+    check_clock(case.label, cand, base, wall_c, wall_b, m.clock_check_ratio, baseline_clock_from_graph=float(base_graph))
     speedup, speedup_by_clock = base / cand, wall_b / wall_c
-    if speedup > speedup_by_clock / m.clock_check_ratio:
-        raise Rejected(f"{case.label}: {speedup:.2f}x by the worker's events but {speedup_by_clock:.2f}x by the "
-                       "evaluator's clock: the worker's timer is not to be believed", candidate_ms=cand,
-                       baseline_ms=base, candidate_clock_ms=wall_c, baseline_clock_ms=wall_b,
-                       baseline_clock_from_graph=float(base_graph))
     burst_s = time.perf_counter() - t_burst
     t_here = time.perf_counter()
     trusted = spec.prepared_baseline(trials[0].inputs)
     here = _time_here(lambda: trusted(**trials[0].inputs), 20, flush, m.cover_cycles)
-    there = _median(reply["streamed_ms"]["baseline:1"][0::m.input_sets] + reply["streamed_ms"]["baseline:2"][0::m.input_sets])
-    if abs(there / here - 1) > m.trusted_baseline_tolerance:
-        raise Rejected(f"{case.label}: the baseline takes {there:.4f} ms in the worker and {here:.4f} ms in the "
-                       "evaluator's own process: the worker's environment was tampered with")
+    there = _median(reply.streamed_ms["baseline:1"][0::m.input_sets] + reply.streamed_ms["baseline:2"][0::m.input_sets])
+    check_trusted_baseline(case.label, there, here, m.trusted_baseline_tolerance)
 
     rate = (lambda ms: nbytes / ms / 1e9) if spec.unit == "TB/s" else (lambda ms: flops / ms / 1e9)
     row = {"candidate_ms": cand, "baseline_ms": base, "noise": noise, "speedup": speedup,
@@ -173,7 +234,7 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
         return StageResult.skipped("microbench", "skipped: needs CUDA; this machine has none, and no CPU "
                                                  "figure stands in for a GPU speedup")
     m = ctx.cfg.stages.microbench
-    flush = torch.empty(max(1, m.l2_flush_bytes // 4), dtype=torch.int32, device=ctx.device)
+    flush = ctx.reserved.flush if ctx.reserved is not None else torch.empty(max(1, m.l2_flush_bytes // 4), dtype=torch.int32, device=ctx.device)
     metrics: dict[str, float] = {}
     lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
     plan = [(op, i, case) for op in ctx.ops for i, case in enumerate(ctx.cases(op, boundary=False))]
@@ -198,7 +259,7 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     parent = f", its parent's {ctx.beat:.2f}x x {margin:.2f}" if ctx.beat > 1 else ""
     summary = (f"served mix {mix:.2f}x (bar {bar:.2f}x{parent}); " + "; ".join(lines)
                + (f" ({anchors})" if anchors else ""))
-    if mix <= bar:
+    if not mix > bar:                                  # NaN never passes
         if ctx.beat > 1 and mix > margin:
             raise Rejected(f"faster than the baseline but not than its parent beyond noise: {summary}", **metrics)
         raise Rejected(f"not faster than the baseline beyond noise: {summary}", **metrics)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.records import StageResult
+from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, start_server
 from harness.served.ops import STALL_MS
@@ -191,6 +192,11 @@ def run_replay(cfg: Config, device: str, source: str, deadline: float | None = N
         cand, stats = replay_once(cfg, device, source, requests, "candidate")
     except ServerFailure as e:
         raise Rejected(f"the candidate's server: {e}", server_failed=1.0) from None
+    if stats is not None:                 # the candidate's process wrote it: validated like any reply
+        try:
+            stats = parse("served_stats", stats).model_dump()
+        except MalformedReply as e:
+            raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", protocol=1.0) from None
     _time_left(deadline, cfg, device)
     again = _baseline(cfg, device, requests, "baseline again")
     return judge(cfg, dtype, base, cand, again, stats)

@@ -1,0 +1,209 @@
+"""The compile stage's allowlist (harness/allowlist.py, config stages.compile): each way out of the
+allowlisted surface is refused, naming the line and the name; every correct kernel of the project passes.
+Pure AST checks against the project's own config: no worker runs here."""
+from __future__ import annotations
+
+import ast
+import textwrap
+
+import pytest
+import yaml
+
+import candidates as C
+from conftest import ROOT, config_with
+from harness.allowlist import Refused, Rules, check
+from harness.config import DEFAULT_CONFIG, ConfigError, load_config
+
+RULES = Rules.from_config(load_config().stages.compile)
+HEAD = "import torch\nimport triton\nimport triton.language as tl\n"
+
+
+def refusal(body: str) -> Refused:
+    with pytest.raises(Refused) as err:
+        check(ast.parse(HEAD + textwrap.dedent(body)), RULES)
+    return err.value
+
+
+@pytest.mark.parametrize("name, source", [
+    ("decode reference", C.REF_DECODE), ("prefill reference", C.REF_PREFILL), ("reblocked", C.REBLOCKED),
+    ("torch elementwise (refused later, at run time)", C.TORCH_ELEMENTWISE), ("pointer cache", C.POINTER_CACHE),
+    ("writes inputs", C.WRITES_INPUTS), ("nondeterministic", C.NONDETERMINISTIC), ("wrong shape", C.WRONG_SHAPE),
+    ("unwritten output", C.UNWRITTEN_OUTPUT), ("GPU hang", C.GPU_HANG_ON_BOUNDARY), ("GPU fault", C.GPU_FAULT_ON_BOUNDARY),
+])
+def test_every_correct_or_runtime_caught_kernel_of_the_project_passes_the_allowlist(name, source):
+    check(ast.parse(source), RULES)
+
+
+def test_every_knowledge_kernel_passes_the_allowlist():
+    kernels = sorted((ROOT / "knowledge").rglob("*.py"))
+    assert kernels
+    for path in kernels:
+        check(ast.parse(path.read_text()), RULES)
+
+
+@pytest.mark.parametrize("body, line, name", [
+    # imports, however spelled
+    ("import torch.nn.functional as F\n", 4, "torch.nn.functional"),
+    ("from torch import nn as x\n", 4, "torch.nn"),
+    ("from torch.nn import functional\n", 4, "torch.nn"),
+    ("import numpy\n", 4, "numpy"),
+    ("import os.path\n", 4, "os.path"),
+    ("from . import sibling\n", 4, "."),
+    ("from math import *\n", 4, "math.*"),
+    ("import importlib\n", 4, "importlib"),
+    # torch beyond allocation, views, queries and small elementwise work
+    ("y = torch.matmul\n", 4, "torch.matmul"),
+    ("def f(a, b):\n    return torch.bmm(a, b)\n", 5, "torch.bmm"),
+    ("y = torch.nn.functional.scaled_dot_product_attention\n", 4, "torch.nn.functional.scaled_dot_product_attention"),
+    ("y = torch.ops.aten.mm\n", 4, "torch.ops.aten.mm"),
+    ("y = torch._C\n", 4, "torch._C"),
+    ("y = torch.backends.cuda.matmul\n", 4, "torch.backends.cuda.matmul"),
+    ("y = torch.profiler.profile\n", 4, "torch.profiler.profile"),
+    ("y = torch.autograd.grad\n", 4, "torch.autograd.grad"),
+    ("y = torch.library.Library\n", 4, "torch.library.Library"),
+    ("y = torch.utils._python_dispatch\n", 4, "torch.utils._python_dispatch"),
+    ("torch.cuda.set_per_process_memory_fraction(1.0)\n", 4, "torch.cuda.set_per_process_memory_fraction"),
+    ("t = torch.cuda.Event.elapsed_time\n", 4, "torch.cuda.Event.elapsed_time"),
+    ("y = torch.einsum\n", 4, "torch.einsum"),
+    ("y = torch.Tensor.matmul\n", 4, "torch.Tensor.matmul"),
+    ("y = triton.runtime.driver\n", 4, "triton.runtime.driver"),
+    ("triton.knobs.runtime.launch_enter_hook = print\n", 4, "triton.knobs.runtime.launch_enter_hook"),
+    # the same reached through aliases
+    ("import torch as t\ny = t.nn.functional.softmax\n", 5, "torch.nn.functional.softmax"),
+    ("from torch import cuda as c\n", 4, "torch.cuda"),
+    ("F = torch.nn.functional\n", 4, "torch.nn.functional"),
+    ("f = torch.matmul\n", 4, "torch.matmul"),
+    ("t = torch\n", 4, "torch"),
+    ("mods = [torch]\n", 4, "torch"),
+    ("def f(m=torch):\n    return m\n", 4, "torch"),
+    ("x = tl\n", 4, "tl"),
+    # library compute as tensor methods, on anything
+    ("def f(a, b):\n    return a.matmul(b)\n", 5, ".matmul"),
+    ("def f(a):\n    return a.softmax(-1)\n", 5, ".softmax"),
+    ("def f(a, b):\n    return a.baddbmm_(a, b)\n", 5, ".baddbmm_"),
+    ("def f(a, b):\n    return a @ b\n", 5, "@"),
+    ("def f(a, b):\n    a @= b\n", 5, "@"),
+    ("def f(a):\n    return a.numpy()\n", 5, ".numpy"),
+    ("def f(a):\n    return [a][0].nn\n", 5, ".nn"),
+    # builtins that import, run strings, open files or reach namespaces
+    ("np = __import__('numpy')\n", 4, "__import__"),
+    ("eval('1')\n", 4, "eval"),
+    ("exec('x = 1')\n", 4, "exec"),
+    ("c = compile('1', 'f', 'eval')\n", 4, "compile"),
+    ("data = open('/etc/passwd').read()\n", 4, "open"),
+    ("g = globals()\n", 4, "globals"),
+    ("v = vars()\n", 4, "vars"),
+    ("l = locals()\n", 4, "locals"),
+    ("breakpoint()\n", 4, "breakpoint"),
+    ("s = input()\n", 4, "input"),
+    ("k = type(1)\n", 4, "type"),
+    # names built or reached by strings, dunders, privates, frames
+    ("def f(a, n):\n    return getattr(a, n)\n", 5, "getattr"),
+    ("def f(a):\n    return getattr(a, 'mat' + 'mul')\n", 5, "getattr"),
+    ("def f(a):\n    return getattr(a, 'matmul')\n", 5, "getattr(..., 'matmul')"),
+    ("def f(a):\n    setattr(a, '__class__', a)\n", 5, "setattr(..., '__class__')"),
+    ("def f(a):\n    return hasattr(a, n)\n", 5, "hasattr"),
+    ("def f(a):\n    return a.__class__\n", 5, ".__class__"),
+    ("def f(a):\n    return a.__class__.__mro__\n", 5, ".__class__.__mro__"),
+    ("b = __builtins__\n", 4, "__builtins__"),
+    ("d = {'__torch_function__': print}\n", 4, "'__torch_function__'"),
+    ("def __torch_function__(*a):\n    pass\n", 4, "__torch_function__"),
+    ("class T:\n    def __torch_dispatch__(self):\n        pass\n", 5, "__torch_dispatch__"),
+    ("def f(a):\n    return a._base\n", 5, "._base"),
+    ("def f():\n    return (x for x in []).gi_frame.f_back.f_globals\n", 5, ".gi_frame.f_back.f_globals"),
+    ("def f(g):\n    return g.f_globals\n", 5, ".f_globals"),
+    ("def f(e):\n    return '{0.x}'.format(e)\n", 5, ".format"),
+], ids=lambda v: v if isinstance(v, str) and "\n" not in v else None)
+def test_a_name_outside_the_allowlist_is_refused_naming_its_line_and_the_name(body, line, name):
+    err = refusal(body)
+    assert (err.line, err.name) == (line, name), str(err)
+    assert str(err).startswith(f"line {line}: {name}: ")
+
+
+def test_allowed_surface_with_aliases_passes():
+    check(ast.parse(HEAD + textwrap.dedent("""
+        import torch as t
+        from triton import language as lang
+        from torch import empty as e, float32
+        import math
+        from functools import lru_cache
+        from __future__ import annotations
+
+        @triton.jit
+        def _k(x_ptr, BLOCK: lang.constexpr):
+            offs = lang.arange(0, BLOCK)
+            a = lang.load(x_ptr + offs)
+            lang.store(x_ptr + offs, lang.dot(a, a) if False else a @ a)
+
+        @lru_cache(None)
+        def sms(device):
+            return t.cuda.get_device_properties(device).multi_processor_count
+
+        def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+            out = e(q.shape, dtype=float32, device=q.device)
+            scale = float(sm_scale) * math.log2(math.e)
+            n = getattr(t.cuda.get_device_properties(0), "shared_memory_per_block_optin", 0)
+            _k[(triton.cdiv(q.numel(), 16),)](out, BLOCK=16)
+            if __name__ == "__main__":
+                pass
+            return out.view(q.shape).to(q.dtype)
+    """)), RULES)
+
+
+def test_the_allowlist_lives_in_the_config_and_a_widened_one_admits_more():
+    wide = config_with(**{"stages.compile.allowed_names": {"torch": ["*"]}}).stages.compile
+    check(ast.parse("import torch\ny = torch.einsum\n"), Rules.from_config(wide))
+
+
+@pytest.mark.parametrize("names, words", [
+    ({"torch": []}, "an empty list"),
+    ({"torch": ["*", "empty"]}, "list nothing beside it"),
+    ({"torch": ["_C"]}, "not a dotted public name"),
+    ({"torch": ["cuda.__dict__"]}, "not a dotted public name"),
+    ({"os path": ["*"]}, "not a module name"),
+], ids=["empty", "star-and-more", "private", "dunder", "bad-module"])
+def test_a_malformed_allowlist_is_a_config_error_naming_the_key(tmp_path, names, words):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["stages"]["compile"]["allowed_names"] = names
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "stages.compile.allowed_names" in str(err.value) and words in str(err.value), str(err.value)
+
+
+def test_name_may_be_read_as_a_name_or_an_attribute_and_nothing_else_dunder():
+    check(ast.parse("def f(g):\n    return g.__name__ if __name__ != '__main__' else ''\n"), RULES)
+    with pytest.raises(Refused, match="line 1: __name__: a dunder name"):
+        check(ast.parse("__name__ = 'x'\n"), RULES)
+    with pytest.raises(Refused, match="line 2: __import__: a dunder name"):
+        check(ast.parse("def f():\n    return __import__('os')\n"), Rules.from_config(
+            config_with(**{"stages.compile.forbidden_builtins": []}).stages.compile))
+
+
+def test_a_readable_dunder_that_is_not_a_dunder_is_a_config_error(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["stages"]["compile"]["readable_dunders"] = ["name"]
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="stages.compile.readable_dunders"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("body, line, name", [
+    ("y = tl.core.inspect.getmembers\n", 4, "triton.language.core.inspect.getmembers"),
+    ("y = tl.core.contextmanager\n", 4, "triton.language.core.contextmanager"),
+    ("import math\ny = math.pi.hex\n", 5, None),
+], ids=["tl-core-inspect", "tl-core-contextlib", "math-constant-method"])
+def test_a_wildcard_module_s_own_imports_are_not_reachable_through_it(body, line, name):
+    if name is None:                                   # a builtin value's method: builtins, allowed
+        check(ast.parse(HEAD + body), RULES)
+        return
+    err = refusal(body)
+    assert (err.line, err.name) == (line, name) and "outside the allowlisted modules" in err.why, str(err)
+
+
+def test_typing_is_listed_name_by_name():
+    for body in ("import typing\ny = typing.get_type_hints\n", "import typing\ny = typing.sys\n"):
+        with pytest.raises(Refused, match="not on typing's allowlist"):
+            check(ast.parse(body), RULES)

@@ -1,0 +1,117 @@
+"""Attacks on the dispatch stage and the checks beside it: a candidate that uses the library only when no check
+is watching (tests/adversarial/), a candidate that hogs the GPU's memory, and the NaN-timing attack. Each
+asserts the verdict it gets now. The GPU ones are marked `cuda` (run on the H200; docs/BENCHMARKS.md)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import candidates as C
+from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
+
+ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
+
+
+def attack(name: str) -> str:
+    return C.wrap_decode((ADVERSARIAL / f"{name}_body.py").read_text())
+
+
+def test_the_stage_aware_sdpa_candidate_is_refused_by_the_allowlist_naming_line_and_name(evaluate_source):
+    source = attack("stage_aware_sdpa")
+    line = source.splitlines().index("import torch.nn.functional as F") + 1
+    v = evaluate_source(source)
+    assert v.failed_stage == "compile", v.reason
+    assert v.stages[-1].reason.startswith(f"line {line}: torch.nn.functional: imports a module outside the allowlist")
+
+
+def test_the_stage_aware_candidate_written_to_pass_the_allowlist_is_caught_at_parity_by_the_audit_on_every_call(
+        evaluate_source):
+    """Its kernel on compile's, the audit's and the ablation's calls; torch elementwise attention after. Before
+    the audit watched every call, this passed dispatch and parity."""
+    v = evaluate_source(attack("stage_aware_elementwise"))
+    assert v.failed_stage == "parity", v.reason
+    reason = v.stages[-1].reason
+    assert reason.startswith("decode (parity, decode ") and "torch ops outside the kernel produce" in reason, reason
+
+
+def test_sdpa_on_any_call_past_the_allowlist_is_a_rejection_at_the_first_call_that_makes_it(evaluate_source):
+    v = evaluate_source(attack("stage_aware_sdpa_later"), config=runtime_only())
+    assert v.failed_stage == "parity", v.reason
+    assert "library compute instead of the candidate's kernel: aten::_scaled_dot_product" in v.stages[-1].reason
+    assert v.stages[-1].metrics.get("library_ops") == 1.0
+
+
+# -- on the GPU ---------------------------------------------------------------------------------------------
+
+NAN_TIMER = C.wrap_decode("""
+_elapsed = torch.cuda.Event.elapsed_time
+
+def _lie(self, other):
+    return VALUE
+
+torch.cuda.Event.elapsed_time = _lie
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+MEMORY_HOG = C.wrap_decode("""
+_held = []
+_total = torch.cuda.get_device_properties(0).total_memory
+while True:                                # every byte its allocator will give it, kept for good
+    try:
+        _held.append(torch.empty(1 << 30, dtype=torch.uint8, device="cuda"))
+    except Exception:
+        break
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    while True:                            # and on each call whatever is left
+        try:
+            _held.append(torch.empty(1 << 28, dtype=torch.uint8, device=q.device))
+        except Exception:
+            break
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+
+
+@pytest.mark.parametrize("value, words", [
+    ('float("nan")', "reply is not strict JSON: NaN"),
+    ("0.0", "Input should be greater than 0"),
+    ("-1.0", "Input should be greater than 0"),
+    ("1e-7", "under the physical floor"),
+], ids=["nan", "zero", "negative", "tiny"])
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_a_patched_event_timer_reporting_nan_zero_negative_or_tiny_times_is_rejected_at_microbench(
+        evaluate_source, value, words):
+    v = evaluate_source(NAN_TIMER.replace("VALUE", value), until="microbench", config=runtime_only())
+    assert v.failed_stage == "microbench", v.reason
+    assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_the_patched_timer_is_refused_by_the_allowlist_before_it_runs(evaluate_source):
+    v = evaluate_source(NAN_TIMER.replace("VALUE", 'float("nan")'))
+    assert v.failed_stage == "compile" and "torch.cuda.Event.elapsed_time" in v.stages[-1].reason, v.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_the_stage_aware_candidates_are_rejected_before_microbench_on_the_gpu(evaluate_source):
+    assert evaluate_source(attack("stage_aware_sdpa"), until="microbench").failed_stage == "compile"
+    for name, config in (("stage_aware_elementwise", None), ("stage_aware_sdpa_later", config_with(**RUNTIME_ONLY))):
+        v = evaluate_source(attack(name), until="microbench", config=config)
+        assert v.failed_stage in ("compile", "dispatch", "parity"), (name, v.reason)
+        print(name, v.reason[:300])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_a_candidate_that_takes_all_the_gpu_memory_fails_only_itself(evaluate_source):
+    """Its worker's allocator stops at worker.gpu_memory_fraction; the evaluator's own work runs in memory it
+    took first. The hog's verdict is a verdict (whatever it is), and the next candidate is judged as ever."""
+    v = evaluate_source(MEMORY_HOG, until="microbench")
+    print(v.reason[:500])
+    assert v.stages, v.reason
+    nxt = evaluate_source(C.REF_DECODE, until="microbench")
+    assert nxt.ok, nxt.reason
