@@ -143,9 +143,10 @@ def exposed_paths(spec: dict) -> list[str]:
             continue
         if _within(p, spec["scratch"]):
             continue
-        # Inside the checkout only an interpreter's own folders (the README's .venv lives there), never
-        # the checkout itself or anything else in it (runs/, .git, config files).
-        if _within(p, project) and not any(_within(p, x) and not _within(project, x) for x in map(os.path.normpath, prefixes)):
+        # Inside the checkout only an interpreter's own folders (the README's .venv lives there) and
+        # package folders on sys.path, never the checkout itself or anything else in it (runs/, .git, config).
+        if _within(p, project) and not (any(_within(p, x) and not _within(project, x) for x in map(os.path.normpath, prefixes))
+                                        or os.path.basename(p) in ("site-packages", "dist-packages")):
             continue
         chosen.append(p)
     return chosen + [os.path.join(project, "harness")]

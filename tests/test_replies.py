@@ -41,7 +41,7 @@ def forging(edit: str) -> str:
     each reply the worker sends from the moment the candidate is imported (its own load reply included)."""
     body = textwrap.indent(textwrap.dedent(edit).strip(), "    ")
     return (C.REF_DECODE + "\nimport sys\n_worker = sys.modules['harness.worker']\n_send = _worker.send_json\n\n"
-            f"def _forge(sock, reply):\n{body}\n    _send(sock, reply)\n\n_worker.send_json = _forge\n")
+            f"def _forge(sock, reply, *rest):\n{body}\n    _send(sock, reply, *rest)\n\n_worker.send_json = _forge\n")
 
 
 # -- strict JSON -------------------------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a
     ctx.deadline = time.monotonic() + 120
     ctx.worker = pool.spawn((ADVERSARIAL / "unsealed_output.py").read_text())
     try:
-        assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading")["ok"]
+        assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
         trial = draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
         with pytest.raises(Rejected, match="not sealed"):
             run_trial(ctx, trial)
