@@ -120,7 +120,8 @@ class Worker:
     def load(self, msg: dict) -> dict:
         if self.device.type == "cuda" and msg.get("gpu_memory_fraction"):
             # before the candidate's code runs: the rest of the GPU's memory stays the evaluator's
-            torch.cuda.set_per_process_memory_fraction(float(msg["gpu_memory_fraction"]), self.device)
+            torch.cuda.set_per_process_memory_fraction(float(msg["gpu_memory_fraction"]),
+                                                       torch.cuda.current_device() if self.device.index is None else self.device.index)
         path = Path(msg["path"])
         spec = importlib.util.spec_from_file_location("candidate", path)
         module = importlib.util.module_from_spec(spec)

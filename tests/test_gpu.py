@@ -53,7 +53,9 @@ def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_h
 @pytest.mark.parametrize("source, words", [
     (C.SIDE_STREAM, "escapes the timed stream"),
     (C.PATCHED_TIMER, "not to be believed|under the physical floor"),
-    (C.SLOWS_THE_BASELINE, "tampered"),
+    # a host-side sleep in the baseline: the evaluator's clock (bursts, H200 2026-12-01: 25.65x by the events,
+    # 4.35x by the clock) or its own timing of the baseline catches it, whichever comes first
+    (C.SLOWS_THE_BASELINE, "tampered|not to be believed"),
 ], ids=["side-stream", "patched-timer", "slows-the-baseline"])
 def test_measurement_cheat_is_rejected_at_microbench(evaluate_source, source, words):
     """Past the allowlist (which refuses each by name: test_measurement_cheat_is_refused_by_the_allowlist)."""
