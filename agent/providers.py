@@ -121,7 +121,7 @@ class _Base:
 
     @property
     def url(self) -> str:
-        return str(self.client.base_url)
+        return str(self.client.base_url).rstrip("/")
 
     def _read(self, model: str, system: str, messages: list[dict], timeout, cancel: threading.Event) -> Reply:
         raise NotImplementedError
@@ -211,8 +211,8 @@ class _Base:
                     faults[-1] += f"; waited {wait:.0f} s{why_wait}"
                 if stop := self._unreached(fared, wait):
                     raise ProviderStop(stop) from None
-                line = f"{model}: {cause[:160]}; retry {n + 1}/{r.attempts} in {{:.0f}} s{why_wait}"
-                if why := _pause(wait, meter.halt, lambda left: meter.notice(line.format(left))):
+                line = f"{model}: {cause[:160]}; retry {n + 1}/{r.attempts} in "
+                if why := _pause(wait, meter.halt, lambda left: meter.notice(f"{line}{left:.0f} s{why_wait}")):
                     raise Halted(why, n, faults) from None
                 continue
             fared.answered += 1

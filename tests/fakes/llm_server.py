@@ -181,9 +181,10 @@ class FakeLLM:
                     return self._send(200, _whole(api, model, step.text, step.finish, n_in, n_out))
                 events = _events(api, model, step.text, step.finish, n_in, n_out)
                 if step.kind == "garbage":
-                    return self._stream([events[0], b"data: {\"choices\": [{\"delta\": <<garbage>>\n\n"])
+                    name = b"event: content_block_delta\n" if api == "anthropic" else b""
+                    return self._stream([events[0], name + b"data: {\"choices\": [{\"delta\": <<garbage>>\n\n"])
                 if step.kind == "short":
-                    return self._stream(events[:2], last=False)      # the connection closes mid-reply
+                    return self._stream(events[:-3])      # a whole HTTP body, but the reply stops mid-way
                 self._stream(events, stall=step.seconds if step.kind == "stall" else 0.0)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
