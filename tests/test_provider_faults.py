@@ -184,3 +184,12 @@ def test_a_service_lost_after_it_answered_is_waited_for_with_the_clock_from_its_
     assert meter.of("openai").outage_s == pytest.approx(fake.seen[-1].at - failed[0], abs=0.3)
     counts = [n for n in notices if " down " in n]
     assert len({n.split(" (")[0] for n in counts}) > 1              # the clock on screen moves
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("providers.idle_timeout_s", 0, "greater than 0"), ("providers.max_reply_chars", 10, "greater than or equal to 1000"),
+    ("providers.retry.max_retry_after_s", -1, "greater than or equal to 0"),
+    ("providers.outage.unreached_s", "soon", "valid number"), ("providers.retry.retry_after_cap", 5, "Extra inputs")])
+def test_the_call_settings_are_checked_when_the_config_loads(key, value, words):
+    with pytest.raises(Exception, match=words):
+        config_with(**{key: value})
