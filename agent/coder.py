@@ -17,7 +17,8 @@ from harness.targets import TARGETS
 from agent.knowledge import Catalog
 from agent.planner import knowledge_text
 from agent.prompts import render
-from agent.providers import LLM, Meter, ask, retold
+from agent.asking import ask, retold
+from agent.providers import LLM, Meter
 from agent.records import Claim, Exchange, Kernel, Message
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)

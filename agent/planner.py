@@ -21,7 +21,8 @@ from harness.targets import TARGETS
 from agent.knowledge import Catalog
 from agent.profile import kernel_figures
 from agent.prompts import render
-from agent.providers import LLM, Meter, ask, retold
+from agent.asking import ask, retold
+from agent.providers import LLM, Meter
 from agent.records import CandidateRecord, Claim, ClaimDraft, Exchange, Message
 from agent.state import ProposalState
 

@@ -11,15 +11,12 @@ own retries are off: rate limits, server errors, timeouts, dropped connections a
 are retried with jittered exponential backoff, or after the wait a Retry-After / retry-after-ms header
 asks for (capped at `retry.max_retry_after_s`), with a countdown on the live line. What retrying cannot
 fix (authentication, an unknown model, a request too long) raises `ProviderStop`: the run stops with
-its one line. Retries that run out mean the provider is down (`ProviderDown`): `ask` asks the fallback
-provider if one is configured (it stays first while it answers); else it waits (`providers.outage`,
-doubling waits, capped, a live count of the time down since the first failed call) and asks again, for
-up to `give_up_s`. A service that never sent an HTTP reply since the run started (a wrong URL, a
-closed port) stops the run after `outage.unreached_s`, naming the provider and its URL. Every failed
-call is counted in `Meter.fared` and written into the exchange that followed (`Exchange.faults`);
-each answered exchange is handed to `Meter.paid` at once (the loop commits it). Keys come from the
-environment (harness/config.py) and are never recorded.
-Not here: what is asked (planner, coder), what a reply means, how a reply is read (agent/replies.py).
+its one line. Retries that run out mean the provider is down (`ProviderDown`; agent/asking.py waits
+for it). A service that never sent an HTTP reply since the run started (a wrong URL, a closed port)
+stops the run after `outage.unreached_s`, naming the provider and its URL. Every failed call is counted
+in `Meter.fared`. Keys come from the environment (harness/config.py) and are never recorded.
+Not here: outages and the recorded exchange (agent/asking.py), how a reply is read (agent/replies.py),
+what is asked (planner, coder).
 """
 from __future__ import annotations
 
@@ -33,12 +30,11 @@ from harness.config import ProviderConfig, ProvidersConfig
 from harness.sandbox import redact
 
 from agent.meter import Fared, Meter
-from agent.prompts import render
-from agent.records import Exchange, Message
-from agent.replies import (CallTimeout, Reply, _http, _status, anthropic_reply, answered, fault_kind, openai_reply,
+from agent.records import Message
+from agent.replies import (CallTimeout, Reply, httpx_module, status_of, anthropic_reply, answered, fault_kind, openai_reply,
                            retry_after, sdks)
 
-__all__ = ["LLM", "Meter", "PROVIDERS", "ProviderDown", "ProviderStop", "Halted", "Reply", "ask", "check_keys", "retold"]
+__all__ = ["LLM", "Meter", "PROVIDERS", "ProviderDown", "ProviderStop", "Halted", "Reply", "check_keys"]
 
 _CHECK_TIMEOUT_S = 20.0         # the key check at start: a service this slow is left to the run's waits
 _TICK_S = 0.25                  # how often a caller looks at a call in flight (the run's stop, the deadline)
@@ -73,7 +69,7 @@ class LLM(Protocol):
 
 
 def _what(e: BaseException) -> str:
-    status = _status(e)
+    status = status_of(e)
     body = getattr(e, "body", None)
     inner = body.get("error", body) if isinstance(body, dict) else None
     text = (inner.get("message") if isinstance(inner, dict) else None) or str(e) or type(e).__name__
@@ -84,7 +80,7 @@ def _what(e: BaseException) -> str:
 
 
 def _why_fatal(e: BaseException, provider: str, key_env: str | None) -> str:
-    status = _status(e)
+    status = status_of(e)
     if status in (401, 403):
         return f"{provider}: authentication failed ({_what(e)}); check {key_env or 'the server'}"
     if status == 404:
@@ -94,7 +90,7 @@ def _why_fatal(e: BaseException, provider: str, key_env: str | None) -> str:
     return f"{provider}: {_what(e)}"
 
 
-def _pause(seconds: float, halt: Callable[[], str], say: Callable[[float], None] = lambda left: None) -> str:
+def pause(seconds: float, halt: Callable[[], str], say: Callable[[float], None] = lambda left: None) -> str:
     """Sleep in short steps, saying how long is left each second; why the run must stop, as soon as it must."""
     end, said = time.monotonic() + seconds, None
     while (left := end - time.monotonic()) > 0:
@@ -140,7 +136,7 @@ class _Base:
 
     def _call(self, model: str, system: str, messages: list[Message], meter: Meter, n: int) -> Reply:
         """One call, in a thread of its own, bounded by the whole-call deadline and the run's stop."""
-        c, http = self.common, _http()
+        c, http = self.common, httpx_module()
         timeout = http.Timeout(connect=c.connect_timeout_s, read=c.idle_timeout_s, write=c.idle_timeout_s,
                                pool=c.connect_timeout_s)
         cancel, fut = threading.Event(), Future()
@@ -168,7 +164,7 @@ class _Base:
 
     def _cause(self, e: BaseException, kind: str) -> str:
         if kind == "timeout" and not isinstance(e, CallTimeout):
-            connecting = isinstance(e.__cause__, _http().ConnectTimeout)
+            connecting = isinstance(e.__cause__, httpx_module().ConnectTimeout)
             return (f"timeout: {'no connection' if connecting else 'silent'} for "
                     f"{self.common.connect_timeout_s if connecting else self.common.idle_timeout_s:g} s "
                     f"(providers.{'connect' if connecting else 'idle'}_timeout_s)")
@@ -212,7 +208,7 @@ class _Base:
                 if stop := self._unreached(fared, wait):
                     raise ProviderStop(stop) from None
                 line = f"{model}: {cause[:160]}; retry {n + 1}/{r.attempts} in "
-                if why := _pause(wait, meter.halt, lambda left: meter.notice(f"{line}{left:.0f} s{why_wait}")):
+                if why := pause(wait, meter.halt, lambda left: meter.notice(f"{line}{left:.0f} s{why_wait}")):
                     raise Halted(why, n, faults) from None
                 continue
             fared.answered += 1
@@ -232,7 +228,7 @@ class _Base:
             try:
                 return self._list(client)
             except tuple(sdk.APIError for sdk in sdks()) as e:
-                if _status(e) in (401, 403):
+                if status_of(e) in (401, 403):
                     raise ProviderStop(_why_fatal(e, self.name, self.pcfg.api_key_env)) from None
                 if answered(e) or limit is None or fault_kind(e) != "connection":
                     return
@@ -286,99 +282,3 @@ def check_keys(common: ProvidersConfig, provider: str) -> None:
     for who in (llm, llm.fallback):
         if who is not None:
             who.check()
-
-
-def _outlast(llm: LLM, meter: Meter, model: str, role: str, system: str, messages: list[Message]):
-    """(reply, calls, the LLM that answered, its model, a note on the outage, the failed calls): `llm`, its
-    fallback while it is down, waiting between rounds as `llm.outage` says. Raises ProviderStop when nothing
-    can fix it, Halted when the run must stop."""
-    outage, fallback = getattr(llm, "outage", None), getattr(llm, "fallback", None)
-    chain = [(llm, model)] + ([(fallback, getattr(fallback.pcfg, f"{role}_model"))] if fallback is not None else [])
-    if getattr(llm, "prefer_fallback", False):
-        chain.reverse()
-    calls, since, wait, waits, down, faults, last = 0, 0.0, outage.wait_s if outage else 0.0, 0, [], [], ""
-
-    def lost() -> None:                  # the outage ends without an answer: its time counts all the same
-        for name in down:
-            meter.of(name).outage_s += time.monotonic() - since
-    while True:
-        for who, m in chain:
-            try:
-                reply, n = who.complete(m, system, messages, meter)
-            except Halted as e:
-                lost()
-                raise Halted(e.why, calls + e.attempts, faults + e.faults) from None
-            except ProviderDown as e:
-                calls, last, since = calls + e.attempts, str(e), since or e.first or time.monotonic()
-                faults += [f"{who.name} {f}" for f in e.faults]
-                meter.of(who.name).outages += 1
-                down += [who.name] if who.name not in down else []
-                if outage is None or (outage.give_up_s == 0 and fallback is None):
-                    lost()
-                    raise ProviderStop(last) from None      # configured not to wait
-                continue
-            except ProviderStop:
-                lost()
-                raise
-            if fallback is not None:
-                llm.prefer_fallback = who is fallback      # the one that answered is asked first next time
-            lost()
-            note = "" if not down else (f"{' and '.join(down)} down for {time.monotonic() - since:.0f} s "
-                                        f"({waits} wait(s)); answered by {who.name} {m}")
-            return reply, calls + n, who, m, note, faults + [f"{who.name} {f}" for f in reply.faults]
-        names, lasted = " and ".join(down), time.monotonic() - since
-        if outage.give_up_s is not None and lasted + wait > outage.give_up_s:
-            lost()
-            raise ProviderStop(f"{names} down for {lasted / 60:.1f} min, past providers.outage.give_up_s "
-                               f"({outage.give_up_s:g} s); last: {last}")
-        for who, _ in chain:
-            if stop := getattr(who, "_unreached", lambda f, s: "")(meter.of(who.name), wait):
-                lost()
-                raise ProviderStop(stop)
-        faults.append(f"{names} down: waited {wait:.0f} s")
-
-        def say(left: float) -> None:
-            meter.notice(f"{names} down {time.monotonic() - since:.0f} s ({calls} calls, {waits} wait(s); last: "
-                         f"{last[:120]}); asking again in {left:.0f} s")
-        if why := _pause(wait, meter.halt, say):
-            lost()
-            raise Halted(f"stopped waiting for {names}: {why}; last: {last}", calls, faults)
-        waits, wait = waits + 1, min(wait * 2 if wait else 1.0, outage.max_wait_s)
-
-
-def ask(llm: LLM, meter: Meter, model: str, role: str, purpose: str, system: str,
-        messages: list[Message]) -> Exchange:
-    """One recorded exchange, made through outages, handed to `meter.paid` as soon as it is answered; one
-    an earlier session paid for is taken from `meter.prepaid` instead. Raises ProviderStop (Halted when the
-    run must stop); a reply cut short or over the size cap is returned, marked in `note`."""
-    if (ex := meter.take_prepaid(role, purpose)) is not None:
-        return ex.model_copy(update={"note": "; ".join(n for n in (ex.note, "paid for in an earlier session: not asked again") if n)})
-    t0 = time.monotonic()
-    try:
-        reply, attempts, who, used, outage_note, faults = _outlast(llm, meter, model, role, system, messages)
-    finally:
-        meter.notice("")
-    cost = meter.charge(used, reply.input_tokens, reply.output_tokens)
-    cap = getattr(getattr(who, "common", None), "max_reply_chars", 0)
-    notes = [outage_note, "the reply was cut at the output-token limit" if reply.cut else "",
-             f"the reply was {reply.chars} characters, over providers.max_reply_chars ({cap}): its text is not kept "
-             f"(sha256 {reply.sha256})" if reply.over else "",
-             "the service reported no token usage: tokens estimated at 4 characters each" if reply.estimated else ""]
-    ex = Exchange(role=role, purpose=purpose, provider=who.name, model=used, system=system, messages=messages,
-                  reply=reply.text, input_tokens=reply.input_tokens, output_tokens=reply.output_tokens,
-                  cost_usd=round(cost, 6), attempts=attempts, seconds=round(time.monotonic() - t0, 3),
-                  note="; ".join(n for n in notes if n), finish=reply.finish, faults=faults,
-                  reply_chars=reply.chars if reply.over else 0, reply_sha256=reply.sha256)
-    meter.paid(ex)
-    return ex
-
-
-def retold(ex: Exchange, common: ProvidersConfig) -> tuple[str, str]:
-    """What a repair round shows of a reply that could not be used: (the assistant's turn as sent back, a notice
-    for the repair prompt). A reply over the size cap is never sent back; one cut at the output-token limit is
-    said to have been cut."""
-    if ex.reply_sha256:
-        return (render("reply_withheld", chars=str(ex.reply_chars)),
-                render("reply_over", chars=str(ex.reply_chars), cap=str(common.max_reply_chars)))
-    cut = ex.finish in ("length", "max_tokens") or "cut at the output-token limit" in ex.note
-    return ex.reply or "(empty)", render("reply_cut", limit=str(common.max_output_tokens)) if cut else ""

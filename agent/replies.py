@@ -65,26 +65,26 @@ def sdks():
     return openai, anthropic
 
 
-def _http():
+def httpx_module():
     import httpx2                   # the SDKs' HTTP client
     return httpx2
 
 
-def _status(e: BaseException) -> int | None:
+def status_of(e: BaseException) -> int | None:
     return getattr(e, "status_code", None)
 
 
 def fault_kind(e: BaseException) -> str | None:
     """What kind of retryable fault `e` is, or None when retrying cannot fix it."""
     openai, anthropic = sdks()
-    http = _http()
+    http = httpx_module()
     if isinstance(e, Fault):
         return e.kind
     if isinstance(e, (openai.APITimeoutError, anthropic.APITimeoutError, http.TimeoutException)):
         return "timeout"
     if isinstance(e, (openai.APIConnectionError, anthropic.APIConnectionError, http.TransportError)):
         return "connection"
-    status = _status(e)
+    status = status_of(e)
     if status == 429:
         return "rate-limited"
     if status is not None and (status in _TRANSIENT_STATUS or status >= 500):
@@ -96,7 +96,7 @@ def fault_kind(e: BaseException) -> str | None:
 
 def answered(e: BaseException) -> bool:
     """Whether the service sent an HTTP reply at all (a status, a body), as opposed to none."""
-    return isinstance(e, Malformed) or _status(e) is not None
+    return isinstance(e, Malformed) or status_of(e) is not None
 
 
 def retry_after(e: BaseException) -> float | None:

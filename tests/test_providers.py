@@ -9,7 +9,8 @@ from conftest import config_with
 from fakes.llm_server import FakeLLM, Step
 from harness.config import ConfigError
 
-from agent.providers import PROVIDERS, Meter, ProviderStop, ask, check_keys
+from agent.asking import ask
+from agent.providers import PROVIDERS, Meter, ProviderStop, check_keys
 from agent.records import Message
 
 KEY = "sk-test-provider-0001"
