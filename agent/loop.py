@@ -313,6 +313,7 @@ class Run:
                      "profile.json": self.profile.model_dump_json(indent=1)}
             trailers["Head"] = f"{op}={record.id}"
         with self._ledger_lock, self.stop.writing():
+            self._paid.pop(record.id, None)         # its exchanges are in its own commit from here
             self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
                                          self.summary(), new_best, files, trailers)
         if known:
