@@ -46,8 +46,9 @@ def _outlast(llm: LLM, meter: Meter, model: str, role: str, system: str, message
             except ProviderDown as e:
                 calls, last, since = calls + e.attempts, str(e), since or e.first or time.monotonic()
                 faults += [f"{who.name} {f}" for f in e.faults]
-                meter.of(who.name).outages += 1
-                down += [who.name] if who.name not in down else []
+                if who.name not in down:                    # one outage, however many rounds it lasts
+                    meter.of(who.name).outages += 1
+                    down.append(who.name)
                 if outage is None or (outage.give_up_s == 0 and fallback is None):
                     lost()
                     raise ProviderStop(last) from None      # configured not to wait

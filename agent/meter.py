@@ -26,7 +26,7 @@ class Fared:
     answered: int = 0               # calls that gave a reply that was used (and paid for)
     faults: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAULT_KINDS, 0))
     cut: int = 0                    # calls in flight when the run had to stop (paid, if the service finished them)
-    outages: int = 0                # rounds of retries that ran out
+    outages: int = 0                # exchanges that waited for it: their retries ran out at least once
     outage_s: float = 0.0           # from the first failed call of each outage to its answer or the run's stop
     reached: bool = False           # an HTTP reply came back at least once (this session)
     first_failure: float = 0.0      # time.monotonic() of this session's first failed call, 0 if none
