@@ -66,8 +66,12 @@ def sdks():
 
 
 def httpx_module():
-    import httpx2                   # the SDKs' HTTP client
-    return httpx2
+    """The SDKs' HTTP client: httpx2 in the SDKs installed here, httpx in older ones."""
+    try:
+        import httpx2 as module
+    except ImportError:
+        import httpx as module
+    return module
 
 
 def status_of(e: BaseException) -> int | None:
