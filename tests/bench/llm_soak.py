@@ -12,8 +12,8 @@ the shorter call timeouts written below (so more faults fit in the time) and sma
 evaluator runs Triton's interpreter; the soak is about the provider, not the kernels).
 
 Then it prints the account: the exit code, tracebacks in stderr, wall and budget time, what the service
-served by kind, the run's own tally of its provider (summary.json), and whether every reply the service
-delivered whole is an exchange in the ledger. It asserts nothing; the figures go to docs/AGENT.md by hand.
+served by kind, the run's own tally of its provider (summary.json), and the replies the service handed
+out against the exchanges in the ledger (a reply in flight when the run ends is cut: counted, not recorded). It asserts nothing; the figures go to docs/AGENT.md by hand.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def main() -> None:
     stderr = (runs / f"{args.run_id}.err").read_text()
     summary = json.loads((root / "summary.json").read_text())
     exchanges = ledger_exchanges(root)
-    delivered = {m: service.handed[("good", m)] + service.handed[("huge", m)] for m in (PLANNER, CODER)}
+    replies = {m: service.handed[("good", m)] + service.handed[("huge", m)] for m in (PLANNER, CODER)}
     in_ledger = Counter(e["model"] for e in exchanges)
     account = {
         "rc": rc, "tracebacks": stderr.count("Traceback"), "wall_s": round(wall, 1),
@@ -128,7 +128,7 @@ def main() -> None:
         "cost_usd": summary["cost_usd"], "served": served, "outage_503s": outage_requests,
         "handed_out": {f"{k} {m}": n for (k, m), n in sorted(service.handed.items())},
         "provider": summary.get("providers", {}),
-        "replies_delivered_whole": delivered, "exchanges_in_ledger": dict(in_ledger),
+        "replies_handed_out": replies, "exchanges_in_ledger": dict(in_ledger),     # less the calls cut by the run's end
         "exchanges_over_cap": sum(1 for e in exchanges if e.get("reply_sha256")),
         "exchanges_with_faults": sum(1 for e in exchanges if e.get("faults")),
         "ledger_bytes": sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and ".git" not in p.parts),
