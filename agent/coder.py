@@ -17,7 +17,8 @@ from harness.targets import TARGETS
 from agent.knowledge import Catalog
 from agent.planner import knowledge_text
 from agent.prompts import render
-from agent.providers import LLM, Meter, ask
+from agent.asking import ask, retold
+from agent.providers import LLM, Meter
 from agent.records import Claim, Exchange, Kernel, Message
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -61,8 +62,10 @@ class Coder:
             code, error = extract_code(ex.reply)
             if code is not None:
                 return code, exchanges, ""
-            messages = messages + [Message(role="assistant", content=ex.reply or "(empty)"),
-                                   Message(role="user", content=render("coder_repair", error=error))]
+            said, notice = retold(ex, self.cfg.providers)
+            messages = messages + [Message(role="assistant", content=said),
+                                   Message(role="user", content=render("coder_repair", notice=notice and notice + "\n",
+                                                                       error=error))]
         return None, exchanges, f"no usable code after one repair round: {error}"
 
     def write(self, claim: Claim, parent: Kernel) -> tuple[str | None, list[Exchange], str]:

@@ -11,7 +11,9 @@ best-<op> (the best so far; the head until a candidate beats it) and head-<op>. 
 rewritten in every commit; settings.json holds the settings in force (rewritten by each resume).
 An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.json, subject
 `propose <id> ...`, trailer `Proposal`), so a run killed mid-evaluation evaluates it when resumed
-(`pending()`) instead of losing or buying it again. Every text is redacted of secret-looking
+(`pending()`) instead of losing or buying it again. Each paid LLM exchange is committed as soon as it is
+answered (candidates/<id>/exchanges.jsonl, subject `paid <id> ...`), so one answered before a fatal
+failure or a kill is kept and a resumed run takes it from there (`unjudged_exchanges()`). Every text is redacted of secret-looking
 environment values before it is written. `history()` reads the candidates back, so a run can be
 resumed from its ledger alone.
 
@@ -58,9 +60,24 @@ class _ObjectsWrittenHere(git.GitCmdObjectDB):
         return LooseObjectDB.store(self, istream)
 
 
+class _GitOfItsOwn(git.Git):
+    """Every git child (gitpython's long-lived `git cat-file --batch` readers included) in a session of its
+    own: a signal to kevo's whole process group — Ctrl-C in a terminal, `timeout`, a service manager —
+    reaches kevo, which stops in order, and not the processes its orderly stop reads the ledger through
+    (killed, they left a BrokenPipeError traceback and no end commit)."""
+
+    def execute(self, command, *args, **kwargs):
+        kwargs.setdefault("start_new_session", True)
+        return super().execute(command, *args, **kwargs)
+
+
+class _Repo(git.Repo):
+    GitCommandWrapperType = _GitOfItsOwn
+
+
 def open_repo(root: Path) -> git.Repo:
     """A run's repository, opened for reading and writing by kevo (every writer opens it here)."""
-    return git.Repo(root, odbt=_ObjectsWrittenHere)
+    return _Repo(root, odbt=_ObjectsWrittenHere)
 
 
 class LedgerError(Exception):
@@ -342,6 +359,15 @@ class Ledger:
         found = [Proposal.model_validate_json(t) for cid, t in self._each("candidates", "proposal.json").items()
                  if cid not in judged]
         return sorted(found, key=lambda p: (id_number(p.id), p.id))
+
+    def unjudged_exchanges(self) -> dict[str, tuple[list[Exchange], Proposal | None]]:
+        """Candidates without a verdict whose paid exchanges were committed as they were answered
+        (candidates/<id>/exchanges.jsonl): their exchanges, and the proposal if one was committed."""
+        judged = self._each("candidates", "record.json")
+        proposals = self._each("candidates", "proposal.json")
+        return {cid: ([Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()],
+                      Proposal.model_validate_json(proposals[cid]) if cid in proposals else None)
+                for cid, text in self._each("candidates", "exchanges.jsonl").items() if cid not in judged}
 
     def last_id(self) -> int:
         """The highest candidate number in the ledger (verdicts and proposals); new ids start above it."""

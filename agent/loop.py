@@ -37,7 +37,7 @@ from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
 from agent.profile import baseline_replay_note, run_profile
 from agent.proposers import PROPOSERS
-from agent.providers import Meter
+from agent.providers import Halted, Meter
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
 from agent.session import Interrupts, RunBusy, RunLock
 from agent.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
@@ -58,6 +58,7 @@ class RunResult:
     funnel: dict[str, int]
     not_run: list[str] = field(default_factory=list)
     signal: int = 0                 # the signal that stopped the run, if one did
+    providers: list[str] = field(default_factory=list)      # how each LLM provider fared, a line each
 
 
 def in_thread(name: str, fn, *args, fut: Future | None = None) -> Future:
@@ -117,7 +118,9 @@ class Run:
                 raise RunError(f"providers.fallback is {settings.provider}, the provider in use; name the other one or null")
         self.stop = Interrupts()
         self.meter = Meter(cfg.providers)
-        self.meter.halt, self.meter.notice = self.halted, (lambda text: self.view.update(activity=text))
+        self.meter.halt, self.meter.limit_usd, self.meter.on_paid = self.halted, settings.max_cost_usd, self.commit_paid
+        self.meter.notice = getattr(view, "status", lambda text: view.update(activity=text) if text else None)
+        self._paid: dict[str, list[Exchange]] = {}  # candidate id -> its exchanges committed so far
         self.proposer = PROPOSERS[settings.provider](cfg, settings.target, self.device, self.arch, self.catalog, self.meter,
                                                      settings.planner_model, settings.coder_model)
         self.root = Path(settings.root) if settings.root else runs_dir(cfg) / settings.run_id
@@ -147,9 +150,11 @@ class Run:
         return self.stop.why or self.out_of_time()
 
     def provider_stopped(self, e: Exception) -> tuple[str, bool]:
-        """(why, fatal) when a provider gave up: a wait cut short by a signal or the time budget is an
-        ordinary end; otherwise the provider's own failure, which is fatal."""
-        return (self.halted(), False) if self.halted() else (str(e), True)
+        """(why, fatal) when a provider gave up: a call refused or cut short by a signal, the time budget or
+        the cost limit is an ordinary end; otherwise the provider's own failure, which is fatal."""
+        if self.halted():
+            return self.halted(), False
+        return (e.why, False) if isinstance(e, Halted) else (str(e), True)
 
     def limit(self, in_flight: int = 0) -> str:
         """Why the run must end now: a signal, or the first budget reached."""
@@ -180,6 +185,7 @@ class Run:
                 "cost_usd": round(self.meter.cost_usd, 6), "input_tokens": self.meter.input_tokens,
                 "output_tokens": self.meter.output_tokens, "elapsed_s": round(self.elapsed(), 1),
                 "device_s": round(self.device_s(), 1),
+                "providers": {name: f.record() for name, f in sorted(self.meter.fared.items())},
                 "heads": {op: k.ref for op, k in self.heads.items()},
                 "best": {op: {"ref": k.ref, "speedup": k.speedup, "path": self._path(k)} for op, k in best.items()},
                 "stopped": stop}
@@ -234,8 +240,10 @@ class Run:
         done = self.ledger.summary()
         self.meter.cost_usd = done.get("cost_usd", 0.0)
         self.meter.input_tokens, self.meter.output_tokens = done.get("input_tokens", 0), done.get("output_tokens", 0)
+        self.meter.restore(done.get("providers", {}))
         self.elapsed_before = float(done.get("elapsed_s", 0.0))
         self.last_id = self.ledger.last_id()
+        prepaid = self._prepaid()
         self.head_device_s = (max(0.0, done["device_s"] - device_seconds({}, self.history)) if "device_s" in done
                               else device_seconds(self.heads, []))
         self.ledger.retag({op: best_kernel(op, self.heads[op], self.history).ref for op in self.heads},
@@ -247,12 +255,46 @@ class Run:
                 f"{f'{s.max_device_minutes:g} min' if s.max_device_minutes else 'no limit on'} device time; "
                 f"{self.elapsed_before / 60:.1f} min spent before",
                 f"discarded, written but never committed by the session before: {', '.join(discarded)}" if discarded else "",
-                f"proposed but not yet evaluated, evaluated first: {', '.join(p.id for p in pending)}" if pending else ""]
+                f"proposed but not yet evaluated, evaluated first: {', '.join(p.id for p in pending)}" if pending else "",
+                f"paid for before, not bought again: {prepaid}" if prepaid else ""]
         with self.stop.writing():
             self.ledger.commit(f"resume {s.run_id}", body,
                                {"environment.json": json.dumps(describe(self.device), indent=1),
                                 "settings.json": self._settings_json(), "summary.json": json.dumps(self.summary(), indent=1)},
                                {"Run": s.run_id})
+
+    def _prepaid(self) -> str:
+        """On resume: the exchanges committed for candidates with no verdict yet, handed to the meter so the
+        calls they answered are not made again. A candidate whose proposal was never committed is proposed
+        again under its own id (by an LLM proposer; the built-in one pays nothing and takes a new id)."""
+        said = []
+        for cid, (exchanges, proposal) in sorted(self.ledger.unjudged_exchanges().items()):
+            self._paid[cid] = list(exchanges)
+            more = exchanges[len(proposal.exchanges):] if proposal is not None else exchanges
+            if more:
+                self.meter.prepaid[cid] = list(more)
+                said.append(f"{cid} ({', '.join(f'{e.role} {e.purpose}' for e in more)})")
+            if proposal is None and not self.proposer.instant and id_number(cid) == self.last_id:
+                self.last_id -= 1                   # the candidate being proposed: proposed again, same id
+        return "; ".join(said)
+
+    def commit_paid(self, cid: str, exchange: Exchange) -> None:
+        """A paid exchange, committed as soon as it is answered (from any thread): a fatal failure or a kill
+        before the candidate's own commit does not lose it, and a resumed run does not buy it again."""
+        if not cid:
+            return
+        in_main = threading.current_thread() is threading.main_thread()
+        with self._ledger_lock:
+            paid = self._paid.setdefault(cid, [])
+            paid.append(exchange)
+            with self.stop.writing() if in_main else nullcontext():
+                self.ledger.commit(f"paid {cid} {exchange.role} {exchange.purpose}: {exchange.provider} {exchange.model}, "
+                                   f"${exchange.cost_usd:.6f}"[:150],
+                                   [f"{exchange.attempts} call(s), {exchange.seconds:.1f} s" +
+                                    (f"; {exchange.note}" if exchange.note else "")],
+                                   {f"candidates/{cid}/exchanges.jsonl": "".join(e.model_dump_json() + "\n" for e in paid),
+                                    "summary.json": json.dumps(self.summary(), indent=1)},
+                                   {"Paid": cid, "Cost": f"{exchange.cost_usd:.6f}"})
 
     def record(self, record: CandidateRecord, exchanges: list[Exchange], trailers: dict | None = None) -> None:
         op = record.op
@@ -271,6 +313,7 @@ class Run:
                      "profile.json": self.profile.model_dump_json(indent=1)}
             trailers["Head"] = f"{op}={record.id}"
         with self._ledger_lock, self.stop.writing():
+            self._paid.pop(record.id, None)         # its exchanges are in its own commit from here
             self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
                                          self.summary(), new_best, files, trailers)
         if known:
@@ -299,18 +342,21 @@ class Run:
         notes = not_run(self.heads, self.history)
         summary = self.summary(stop)
         pending = [p.id for p in self.ledger.pending()]
+        fared = [f.line(name) for name, f in sorted(self.meter.fared.items())]
         text = "\n".join([f"# {self.settings.run_id}: ended", "", f"Stopped: {stop}", "",
                           *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
                             if pending else []),
+                          *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),
                           "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
         with self._ledger_lock, self.stop.writing():     # a proposer thread may still be committing
             self.ledger.commit(f"end {self.settings.run_id}: {stop}"[:150], [text],
                                {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
                                {"Run": self.settings.run_id, "Candidates": len(self.history),
-                                "Cost": f"{self.meter.cost_usd:.6f}", "Fatal": str(fatal).lower()})
+                                "Cost": f"{self.meter.cost_usd:.6f}", "Fatal": str(fatal).lower(),
+                                **({"Providers": "; ".join(fared)} if fared else {})})
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}
         return RunResult(self.root, stop, fatal, self.history, self.heads, best, self.meter.cost_usd,
-                         funnel(self.history), notes, self.stop.signum)
+                         funnel(self.history), notes, self.stop.signum, fared)
 
     def __call__(self, pool=None) -> RunResult:
         try:

@@ -21,7 +21,8 @@ from harness.targets import TARGETS
 from agent.knowledge import Catalog
 from agent.profile import kernel_figures
 from agent.prompts import render
-from agent.providers import LLM, Meter, ask
+from agent.asking import ask, retold
+from agent.providers import LLM, Meter
 from agent.records import CandidateRecord, Claim, ClaimDraft, Exchange, Message
 from agent.state import ProposalState
 
@@ -115,6 +116,8 @@ class Planner:
             exchanges.append(ex.model_copy(update={"note": "; ".join(n for n in (ex.note, note) if n)}))
             if claim is not None:
                 return claim, exchanges, ""
-            messages = messages + [Message(role="assistant", content=ex.reply or "(empty)"),
-                                   Message(role="user", content=render("planner_repair", error=error))]
+            said, notice = retold(ex, self.cfg.providers)
+            messages = messages + [Message(role="assistant", content=said),
+                                   Message(role="user", content=render("planner_repair", notice=notice and notice + "\n",
+                                                                       error=error))]
         return None, exchanges, f"no valid claim after one repair round: {error}"

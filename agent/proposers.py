@@ -38,6 +38,7 @@ class LLMProposer:
         self.name, self.planner, self.coder = name, planner, coder
 
     def propose(self, state: ProposalState) -> Proposal:
+        self.planner.meter.bind(state.next_id)      # its paid exchanges are committed under this id at once
         claim, exchanges, error = self.planner.plan(state)
         base = dict(id=state.next_id, proposer=self.name, exchanges=exchanges)
         if claim is None:
@@ -56,6 +57,7 @@ class LLMProposer:
         return Proposal(**base, outcome="ready", source=source)
 
     def repair(self, proposal: Proposal, source: str, feedback: str, round_no: int) -> tuple[str | None, list[Exchange]]:
+        self.coder.meter.bind(proposal.id)
         fixed, exchanges, _ = self.coder.repair(proposal.claim, source, feedback, round_no)
         return fixed, exchanges
 

@@ -115,10 +115,10 @@ class RecordedLLM:
     def __init__(self, recording: Recording, role: str) -> None:
         self.recording, self.role = recording, role
 
-    def complete(self, model: str, system: str, messages: list[Message]) -> tuple[Reply, int]:
+    def complete(self, model: str, system: str, messages: list[Message], meter: Meter | None = None) -> tuple[Reply, int]:
         ex = self.recording.answer(self.role, model, system, messages)
-        finish = "length" if "output-token limit" in ex.note else "stop"
-        return Reply(ex.reply, ex.input_tokens, ex.output_tokens, finish), 1
+        finish = ex.finish or ("length" if "output-token limit" in ex.note else "stop")
+        return Reply(ex.reply, ex.input_tokens, ex.output_tokens, finish, ex.reply_chars, ex.reply_sha256), 1
 
 
 class RecordedProposer(LLMProposer):

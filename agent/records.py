@@ -86,6 +86,10 @@ class Exchange(Record):
     attempts: int = 1               # HTTP calls made, retries included
     seconds: float = 0.0
     note: str = ""                  # e.g. keys the model sent that kevo ignored
+    finish: str = ""                # the API's finish reason (length / max_tokens: cut at the output-token limit)
+    faults: list[str] = Field(default_factory=list)     # the failed calls before the answer, each with its cause
+    reply_chars: int = 0            # set, with reply_sha256, for a reply over providers.max_reply_chars (reply empty)
+    reply_sha256: str = ""
 
 
 class Proposal(Record):

@@ -180,7 +180,8 @@ def run_config(cfg: Config, ran: Committed) -> Config:
     theirs = yaml.safe_load(ran.text("config.yaml", ran.first)) or {}
     raw = cfg.model_dump(mode="json")
     for section in ("agent", "providers"):
-        raw[section].update({k: v for k, v in (theirs.get(section) or {}).items() if k in raw[section]})
+        raw[section].update({k: {**raw[section][k], **v} if isinstance(v, dict) and isinstance(raw[section][k], dict) else v
+                             for k, v in (theirs.get(section) or {}).items() if k in raw[section]})   # keys added since: today's
     raw["providers"]["prices"] = {**cfg.model_dump(mode="json")["providers"]["prices"],
                                   **((theirs.get("providers") or {}).get("prices") or {})}
     raw["agent"].update(ops=list(ran.header.ops), runs_dir=str(ran.root.resolve().parent))

@@ -1,6 +1,7 @@
 """What a person reads in the terminal (rich): a verdict as a table; a run's live view and its summary."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -34,7 +35,8 @@ class RunView:
         self.live: Live | None = None
         self.lock = threading.Lock()
         self.t0 = time.monotonic()
-        self.fields = {"activity": "", "claim": "", "ledger": "", "funnel": {}, "best": {}, "cost_usd": 0.0,
+        self.llm_key = ""
+        self.fields = {"activity": "", "llm": "", "claim": "", "ledger": "", "funnel": {}, "best": {}, "cost_usd": 0.0,
                        "candidates": 0, "last": ""}
         self.budget_minutes, self.provider = budget_minutes, provider
         self.since = self.t0
@@ -60,6 +62,16 @@ class RunView:
         if self.live is None and fields.get("claim"):
             self.console.print(escape(f"          claim {fields['claim']}"), soft_wrap=True)
 
+    def status(self, text: str) -> None:
+        """The live line of an LLM call in flight ("" when none): shown after the activity, redrawn with its
+        counters on a terminal; elsewhere printed when it changes other than in its seconds."""
+        key = re.sub(r"\d+ s\b", "# s", text)
+        with self.lock:
+            changed, self.llm_key = key != self.llm_key, key
+            self.fields["llm"] = text
+        if self.live is None and changed and text:
+            self.console.print(escape(f"[{time.monotonic() - self.t0:6.1f} s]   {text}"), soft_wrap=True)
+
     def record(self, record, summary: dict) -> None:
         speed = f", {record.speedup:.3f}x over torch" if record.speedup is not None else ""
         line = f"{record.id} [{record.op}] {record.outcome} at {record.stage}{speed}: {record.conclusion.learned}"
@@ -76,7 +88,8 @@ class RunView:
                   expand=True)
         t.add_column("what", style="bold", width=12)
         t.add_column("value", overflow="fold")
-        t.add_row("now", escape(f"{f['activity']} ({time.monotonic() - self.since:.0f} s)"))
+        t.add_row("now", escape(f"{f['activity']} ({time.monotonic() - self.since:.0f} s)"
+                                + (f"; {f['llm']}" if f["llm"] else "")))
         t.add_row("claim", escape(f["claim"] or "-"))
         t.add_row("last", escape(f["last"] or "-"))
         t.add_row("funnel", "  ".join(f"{k} {v}" for k, v in f["funnel"].items() if v) or "-")
@@ -106,5 +119,7 @@ def print_summary(result, console: Console | None = None) -> None:
         console.print(escape(f"best {op}: {k.ref} {_x(k.speedup)} ({verdict}): {where}"), soft_wrap=True)
     console.print(escape(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
                   soft_wrap=True)
+    for line in getattr(result, "providers", []):
+        console.print(escape(f"provider {line}"), soft_wrap=True)
     for note in result.not_run:
         console.print(escape(f"not run here: {note}"), soft_wrap=True)

@@ -249,9 +249,10 @@ class ProviderConfig(Strict):
 
 
 class RetryConfig(Strict):
-    attempts: int = Field(ge=1)     # calls in all, the first included, on rate limits, 5xx and timeouts
+    attempts: int = Field(ge=1)     # calls in all, the first included, on rate limits, 5xx, timeouts and malformed replies
     initial_s: float = Field(ge=0)  # first backoff; doubles each retry, with jitter
     max_s: float = Field(ge=0)
+    max_retry_after_s: float = Field(ge=0)  # a service's Retry-After / retry-after-ms is honoured up to this
 
 
 class OutageConfig(Strict):
@@ -259,6 +260,7 @@ class OutageConfig(Strict):
     wait_s: float = Field(ge=0)             # the first wait after a round of retries ran out
     max_wait_s: float = Field(ge=0)
     give_up_s: float | None = Field(ge=0)   # an outage longer than this stops the run; null: wait as long as the budget lasts
+    unreached_s: float | None = Field(ge=0)  # a service never reached since the run started stops it after this; null: wait
 
 
 class Price(Strict):
@@ -269,8 +271,11 @@ class Price(Strict):
 class ProvidersConfig(Strict):
     openai: ProviderConfig
     anthropic: ProviderConfig
-    timeout_s: float = Field(gt=0)
+    timeout_s: float = Field(gt=0)          # one call, whole: the reply streamed to its end
+    connect_timeout_s: float = Field(gt=0)  # reaching the service
+    idle_timeout_s: float = Field(gt=0)     # the longest silence within a call (before its first byte, between chunks)
     max_output_tokens: int = Field(ge=256)
+    max_reply_chars: int = Field(ge=1000)   # a longer reply is malformed: its size and hash are kept, not its text
     retry: RetryConfig
     outage: OutageConfig
     fallback: Literal["openai", "anthropic"] | None   # asked (with its own models) while the run's provider is down

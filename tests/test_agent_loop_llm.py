@@ -80,11 +80,14 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
     assert subjects[0].startswith("start llm:") and subjects[-1] == "end llm: 5 candidates reached"
     proposed = [s.split(":")[0] for s in subjects if s.startswith("propose ")]   # committed before their verdicts
     assert proposed == ["propose c002 [decode]", "propose c005 [decode]"]
-    verdicts = [s for s in subjects[1:-1] if not s.startswith("propose ")]
+    verdicts = [s for s in subjects[1:-1] if not s.startswith(("propose ", "paid "))]
     assert [s.split(":")[0] for s in verdicts] == [f"{o} {c} at {st}" for c, o, st in outcomes]
     trailers = git(ledger, "log", "-1", "--format=%(trailers:key=Verdict,key=Rounds,key=Cost,valueonly)",
-                   "HEAD~5")                       # end, c005, its proposal, c004, c003, then c002
+                   "--grep=^passed c002")
     assert trailers.split() == ["passed", "2", f"{c002.cost_usd:.6f}"]
+    paid = [s.split(":")[0] for s in subjects if s.startswith("paid ")]      # each exchange committed as answered
+    assert paid[:4] == ["paid c001 planner claim", "paid c001 planner claim-repair", "paid c002 planner claim",
+                        "paid c002 coder code"] and len(paid) == 11
 
     assert [e["purpose"] for e in exchanges(ledger, "c001")] == ["claim", "claim-repair"]
     assert [(e["purpose"], e["attempts"]) for e in exchanges(ledger, "c002")] == [("claim", 2), ("code", 1), ("compile-repair", 1)]
@@ -121,7 +124,8 @@ def test_next_claim_is_written_and_committed_while_the_current_candidate_is_eval
     in_flight = second.split("## In flight")[1].split("##")[0]
     assert "c001 [decode]" in in_flight                         # proposed before c001's verdict was in
     assert [r.outcome for r in result.history] == ["passed", "passed"]
-    subjects = [line.split(":")[0] for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()]
+    subjects = [line.split(":")[0] for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()
+                if not line.startswith("paid ")]
     # committed as soon as it was written, not after c001's verdict: a kill meanwhile would not lose it
     assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "passed c001 at parity",
                              "passed c002 at parity"], subjects

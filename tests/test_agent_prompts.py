@@ -18,7 +18,7 @@ def test_a_missing_slot_is_an_error_naming_the_file_and_the_slot():
 
 def test_a_value_for_a_slot_the_file_does_not_have_is_an_error():
     with pytest.raises(PromptError, match=r"\{\{temperature\}\}, which the file does not have"):
-        render("planner_repair", error="x", temperature="0.7")
+        render("planner_repair", notice="", error="x", temperature="0.7")
 
 
 def test_a_missing_prompt_file_is_an_error():

@@ -6,21 +6,19 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from fakes.llm_server import FakeLLM, Seen
+from fakes.llm_server import FakeLLM, Seen, Step
 
 
 @dataclass
 class FlakyLLM(FakeLLM):
     down: Callable[[str], bool] = lambda api: False
 
-    def _answer(self, api: str, headers: dict, body: dict) -> tuple[int, dict]:
+    def _next(self, api: str, headers: dict, body: dict) -> Step:
         if not self.down(api):
-            return super()._answer(api, headers, body)
+            return super()._next(api, headers, body)
         with self.lock:
-            self.seen.append(Seen(api, body.get("model", ""), headers, body))
-        if api == "openai":
-            return 503, {"error": {"message": "fake outage", "type": "fake", "code": "server_error"}}
-        return 503, {"type": "error", "error": {"type": "api_error", "message": "fake outage"}}
+            self.seen.append(Seen(api, body.get("model", ""), headers, body, time.monotonic()))
+        return Step.error(503, "fake outage")
 
 
 def down_for(seconds: float) -> Callable[[str], bool]:
