@@ -34,6 +34,10 @@ from dataclasses import dataclass, field
 DUNDER = re.compile(r"^__\w+__$")
 HARMLESS_STRINGS = {"__main__"}        # `if __name__ == "__main__":` grants nothing
 NAMED_ATTR_BUILTINS = {"getattr", "setattr", "delattr", "hasattr"}
+# Forbidden builtins that are also ordinary attribute names (`q.device.type`): forbidden as names only.
+ATTRIBUTE_SAFE_BUILTINS = frozenset({"type", "dir", "help", "input", "exit", "quit", "memoryview"})
+# Never after a dot either: a module's own `getattr` would take the computed names the builtin may not.
+NAMED_ATTR_WORDS = frozenset({"getattr", "setattr", "delattr"})
 
 
 class Refused(Exception):
@@ -137,7 +141,7 @@ class _Checker:
                 raise Refused(line, full, f"not on {module}'s allowlist (stages.compile.allowed_names.{module})")
             beyond, named = rest[len(entry):], entry
         for p in beyond:
-            if p in self.rules.attributes:
+            if p in self.rules.attributes or p in (self.rules.builtins - ATTRIBUTE_SAFE_BUILTINS) | NAMED_ATTR_WORDS:
                 raise Refused(line, full, f".{p} is forbidden (stages.compile.forbidden_attributes)")
         self.check_homes(line, full, module, named, rest[len(named):])
 
@@ -145,20 +149,26 @@ class _Checker:
         """Follow the chain on the real modules (trusted: nothing of the candidate's runs) and refuse an
         attribute the allowlist did not name that lives outside the allowlisted packages: a wildcard module's
         own imports (`typing.sys`, `triton.language.core.inspect`) would otherwise be reachable through it."""
-        if not unlisted:
-            return
         try:
             obj = importlib.import_module(module)
             for p in named:
                 obj = getattr(obj, p)
         except Exception:                                   # noqa: BLE001 - what cannot be followed here
             return                                          # cannot be reached there either
+        if not unlisted and inspect.ismodule(obj) and named:
+            raise Refused(line, full, f"the module {obj.__name__} used as a value (name what you use in it)")
         roots = {m.split(".")[0] for m in self.rules.names} | {"builtins"}
-        for p in unlisted:
+        for i, p in enumerate(unlisted):
             try:
                 obj = getattr(obj, p)
             except Exception:                               # noqa: BLE001 - made at run time, or absent
                 return
+            if inspect.ismodule(obj) and (i == len(unlisted) - 1 or not (
+                    obj.__name__ in self.rules.names or obj.__name__.startswith(module + "."))):
+                # a module at the end of a chain (`c = tl.core`: bound to a name, what lies beyond it would
+                # escape these checks), or one outside the listed module's own package (`tl.core.builtins`)
+                raise Refused(line, full, f".{p} is the module {obj.__name__}: a module used as a value or "
+                                          "outside the allowlist (name what you use in a listed module)")
             home = _home(obj)
             if home.split(".")[0] not in roots:
                 raise Refused(line, full, f".{p} is {home}'s, outside the allowlisted modules")
@@ -173,7 +183,7 @@ class _Checker:
 
     def check_attribute(self, line: int, shown: str, word: str) -> None:
         self.check_word(line, shown, word)
-        if word in self.rules.attributes:
+        if word in self.rules.attributes or word in (self.rules.builtins - ATTRIBUTE_SAFE_BUILTINS) | NAMED_ATTR_WORDS:
             raise Refused(line, shown, f".{word} is forbidden on any object (stages.compile.forbidden_attributes)")
 
     # -- the walk -------------------------------------------------------------------------------------
@@ -188,7 +198,7 @@ class _Checker:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if DUNDER.match(node.name):
                 raise Refused(line, node.name, "defines a dunder (a hook into torch or Python's machinery)")
-            in_kernel = in_kernel or any(self.is_jit(d) for d in node.decorator_list)
+            in_kernel = in_kernel or (bool(node.decorator_list) and all(self.is_jit(d) for d in node.decorator_list))
         elif isinstance(node, ast.Name):
             self.name(node)
         elif isinstance(node, ast.Attribute):

@@ -281,6 +281,11 @@ def settle_inside(spec: dict, namespaces: bool) -> tuple[Path, list[str]]:
     """In the process that will run candidate code (PID 1 of its namespaces when `namespaces`).
     Returns its folder and the notes: what was applied, and (best effort only) what was skipped."""
     required, notes = spec["required"], []
+    try:                     # the first the kernel's OOM killer takes: a candidate that eats the host's RAM
+        with open("/proc/self/oom_score_adj", "w") as f:    # dies before the evaluator or another slot
+            f.write("1000")
+    except OSError as e:
+        notes.append(f"oom_score_adj not raised ({e.strerror})")
     threads = _threads()
     if threads != 1:         # capabilities, no_new_privs and Landlock are per thread: none may run unlocked
         raise sandbox.SandboxError(f"the process to confine has {threads} threads, not 1")

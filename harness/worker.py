@@ -247,8 +247,8 @@ class Worker:
                     torch.cuda.synchronize()
                     synced[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[2]))
                     streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
-                    if impl == "candidate":
-                        last[f"set{s}"] = out
+                    if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
+                        last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
         return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
                 "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls)}
 

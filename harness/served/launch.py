@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import replies
 from harness.config import PROJECT_ROOT, Config
 from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
@@ -74,8 +75,8 @@ class ServerHandle:
         """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
         try:
             with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/stats", timeout=10) as r:
-                data = json.loads(r.read(1 << 22))
-        except (OSError, urllib.error.URLError, ValueError):
+                data = replies.loads(r.read(1 << 22))      # the candidate's process wrote it: strict JSON only
+        except (OSError, urllib.error.URLError, ValueError, replies.MalformedReply):
             return None
         return data if isinstance(data, dict) else None
 

@@ -27,11 +27,12 @@ def _profile(ctx: EvalContext, op: str, trial, launched: set[str]) -> dict[str, 
     kernels = reply.kernels
     total = sum(kernels.values()) or 1e-9
     library = {k: us for k, us in kernels.items() if any(p in k.lower() for p in d.library_kernel_patterns)
-               and not any(k.startswith(n) for n in launched)}
+               and k not in launched}
     if library:
         names = ", ".join(f"{k} ({us / total:.0%})" for k, us in sorted(library.items(), key=lambda x: -x[1])[:4])
         raise Rejected(f"{op}: library kernels run on the device: {names}")
-    own = sum(us for k, us in kernels.items() if any(k.startswith(n) for n in launched))
+    own = sum(us for k, us in kernels.items() if k in launched)   # by exact name: a kernel named `void` or
+    # `sm` would otherwise claim every library kernel whose name starts so ("void at::native::...", "sm90_...")
     if not own / total >= d.min_own_device_share:
         others = ", ".join(f"{k} ({us / total:.0%})" for k, us in sorted(kernels.items(), key=lambda x: -x[1])[:4])
         raise Rejected(f"{op}: the candidate's Triton kernels hold {own / total:.0%} of device time "

@@ -24,6 +24,7 @@ of its op so far. Passing is not acceptance: only the full scored replay accepts
 """
 from __future__ import annotations
 
+import secrets
 import statistics
 import time
 
@@ -163,7 +164,10 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     impls = ["candidate", "baseline", "baseline"] + (["anchor"] if m.anchor and spec.anchor and cached_anchor is None else [])
     ctx.send({"cmd": "time", "op": case.op, "impls": impls, "sets": [t.recipe(ctx) for t in trials],
               "warmup": m.warmup_reps, "reps": m.reps, "flush_bytes": m.l2_flush_bytes,
-              "cover_cycles": m.cover_cycles}, f"timing {case.label}")
+              "cover_cycles": m.cover_cycles,
+              # whose outputs come back to be checked: drawn here, learnt only with the request, so a kernel
+              # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
+              "check_rep": secrets.randbelow(m.reps)}, f"timing {case.label}")
     t_send = time.perf_counter()
     meanwhile()
     reply = ctx.collect(f"timing {case.label}", "time")
