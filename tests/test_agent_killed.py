@@ -130,13 +130,18 @@ def chain(tmp_path_factory):
         seen["after_kill"].append((seen["early"], head_subject(root), committed_problems(root), proc.returncode))
 
         # SIGTERM while a proposal is being evaluated; before that, a second run on the folder is refused.
+        before = head_sha(root)             # an earlier session may have ended on a "propose" commit of its own
         proc = kevo(*run, env=env, log=tmp / "term")
         wait_for(lambda: holder(root) == proc.pid, proc)
         second = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(config), "run", "--resume", str(root)],
                                 cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         seen["second"], seen["holder"] = second, proc.pid
-        wait_for(lambda: head_subject(root).startswith("propose "), proc)
-        seen["evaluating"] = head_subject(root).split()[1]
+        wait_for(lambda: head_sha(root) != before and head_subject(root).startswith("propose "), proc)
+        # With overlap the next proposal is committed while the current one is judged: the candidate in
+        # evaluation is the earliest proposed one without a verdict, not the newest proposal.
+        proposed = [line.split()[1] for line in reversed(git(root, "log", "--format=%s").stdout.splitlines())
+                    if line.startswith("propose ")]
+        seen["evaluating"] = next(c for c in proposed if c not in trailer(root, "Candidate"))
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
         seen["term"] = (proc.returncode, (tmp / "term.err").read_text(), head_subject(root), trailer(root, "Candidate"))
