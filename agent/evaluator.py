@@ -34,7 +34,7 @@ def now() -> str:
 def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None) -> Kernel:
     entry, _ = catalog.family(target, op)
     source = (KNOWLEDGE / entry.files[0]).read_text()
-    verdict = evaluate_fn(f"head-{op}", source, 1.0) if evaluate_fn else evaluate(source, target, cfg, pool)
+    verdict = evaluate_fn(f"head-{op}", source, 1.0, None) if evaluate_fn else evaluate(source, target, cfg, pool)
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
@@ -47,16 +47,18 @@ def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> Ca
 
 
 def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
-          pool: Pool, on_stage=None, evaluate_fn=None) -> tuple[CandidateRecord, list[Exchange], str]:
+          pool: Pool, on_stage=None, evaluate_fn=None, head: Kernel | None = None) -> tuple[CandidateRecord, list[Exchange], str]:
     """The record of an evaluated proposal, every exchange behind it (repairs included), and a
-    non-empty message if a provider stopped the run during a repair."""
+    non-empty message if a provider stopped the run during a repair. `head`: the current head of its op,
+    which the replay serves beside it (a reference head is itself judged against torch)."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
     beat = parent.speedup if parent is not None and parent.speedup else 1.0     # only faster than it is replayed
-    evaluate_fn = evaluate_fn or (lambda job, src, bar: evaluate(src, target, cfg, pool, on_stage=on_stage, beat=bar))
+    against = head.source if head is not None and head.source else None
+    evaluate_fn = evaluate_fn or (lambda job, src, bar, hd: evaluate(src, target, cfg, pool, on_stage=on_stage, beat=bar, head=hd))
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
         try:
-            verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source, beat)
+            verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source, beat, against)
         except EvaluationLost as e:     # its evaluator died more often than executor.requeue_limit allows
             if not rounds:
                 return unevaluated(proposal, "unevaluated", "evaluator", str(e)), exchanges, ""

@@ -72,10 +72,10 @@ class ParallelRun(Run):
             self.executor = open_executor(self.cfg, self.settings.target)
         return self.executor
 
-    def evaluate(self, job: str, source: str, beat: float = 1.0) -> Verdict:
+    def evaluate(self, job: str, source: str, beat: float = 1.0, head: str | None = None) -> Verdict:
         """One job on the executor, waiting for its verdict (in a judge thread, or for a head)."""
         cid = job.split(".")[0]
-        done = self.slots().submit(Job(id=job, source=source, beat=beat), on_stage=lambda name: self._news(cid, name)).result()
+        done = self.slots().submit(Job(id=job, source=source, beat=beat, head=head), on_stage=lambda name: self._news(cid, name)).result()
         with self._lock:
             self.evaluations.append(done)
         return done.verdict
@@ -104,7 +104,7 @@ class ParallelRun(Run):
     def _judge(self, proposal: Proposal, parent: Kernel) -> _Judged:
         try:
             record, exchanges, stop = judge(proposal, parent, self.proposer, self.cfg, self.settings.target, None,
-                                           evaluate_fn=self.evaluate)
+                                           evaluate_fn=self.evaluate, head=self.heads.get(proposal.op))
         finally:
             self._news(proposal.id, "")
         with self._lock:

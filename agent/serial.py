@@ -98,7 +98,8 @@ class SerialRun(Run):
                 stage_news = (lambda name, p=proposal, m=meanwhile:
                               self.view.update(activity=f"evaluating {p.id}: {name}{m}"))
                 record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
-                                                    self.settings.target, self._pool, on_stage=stage_news)
+                                                    self.settings.target, self._pool, on_stage=stage_news,
+                                                    head=self.heads.get(proposal.op))
                 trailers, sick = check_device(record, self._pool, lambda text: self.view.update(activity=text))
                 self.record(record, exchanges, trailers)
                 if stop_msg or sick:

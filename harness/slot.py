@@ -41,6 +41,7 @@ class Job(BaseModel):
     source: str
     until: str | None = None
     beat: float = 1.0         # the speedup over the torch baseline microbench must beat (the parent's)
+    head: str | None = None   # the current head of the candidate's op, which the replay judges it against (None: torch)
 
 
 class Done(BaseModel):
@@ -128,7 +129,7 @@ class Slot:
     def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
         started = time.time()
         verdict = evaluate(job.source, self.target, self.cfg, self._pool(), until=job.until, on_stage=on_stage,
-                           beat=job.beat)
+                           beat=job.beat, head=job.head)
         return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time())
 
     def scratch(self) -> str:

@@ -147,7 +147,7 @@ def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_
     p = proposer(["decode"]).propose(st)
     cfg, bars = config_with(), []
 
-    def evaluate_fn(job: str, source: str, beat: float) -> Verdict:      # the real evaluator; the bar noted
+    def evaluate_fn(job: str, source: str, beat: float, head: str | None = None) -> Verdict:      # the real evaluator; the bar noted
         bars.append((job, beat))
         return evaluate(source, "attention", cfg, pool, until="parity", beat=beat)
     rec, _, stop = judge(p, st.parents["decode"], proposer(["decode"]), cfg, "attention", None, evaluate_fn=evaluate_fn)
@@ -165,7 +165,7 @@ def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_rea
     p = proposer(["decode"]).propose(st)
     bars: list[tuple[str, float]] = []
 
-    def evaluate_fn(job: str, source: str, beat: float) -> Verdict:
+    def evaluate_fn(job: str, source: str, beat: float, head: str | None = None) -> Verdict:
         bars.append((job, beat))
         return verdict("microbench", 2.6)
     rec, _, stop = judge(p, st.parents["decode"], proposer(["decode"]), config_with(), "attention", None,

@@ -58,6 +58,7 @@ class EvalContext:
     stage: str = ""
     worker_s: float = 0.0            # this stage's time spent waiting on the worker (the rest is ours)
     beat: float = 1.0                # the served-mix speedup over torch to beat: the candidate's parent's
+    head: str | None = None          # the source of the current head of its op (the replay's other arm); None: torch's
     reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
 
     def remaining(self) -> float:
