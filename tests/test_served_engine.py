@@ -1,9 +1,12 @@
 """The served model and engine in this process (tiny preset, CPU, float32): continuous batching gives
 each request what it gets alone, decoding from the paged cache matches recomputing the sequence,
-blocks are reserved and reused, weights load from safetensors, and attention goes through
-`AttentionOps` with fallbacks counted."""
+teacher forcing appends the forced tokens with the model's own logprobs of them, blocks are reserved
+and reused, weights load from safetensors, and attention goes through `AttentionOps` with fallbacks
+counted."""
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from types import SimpleNamespace
 
@@ -12,7 +15,8 @@ import torch
 
 from conftest import config_with
 from harness.served.engine import Engine, EngineError, Request, make_engine, run_requests, warm_up
-from harness.served.model import ModelError, hf_shapes, random_weights
+from harness.served.kvcache import PagedKVCache
+from harness.served.model import ModelError, StepBatch, hf_shapes, random_weights
 from harness.served.ops import AttentionOps
 from harness.served.traces import TraceRequest, generate, requests_for
 from harness.targets.attention import decode_baseline, prefill_baseline
@@ -70,6 +74,56 @@ def test_decoding_from_the_scattered_paged_cache_matches_recomputing_the_whole_s
         for k in range(1, len(tokens)):                              # prefill of prompt + first k tokens predicts token k
             ev = run_requests(engine(), [TraceRequest(0, 0.0, r.prompt + tokens[:k], 1)], realtime=False)[0][0]
             assert ev.token == tokens[k] and abs(ev.logprob - out[r.index][k].logprob) < 1e-4
+
+
+def direct_logprobs(e: Engine, tokens: list[int]) -> torch.Tensor:
+    """The model's log-softmax after every position of one sequence: one prefill pass of the engine's
+    model over a cache of its own, outside the engine's step. Row n predicts token n + 1."""
+    n = len(tokens)
+    cache = PagedKVCache(TINY.layers, math.ceil(n / BS), BS, TINY.kv_heads, TINY.head_dim, torch.float32, CPU)
+    batch = StepBatch(tokens=torch.tensor(tokens), positions=torch.arange(n), slots=torch.arange(n), prefill_lens=[n],
+                      cu_seqlens=torch.tensor([0, n], dtype=torch.int32), decode_lens=[], block_table=None,
+                      seq_lens=None, sample_idx=torch.arange(n))
+    return torch.log_softmax(e.model.forward(batch, cache, AttentionOps()).float(), dim=-1)
+
+
+def test_forcing_the_models_own_tokens_gives_what_a_free_run_gives():
+    reqs = trace(6, seed=2)
+    free = run_requests(engine(), reqs, realtime=False)
+    forced = run_requests(engine(), [dataclasses.replace(r, forced=tuple(ev.token for ev in free[r.index])) for r in reqs],
+                          realtime=False)
+    assert forced == free                               # tokens, logprobs, top and finished, event for event
+
+
+def test_forced_tokens_are_appended_with_the_models_logprob_of_each_and_its_own_choice_on_top():
+    reqs = trace(6, seed=5)
+    free = run_requests(engine(), reqs, realtime=False)
+    vocab = TINY.vocab
+    forcing = {r.index: tuple((7 * ev.token + 3) % vocab for ev in free[r.index]) for r in reqs[:3]}
+    e = engine()
+    out = run_requests(e, [dataclasses.replace(r, forced=forcing.get(r.index)) for r in reqs], realtime=False)
+    differ = 0
+    for r in reqs[:3]:                                  # forced: the forced tokens, scored by a direct forward
+        lp = direct_logprobs(e, r.prompt + list(forcing[r.index]))
+        assert [ev.token for ev in out[r.index]] == list(forcing[r.index])
+        for j, ev in enumerate(out[r.index]):
+            row = lp[len(r.prompt) - 1 + j]
+            assert abs(ev.logprob - float(row[ev.token])) < 1e-4
+            assert ev.top[0][0] == int(row.argmax()) and abs(ev.top[0][1] - float(row.max())) < 1e-4
+            differ += ev.top[0][0] != ev.token
+    assert differ > 0.8 * sum(len(f) for f in forcing.values())    # the forced tokens are not the model's choices
+    for r in reqs[3:]:                                  # unforced requests in the same batches: as in a free run
+        assert out[r.index] == free[r.index]
+
+
+@pytest.mark.parametrize("forced, words", [
+    ((1, 2), "the forced tokens must be one per generated token: 2 given, max_tokens is 3"),
+    ((1, 2, 512), r"forced token ids must be in \[0, 512\)"),
+    ((1, -1, 2), r"forced token ids must be in \[0, 512\)"),
+], ids=["wrong-length", "outside-vocab", "negative"])
+def test_forced_tokens_of_the_wrong_length_or_outside_the_vocabulary_are_refused(forced, words):
+    with pytest.raises(EngineError, match=words):
+        engine().add(Request("a", [1, 2, 3], 3, forced))
 
 
 def test_admission_waits_for_kv_blocks_and_never_overcommits():

@@ -3,9 +3,11 @@
 Each trace request is sent at its arrival time (asyncio, AsyncOpenAI, streaming completions with
 prompt token ids, temperature 0, the top-2 logprobs, and vLLM's `ignore_eos` and
 `return_tokens_as_token_ids` so external servers answer alike). Every streamed token is stamped
-with time.perf_counter() when its chunk arrives here. A request that errs, breaks off or does not
-finish within the drain time is recorded with its error; nothing is retried. Per-request TTFT
-(first token minus send time) and TPOT (mean gap between later tokens) are read off the stamps.
+with time.perf_counter() when its chunk arrives here. A request that gives `forced` tokens is sent
+with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo's own server knows
+the field). A request that errs, breaks off or does not finish within the drain time is recorded
+with its error; nothing is retried. Per-request TTFT (first token minus send time) and TPOT (mean
+gap between later tokens) are read off the stamps.
 Not covered: judging the results (harness/served/score.py does).
 """
 from __future__ import annotations
@@ -82,11 +84,14 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
         delay = r.arrival_s - (time.perf_counter() - t0)
         if delay > 0:
             await asyncio.sleep(delay)
+        extra: dict = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+        if r.forced is not None:
+            extra["kevo_forced"] = list(r.forced)
         c.sent_s = time.perf_counter() - t0
         try:
             stream = await client.completions.create(
                 model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=2, stream=True,
-                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+                extra_body=extra)
             async for chunk in stream:
                 now = time.perf_counter() - t0
                 for choice in chunk.choices:

@@ -6,6 +6,10 @@ runs ONE forward pass over the new sequences' prompts (varlen prefill) and one n
 running sequence (batched paged decode), and samples greedily: the chosen token, its logprob and
 the TOP_K most likely tokens with theirs (near-ties are judged from the top two). A request ends
 after exactly max_tokens tokens (there is no end-of-sequence token: traces fix output lengths).
+Teacher forcing: a request may give its `forced` tokens (one per generated token); each step then
+appends the forced token instead of the greedy choice and reports the model's logprob of it, with
+the model's own TOP_K beside it (top[0] is what it would have chosen), so another server's
+continuation can be scored token by token after the two have parted.
 Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
 """
 from __future__ import annotations
@@ -35,13 +39,14 @@ class Request:
     id: str
     prompt: list[int]
     max_tokens: int
+    forced: tuple[int, ...] | None = None   # teacher forcing: the tokens to append, max_tokens of them
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     request_id: str
-    token: int
-    logprob: float
+    token: int                        # the greedy choice, or the forced token
+    logprob: float                    # the model's logprob of `token`
     top: list[tuple[int, float]]     # the TOP_K most likely tokens and their logprobs, best first
     finished: bool
 
@@ -79,6 +84,12 @@ class Engine:
             raise EngineError(f"prompt token ids must be in [0, {vocab})")
         if req.max_tokens < 1:
             raise EngineError("max_tokens must be at least 1")
+        if req.forced is not None:
+            if len(req.forced) != req.max_tokens:
+                raise EngineError(f"the forced tokens must be one per generated token: {len(req.forced)} given, "
+                                  f"max_tokens is {req.max_tokens}")
+            if min(req.forced) < 0 or max(req.forced) >= vocab:
+                raise EngineError(f"forced token ids must be in [0, {vocab})")
         capacity = self.cache.num_blocks * self.bs
         if len(req.prompt) + req.max_tokens > capacity:
             raise EngineError(f"the request needs {len(req.prompt) + req.max_tokens} tokens of KV cache; "
@@ -158,17 +169,24 @@ class Engine:
             with R("kevo.copies"):
                 batch = self._batch(new, decode)
             logits = self.model.forward(batch, self.cache, self.ops)
+            seqs = new + decode                   # the order of the batch: prefill rows first
+            forced = [-1 if s.req.forced is None else s.req.forced[len(s.generated)] for s in seqs]
             with R("kevo.sampling"):
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 top_lp, top_id = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1)
-                rows = torch.cat([top_id.double(), top_lp.double()], dim=1).cpu().tolist()
+                cols = [top_id.double(), top_lp.double()]
+                if max(forced) >= 0:              # the forced tokens' logprobs, in the same copy to the host
+                    ids = torch.tensor([max(f, 0) for f in forced], dtype=torch.int64, device=logp.device)
+                    cols.append(logp.gather(1, ids[:, None]).double())
+                rows = torch.cat(cols, dim=1).cpu().tolist()
         k = top_id.shape[1]
         events, still = [], []
-        for s, row in zip(new + decode, rows):   # the order of the batch: prefill rows first
+        for s, f, row in zip(seqs, forced, rows):
             top = [(int(row[j]), row[k + j]) for j in range(k)]
-            s.generated.append(top[0][0])
+            token, logprob = top[0] if f < 0 else (f, row[2 * k])
+            s.generated.append(token)
             done = len(s.generated) >= s.req.max_tokens
-            events.append(TokenEvent(s.req.id, top[0][0], top[0][1], top, done))
+            events.append(TokenEvent(s.req.id, token, logprob, top, done))
             if done:
                 self._release(s)
             else:
@@ -190,7 +208,8 @@ def make_engine(preset: Any, block_size: int, dtype: torch.dtype, device: torch.
 def run_requests(engine: Engine, requests: list, realtime: bool = True,
                  on_step: Callable[[list[TokenEvent]], None] | None = None) -> dict[int, list[TokenEvent]]:
     """Drive the engine in this process with trace requests (harness/served/traces.py): each joins
-    at its arrival time on this clock (realtime), or all at once. Returns each request's tokens."""
+    at its arrival time on this clock (realtime), or all at once, forced where it gives `forced`.
+    Returns each request's tokens."""
     pending = deque(sorted(requests, key=lambda r: r.arrival_s))
     out: dict[int, list[TokenEvent]] = {r.index: [] for r in requests}
     t0 = time.perf_counter()
@@ -198,7 +217,7 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
         now = time.perf_counter() - t0 if realtime else math.inf
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
-            engine.add(Request(str(r.index), r.prompt, r.output_len))
+            engine.add(Request(str(r.index), r.prompt, r.output_len, r.forced))
         if not engine.has_work():
             time.sleep(max(0.0, pending[0].arrival_s - now))
             continue

@@ -2,7 +2,9 @@
 
 `start_server` starts the embedded server (harness/served/server.py) — or, when config gives
 `served.external`, the user's own OpenAI-compatible server — with the candidate's source (or none:
-the baseline), and returns once it answers GET /v1/models. For the embedded server the loopback
+the baseline), and returns once it answers GET /v1/models. The embedded server's warm-up sweeps the
+served shapes only where a candidate may compile something (never for the torch baseline), and its
+random weights can be drawn from a seed chosen per replay. For the embedded server the loopback
 socket is bound and put into listening state here and handed over as a file descriptor (the
 server is not allowed to bind); its environment is built from the worker allowlist, so no key
 reaches it. An external server gets the allowlist plus its own `env_passthrough`, the candidate's
@@ -154,27 +156,34 @@ def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
     raise ServerFailure(f"the server was not ready within {timeout_s:.0f} s" + (f"; its last output:\n{tail}" if tail else ""))
 
 
-def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = ()) -> dict:
+def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = (),
+                  weight_seed: int | None = None) -> dict:
     """What the embedded server is told: the preset, the attention layout, the candidate's file, and the
-    prompt lengths it will serve (its warm-up meets their shapes before anything is timed)."""
+    prompt lengths it will serve. Its warm-up meets their shapes before anything is timed, for a
+    candidate only: the baselines (no candidate) are torch's and compile nothing, so a server without
+    one gets the fixed part of the warm-up alone. `weight_seed` replaces the preset's `seed` of the
+    random weights (a preset with `weights:` reads its files whatever the seed)."""
     served = getattr(cfg.served, device)
     section = getattr(cfg.targets.attention, device)
-    preset = cfg.served.presets[served.preset]
-    weights = () if preset.weights is None else (str(PROJECT_ROOT / preset.weights),)   # absolute stays absolute
-    return {"preset": preset.model_dump(), "block_size": section.block_size,
+    preset = cfg.served.presets[served.preset].model_dump()
+    if weight_seed is not None:
+        preset["seed"] = weight_seed
+    weights = () if preset["weights"] is None else (str(PROJECT_ROOT / preset["weights"]),)   # absolute stays absolute
+    return {"preset": preset, "block_size": section.block_size,
             "dtype": section.dtype, "device": device, "candidate": str(candidate) if candidate else None,
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
-            "root": str(PROJECT_ROOT), "warm_prompts": list(warm), "warm_limit": served.warm_requests}
+            "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests}
 
 
-def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = ()) -> ServerHandle:
+def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
+                   weight_seed: int | None = None) -> ServerHandle:
     workdir = _scratch()
     candidate = None
     if source is not None:
         candidate = workdir / "candidate.py"
         candidate.write_text(source)
-    spec = embedded_spec(cfg, device, candidate, workdir, warm)
+    spec = embedded_spec(cfg, device, candidate, workdir, warm, weight_seed)
     (workdir / "spec.json").write_text(json.dumps(spec))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -218,7 +227,12 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
     return _wait_ready(h, ext.start_timeout_s)
 
 
-def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = ()) -> ServerHandle:
-    """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (an external
-    server warms itself up as its own command does)."""
-    return start_external(cfg, source) if cfg.served.external else start_embedded(cfg, device, source, warm)
+def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
+                 weight_seed: int | None = None) -> ServerHandle:
+    """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (a candidate's
+    server only: `embedded_spec`). `weight_seed`: the embedded server's random weights, in place of the
+    preset's seed. An external server warms itself up as its own command does and serves its own
+    weights: neither applies to it."""
+    if cfg.served.external:
+        return start_external(cfg, source)
+    return start_embedded(cfg, device, source, warm, weight_seed)

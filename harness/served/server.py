@@ -8,9 +8,14 @@ enters the same sandbox as the evaluator's workers (harness/isolation.py): it is
 namespaces, in a root of its own holding the interpreter, the libraries, harness/, the preset's
 weights and its own folder (to which it copies the candidate's file, read before it went in), with
 no capabilities, rlimits and seccomp. It then builds the engine, warms it up, and serves:
-  POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream
+  POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream,
+                         kevo_forced (optional, kevo's own extension: no other server has it)
   GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error)
 Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
+`kevo_forced`, a list of max_tokens token ids in [0, vocab), is teacher forcing: the server appends
+those tokens instead of its own choices and reports, for each, the model's logprob of the forced
+token and its own top logprobs (the first is what it would have chosen); null is as if absent,
+anything else is a 400 naming what was wrong.
 The engine runs in its own thread; the HTTP side is aiohttp (asyncio). Not covered: text prompts,
 n > 1, stop sequences, sampling temperatures other than 0.
 """
@@ -130,7 +135,13 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
     logprobs = body.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, int) or not 0 <= logprobs <= top_k):
         return {}, f"logprobs must be an integer in 0..{top_k}"
-    return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "stream": bool(body.get("stream"))}, ""
+    forced = body.get("kevo_forced")
+    if forced is not None:            # its length and ids are the engine's to check (Engine.check)
+        if not (isinstance(forced, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in forced)):
+            return {}, "kevo_forced must be a list of token ids, one per generated token"
+        forced = tuple(forced)
+    return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "stream": bool(body.get("stream")),
+            "forced": forced}, ""
 
 
 def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
@@ -161,7 +172,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
         if problem:
             return error(400, problem)
         rid = f"cmpl-{next(counter)}"
-        req = Request(rid, args["prompt"], args["max_tokens"])
+        req = Request(rid, args["prompt"], args["max_tokens"], args["forced"])
         try:
             loop.engine.check(req)
         except EngineError as e:

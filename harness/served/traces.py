@@ -2,16 +2,21 @@
 
 One request per line: `{"arrival_s": 0.42, "prompt_len": 812, "output_len": 97}`, or with
 `"prompt_tokens": [ids...]` instead of `prompt_len`. Arrivals are seconds from the start and never
-go back in time. A `prompt_len` becomes token ids drawn from a generator seeded by the request's
-index, so every replay of a trace sends the same prompts. A malformed trace is a `TraceError`
-naming the file and line. Not covered: tokenizing text (prompts are token ids; the served model has
-no tokenizer).
+go back in time. Two ways to turn a trace's window into requests:
+- `requests_for`: a `prompt_len` becomes token ids drawn from a generator seeded by the request's
+  index, so every replay of a trace sends the same prompts;
+- `draw_requests`: fresh inputs from the caller's (secret) generator: the arrivals stay, the
+  (prompt, output) length pairs are dealt out anew among them, and the prompt ids are drawn, so
+  nothing about them is known before the draw.
+A malformed trace is a `TraceError` naming the file and line. Not covered: tokenizing text
+(prompts are token ids; the served model has no tokenizer).
 
 Regenerate a shipped trace: python -m harness.served.traces --out PATH --seed N --duration S ...
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -46,11 +51,13 @@ class TraceLine(BaseModel):
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """A request as it is sent: its index in the trace, when, which tokens, how many to generate."""
+    """A request as it is sent: its index in the trace, when, which tokens, how many to generate, and
+    (teacher forcing) the tokens the server is to append instead of its own, output_len of them."""
     index: int
     arrival_s: float
     prompt: list[int]
     output_len: int
+    forced: tuple[int, ...] | None = None
 
 
 def _explain(err: ValidationError) -> str:
@@ -91,27 +98,60 @@ def load_trace(path: Path | str) -> list[TraceLine]:
     return lines
 
 
+def _window(lines: list[TraceLine], window_s: float, source: str) -> list[TraceLine]:
+    """The lines before the first one that arrives at or after the window's end."""
+    inside = list(itertools.takewhile(lambda line: line.arrival_s < window_s, lines))
+    if not inside:
+        raise TraceError(f"{source}: no request arrives within the {window_s:g} s window")
+    return inside
+
+
+def _request(i: int, line: TraceLine, prompt: list[int], output_len: int, vocab: int, max_tokens: int,
+             source: str) -> TraceRequest:
+    """Request i (0-based) as sent, once it fits the served model's vocabulary and KV cache."""
+    if max(prompt) >= vocab:
+        raise TraceError(f"{source}: request {i + 1} has token id {max(prompt)}; the model's vocabulary is {vocab}")
+    if len(prompt) + output_len > max_tokens:
+        raise TraceError(f"{source}: request {i + 1} needs {len(prompt) + output_len} tokens of KV cache; "
+                         f"the served model holds at most {max_tokens}")
+    return TraceRequest(i, line.arrival_s, prompt, output_len)
+
+
 def requests_for(lines: list[TraceLine], window_s: float, vocab: int, max_tokens: int,
                  source: str = "trace") -> list[TraceRequest]:
     """The requests that arrive within the window, with their prompt tokens. `max_tokens` is what one
     request may hold in the served model's KV cache (prompt plus output)."""
     out = []
-    for i, line in enumerate(lines):
-        if line.arrival_s >= window_s:
-            break
+    for i, line in enumerate(_window(lines, window_s, source)):
         if line.prompt_tokens is not None:
             prompt = list(line.prompt_tokens)
-            if max(prompt) >= vocab:
-                raise TraceError(f"{source}: request {i + 1} has token id {max(prompt)}; the model's vocabulary is {vocab}")
         else:
             rng = random.Random(f"kevo-prompt:{i}")
             prompt = [rng.randrange(vocab) for _ in range(line.prompt_len)]
-        if len(prompt) + line.output_len > max_tokens:
-            raise TraceError(f"{source}: request {i + 1} needs {len(prompt) + line.output_len} tokens of KV cache; "
-                             f"the served model holds at most {max_tokens}")
-        out.append(TraceRequest(i, line.arrival_s, prompt, line.output_len))
-    if not out:
-        raise TraceError(f"{source}: no request arrives within the {window_s:g} s window")
+        out.append(_request(i, line, prompt, line.output_len, vocab, max_tokens, source))
+    return out
+
+
+def draw_requests(lines: list[TraceLine], window_s: float, vocab: int, max_tokens: int, rng: random.Random,
+                  source: str = "trace") -> list[TraceRequest]:
+    """Fresh requests for the window, drawn from `rng` (the caller seeds it in secret): each request
+    keeps its arrival time; the (prompt_len, output_len) pairs of the window's lines are shuffled
+    among them, so the window's length distribution and its load (total prompt and output tokens)
+    are the trace's; and the prompt ids are drawn uniformly from the vocabulary. A line that gives
+    explicit `prompt_tokens` keeps them and its output_len (such prompts are then not secret: the
+    trace file holds them). `max_tokens` as in `requests_for`, with the same checks and errors."""
+    inside = _window(lines, window_s, source)
+    pairs = [(line.prompt_len, line.output_len) for line in inside if line.prompt_tokens is None]
+    rng.shuffle(pairs)
+    dealt = iter(pairs)
+    ids = range(vocab)
+    out = []
+    for i, line in enumerate(inside):
+        if line.prompt_tokens is not None:
+            out.append(_request(i, line, list(line.prompt_tokens), line.output_len, vocab, max_tokens, source))
+            continue
+        prompt_len, output_len = next(dealt)
+        out.append(_request(i, line, rng.choices(ids, k=prompt_len), output_len, vocab, max_tokens, source))
     return out
 
 
