@@ -1,7 +1,7 @@
 """The served scenario on a real GPU (Qwen3-0.6B-shaped preset, bf16, the long-context trace): the
 reference kernels pass the gates in the served replay, a kernel that drops the newest token fails
-them, the profile attributes device time to the model's parts, and `evaluate` runs through the
-replay. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
+them, teacher forcing serves the forced tokens, the profile attributes device time to the model's
+parts, and `evaluate` runs through the replay. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
 itself is a measurement, printed, not asserted."""
 from __future__ import annotations
 
@@ -43,6 +43,40 @@ def test_kernel_that_drops_the_newest_token_fails_the_gates_on_gpu():
     outcome = run_replay(CFG, "cuda", C.DROPS_NEWEST_TOKEN)
     show(outcome)
     assert not outcome.gate.passed and not outcome.accepted
+
+
+def forcing_on(device: str, cfg=CFG, requests: int = 8, tokens: int = 32) -> float:
+    """Free, own-tokens-forced and other-tokens-forced runs of the engine in this process; the largest
+    logprob difference between the first two (identical batches: 0 where the kernels are deterministic)."""
+    import dataclasses
+
+    from harness.served.engine import make_engine, run_requests
+    from harness.served.ops import AttentionOps
+    from harness.stages.replay import served_requests
+    from harness.transport import DTYPES
+    served, section = getattr(cfg.served, device), getattr(cfg.targets.attention, device)
+    preset = cfg.served.presets[served.preset]
+    reqs = [dataclasses.replace(r, output_len=min(r.output_len, tokens)) for r in served_requests(cfg, device)[:requests]]
+
+    def run(forcing=None):
+        engine = make_engine(preset, section.block_size, DTYPES[section.dtype], torch.device(device), AttentionOps())
+        return run_requests(engine, [dataclasses.replace(r, forced=forcing and forcing[r.index]) for r in reqs], realtime=False)
+
+    free = run()
+    own = run({i: tuple(e.token for e in evs) for i, evs in free.items()})
+    other = {i: tuple((7 * e.token + 3) % preset.vocab for e in evs) for i, evs in free.items()}
+    forced = run(other)
+    for i, evs in free.items():
+        assert [e.token for e in own[i]] == [e.token for e in evs]
+        assert tuple(e.token for e in forced[i]) == other[i] and forced[i][0].top[0][0] == evs[0].token
+        assert all(e.logprob <= e.top[0][1] + 1e-6 for e in forced[i])
+    return max(abs(a.logprob - b.logprob) for i in free for a, b in zip(free[i], own[i]))
+
+
+def test_teacher_forcing_serves_the_forced_tokens_on_gpu():
+    gap = forcing_on("cuda")
+    print(f"\nforcing its own tokens: largest logprob difference from the free run {gap:.2e}")
+    assert gap < 1e-3
 
 
 def test_profile_attributes_device_time_to_the_models_parts():

@@ -1,6 +1,8 @@
 """The served process end to end on the CPU (tiny preset): the real openai SDK against the real HTTP
-server, tokens timed on the client's clock; bad requests are 400s naming the problem; the server is
-sandboxed like the workers; a server killed mid-replay is a clear failure."""
+server, tokens timed on the client's clock; a request with kevo_forced gets the forced tokens; bad
+requests are 400s naming the problem; the server is sandboxed like the workers; a server killed
+mid-replay is a clear failure. What the trusted side tells the server (embedded_spec): a weight seed
+of the replay's own, and a shape sweep in the warm-up for a candidate only."""
 from __future__ import annotations
 
 import math
@@ -8,13 +10,16 @@ import os
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import openai
 import pytest
+import torch
 
 from conftest import config_with
 from harness.served.client import replay
-from harness.served.launch import ServerFailure, start_server
+from harness.served.launch import ServerFailure, embedded_spec, start_server
+from harness.served.model import build_model
 from harness.served.score import summarize
 from harness.served.traces import TraceRequest
 from harness.stages.replay import explain, served_requests
@@ -53,13 +58,33 @@ def test_the_same_request_gets_the_same_tokens_streamed_or_not(server):
     assert whole.usage.completion_tokens == 6 and whole.choices[0].finish_reason == "length"
 
 
+def test_a_forced_streamed_request_gets_the_forced_tokens_scored_by_the_model(server):
+    prompt = [5, 9, 2, 7]
+    own = replay(server.url, server.model, [TraceRequest(0, 0.0, prompt, 6)], 60, 60).completions[0]
+    ids = [int(t.removeprefix("token_id:")) for t in own.tokens]
+    other = tuple((7 * t + 3) % 512 for t in ids)
+    again, forced = replay(server.url, server.model, [TraceRequest(0, 0.0, prompt, 6, tuple(ids)),
+                                                      TraceRequest(1, 0.0, prompt, 6, other)], 60, 60).completions
+    assert own.complete and again.complete and forced.complete, (own.error, again.error, forced.error)
+    assert again.tokens == own.tokens                                      # its own tokens forced: as a free run
+    assert max(abs(a - b) for a, b in zip(again.logprobs, own.logprobs)) < 1e-4   # (batched with the other: not bitwise)
+    assert forced.tokens == [f"token_id:{t}" for t in other]
+    assert forced.top[0][0][0] == own.tokens[0] and forced.logprobs[0] < forced.top[0][0][1]   # same prompt: its own choice on top
+    assert all(lp <= top[0][1] for lp, top in zip(forced.logprobs, forced.top))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"prompt": "hello"}, "list of token ids"),
     ({"prompt": [1, 2], "temperature": 0.7}, "only greedy decoding (temperature 0)"),
     ({"prompt": [1, 2], "logprobs": 9}, "logprobs must be an integer in 0..5"),
     ({"prompt": [1, 512]}, "prompt token ids must be in [0, 512)"),
     ({"prompt": [1] * 4000, "max_tokens": 200}, "needs 4200 tokens of KV cache; this model holds 4096"),
-], ids=["text-prompt", "temperature", "too-many-logprobs", "token-outside-vocab", "too-long"])
+    ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2, 3]}}, "forced tokens must be one per generated token: 3 given, max_tokens is 4"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2, 512, 3]}}, "forced token ids must be in [0, 512)"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_forced": "1 2 3 4"}}, "kevo_forced must be a list of token ids"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2.0, 3, 4]}}, "kevo_forced must be a list of token ids"),
+], ids=["text-prompt", "temperature", "too-many-logprobs", "token-outside-vocab", "too-long", "forced-wrong-length",
+        "forced-outside-vocab", "forced-not-a-list", "forced-not-ids"])
 def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
@@ -117,3 +142,18 @@ def test_server_killed_mid_replay_gives_a_clear_failure():
         reason = explain(result["run"], doomed)
     assert "the server killed by signal 9 (SIGKILL) during the replay" in reason, reason
     assert "4 of 4 requests did not complete; first: request 1:" in reason
+
+
+def test_a_replays_weight_seed_gives_the_served_model_its_weights(tmp_path):
+    def embed(seed):       # as the server builds its model from the spec it is handed
+        preset = embedded_spec(CFG, "cpu", None, tmp_path, weight_seed=seed)["preset"]
+        return build_model(SimpleNamespace(**preset), torch.float32, torch.device("cpu")).embed
+    assert torch.equal(embed(7), embed(7)) and not torch.equal(embed(7), embed(8))
+    assert torch.equal(embed(None), embed(CFG.served.presets[CFG.served.cpu.preset].seed))   # none given: the preset's
+    assert not torch.equal(embed(None), embed(7))
+
+
+def test_only_a_candidates_server_sweeps_the_served_shapes_in_its_warm_up(tmp_path):
+    baseline = embedded_spec(CFG, "cpu", None, tmp_path, [12, 30, 7])
+    candidate = embedded_spec(CFG, "cpu", tmp_path / "candidate.py", tmp_path, [12, 30, 7])
+    assert baseline["warm_prompts"] == [] and candidate["warm_prompts"] == [12, 30, 7]
