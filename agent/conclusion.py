@@ -42,14 +42,16 @@ def _kill_fired(claim: Claim, verdict: Verdict, observed: float | None) -> bool 
 
 
 def _served(claim: Claim | None, verdict: Verdict) -> str:
-    """The replay's gains over the torch baseline, set against Amdahl's ceiling for microbench's speedup
-    over the same baseline on the claim's op share: how much of the local gain reached the served step."""
-    replay = next((s for s in verdict.stages if s.name == "replay" and "tpot_p90_speedup" in s.metrics), None)
+    """The replay's paired gain over the head it was served beside (torch's when it had none), set against
+    Amdahl's ceiling for microbench's speedup on the claim's op share: how much of the local gain reached
+    the served step."""
+    replay = next((s for s in verdict.stages if s.name == "replay" and "gain" in s.metrics), None)
     if replay is None:
         return ""
     m = replay.metrics
-    ratio = m.get("throughput_ratio", float("nan"))
-    text = f"; served over torch: p90 TPOT {m['tpot_p90_speedup']:.2f}x, throughput {ratio:.2f}x"
+    over = "torch" if m.get("head_is_torch") else "its head"
+    text = (f"; served over {over}: {m['gain']:+.1%} (lower bound {m.get('gain_lower', float('nan')):+.1%}), "
+            f"p90 TPOT {m.get('tpot_p90_speedup', float('nan')):.2f}x")
     local = speedup_of(verdict)
     if claim is not None and local:
         text += f" against a ceiling of {ceiling(claim.op_share, local):.2f}x for {local:.2f}x on f {claim.op_share:.2f}"

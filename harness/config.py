@@ -136,18 +136,18 @@ class MicrobenchConfig(Strict):
 
 
 class GateConfig(Strict):
-    logprob_tolerance: float = Field(gt=0)   # |candidate - baseline| logprob of the same greedy token
-    near_tie_margin: float = Field(ge=0)     # tokens may differ only where the baseline's top two were this close
+    max_abs: float = Field(gt=0)             # |arm - reference| logprob of the reference's token, at every position
+    mean_abs: float = Field(gt=0)            # the mean of those over every generated token
+    near_tie_margin: float = Field(ge=0)     # the arm's own choice may differ only where the reference's top two were this close
 
 
 class ReplayConfig(Strict):
     """Stage 5, the full scored replay (harness/stages/replay.py); the served system is `served`."""
     timeout_s: float = Field(gt=0)
     gates: dict[Literal["float32", "bfloat16", "float16"], GateConfig]
-    noise_factor: float = Field(ge=1)         # tolerances grow to this x the baseline's disagreement with itself
-    ttft_p90_ms: float | None = Field(gt=0)   # the bars every request is scored against; null: the baseline's p90
-    tpot_p90_ms: float | None = Field(gt=0)
-    min_margin: float = Field(ge=0)           # the SLO score must beat the baselines' by a ratio of 1 + max(noise band, this)
+    segments: int = Field(ge=2)               # the window cut into this many, each replayed to head and candidate in turn
+    false_accept: float = Field(gt=0, lt=0.5)  # the one-sided bound on the paired gain: the stated false-accept rate
+    min_margin: float = Field(ge=0)           # the gain's lower bound must beat this
 
 
 class StagesConfig(Strict):
@@ -323,6 +323,7 @@ class ServedDevice(Strict):
     preset: str                  # a key of served.presets
     trace: str                   # JSONL trace, relative to the project root
     window_s: float = Field(gt=0)   # requests arriving within this many seconds are replayed
+    max_output: int | None = Field(default=None, ge=1)   # the replay stage's outputs cut to this many tokens (None: the trace's)
     warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
 
 

@@ -304,3 +304,27 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     _wild[(1,)](out)
     return out
 """
+
+
+def patched(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+_LOOP = "    for start_n in range(split_start, split_end, BLOCK_N):\n"
+
+
+def recent_window(tokens: int) -> str:
+    """The reference decode attending only to the last `tokens` tokens of each context."""
+    return patched(REF_DECODE, _LOOP, f"    for start_n in range(tl.maximum(split_start, seq_len - {tokens}), split_end, BLOCK_N):\n")
+
+
+# The reference decode leaving out every key whose weight is under 1e-3 of the running maximum's (so under
+# 1e-3 of the softmax's total): small weights, but a long context has many.
+DROPS_SMALL_WEIGHTS = patched(REF_DECODE, "        p = tl.exp2(qk - m_new[:, None])\n",
+                              "        p = tl.exp2(qk - m_new[:, None])\n        p = tl.where(p < 1e-3, 0.0, p)\n")
+
+# The reference decode with its accumulator rounded to bfloat16 after every tile, as a bf16 accumulator would be.
+ACCUMULATES_IN_BF16 = patched(REF_DECODE, "        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)\n",
+                              "        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)\n"
+                              "        acc = acc.to(tl.bfloat16).to(tl.float32)\n")

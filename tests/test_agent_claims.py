@@ -55,7 +55,7 @@ def test_a_reply_without_a_valid_claim_says_why(reply, words):
 def test_a_replayed_candidates_conclusion_sets_its_served_gain_against_the_profiles_ceiling():
     stages = [StageResult.passed("parity", "ok"), StageResult.passed("microbench", "ok", speedup=4.0),
               StageResult(name="replay", status="failed", reason="not better beyond noise",
-                          metrics={"tpot_p90_speedup": 1.17, "throughput_ratio": 1.22})]
+                          metrics={"gain": 0.04, "gain_lower": -0.01, "tpot_p90_speedup": 1.17, "head_is_torch": 0.0})]
     c = Claim(op="decode", hypothesis="split-K over the paged cache", evidence=["decode f = 0.43"], expected_speedup=1.5,
               risks=["a wrong merge"], kill_test=KillTest(stage="microbench", observation="no gain"), op_share=0.43,
               share_source="profile")
@@ -63,7 +63,7 @@ def test_a_replayed_candidates_conclusion_sets_its_served_gain_against_the_profi
     learned = conclude(c, "rejected", "replay", verdict.reason, [Round(source="", verdict=verdict)], "head:decode",
                        1.2).learned
     amdahl = 1 / (1 - 0.43 + 0.43 / 4.0)
-    assert (f"served over torch: p90 TPOT 1.17x, throughput 1.22x against a ceiling of {amdahl:.2f}x for 4.00x on "
-            "f 0.43") in learned
+    assert (f"served over its head: +4.0% (lower bound -1.0%), p90 TPOT 1.17x against a ceiling of {amdahl:.2f}x for "
+            "4.00x on f 0.43") in learned
     no_replay = [Round(source="", verdict=Verdict.of(stages[:2]))]
-    assert "served over torch" not in conclude(c, "passed", "microbench", "", no_replay, "head:decode", 1.2).learned
+    assert "served over" not in conclude(c, "passed", "microbench", "", no_replay, "head:decode", 1.2).learned

@@ -1,68 +1,69 @@
-"""Stage 5 on the CPU (tiny preset, Triton's interpreter, float32): the project's reference kernels pass
-the correctness gates; a kernel that drops the newest token fails them; a candidate whose shapes
-fall back, or whose server crashes, is not accepted; only a faster candidate beyond noise is; and
-the stage itself says it needs CUDA instead of scoring a CPU run."""
+"""Stage 5 on the CPU (tiny preset, Triton's interpreter, float32). The gates, on every served token: the
+project's reference kernels pass them; kernels wrong only in serving (a window of recent tokens, views of
+one buffer across ops, NaN as the mask, the newest token dropped) fail them; a candidate whose shapes fall
+back, or whose server crashes, is not accepted. Each replay draws fresh prompts and weights. The head is
+served beside the candidate; the paired score accepts only a gain beyond its own noise band. On a CPU the
+stage runs the gates and times nothing."""
 from __future__ import annotations
 
 import math
+import random
 import sys
-import time
 
 import pytest
 import torch
 
 import candidates as C
 from conftest import CUDA, ROOT, config_with
+from harness.errors import HarnessError
 from harness.records import Verdict
 from harness.served.client import Completion, ReplayRun
-from harness.served.launch import ServerFailure
-from harness.served.score import compare
+from harness.served.score import compare_forced, paired
 from harness.stages.common import EvalContext, Rejected
-from harness.stages.replay import judge, replay_once, replay_stage, run_replay, served_requests
+from harness.stages.replay import Servers, draw, judge, replay_stage, run_gates, run_replay, segments, send, warm_lengths
 from harness.targets.attention import TARGET
 
 CFG = config_with()
+ADVERSARIAL = ROOT / "tests" / "adversarial"
 
 
 @pytest.fixture(scope="module")
-def requests():
-    return served_requests(CFG, "cpu")
+def references():
+    """The gates' verdict on each reference kernel, each replay with its own secret draw."""
+    return {"decode": run_gates(CFG, "cpu", C.REF_DECODE), "prefill": run_gates(CFG, "cpu", C.REF_PREFILL)}
 
 
-@pytest.fixture(scope="module")
-def baselines(requests):
-    return replay_once(CFG, "cpu", None, requests, "baseline")[0], replay_once(CFG, "cpu", None, requests, "baseline again")[0]
-
-
-@pytest.mark.parametrize("source, own, other", [(C.REF_DECODE, "decode", "prefill"), (C.REF_PREFILL, "prefill", "decode")],
-                         ids=["decode", "prefill"])
-def test_reference_kernel_passes_the_gates_on_the_served_path(requests, baselines, source, own, other):
-    cand, stats = replay_once(CFG, "cpu", source, requests, "candidate")
-    assert stats["ops"][own]["candidate"] == stats["ops"][own]["calls"] > 0
-    outcome = judge(CFG, "float32", baselines[0], cand, baselines[1], stats)
+@pytest.mark.parametrize("own, other", [("decode", "prefill"), ("prefill", "decode")])
+def test_reference_kernel_passes_the_gates_on_every_served_token(references, own, other):
+    outcome = references[own]
     assert outcome.gate.passed, outcome.reason
-    assert outcome.metrics["gate_tokens_compared"] >= 0.8 * sum(r.output_len for r in requests)
-    assert outcome.metrics["fallback_share"] == 0.0
-    assert f"{other} not implemented" in outcome.reason and "the served tokens differ" not in outcome.reason
+    assert outcome.metrics["gate_coverage"] == 1.0 and outcome.gate.compared == outcome.gate.generated > 0
+    assert outcome.metrics["fallback_share"] == 0.0 and f"{other} not implemented" in outcome.reason
+    assert "nothing timed and nothing accepted" in outcome.reason and not outcome.accepted
+    result = outcome.stage_result()
+    assert result.status == "passed" and not Verdict.of([result]).accepted
 
 
-def test_the_replay_records_how_long_each_server_took_to_start_and_warm_up(requests, baselines):
-    t = time.monotonic()
-    cand, stats = replay_once(CFG, "cpu", C.REF_DECODE, requests, "candidate")
-    wall = time.monotonic() - t
-    assert 0 < cand.server_ready_s < wall - cand.duration_s          # ready before the first request was sent
-    metrics = judge(CFG, "float32", baselines[0], cand, baselines[1], stats).metrics
-    assert metrics["candidate_server_ready_s"] == cand.server_ready_s
-    assert metrics["baseline_server_ready_s"] > 0 and metrics["baseline_again_server_ready_s"] > 0
+def test_each_replay_draws_its_own_prompts_and_weights(references):
+    a, b = (references[op].reference for op in ("decode", "prefill"))
+    assert [c.tokens for c in a.completions] != [c.tokens for c in b.completions]
+    lines = [len(r.prompt) for r in draw(CFG, "cpu", random.Random(1))]
+    assert set(lines) <= set(warm_lengths(CFG, "cpu"))      # lengths from the trace's window, ids fresh
 
 
-def test_kernel_that_drops_the_newest_token_fails_the_gates():
-    outcome = run_replay(CFG, "cpu", C.DROPS_NEWEST_TOKEN)           # the stage's own path: baseline, candidate, baseline
+@pytest.mark.parametrize("source", [
+    pytest.param(C.recent_window(8), id="attends-to-the-last-8-tokens"),
+    pytest.param((ADVERSARIAL / "shared_output_buffer.py").read_text(), id="views-of-one-buffer-across-ops"),
+    pytest.param((ADVERSARIAL / "masks_unused_by_nan.py").read_text(), id="masks-by-nan"),
+    pytest.param(C.DROPS_NEWEST_TOKEN, id="drops-the-newest-token"),
+])
+def test_kernel_wrong_only_in_serving_fails_the_gates(source):
+    outcome = run_gates(CFG, "cpu", source)
     assert not outcome.gate.passed and not outcome.accepted
-    assert outcome.reason.startswith("the served tokens differ from the baseline's: request ")
+    assert outcome.reason.startswith("the served tokens differ from the reference's: ")
     with pytest.raises(Rejected) as err:
         outcome.stage_result()
-    assert err.value.metrics["accepted"] == 0.0 and err.value.metrics["gate_passed"] == 0.0
+    assert err.value.metrics["gate_passed"] == 0.0
 
 
 SOMETIMES_DECLINES = C.REF_DECODE + """
@@ -72,15 +73,16 @@ def supports(op, **shape):
 """
 
 
-def test_candidate_whose_served_shapes_fall_back_is_not_accepted(requests, baselines):
-    cand, stats = replay_once(CFG, "cpu", SOMETIMES_DECLINES, requests, "candidate")
-    outcome = judge(CFG, "float32", baselines[0], cand, baselines[1], stats)
+def test_candidate_whose_served_shapes_fall_back_is_not_accepted():
+    outcome = run_gates(CFG, "cpu", SOMETIMES_DECLINES)
     assert outcome.gate.passed and not outcome.accepted
     assert 0 < outcome.metrics["fallback_share"] < 1 and "calls fell back" in outcome.reason
+    with pytest.raises(Rejected):
+        outcome.stage_result()
 
 
 @pytest.fixture(scope="module")
-def warm_calls(requests) -> int:
+def warm_calls() -> int:
     """How many decode calls the served server's warm-up makes before the trace: the same warm-up,
     run here on the same preset with a counting candidate (it is deterministic)."""
     from types import SimpleNamespace
@@ -97,11 +99,11 @@ def warm_calls(requests) -> int:
     served = CFG.served.cpu
     engine = make_engine(CFG.served.presets[served.preset], CFG.targets.attention.cpu.block_size, torch.float32,
                          torch.device("cpu"), AttentionOps(SimpleNamespace(decode=decode)))
-    warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
+    warm_up(engine, warm_lengths(CFG, "cpu"), served.warm_requests)
     return calls[0]
 
 
-def test_candidate_that_crashes_its_server_is_a_failure_saying_how(requests, warm_calls):
+def test_candidate_that_crashes_its_server_is_rejected_saying_how(warm_calls):
     crashes_when_serving = C.wrap_decode(f"""
 _calls = [0]
 
@@ -111,13 +113,13 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         __import__("ctypes").string_at(0)
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
-    with pytest.raises(ServerFailure) as err:
-        replay_once(CFG, "cpu", crashes_when_serving, requests, "candidate")
-    assert "the server killed by signal 11 (SIGSEGV) during the replay" in str(err.value)
-    assert "requests did not complete" in str(err.value)
+    with pytest.raises(Rejected) as err:
+        run_gates(CFG, "cpu", crashes_when_serving)
+    assert "the candidate's server: the server killed by signal 11 (SIGSEGV) during the replay" in str(err.value)
+    assert "requests did not complete" in str(err.value) and err.value.metrics["server_failed"] == 1.0
 
 
-def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(requests, baselines, warm_calls):
+def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(warm_calls):
     # torch's decode, fast on the tiny model; one call past the warm-up sleeps as a compile would
     stalls_once = f"""
 import time
@@ -130,93 +132,135 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         time.sleep(0.4)
     return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """
-    cand, stats = replay_once(CFG, "cpu", stalls_once, requests, "candidate")
-    assert stats["ops"]["decode"]["stalls"] >= 1 and stats["ops"]["decode"]["worst_stall_ms"] >= 400
-    outcome = judge(CFG, "float32", baselines[0], cand, baselines[1], stats)
+    outcome = run_gates(CFG, "cpu", stalls_once)
     assert outcome.metrics["candidate_stalls"] >= 1 and outcome.metrics["candidate_stall_ms"] >= 400
     assert "held the host over 50 ms in the window" in outcome.reason
 
 
-def _run(label: str, ttft_ms: list[float], tpot_ms: list[float], tokens: int = 5) -> ReplayRun:
+def test_the_head_is_served_beside_the_candidate_and_judged_by_the_same_gates():
+    outcome = run_replay(CFG, "cpu", C.REF_DECODE, head=C.DROPS_NEWEST_TOKEN)
+    m = outcome.metrics
+    assert m["gate_passed"] == 1.0 and m["head_gate_passed"] == 0.0 and m["head_is_torch"] == 0.0
+    assert "the head FAILS its gates" in outcome.reason and m["segments"] >= 2
+    assert m["gate_coverage"] == 1.0 and m["stage_s"] >= m["servers_ready_s"] > 0
+
+
+def test_a_head_that_cannot_be_served_is_a_harness_error_not_the_candidates():
+    with pytest.raises(HarnessError, match="the head server: the server exited with code 1 before it was ready"):
+        run_replay(CFG, "cpu", C.REF_DECODE, head="raise SystemExit(1)\n")
+
+
+def _seg(label: str, start: int, ttft_ms: list[float], tpot_ms: list[float], tokens: int = 5) -> ReplayRun:
     comps = []
     for i, (ttft, tpot) in enumerate(zip(ttft_ms, tpot_ms)):
         times = [(i + ttft / 1e3) + k * tpot / 1e3 for k in range(tokens)]
-        comps.append(Completion(i, float(i), tokens, sent_s=float(i), token_times=times, tokens=[f"t{k}" for k in range(tokens)],
-                                logprobs=[-0.1] * tokens, top=[[(f"t{k}", -0.1), ("x", -3.0)] for k in range(tokens)]))
+        comps.append(Completion(start + i, float(i), tokens, sent_s=float(i), token_times=times,
+                                tokens=[f"token_id:{k}" for k in range(tokens)], logprobs=[-0.1] * tokens,
+                                top=[[(f"token_id:{k}", -0.1), ("x", -3.0)] for k in range(tokens)]))
     return ReplayRun(label, comps, duration_s=len(ttft_ms) + 1.0, max_send_lag_s=0.0)
+
+
+def _arms(head_scale: list[float], cand_scale: list[float], ttft_scale: float = 1.0):
+    """Segments of 10 requests each; each arm's latencies scaled per segment."""
+    ttft, tpot = [100.0 + 3 * i for i in range(10)], [20.0 + (7 * i) % 5 for i in range(10)]
+    head = [_seg("head", 10 * j, [t * s for t in ttft], [t * s for t in tpot]) for j, s in enumerate(head_scale)]
+    cand = [_seg("candidate", 10 * j, [t * s * ttft_scale for t in ttft], [t * s for t in tpot]) for j, s in enumerate(cand_scale)]
+    return merged_reference(head), head, cand
+
+
+def merged_reference(head: list[ReplayRun]) -> ReplayRun:
+    return ReplayRun("reference", [c for r in head for c in r.completions], 1.0, 0.0)
 
 
 ALL_CANDIDATE = {"ops": {"decode": {"calls": 10, "candidate": 10, "unsupported": 0, "not_implemented": 0, "implemented": True},
                          "prefill": {"calls": 4, "candidate": 0, "unsupported": 0, "not_implemented": 4, "implemented": False}}}
 
 
-def test_only_a_candidate_faster_beyond_noise_is_accepted():
-    ttft, tpot = [10.0 + i for i in range(20)], [20.0 + (7 * i) % 10 for i in range(20)]
-    base, again = _run("baseline", ttft, tpot), _run("baseline again", ttft[::-1], tpot[::-1])
-    fast = _run("candidate", [t * 0.7 for t in ttft], [t * 0.7 for t in tpot])
-    faster = judge(CFG, "float32", base, fast, again, ALL_CANDIDATE)
-    assert faster.accepted and faster.metrics["accepted"] == 1.0 and faster.metrics["tpot_p90_speedup"] > 1.4
-    assert faster.metrics["slo_score"] > 1.3 * faster.metrics["slo_score_baseline"]
-    assert faster.metrics["attainment"] == 1.0 and faster.metrics["attainment_baseline"] < 0.9
-    assert Verdict.of([faster.stage_result()]).accepted
-    same = judge(CFG, "float32", base, _run("candidate", ttft, tpot), again, ALL_CANDIDATE)
-    assert not same.accepted and "not better than the baseline beyond noise" in same.reason
+def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted():
+    ref, head, fast = _arms([1.0, 1.02, 0.99, 1.01], [0.9, 0.92, 0.89, 0.91])      # 10% faster in every segment
+    faster = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE)
+    assert faster.accepted and faster.metrics["accepted"] == 1.0 and Verdict.of([faster.stage_result()]).accepted
+    expected = math.exp(sum(math.log(h / c) for h, c in zip([1.0, 1.02, 0.99, 1.01], [0.9, 0.92, 0.89, 0.91])) / 4) - 1
+    assert math.isclose(faster.metrics["gain"], expected, rel_tol=1e-9) and faster.metrics["gain_lower"] > 0.05
+    ref, head, noisy = _arms([1.0, 1.0, 1.0, 1.0], [0.9, 1.1, 0.92, 1.08])        # as fast on average, noisy
+    same = judge(CFG, "float32", ref, head, noisy, ALL_CANDIDATE)
+    assert not same.accepted and "not faster than the head beyond noise" in same.reason
+    assert same.metrics["noise_band"] > 0.05 and same.metrics["gain_lower"] < 0
     with pytest.raises(Rejected):
         same.stage_result()
-    unaccounted = judge(CFG, "float32", base, fast, again, None)
+    unaccounted = judge(CFG, "float32", ref, *_arms([1.0] * 4, [0.9] * 4)[1:], None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
 
 
-def test_a_baseline_two_percent_slower_moves_the_score_two_percent_where_attainment_collapses():
-    # Requests batched together share step times, so their TPOTs bunch just under the first baseline's p90.
-    ttft, tpot = [200.0 + 5 * (i % 7) for i in range(40)], [30.0 + 0.1 * (i % 5) for i in range(40)]
-    base, again = _run("baseline", ttft, tpot), _run("baseline again", [t * 1.02 for t in ttft], [t * 1.02 for t in tpot])
-    faster = judge(CFG, "float32", base, _run("candidate", ttft, [t * 0.8 for t in tpot]), again, ALL_CANDIDATE)
-    m = faster.metrics
-    assert m["attainment_baseline_again"] == 0.0 and m["attainment_baseline"] >= 0.8      # the knife edge
-    assert abs(m["noise"] - 0.02) < 1e-9 and faster.accepted
-    assert abs(m["gain"] - ((1 / 0.8 * 1.02) ** 0.5 - 1)) < 1e-9     # TPOT 1.25x over a mean 1.01x slower baseline
-    within_noise = judge(CFG, "float32", base, _run("candidate", ttft, [t * 0.995 for t in tpot]), again, ALL_CANDIDATE)
-    assert not within_noise.accepted and "needs +2.0%" in within_noise.reason
+def test_a_faster_decode_does_not_hide_a_ttft_three_times_the_heads():
+    ref, head, cand = _arms([1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5], ttft_scale=6.0)
+    outcome = judge(CFG, "float32", ref, head, cand, ALL_CANDIDATE)
+    assert outcome.metrics["tpot_p90_speedup"] > 1.9 and not outcome.accepted and outcome.metrics["gain"] < 0
 
 
-def test_a_faster_decode_does_not_hide_a_ttft_far_over_its_bar():
-    ttft, tpot = [200.0 + 5 * (i % 7) for i in range(40)], [30.0 + 0.1 * (i % 5) for i in range(40)]
-    base, again = _run("baseline", ttft, tpot), _run("baseline again", ttft, tpot)
-    slow_first = judge(CFG, "float32", base, _run("candidate", [t * 3 for t in ttft], [t * 0.5 for t in tpot]), again,
-                       ALL_CANDIDATE)
-    assert slow_first.metrics["tpot_p90_speedup"] > 1.9 and not slow_first.accepted
-    assert slow_first.metrics["slo_score"] < slow_first.metrics["slo_score_baseline"]
+def test_the_paired_bound_widens_with_fewer_segments():
+    a = paired(*_arms([1.0] * 2, [0.95, 0.97])[1:], 0.05)
+    b = paired(*_arms([1.0] * 8, [0.95, 0.97] * 4)[1:], 0.05)
+    assert a.band > 3 * b.band and len(b.segments) == 8
 
 
-def _tokens(label: str, tokens: list[str], lps: list[float], leads: list[float]) -> ReplayRun:
-    top = [[(t, lp), ("runner-up", lp - lead)] for t, lp, lead in zip(tokens, lps, leads)]
+def _tokens(label: str, tokens: list[str], lps: list[float], own: list[str], leads: list[float]) -> ReplayRun:
+    top = [[(o, lp + lead if o != t else lp), (t if o != t else "runner-up", lp if o != t else lp - lead)]
+           for t, lp, o, lead in zip(tokens, lps, own, leads)]
     return ReplayRun(label, [Completion(0, 0.0, len(tokens), 0.0, list(range(len(tokens))), tokens, lps, top)], 1.0, 0.0)
 
 
-def test_gates_tolerate_a_divergence_only_at_a_near_tie():
-    base = _tokens("baseline", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], [2.0, 0.004, 3.0, 1.0])
-    at_tie = compare(base, _tokens("candidate", ["a", "x", "y", "z"], [-0.5, -0.21, -1.0, -1.0], [1, 1, 1, 1]), 1e-3, 1e-2)
-    assert at_tie.passed and at_tie.near_ties == 1 and at_tie.compared == 1
-    clear = compare(base, _tokens("candidate", ["a", "b", "y", "d"], [-0.5, -0.2, -1.0, -0.1], [1, 1, 1, 1]), 1e-3, 1e-2)
-    assert not clear.passed and "request 1, token 3: chose y where the baseline chose c" in clear.detail
-    drift = compare(base, _tokens("candidate", ["a", "b", "c", "d"], [-0.5, -0.2, -0.95, -0.1], [1, 1, 1, 1]), 1e-3, 1e-2)
-    assert not drift.passed and "token 3: logprob -0.95000 where the baseline has -0.90000" in drift.detail
-    assert math.isclose(drift.max_logprob_diff, 0.05)
+REF = _tokens("reference", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "b", "c", "d"], [2.0, 0.004, 3.0, 1.0])
 
 
-@pytest.mark.skipif(CUDA, reason="checks the CPU-only behaviour of the replay stage")
-def test_replay_stage_says_it_needs_cuda_instead_of_scoring_a_cpu_run():
+def test_gates_compare_every_forced_token_and_tolerate_another_choice_only_at_a_near_tie():
+    at_tie = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "x", "c", "d"], [1] * 4),
+                            1e-3, 1e-3, 1e-2)
+    assert at_tie.passed and at_tie.flips == 1 and at_tie.compared == 4 and at_tie.coverage == 1.0
+    clear = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "b", "y", "d"], [1] * 4),
+                           1e-3, 1e-3, 1e-2)
+    assert not clear.passed and "request 1, token 3: would choose y where the reference chose c" in clear.detail
+    drift = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.5, -0.2, -0.95, -0.1], ["a", "b", "c", "d"], [1] * 4),
+                           1e-3, 1.0, 1e-2)
+    assert not drift.passed and "token 3: logprob -0.95000 where the reference has -0.90000" in drift.detail
+
+
+def test_gates_fail_a_small_drift_on_every_token_through_its_mean():
+    small = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.51, -0.21, -0.91, -0.11], ["a", "b", "c", "d"], [1] * 4),
+                           0.05, 0.005, 1e-2)
+    assert not small.passed and "the mean logprob difference over 4 tokens is 0.01 > mean_abs 0.005" in small.detail
+
+
+def test_gates_fail_a_nan_logprob_and_tokens_that_were_not_forced():
+    nan = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.5, float("nan"), -0.9, -0.1], ["a", "b", "c", "d"], [1] * 4),
+                         1e-3, 1e-3, 1e-2)
+    assert not nan.passed and "token 2" in nan.detail and nan.max_abs == math.inf
+    unforced = compare_forced(REF, _tokens("c", ["a", "z", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "z", "c", "d"], [1] * 4),
+                              1e-3, 1e-3, 1e-2)
+    assert not unforced.passed and "did not return the forced tokens" in unforced.detail
+
+
+def test_segments_cut_the_window_by_arrival_and_every_request_is_in_one():
+    reqs = draw(CFG, "cpu", random.Random(3))
+    cut = segments(reqs, CFG.served.cpu.window_s, 4)
+    assert sorted(r.index for seg in cut for r in seg) == [r.index for r in reqs]
+    assert all(0 <= r.arrival_s < CFG.served.cpu.window_s / 4 + 1e-9 for seg in cut for r in seg)
+
+
+def test_replay_stage_on_a_cpu_runs_the_gates_and_times_nothing():
     ctx = EvalContext(cfg=CFG, target=TARGET, shapes=CFG.targets.attention.cpu, device=torch.device("cpu"),
-                      dtype=torch.float32, pool=None, source=C.REF_DECODE)
-    result = replay_stage(ctx)
-    assert result.status == "skipped" and "needs CUDA" in result.reason and result.metrics == {}
+                      dtype=torch.float32, pool=None, source=C.recent_window(8))
+    with pytest.raises(Rejected, match="the served tokens differ from the reference's"):
+        replay_stage(ctx)
 
 
-def test_an_external_server_command_replays_the_same_trace_with_the_candidate_it_is_given(requests):
+def test_an_external_server_command_replays_the_requests_with_the_candidate_it_is_given():
     command = [sys.executable, str(ROOT / "tests" / "served_external.py"), "{port}"]
     cfg = config_with(**{"served.external": {"command": command, "model": "kevo-tiny", "start_timeout_s": 120,
                                              "env_passthrough": []}})
-    run, stats = replay_once(cfg, "cpu", C.REF_DECODE, requests, "candidate")
+    with Servers(cfg, "cpu", {"candidate": C.REF_DECODE}, 0) as servers:
+        requests = draw(cfg, "cpu", random.Random(0))
+        run = send(cfg, servers.handles["candidate"], requests, "candidate")
+        stats = servers.handles["candidate"].stats()
     assert run.failures() == [] and len(run.completions) == len(requests)
     assert stats["ops"]["decode"]["candidate"] == stats["ops"]["decode"]["calls"] > 0     # $KEVO_CANDIDATE reached it

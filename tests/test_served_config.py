@@ -23,10 +23,11 @@ def edited(tmp_path, old: str, new: str):
     ("tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 2, head_dim: 16,", "tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 3, head_dim: 16,",
      "q_heads 4 must be a multiple of kv_heads 3"),
     ("  drain_timeout_s: 300", "  drain_timout_s: 300", "served.drain_timout_s: unknown key (did you mean drain_timeout_s?)"),
-    ("    min_margin: 0.02", "    min_margin: -1", "stages.replay.min_margin: Input should be greater than or equal to 0"),
+    ("    min_margin: 0.01 ", "    min_margin: -1 ", "stages.replay.min_margin: Input should be greater than or equal to 0"),
+    ("    segments: 4 ", "    segments: 1 ", "stages.replay.segments: Input should be greater than or equal to 2"),
     ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
      "HF_TOKEN looks like a secret"),
-], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "secret-to-external"])
+], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external"])
 def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:
         load_config(edited(tmp_path, old, new))

@@ -27,7 +27,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness import replies
@@ -58,6 +58,7 @@ class ServerHandle:
     log_limit: int
     log: int                        # a memory file holding the server's stdout and stderr (made here)
     ready_s: float = float("nan")   # from start to answering GET /v1/models: the import, the model, the warm-up
+    started: float = field(default_factory=time.monotonic)   # when its process was started
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -133,9 +134,9 @@ def _log() -> int:
     return os.memfd_create("kevo-server-log", os.MFD_CLOEXEC)
 
 
-def _wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
-    """Called as soon as the process is started, so the wait is its start-to-ready time."""
-    started = time.monotonic()
+def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
+    """Wait until the server answers; its start-to-ready time is counted from its process's start."""
+    started = h.started
     deadline = started + timeout_s
     while time.monotonic() < deadline:
         if not h.alive():
@@ -177,7 +178,7 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
 
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
-                   weight_seed: int | None = None) -> ServerHandle:
+                   weight_seed: int | None = None, wait: bool = True) -> ServerHandle:
     workdir = _scratch()
     candidate = None
     if source is not None:
@@ -199,10 +200,10 @@ def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[
                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
     sock.close()
     h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars, log)
-    return _wait_ready(h, cfg.served.start_timeout_s)
+    return wait_ready(h, cfg.served.start_timeout_s) if wait else h
 
 
-def start_external(cfg: Config, source: str | None) -> ServerHandle:
+def start_external(cfg: Config, source: str | None, wait: bool = True) -> ServerHandle:
     ext = cfg.served.external
     workdir = _scratch()
     candidate = ""
@@ -224,15 +225,20 @@ def start_external(cfg: Config, source: str | None) -> ServerHandle:
         os.close(log)
         raise ServerFailure(f"cannot start the external server {shlex.join(argv)}: {e}") from None
     h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", ext.model, workdir, True, cfg.worker.log_tail_chars, log)
-    return _wait_ready(h, ext.start_timeout_s)
+    return wait_ready(h, ext.start_timeout_s) if wait else h
 
 
 def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
-                 weight_seed: int | None = None) -> ServerHandle:
+                 weight_seed: int | None = None, wait: bool = True) -> ServerHandle:
     """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (a candidate's
     server only: `embedded_spec`). `weight_seed`: the embedded server's random weights, in place of the
     preset's seed. An external server warms itself up as its own command does and serves its own
-    weights: neither applies to it."""
+    weights: neither applies to it. `wait=False` returns at once: `wait_ready` (with `ready_timeout`) then
+    waits, from the thread that started it (its process dies with that thread: PR_SET_PDEATHSIG)."""
     if cfg.served.external:
-        return start_external(cfg, source)
-    return start_embedded(cfg, device, source, warm, weight_seed)
+        return start_external(cfg, source, wait)
+    return start_embedded(cfg, device, source, warm, weight_seed, wait)
+
+
+def ready_timeout(cfg: Config) -> float:
+    return cfg.served.external.start_timeout_s if cfg.served.external else cfg.served.start_timeout_s

@@ -1,19 +1,21 @@
-"""Judging replays: latency summaries, each request scored against p90 bars, and the correctness gates.
+"""Judging replays: latency summaries, the paired speed comparison of two arms, and the correctness gates.
 
-`summarize` gives p50/p90/p99 of TTFT and TPOT (milliseconds) and throughput. `headroom` scores one
-request against the bars: the geometric mean of TTFT bar / its TTFT and TPOT bar / its TPOT (above 1:
-faster than the bars), so a TTFT far over its bar is not hidden by a fast decode, and neither
-latency caps the credit the other earns (the tighter of the two would: with bars at a baseline's p90
-both sit near 1, and a decode twice as fast would score as little as the TTFT allows). `slo_score`
-is the geometric mean of that over a run's requests — a continuous score, so a server uniformly 2%
-slower scores 2% lower. `attainment`, the share of requests inside both bars, is reported beside
-it but decides nothing: in a batched engine the requests served together share their step times,
-so their TPOTs bunch, and with bars at a baseline's own p90 a 2% drift carries most of them across
-a bar (two replays of one baseline server on an H200 attained 0.727 and 0.136 at a 20 s window,
-2026-11-30). `compare` is the correctness gate: token by token, the other run's greedy tokens must
-equal the baseline's, with the chosen token's logprob within `tolerance`; where the tokens differ, that
-is tolerated only if the baseline's top two logprobs were within `margin` of each other (a
-near-tie), and the rest of that request is not compared (its contexts differ from there on).
+`summarize` gives p50/p90/p99 of TTFT and TPOT (milliseconds) and throughput of one replay.
+
+`paired` compares two arms served the same requests in alternating segments (harness/stages/replay.py):
+each request scores the geometric mean of its TTFT ratio and its TPOT ratio (head over candidate: above 1,
+the candidate was faster; TTFT's alone for a request of one token) - the ratio of the two arms' headroom
+against any common SLO bars, so no bar has to be chosen. A segment's figure is the mean log ratio of its
+requests (the requests of a segment share their batches, so they are not independent; segments are
+nearly so, each starting from an idle server). Over the segments: the mean, its standard error and the
+one-sided lower bound at `false_accept` (Student's t with segments - 1 degrees of freedom). The band is
+the stage's own noise estimate, measured on every replay.
+
+`compare_forced` is the correctness gate, on every generated token: the arm was fed the reference's own
+greedy continuation (teacher forcing, `kevo_forced`), so at each position both saw the same context. The
+arm's logprob of the reference's token must be finite and within `max_abs` of the reference's, the mean
+of those differences within `mean_abs`, and where the arm's own top choice differs from the reference's
+token the reference's lead over its runner-up must have been a near-tie (within `near_tie_margin`).
 Not covered: running the replays (harness/stages/replay.py) or timing tokens (client.py).
 """
 from __future__ import annotations
@@ -47,68 +49,127 @@ def summarize(run: ReplayRun) -> dict[str, float]:
     return out
 
 
-def attainment(run: ReplayRun, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
-    ok = 0
-    for c in run.completions:
-        if c.token_times and c.ttft * 1e3 <= ttft_bar_ms and (c.tpot is None or c.tpot * 1e3 <= tpot_bar_ms):
-            ok += 1
-    return ok / len(run.completions) if run.completions else 0.0
+def _ratio(head, cand) -> float | None:
+    """log(head / candidate) of one request's latencies: TTFT and TPOT in equal parts."""
+    if not (head.token_times and cand.token_times):
+        return None
+    r = math.log(max(head.ttft, 1e-9) / max(cand.ttft, 1e-9))
+    if head.tpot is not None and cand.tpot is not None:
+        r = 0.5 * (r + math.log(max(head.tpot, 1e-9) / max(cand.tpot, 1e-9)))
+    return r
 
 
-def headroom(ttft_ms: float, tpot_ms: float | None, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
-    """How far inside its bars one request finished: the geometric mean of bar/observed for TTFT and
-    TPOT (TTFT's alone for a request of one token, which has no TPOT)."""
-    h = ttft_bar_ms / max(ttft_ms, 1e-6)
-    return h if tpot_ms is None else math.sqrt(h * tpot_bar_ms / max(tpot_ms, 1e-6))
+def t_quantile(p: float, df: int) -> float:
+    """Student's t quantile (p in (0.5, 1)), by bisection on its CDF: Simpson's rule on the density."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, n: int = 2000) -> float:
+        h = x / n
+        f = [c * (1 + (i * h) ** 2 / df) ** (-(df + 1) / 2) for i in range(n + 1)]
+        return 0.5 + h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
 
 
-def slo_score(run: ReplayRun, ttft_bar_ms: float, tpot_bar_ms: float) -> float:
-    """The geometric mean of the requests' headroom (requests that streamed no token are left out: a
-    replay with any failed request never reaches scoring); NaN for none."""
-    logs = [math.log(headroom(c.ttft * 1e3, None if c.tpot is None else c.tpot * 1e3, ttft_bar_ms, tpot_bar_ms))
-            for c in run.completions if c.token_times]
-    return math.exp(sum(logs) / len(logs)) if logs else float("nan")
+@dataclass(frozen=True)
+class Paired:
+    gain: float                 # the candidate's served speed over the head's, minus 1 (geometric, all segments)
+    lower: float                # the one-sided lower bound of the gain at the false-accept rate
+    band: float                 # the half-width of that bound on the log scale: the stage's noise estimate
+    segments: list[float]       # each segment's mean log ratio (positive: the candidate faster)
+    requests: int
+
+    @property
+    def detail(self) -> str:
+        return (f"{self.gain:+.1%} over the head (one-sided lower bound {self.lower:+.1%}, noise band "
+                f"+-{self.band:.1%}, {len(self.segments)} segments, {self.requests} requests)")
+
+
+def paired(head: list[ReplayRun], cand: list[ReplayRun], false_accept: float) -> Paired:
+    """`head[j]` and `cand[j]`: the two arms' replays of segment j (the same requests)."""
+    segs, n = [], 0
+    for h, c in zip(head, cand):
+        others = {x.index: x for x in c.completions}
+        rs = [r for x in h.completions if x.index in others and (r := _ratio(x, others[x.index])) is not None]
+        if rs:
+            segs.append(sum(rs) / len(rs))
+            n += len(rs)
+    if not segs:
+        return Paired(float("nan"), float("nan"), float("nan"), [], 0)
+    mean = sum(segs) / len(segs)
+    if len(segs) < 2:
+        return Paired(math.expm1(mean), float("nan"), float("inf"), segs, n)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in segs) / (len(segs) - 1))
+    band = t_quantile(1 - false_accept, len(segs) - 1) * sd / math.sqrt(len(segs))
+    return Paired(math.expm1(mean), math.expm1(mean - band), band, segs, n)
 
 
 @dataclass(frozen=True)
 class Gate:
     passed: bool
     compared: int              # tokens whose logprobs were compared
-    near_ties: int             # requests whose tokens parted at a near-tie
-    max_logprob_diff: float
+    generated: int             # tokens the reference generated
+    flips: int                 # positions where the arm's own choice differed from the reference's token (near-ties)
+    max_abs: float             # the largest |logprob difference| (inf: a non-finite logprob)
+    mean_abs: float
     detail: str                # the first failure, in words; or a one-line summary when passed
+
+    @property
+    def coverage(self) -> float:
+        return self.compared / self.generated if self.generated else 0.0
 
 
 def _lead(top: list[tuple[str, float]]) -> float:
     return top[0][1] - top[1][1] if len(top) >= 2 else math.inf
 
 
-def compare(base: ReplayRun, other: ReplayRun, tolerance: float, margin: float) -> Gate:
-    compared, near_ties, worst, failure = 0, 0, 0.0, ""
+def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: float, margin: float) -> Gate:
+    """`other` was fed `ref`'s tokens; compare every position (see the module's docstring)."""
+    compared = generated = flips = 0
+    total, worst, failure = 0.0, 0.0, ""
     others = {c.index: c for c in other.completions}
-    for b in base.completions:
-        o = others.get(b.index)
+    for r in ref.completions:
+        generated += len(r.tokens)
+        o = others.get(r.index)
         if o is None:
-            failure = failure or f"request {b.index + 1} is missing from the {other.label or 'other'} replay"
+            failure = failure or f"request {r.index + 1} is missing from the {other.label or 'other'} replay"
             continue
-        for i, (bt, ot) in enumerate(zip(b.tokens, o.tokens)):
-            if bt == ot:
-                d = abs(b.logprobs[i] - o.logprobs[i])
-                compared += 1
-                worst = max(worst, d)
-                if d > tolerance and not failure:
-                    failure = (f"request {b.index + 1}, token {i + 1}: logprob {o.logprobs[i]:.5f} where the baseline "
-                               f"has {b.logprobs[i]:.5f} (difference {d:.3g} > tolerance {tolerance:.3g})")
-                continue
-            lead = _lead(b.top[i]) if i < len(b.top) else math.inf
-            if lead <= margin:
-                near_ties += 1
-            elif not failure:
-                failure = (f"request {b.index + 1}, token {i + 1}: chose {ot} where the baseline chose {bt}, whose "
-                           f"lead over its runner-up was {lead:.3g} (a near-tie is within {margin:.3g})")
-            break
+        if o.tokens != r.tokens:
+            failure = failure or (f"request {r.index + 1}: the {other.label or 'other'} server did not return the forced "
+                                  f"tokens (kevo_forced); it sent {len(o.tokens)} tokens")
+            continue
+        for i, tok in enumerate(r.tokens):
+            d = abs(o.logprobs[i] - r.logprobs[i])
+            if not math.isfinite(d):
+                d = math.inf
+            compared += 1
+            total += d if math.isfinite(d) else 0.0
+            worst = max(worst, d)
+            if d > max_abs and not failure:
+                failure = (f"request {r.index + 1}, token {i + 1}: logprob {o.logprobs[i]:.5f} where the reference has "
+                           f"{r.logprobs[i]:.5f} (difference {d:.3g} > max_abs {max_abs:.3g})")
+            own = o.top[i][0][0] if i < len(o.top) and o.top[i] else tok
+            if own != tok:
+                lead = _lead(r.top[i]) if i < len(r.top) else math.inf
+                if lead <= margin:
+                    flips += 1
+                elif not failure:
+                    failure = (f"request {r.index + 1}, token {i + 1}: would choose {own} where the reference chose {tok}, "
+                               f"whose lead over its runner-up was {lead:.3g} (a near-tie is within {margin:.3g})")
+    mean = total / compared if compared else math.inf
+    if not failure and mean > mean_abs:
+        failure = (f"the mean logprob difference over {compared} tokens is {mean:.3g} > mean_abs {mean_abs:.3g} "
+                   f"(the largest {worst:.3g})")
+    if not failure and not compared:
+        failure = "no token was compared"
     if failure:
-        return Gate(False, compared, near_ties, worst, failure)
-    return Gate(True, compared, near_ties, worst,
-                f"{compared} tokens agree (max logprob difference {worst:.3g}, tolerance {tolerance:.3g}); "
-                f"{near_ties} requests parted at a near-tie (margin {margin:.3g})")
+        return Gate(False, compared, generated, flips, worst, mean, failure)
+    return Gate(True, compared, generated, flips, worst, mean,
+                f"{compared} of {generated} tokens compared by teacher forcing (max logprob difference {worst:.3g} <= "
+                f"{max_abs:.3g}, mean {mean:.3g} <= {mean_abs:.3g}); {flips} near-tie flips (margin {margin:.3g})")

@@ -1,52 +1,91 @@
-"""Stage 5, replay (CUDA only): the full scored replay of a serving workload — the only stage that accepts.
+"""Stage 5, replay: the full scored replay of a serving workload, the candidate against the current head.
 
-The served trace (config `served`) is replayed three times against a served process of its own,
-each time through the real HTTP client (harness/served/client.py): the baseline, the candidate,
-and the baseline again (the two baselines bracket the candidate and give the noise band). Then:
-  - gates: the candidate's greedy tokens and logprobs against the first baseline's, request by
-    request; divergence is tolerated only at the baseline's near-ties (harness/served/score.py). The
-    tolerances grow with the baseline's disagreement with itself;
-  - fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on
-    an op the candidate implements means no acceptance (ops it does not define run the baseline and
-    are reported, not held against it);
-  - score: every request against p90 bars for TTFT and TPOT (config, or the first baseline's p90),
-    by its headroom, the geometric mean of bar/TTFT and bar/TPOT; a replay's score is the geometric
-    mean of its requests' (harness/served/score.py says why not the share inside both bars: that
-    share flips on a 2% drift). The candidate's score must beat the two baselines' geometric mean by
-    a ratio above 1 + max(their relative difference, stages.replay.min_margin).
-`accepted` is 1 only when all three hold; otherwise the stage fails with the reason. A candidate
-whose server dies or errs is rejected, saying how; a baseline that cannot be served is a harness
-error. On CPU the stage is skipped: no CPU figure stands in for a served speedup (the CPU tests call
-`run_replay` directly). Not covered: what a candidate does to the server process beyond attention
-(its accounting is self-reported; its tokens and the client's clock are not).
+Three servers of the served model (harness/served/), started at once from one weight seed drawn in
+secret for this replay: the reference (the torch baselines), the head (the current head of the
+candidate's op; with none given, the reference is the head) and the candidate. Once all are up, the
+trusted side draws the requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its
+length pairs drawn with a secret seed, fresh token ids), so nothing a server saw before it was ready
+answers them. Then:
+  1. reference: the requests at once, untimed; its greedy tokens and logprobs are what every arm is
+     held to. The reference server is stopped before anything is timed.
+  2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
+     the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
+     both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
+     both do the same work and every generated token can be compared. Only one server is driven at a
+     time, and nothing else of kevo's runs on the GPU meanwhile.
+  3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's.
+  4. fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on an
+     op the candidate implements means no acceptance.
+  5. speed (score.py `paired`): per request the head-over-candidate ratio of TTFT and of TPOT, per
+     segment their mean log, over segments a one-sided bound at `false_accept`.
+`accepted` is 1 only when the gates pass, nothing fell back and the gain's lower bound beats
+`min_margin`. The head's own gates and gain figures are reported beside. A candidate whose server
+dies or errs is rejected, saying how; a reference or head that cannot be served is a harness error.
+
+On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter):
+reference and candidate, every token compared, nothing timed and nothing accepted - so a kernel wrong
+only in serving is rejected on any machine. Not covered: what a candidate does to its server process
+beyond attention (its accounting is self-reported; its tokens and the client's clock are not).
 """
 from __future__ import annotations
 
-import math
+import random
+import secrets
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun, replay
-from harness.served.launch import ServerFailure, ServerHandle, start_server
+from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
 from harness.served.ops import STALL_MS
-from harness.served.score import Gate, attainment, compare, slo_score, summarize
-from harness.served.traces import TraceError, TraceRequest, load_trace, requests_for
+from harness.served.score import Gate, Paired, compare_forced, paired, summarize
+from harness.served.traces import TraceError, TraceRequest, draw_requests, load_trace, requests_for
 from harness.stages.common import EvalContext, Rejected
 
 
-def served_requests(cfg: Config, device: str, window_s: float | None = None) -> list[TraceRequest]:
+def served_lines(cfg: Config, device: str):
     served = getattr(cfg.served, device)
-    preset = cfg.served.presets[served.preset]
     path = PROJECT_ROOT / served.trace
     try:
-        return requests_for(load_trace(path), window_s or served.window_s, preset.vocab, preset.kv_cache_tokens, str(path))
+        return load_trace(path), str(path)
     except TraceError as e:
         raise HarnessError(str(e)) from None
+
+
+def served_requests(cfg: Config, device: str, window_s: float | None = None) -> list[TraceRequest]:
+    """The trace's own requests in the window, its own prompts (the profile's and the benches' workload)."""
+    served = getattr(cfg.served, device)
+    preset = cfg.served.presets[served.preset]
+    lines, source = served_lines(cfg, device)
+    try:
+        return requests_for(lines, window_s or served.window_s, preset.vocab, preset.kv_cache_tokens, source)
+    except TraceError as e:
+        raise HarnessError(str(e)) from None
+
+
+def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = None) -> list[TraceRequest]:
+    """This replay's requests: the trace's window, its length pairs and token ids drawn with `rng`,
+    outputs cut to `served.<device>.max_output`."""
+    served = getattr(cfg.served, device)
+    preset = cfg.served.presets[served.preset]
+    lines, source = served_lines(cfg, device)
+    try:
+        reqs = draw_requests(lines, window_s or served.window_s, preset.vocab, preset.kv_cache_tokens, rng, source)
+    except TraceError as e:
+        raise HarnessError(str(e)) from None
+    cap = served.max_output
+    return reqs if cap is None else [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
+
+
+def warm_lengths(cfg: Config, device: str) -> list[int]:
+    """The prompt lengths a server's warm-up meets: every length of the window (the draw picks among them)."""
+    served = getattr(cfg.served, device)
+    lines, _ = served_lines(cfg, device)
+    return [ln.length for ln in lines if ln.arrival_s < served.window_s]
 
 
 def explain(run: ReplayRun, server: ServerHandle) -> str:
@@ -60,28 +99,103 @@ def explain(run: ReplayRun, server: ServerHandle) -> str:
     return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
 
 
-def replay_once(cfg: Config, device: str, source: str | None, requests: list[TraceRequest],
-                label: str) -> tuple[ReplayRun, dict | None]:
-    """Start a server (with the candidate, or the baseline for None), replay, read its accounting."""
-    with start_server(cfg, device, source, [len(r.prompt) for r in requests]) as server:
-        run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
-        run.server_ready_s = server.ready_s
-        if run.failures():
-            raise ServerFailure(explain(run, server))
-        return run, server.stats()
+def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str) -> ReplayRun:
+    """One replay through the real client; a request that did not complete is a ServerFailure."""
+    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
+    run.server_ready_s = server.ready_s
+    if run.failures():
+        raise ServerFailure(explain(run, server))
+    return run
 
 
-@dataclass
-class ReplayOutcome:
-    accepted: bool
-    reason: str
-    gate: Gate
-    metrics: dict[str, float]
+def _fail(label: str, e: ServerFailure) -> Exception:
+    if label == "candidate":
+        return Rejected(f"the candidate's server: {e}", server_failed=1.0)
+    return HarnessError(f"the {label} server: {e}")
 
-    def stage_result(self) -> StageResult:
-        if not self.accepted:
-            raise Rejected(self.reason, **self.metrics)
-        return StageResult.passed("replay", self.reason, **self.metrics)
+
+class Servers:
+    """The replay's servers, started at once (their warm-ups overlap; nothing is timed then), stopped
+    together whatever happens. A server that failed to start is the failure of its label."""
+
+    def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int) -> None:
+        self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
+        warm = warm_lengths(cfg, device)
+        self.handles: dict[str, ServerHandle] = {}
+        failure: tuple[str, ServerFailure] | None = None
+        started = {}                   # all from this thread: a server dies with the thread that started it
+        for label, source in sources.items():
+            try:
+                started[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False)
+            except ServerFailure as e:
+                failure = failure or (label, e)
+        for label, h in started.items():
+            try:
+                self.handles[label] = wait_ready(h, ready_timeout(cfg))
+            except ServerFailure as e:
+                failure = failure if failure and failure[0] == "candidate" else (label, e)
+        if failure:
+            self.close()
+            raise _fail(*failure)
+
+    def add(self, label: str, source: str | None) -> ServerHandle:
+        """One more server from the same weights (the benches': one arm after another)."""
+        try:
+            h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed)
+        except ServerFailure as e:
+            raise _fail(label, e) from None
+        self.handles[label] = h
+        return h
+
+    def stop(self, label: str) -> None:
+        h = self.handles.pop(label, None)
+        if h is not None:
+            h.stop()
+
+    def close(self) -> None:
+        for label in list(self.handles):
+            self.stop(label)
+
+    def __enter__(self) -> "Servers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def reference_pass(cfg: Config, servers: Servers, requests: list[TraceRequest]) -> ReplayRun:
+    """The reference's greedy tokens for the requests, all sent at once (untimed: no need to wait for arrivals)."""
+    return send(cfg, servers.handles["reference"], [replace(r, arrival_s=0.0) for r in requests], "reference")
+
+
+def forced(requests: list[TraceRequest], ref: ReplayRun) -> list[TraceRequest]:
+    """The requests with the reference's own continuation to feed back (teacher forcing)."""
+    tokens = {c.index: c.tokens for c in ref.completions}
+    out = []
+    for r in requests:
+        try:
+            ids = tuple(int(t.removeprefix("token_id:")) for t in tokens[r.index])
+        except (KeyError, ValueError):
+            raise HarnessError(f"the reference server's tokens for request {r.index + 1} are not token ids") from None
+        out.append(replace(r, forced=ids))
+    return out
+
+
+def segments(requests: list[TraceRequest], window_s: float, n: int) -> list[list[TraceRequest]]:
+    """The requests cut into `n` windows by arrival, each shifted to start at 0; empty ones dropped."""
+    width = window_s / n
+    out = []
+    for j in range(n):
+        seg = [replace(r, arrival_s=r.arrival_s - j * width) for r in requests
+               if j * width <= r.arrival_s < (j + 1) * width or (j == n - 1 and r.arrival_s >= window_s)]
+        if seg:
+            out.append(seg)
+    return out
+
+
+def merged(label: str, runs: list[ReplayRun]) -> ReplayRun:
+    return ReplayRun(label, [c for r in runs for c in r.completions], sum(r.duration_s for r in runs),
+                     max((r.max_send_lag_s for r in runs), default=0.0), runs[0].server_ready_s if runs else float("nan"))
 
 
 def _fallbacks(stats: dict | None) -> tuple[float, str]:
@@ -116,97 +230,165 @@ def _stalls(stats: dict | None) -> tuple[dict[str, float], str]:
                      f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
 
 
-def judge(cfg: Config, dtype: str, base: ReplayRun, cand: ReplayRun, again: ReplayRun, stats: dict | None) -> ReplayOutcome:
+def _stats(server: ServerHandle) -> dict | None:
+    stats = server.stats()
+    if stats is None:
+        return None
+    try:                                  # the candidate's process wrote it: validated like any reply
+        return parse("served_stats", stats).model_dump()
+    except MalformedReply as e:
+        raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", protocol=1.0) from None
+
+
+@dataclass
+class ReplayOutcome:
+    accepted: bool
+    reason: str
+    gate: Gate
+    metrics: dict[str, float]
+    timed: bool = True
+    reference: ReplayRun | None = None    # what every arm was held to (kept for reading, never for judging again)
+
+    def stage_result(self) -> StageResult:
+        if not self.accepted and (self.timed or not self.gate.passed or self.metrics.get("fallback_share", 0.0) > 0):
+            raise Rejected(self.reason, **self.metrics)
+        return StageResult.passed("replay", self.reason, **self.metrics)
+
+
+def _gate(cfg: Config, dtype: str, ref: ReplayRun, run: ReplayRun) -> Gate:
+    g = cfg.stages.replay.gates[dtype]
+    return compare_forced(ref, run, g.max_abs, g.mean_abs, g.near_tie_margin)
+
+
+def _gate_metrics(prefix: str, gate: Gate) -> dict[str, float]:
+    return {f"{prefix}gate_passed": float(gate.passed), f"{prefix}gate_tokens_compared": float(gate.compared),
+            f"{prefix}gate_coverage": gate.coverage, f"{prefix}gate_flips": float(gate.flips),
+            f"{prefix}gate_max_logprob_diff": gate.max_abs, f"{prefix}gate_mean_logprob_diff": gate.mean_abs}
+
+
+def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: list[ReplayRun],
+          stats: dict | None, head_label: str = "head") -> ReplayOutcome:
+    """The verdict from the replays: `head[j]`/`cand[j]` the arms' runs of segment j (teacher-forced)."""
     r = cfg.stages.replay
-    g = r.gates[dtype]
-    noise_lp = compare(base, again, float("inf"), float("inf")).max_logprob_diff
-    tol = max(g.logprob_tolerance, r.noise_factor * noise_lp)
-    margin = max(g.near_tie_margin, 2 * tol)
-    itself = compare(base, again, tol, margin)
-    if not itself.passed:
-        raise HarnessError(f"the baseline disagrees with itself, so the gates cannot judge: {itself.detail} "
-                           f"(widen stages.replay.gates.{dtype})")
-    gate = compare(base, cand, tol, margin)
-    s = {name: summarize(run) for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again))}
-    ttft_bar = r.ttft_p90_ms or s["baseline"]["ttft_p90_ms"]
-    tpot_bar = r.tpot_p90_ms or s["baseline"]["tpot_p90_ms"]
-    runs = (("baseline", base), ("candidate", cand), ("baseline_again", again))
-    att = {name: attainment(run, ttft_bar, tpot_bar) for name, run in runs}
-    sc = {name: slo_score(run, ttft_bar, tpot_bar) for name, run in runs}
-    noise = abs(sc["baseline"] / sc["baseline_again"] - 1)
-    base_sc = math.sqrt(sc["baseline"] * sc["baseline_again"])
-    need = max(noise, r.min_margin)
-    gain = sc["candidate"] / base_sc - 1
+    h_all, c_all = merged(head_label, head), merged("candidate", cand)
+    gate, head_gate = _gate(cfg, dtype, ref, c_all), _gate(cfg, dtype, ref, h_all)
+    speed: Paired = paired(head, cand, r.false_accept)
     fallback_share, fallback_words = _fallbacks(stats)
     stall_metrics, stall_words = _stalls(stats)
-    b, c = s["baseline"], s["candidate"]
-    metrics = {
-        "accepted": 0.0, "gate_passed": float(gate.passed), "gate_tokens_compared": float(gate.compared), "gate_near_ties": float(gate.near_ties),
-        "gate_max_logprob_diff": gate.max_logprob_diff, "logprob_tolerance": tol, "near_tie_margin": margin,
-        "fallback_share": fallback_share, "ttft_bar_ms": ttft_bar, "tpot_bar_ms": tpot_bar,
-        "slo_score": sc["candidate"], "slo_score_baseline": sc["baseline"], "slo_score_baseline_again": sc["baseline_again"],
-        "attainment": att["candidate"], "attainment_baseline": att["baseline"], "attainment_baseline_again": att["baseline_again"],
-        "noise": noise, "required_gain": need, "gain": gain,
-        "tpot_p90_speedup": b["tpot_p90_ms"] / c["tpot_p90_ms"], "ttft_p90_speedup": b["ttft_p90_ms"] / c["ttft_p90_ms"],
-        "throughput_ratio": c["throughput_tok_s"] / b["throughput_tok_s"] if b["throughput_tok_s"] else float("nan"),
-    } | stall_metrics
-    for name, summary in s.items():
+    hs, cs = summarize(h_all), summarize(c_all)
+    metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
+               "fallback_share": fallback_share, "gain": speed.gain, "gain_lower": speed.lower,
+               "noise_band": speed.band, "required_gain": r.min_margin, "segments": float(len(speed.segments)),
+               "tpot_p90_speedup": hs["tpot_p90_ms"] / cs["tpot_p90_ms"] if cs["tpot_p90_ms"] else float("nan"),
+               "ttft_p90_speedup": hs["ttft_p90_ms"] / cs["ttft_p90_ms"] if cs["ttft_p90_ms"] else float("nan"),
+               "throughput_ratio": cs["throughput_tok_s"] / hs["throughput_tok_s"] if hs["throughput_tok_s"] else float("nan"),
+               "head_is_torch": float(head_label == "reference")} | stall_metrics
+    for name, summary in (("head", hs), ("candidate", cs)):
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
-    for name, run in (("baseline", base), ("candidate", cand), ("baseline_again", again)):
-        metrics[f"{name}_max_send_lag_s"] = run.max_send_lag_s     # a client that fell behind skews its timings
+    for j, x in enumerate(speed.segments):
+        metrics[f"segment{j + 1}_log_gain"] = x
+    for name, run in (("reference", ref), ("head", h_all), ("candidate", c_all)):
         metrics[f"{name}_server_ready_s"] = run.server_ready_s     # start to ready, the warm-up in it: the stage's cost
-    score = (f"SLO score {sc['candidate']:.3f} against the baselines' {sc['baseline']:.3f} and {sc['baseline_again']:.3f} "
-             f"({gain:+.1%}; p90 bars TTFT {ttft_bar:.1f} ms, TPOT {tpot_bar:.2f} ms; inside both: {att['candidate']:.2f} vs "
-             f"{att['baseline']:.2f} and {att['baseline_again']:.2f}); p90 TPOT {c['tpot_p90_ms']:.2f} vs "
-             f"{b['tpot_p90_ms']:.2f} ms, p90 TTFT {c['ttft_p90_ms']:.1f} vs {b['ttft_p90_ms']:.1f} ms, "
-             f"{c['throughput_tok_s']:.0f} vs {b['throughput_tok_s']:.0f} tokens/s{stall_words}")
+    metrics["max_send_lag_s"] = max(h_all.max_send_lag_s, c_all.max_send_lag_s)  # a client that fell behind skews timings
+    against = "torch (no head given)" if head_label == "reference" else "the head"
+    score = (f"served {speed.detail.replace('over the head', 'over ' + against)}; p90 TPOT {cs['tpot_p90_ms']:.2f} vs "
+             f"{hs['tpot_p90_ms']:.2f} ms, p90 TTFT {cs['ttft_p90_ms']:.1f} vs {hs['ttft_p90_ms']:.1f} ms{stall_words}")
+    head_words = f"the head's gates: {head_gate.detail}" if head_gate.passed else f"the head FAILS its gates: {head_gate.detail}"
     if not gate.passed:
-        return ReplayOutcome(False, f"the served tokens differ from the baseline's: {gate.detail}", gate, metrics)
+        return ReplayOutcome(False, f"the served tokens differ from the reference's: {gate.detail}", gate, metrics)
     if not fallback_share == 0.0:
         return ReplayOutcome(False, f"not accepted: {fallback_words}; gates passed ({gate.detail}); {score}", gate, metrics)
-    accepted = gain > need
-    verdict = "accepted" if accepted else f"not better than the baseline beyond noise (needs {need:+.1%})"
+    accepted = speed.lower > r.min_margin
+    verdict = "accepted" if accepted else f"not faster than {against} beyond noise (the lower bound must beat {r.min_margin:+.1%})"
     metrics["accepted"] = float(accepted)
-    return ReplayOutcome(accepted, f"{verdict}: {score}; gates: {gate.detail}; {fallback_words}", gate, metrics)
+    return ReplayOutcome(accepted, f"{verdict}: {score}; gates: {gate.detail}; {head_words}; {fallback_words}", gate, metrics)
 
 
-def _time_left(deadline: float | None, cfg: Config, device: str) -> None:
-    need = getattr(cfg.served, device).window_s
-    if deadline is not None and deadline - time.monotonic() < need:
-        raise Rejected(f"the stage's time (stages.replay.timeout_s) ran out before the next {need:g} s replay", timeout=1.0)
+def _time_left(deadline: float | None, need_s: float) -> None:
+    if deadline is not None and deadline - time.monotonic() < need_s:
+        raise Rejected(f"the stage's time (stages.replay.timeout_s) ran out before the next {need_s:g} s of replay", timeout=1.0)
 
 
-def _baseline(cfg: Config, device: str, requests: list[TraceRequest], label: str) -> ReplayRun:
-    try:
-        return replay_once(cfg, device, None, requests, label)[0]
-    except ServerFailure as e:
-        raise HarnessError(f"the {label} server: {e}") from None
-
-
-def run_replay(cfg: Config, device: str, source: str, deadline: float | None = None) -> ReplayOutcome:
-    requests = served_requests(cfg, device)
+def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate",
+             deadline: float | None = None) -> ReplayOutcome:
+    """Gates only, on servers already up: fresh requests, the reference pass, `label` fed its tokens (at
+    the requests' arrival times), every token compared; nothing timed or accepted."""
     dtype = getattr(cfg.targets.attention, device).dtype
-    base = _baseline(cfg, device, requests, "baseline")
-    _time_left(deadline, cfg, device)
+    t0 = time.monotonic()
+    requests = draw(cfg, device, random.Random(secrets.randbits(64)))
+    ref = reference_pass(cfg, servers, requests)
+    _time_left(deadline, 0)
     try:
-        cand, stats = replay_once(cfg, device, source, requests, "candidate")
+        cand = send(cfg, servers.handles[label], forced(requests, ref), label)
     except ServerFailure as e:
-        raise Rejected(f"the candidate's server: {e}", server_failed=1.0) from None
-    if stats is not None:                 # the candidate's process wrote it: validated like any reply
-        try:
-            stats = parse("served_stats", stats).model_dump()
-        except MalformedReply as e:
-            raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", protocol=1.0) from None
-    _time_left(deadline, cfg, device)
-    again = _baseline(cfg, device, requests, "baseline again")
-    return judge(cfg, dtype, base, cand, again, stats)
+        raise _fail(label, e) from None
+    stats = _stats(servers.handles[label])
+    gate = _gate(cfg, dtype, ref, cand)
+    fallback_share, fallback_words = _fallbacks(stats)
+    stall_metrics, stall_words = _stalls(stats)
+    metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), "fallback_share": fallback_share,
+               "stage_s": time.monotonic() - t0} | stall_metrics
+    if not gate.passed:
+        reason = f"the served tokens differ from the reference's: {gate.detail}"
+    elif not fallback_share == 0.0:
+        reason = f"not accepted: {fallback_words}; gates passed ({gate.detail})"
+    else:
+        reason = (f"gates passed on the {device} ({gate.detail}); {fallback_words}{stall_words}; nothing timed and nothing "
+                  f"accepted: no CPU figure stands in for a served speedup")
+    return ReplayOutcome(False, reason, gate, metrics, timed=False, reference=ref)
+
+
+def paired_in(cfg: Config, device: str, servers: Servers, head_label: str, cand_label: str = "candidate",
+              deadline: float | None = None, keep_reference: bool = False) -> ReplayOutcome:
+    """The timed comparison on servers already up: fresh requests, the reference pass, then the two arms
+    fed its tokens in alternating segments, judged (see the module's docstring)."""
+    r = cfg.stages.replay
+    dtype = getattr(cfg.targets.attention, device).dtype
+    window = getattr(cfg.served, device).window_s
+    requests = draw(cfg, device, random.Random(secrets.randbits(64)))
+    ref = reference_pass(cfg, servers, requests)
+    if head_label != "reference" and not keep_reference:
+        servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
+    feed = forced(requests, ref)
+    runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
+    for j, seg in enumerate(segments(feed, window, r.segments)):
+        _time_left(deadline, window / r.segments)
+        for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
+            try:
+                runs[label].append(send(cfg, servers.handles[label], seg, label))
+            except ServerFailure as e:
+                raise _fail(label, e) from None
+    stats = _stats(servers.handles[cand_label])
+    outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_label)
+    outcome.reference = ref
+    return outcome
+
+
+def run_gates(cfg: Config, device: str, source: str, deadline: float | None = None) -> ReplayOutcome:
+    """The CPU path: reference and candidate, every token compared, nothing timed or accepted."""
+    t0 = time.monotonic()
+    with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31)) as servers:
+        outcome = gates_in(cfg, device, servers, "candidate", deadline)
+    outcome.metrics["stage_s"] = time.monotonic() - t0
+    return outcome
+
+
+def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
+               deadline: float | None = None) -> ReplayOutcome:
+    """The timed stage (CUDA; callable on any device, as the tests do): see the module's docstring."""
+    t0 = time.monotonic()
+    sources = {"reference": None, "candidate": source} | ({} if head is None else {"head": head})
+    with Servers(cfg, device, sources, secrets.randbits(31)) as servers:
+        started = time.monotonic() - t0
+        outcome = paired_in(cfg, device, servers, "reference" if head is None else "head", "candidate", deadline)
+    outcome.metrics.update(servers_ready_s=started, stage_s=time.monotonic() - t0)
+    return outcome
 
 
 def replay_stage(ctx: EvalContext) -> StageResult:
-    if ctx.device.type != "cuda":
-        return StageResult.skipped("replay", "skipped: needs CUDA; this machine has none, and no CPU figure "
-                                             "stands in for a served speedup")
-    if ctx.worker is not None:            # the cheap stages' worker holds GPU memory the servers need
+    if ctx.worker is not None:            # the cheap stages' worker holds memory the servers need
         ctx.worker.close()
         ctx.worker = None
-    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.deadline).stage_result()
+    if ctx.device.type != "cuda":
+        return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None).stage_result()
+    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None).stage_result()

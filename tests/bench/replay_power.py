@@ -1,0 +1,129 @@
+"""What the scored replay (stage 5) can see, measured: its time, its noise band, its power, its gates.
+
+    python tests/bench/replay_power.py [--aa 3] [--shift 0.05] [--errors] [--json OUT]
+
+On the GPU, with config's defaults (the window, the segments, the bf16 gates), the reference decode
+(knowledge/attention/decode_paged_splitkv.py) as the head:
+  1. the stage itself, start to verdict: `run_replay(head, head=head)` - an A/A comparison;
+  2. more A/A comparisons on one set of servers (fresh requests each; the same weights): the gain, its
+     lower bound and the noise band of each, and both arms' gates (the bf16 tolerance is read off these);
+  3. the head made `shift` slower in serving (a delay after every attention call, sized from the A/A's
+     p50 TPOT: shift x TPOT over the layers' calls) against the head, which must be rejected, and the
+     head against it (the head is then `shift` faster), which must be accepted;
+  4. with --errors, the gates alone on three subtle errors of the head: attending only to the last 4096
+     tokens, dropping keys whose weight is under 1e-3 of the largest, an accumulator rounded to bf16.
+Prints one line per measurement; --json writes them all. A bench, not a test: it asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import candidates as C  # noqa: E402
+from harness.config import load_config  # noqa: E402
+from harness.stages.replay import Servers, gates_in, paired_in, run_replay  # noqa: E402
+
+KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
+        "gate_mean_logprob_diff", "gate_flips", "head_gate_passed", "head_gate_max_logprob_diff", "head_gate_mean_logprob_diff",
+        "head_tpot_p50_ms", "candidate_tpot_p50_ms", "head_ttft_p50_ms", "candidate_ttft_p50_ms", "stage_s", "servers_ready_s",
+        "candidate_stalls", "head_requests")
+
+
+def cycles_per_ms() -> float:
+    """torch.cuda._sleep's spin rate on this GPU (cycles per millisecond), timed with events."""
+    torch.cuda._sleep(1_000_000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / start.elapsed_time(end)
+
+
+def slowed(source: str, cycles: int) -> str:
+    """The head with a spin of `cycles` after each of its decode calls and after each torch prefill."""
+    return C.wrap_decode(f"""
+from harness.targets.attention import prefill_baseline
+
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    torch.cuda._sleep({cycles})
+    return out
+
+
+def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+    out = prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
+    torch.cuda._sleep({cycles})
+    return out
+""") if source == C.REF_DECODE else source
+
+
+def row(name: str, outcome, t0: float) -> dict:
+    m = {k: outcome.metrics[k] for k in KEYS if k in outcome.metrics}
+    m["seconds"] = round(time.monotonic() - t0, 1)
+    text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+    print(f"{name}: {text}\n  {outcome.reason[:600]}", flush=True)
+    return {"name": name, **m, "reason": outcome.reason}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--aa", type=int, default=3, help="A/A comparisons in all (the first is the stage itself)")
+    p.add_argument("--shift", type=float, default=0.05, help="how much slower the slowed head is made in serving")
+    p.add_argument("--errors", action="store_true", help="also the gates on three subtle errors")
+    p.add_argument("--skip-stage", action="store_true", help="leave out the stage's own run (1)")
+    p.add_argument("--json", help="write the rows here")
+    a = p.parse_args()
+    cfg = load_config()
+    head = C.REF_DECODE
+    rows = []
+    print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, max_output "
+          f"{cfg.served.cuda.max_output}, false_accept {cfg.stages.replay.false_accept}", flush=True)
+    if not a.skip_stage:
+        t0 = time.monotonic()
+        rows.append(row("stage A/A (run_replay, start to verdict)", run_replay(cfg, "cuda", head, head=head), t0))
+    t0 = time.monotonic()
+    with Servers(cfg, "cuda", {"reference": None, "A": head, "B": head}, secrets.randbits(31)) as servers:
+        print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
+        for i in range(a.aa - (0 if a.skip_stage else 1)):
+            t0 = time.monotonic()
+            rows.append(row(f"A/A {i + 1}", paired_in(cfg, "cuda", servers, "A", "B", keep_reference=True), t0))
+        tpot = [r["head_tpot_p50_ms"] for r in rows if "head_tpot_p50_ms" in r]
+        tpot_ms = sorted(tpot)[len(tpot) // 2]
+        layers = cfg.served.presets[cfg.served.cuda.preset].layers
+        cycles = int(a.shift * tpot_ms / layers * cycles_per_ms())
+        print(f"slowed head: {cycles} cycles after each attention call ({a.shift:.0%} of a {tpot_ms:.2f} ms p50 TPOT "
+              f"over {layers} layers)", flush=True)
+        servers.stop("B")
+        servers.add("S", slowed(head, cycles))
+        t0 = time.monotonic()
+        rows.append(row(f"slowed {a.shift:.0%} against the head (must be rejected)",
+                        paired_in(cfg, "cuda", servers, "A", "S", keep_reference=True), t0))
+        t0 = time.monotonic()
+        rows.append(row(f"the head against the slowed (it is {a.shift:.0%} faster: must be accepted)",
+                        paired_in(cfg, "cuda", servers, "S", "A", keep_reference=True), t0))
+        servers.stop("S")
+        if a.errors:
+            for name, source in (("last 4096 tokens only", C.recent_window(4096)), ("drops weights < 1e-3", C.DROPS_SMALL_WEIGHTS),
+                                 ("bf16 accumulator", C.ACCUMULATES_IN_BF16)):
+                t0 = time.monotonic()
+                servers.add("E", source)
+                rows.append(row(f"gates on: {name} (must fail)", gates_in(cfg, "cuda", servers, "E"), t0))
+                servers.stop("E")
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
