@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 import candidates as C  # noqa: E402
+from conftest import config_with  # noqa: E402
 from harness.config import load_config  # noqa: E402
 from harness.stages.replay import Servers, gates_in, paired_in, run_replay  # noqa: E402
 
@@ -83,9 +84,13 @@ def main() -> None:
     p.add_argument("--shift", type=float, default=0.05, help="how much slower the slowed head is made in serving")
     p.add_argument("--errors", action="store_true", help="also the gates on three subtle errors")
     p.add_argument("--skip-stage", action="store_true", help="leave out the stage's own run (1)")
+    p.add_argument("--only-stage", action="store_true", help="run (1) alone (a smoke test)")
+    p.add_argument("--window", type=float, help="override served.cuda.window_s")
+    p.add_argument("--segments", type=int, help="override stages.replay.segments")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
-    cfg = load_config()
+    overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments)) if v}
+    cfg = config_with(**overrides) if overrides else load_config()
     head = C.REF_DECODE
     rows = []
     print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, max_output "
@@ -93,6 +98,8 @@ def main() -> None:
     if not a.skip_stage:
         t0 = time.monotonic()
         rows.append(row("stage A/A (run_replay, start to verdict)", run_replay(cfg, "cuda", head, head=head), t0))
+    if a.only_stage:
+        return
     t0 = time.monotonic()
     with Servers(cfg, "cuda", {"reference": None, "A": head, "B": head}, secrets.randbits(31)) as servers:
         print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
