@@ -138,6 +138,7 @@ class MicrobenchConfig(Strict):
 class GateConfig(Strict):
     max_abs: float = Field(gt=0)             # |arm - reference| logprob of the reference's token, at every position
     mean_abs: float = Field(gt=0)            # the mean of those over every generated token
+    mean_floor: float = Field(gt=0)          # the candidate's mean may always reach this, whatever the head's
     near_tie_margin: float = Field(ge=0)     # the arm's own choice may differ only where the reference's top two were this close
 
 
@@ -145,6 +146,9 @@ class ReplayConfig(Strict):
     """Stage 5, the full scored replay (harness/stages/replay.py); the served system is `served`."""
     timeout_s: float = Field(gt=0)
     gates: dict[Literal["float32", "bfloat16", "float16"], GateConfig]
+    reference_dtype: Literal["float32", "bfloat16", "float16"]   # the reference server's: what every arm is held to
+    reference_kv_cache_tokens: int | None = Field(ge=1)   # its KV cache (null: the preset's); it runs untimed, one pass
+    head_factor: float = Field(ge=1)          # the candidate's mean difference <= this x the head's on the same tokens
     segments: int = Field(ge=2)               # the window cut into this many, each replayed to head and candidate in turn
     false_accept: float = Field(gt=0, lt=0.5)  # the one-sided bound on the paired gain: the stated false-accept rate
     min_margin: float = Field(ge=0)           # the gain's lower bound must beat this

@@ -118,6 +118,8 @@ class Gate:
     flips: int                 # positions where the arm's own choice differed from the reference's token (near-ties)
     max_abs: float             # the largest |logprob difference| (inf: a non-finite logprob)
     mean_abs: float
+    p99_abs: float             # the 99th percentile of them
+    flip_lead: float           # the largest reference lead at which the arm's own choice differed (0: none)
     detail: str                # the first failure, in words; or a one-line summary when passed
 
     @property
@@ -132,7 +134,7 @@ def _lead(top: list[tuple[str, float]]) -> float:
 def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: float, margin: float) -> Gate:
     """`other` was fed `ref`'s tokens; compare every position (see the module's docstring)."""
     compared = generated = flips = 0
-    total, worst, failure = 0.0, 0.0, ""
+    total, worst, failure, diffs, flip_lead = 0.0, 0.0, "", [], 0.0
     others = {c.index: c for c in other.completions}
     for r in ref.completions:
         generated += len(r.tokens)
@@ -149,6 +151,7 @@ def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: f
             if not math.isfinite(d):
                 d = math.inf
             compared += 1
+            diffs.append(d)
             total += d if math.isfinite(d) else 0.0
             worst = max(worst, d)
             if d > max_abs and not failure:
@@ -157,6 +160,7 @@ def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: f
             own = o.top[i][0][0] if i < len(o.top) and o.top[i] else tok
             if own != tok:
                 lead = _lead(r.top[i]) if i < len(r.top) else math.inf
+                flip_lead = max(flip_lead, lead)
                 if lead <= margin:
                     flips += 1
                 elif not failure:
@@ -168,8 +172,22 @@ def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: f
                    f"(the largest {worst:.3g})")
     if not failure and not compared:
         failure = "no token was compared"
+    p99 = percentile(diffs, 99)
     if failure:
-        return Gate(False, compared, generated, flips, worst, mean, failure)
-    return Gate(True, compared, generated, flips, worst, mean,
+        return Gate(False, compared, generated, flips, worst, mean, p99, flip_lead, failure)
+    return Gate(True, compared, generated, flips, worst, mean, p99, flip_lead,
                 f"{compared} of {generated} tokens compared by teacher forcing (max logprob difference {worst:.3g} <= "
-                f"{max_abs:.3g}, mean {mean:.3g} <= {mean_abs:.3g}); {flips} near-tie flips (margin {margin:.3g})")
+                f"{max_abs:.3g}, p99 {p99:.3g}, mean {mean:.3g} <= {mean_abs:.3g}); {flips} near-tie flips (margin {margin:.3g})")
+
+
+def against_head(gate: Gate, head: Gate, factor: float, floor: float) -> Gate:
+    """The candidate's gate, failed also when its mean difference from the reference is over `factor` x the
+    head's on the same tokens (or `floor`, whichever is larger): a paired check, far finer than any fixed
+    bound (both arms meet the same contexts). The fixed `mean_abs` still caps it: no head's error becomes
+    the next one's allowance beyond that."""
+    allowed = max(floor, factor * head.mean_abs)
+    if not gate.passed or not head.compared or gate.mean_abs <= allowed:
+        return gate
+    return Gate(False, gate.compared, gate.generated, gate.flips, gate.max_abs, gate.mean_abs, gate.p99_abs, gate.flip_lead,
+                f"the mean logprob difference from the reference over {gate.compared} tokens is {gate.mean_abs:.3g}, over "
+                f"{factor:g} x the head's {head.mean_abs:.3g} on the same tokens (floor {floor:.3g})")

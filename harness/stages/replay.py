@@ -1,11 +1,11 @@
 """Stage 5, replay: the full scored replay of a serving workload, the candidate against the current head.
 
 Three servers of the served model (harness/served/), started at once from one weight seed drawn in
-secret for this replay: the reference (the torch baselines), the head (the current head of the
-candidate's op; with none given, the reference is the head) and the candidate. Once all are up, the
-trusted side draws the requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its
-length pairs drawn with a secret seed, fresh token ids), so nothing a server saw before it was ready
-answers them. Then:
+secret for this replay: the reference (torch's baselines in `reference_dtype`, float32: the float
+reference every arm is held to), the head (the current head of the candidate's op; with none given,
+torch's baselines in the served dtype) and the candidate. Once all are up, the trusted side draws the
+requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its length pairs drawn with
+a secret seed, fresh token ids), so nothing a server saw before it was ready answers them. Then:
   1. reference: the requests at once, untimed; its greedy tokens and logprobs are what every arm is
      held to. The reference server is stopped before anything is timed.
   2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
@@ -13,7 +13,8 @@ answers them. Then:
      both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
      both do the same work and every generated token can be compared. Only one server is driven at a
      time, and nothing else of kevo's runs on the GPU meanwhile.
-  3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's.
+  3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's,
+     within fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens.
   4. fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on an
      op the candidate implements means no acceptance.
   5. speed (score.py `paired`): per request the head-over-candidate ratio of TTFT and of TPOT, per
@@ -42,7 +43,7 @@ from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
 from harness.served.ops import STALL_MS
-from harness.served.score import Gate, Paired, compare_forced, paired, summarize
+from harness.served.score import Gate, Paired, against_head, compare_forced, paired, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, load_trace, requests_for
 from harness.stages.common import EvalContext, Rejected
 
@@ -126,7 +127,8 @@ class Servers:
         started = {}                   # all from this thread: a server dies with the thread that started it
         for label, source in sources.items():
             try:
-                started[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False)
+                started[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
+                                              reference=label == "reference")
             except ServerFailure as e:
                 failure = failure or (label, e)
         for label, h in started.items():
@@ -263,15 +265,17 @@ def _gate(cfg: Config, dtype: str, ref: ReplayRun, run: ReplayRun) -> Gate:
 def _gate_metrics(prefix: str, gate: Gate) -> dict[str, float]:
     return {f"{prefix}gate_passed": float(gate.passed), f"{prefix}gate_tokens_compared": float(gate.compared),
             f"{prefix}gate_coverage": gate.coverage, f"{prefix}gate_flips": float(gate.flips),
-            f"{prefix}gate_max_logprob_diff": gate.max_abs, f"{prefix}gate_mean_logprob_diff": gate.mean_abs}
+            f"{prefix}gate_flip_lead": gate.flip_lead, f"{prefix}gate_max_logprob_diff": gate.max_abs,
+            f"{prefix}gate_p99_logprob_diff": gate.p99_abs, f"{prefix}gate_mean_logprob_diff": gate.mean_abs}
 
 
 def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: list[ReplayRun],
-          stats: dict | None, head_label: str = "head") -> ReplayOutcome:
+          stats: dict | None, head_is_torch: bool = False) -> ReplayOutcome:
     """The verdict from the replays: `head[j]`/`cand[j]` the arms' runs of segment j (teacher-forced)."""
     r = cfg.stages.replay
-    h_all, c_all = merged(head_label, head), merged("candidate", cand)
-    gate, head_gate = _gate(cfg, dtype, ref, c_all), _gate(cfg, dtype, ref, h_all)
+    h_all, c_all = merged("head", head), merged("candidate", cand)
+    head_gate = _gate(cfg, dtype, ref, h_all)
+    gate = against_head(_gate(cfg, dtype, ref, c_all), head_gate, r.head_factor, r.gates[dtype].mean_floor)
     speed: Paired = paired(head, cand, r.false_accept)
     fallback_share, fallback_words = _fallbacks(stats)
     stall_metrics, stall_words = _stalls(stats)
@@ -282,7 +286,7 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
                "tpot_p90_speedup": hs["tpot_p90_ms"] / cs["tpot_p90_ms"] if cs["tpot_p90_ms"] else float("nan"),
                "ttft_p90_speedup": hs["ttft_p90_ms"] / cs["ttft_p90_ms"] if cs["ttft_p90_ms"] else float("nan"),
                "throughput_ratio": cs["throughput_tok_s"] / hs["throughput_tok_s"] if hs["throughput_tok_s"] else float("nan"),
-               "head_is_torch": float(head_label == "reference")} | stall_metrics
+               "head_is_torch": float(head_is_torch)} | stall_metrics
     for name, summary in (("head", hs), ("candidate", cs)):
         metrics.update({f"{name}_{k}": v for k, v in summary.items()})
     for j, x in enumerate(speed.segments):
@@ -290,7 +294,7 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     for name, run in (("reference", ref), ("head", h_all), ("candidate", c_all)):
         metrics[f"{name}_server_ready_s"] = run.server_ready_s     # start to ready, the warm-up in it: the stage's cost
     metrics["max_send_lag_s"] = max(h_all.max_send_lag_s, c_all.max_send_lag_s)  # a client that fell behind skews timings
-    against = "torch (no head given)" if head_label == "reference" else "the head"
+    against = "torch (no head given)" if head_is_torch else "the head"
     score = (f"served {speed.detail.replace('over the head', 'over ' + against)}; p90 TPOT {cs['tpot_p90_ms']:.2f} vs "
              f"{hs['tpot_p90_ms']:.2f} ms, p90 TTFT {cs['ttft_p90_ms']:.1f} vs {hs['ttft_p90_ms']:.1f} ms{stall_words}")
     head_words = f"the head's gates: {head_gate.detail}" if head_gate.passed else f"the head FAILS its gates: {head_gate.detail}"
@@ -310,9 +314,10 @@ def _time_left(deadline: float | None, need_s: float) -> None:
 
 
 def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate",
-             deadline: float | None = None) -> ReplayOutcome:
+             deadline: float | None = None, head_label: str | None = None) -> ReplayOutcome:
     """Gates only, on servers already up: fresh requests, the reference pass, `label` fed its tokens (at
-    the requests' arrival times), every token compared; nothing timed or accepted."""
+    the requests' arrival times), every token compared; nothing timed or accepted. With `head_label`,
+    that server is fed them too and the candidate's mean is also held to `head_factor` x the head's."""
     dtype = getattr(cfg.targets.attention, device).dtype
     t0 = time.monotonic()
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
@@ -324,9 +329,14 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
         raise _fail(label, e) from None
     stats = _stats(servers.handles[label])
     gate = _gate(cfg, dtype, ref, cand)
+    head_metrics = {}
+    if head_label is not None:
+        head_gate = _gate(cfg, dtype, ref, send(cfg, servers.handles[head_label], forced(requests, ref), head_label))
+        gate = against_head(gate, head_gate, cfg.stages.replay.head_factor, cfg.stages.replay.gates[dtype].mean_floor)
+        head_metrics = _gate_metrics("head_", head_gate)
     fallback_share, fallback_words = _fallbacks(stats)
     stall_metrics, stall_words = _stalls(stats)
-    metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), "fallback_share": fallback_share,
+    metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), **head_metrics, "fallback_share": fallback_share,
                "stage_s": time.monotonic() - t0} | stall_metrics
     if not gate.passed:
         reason = f"the served tokens differ from the reference's: {gate.detail}"
@@ -338,8 +348,8 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     return ReplayOutcome(False, reason, gate, metrics, timed=False, reference=ref)
 
 
-def paired_in(cfg: Config, device: str, servers: Servers, head_label: str, cand_label: str = "candidate",
-              deadline: float | None = None, keep_reference: bool = False) -> ReplayOutcome:
+def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "head", cand_label: str = "candidate",
+              deadline: float | None = None, keep_reference: bool = False, head_is_torch: bool = False) -> ReplayOutcome:
     """The timed comparison on servers already up: fresh requests, the reference pass, then the two arms
     fed its tokens in alternating segments, judged (see the module's docstring)."""
     r = cfg.stages.replay
@@ -347,7 +357,7 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str, cand_
     window = getattr(cfg.served, device).window_s
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     ref = reference_pass(cfg, servers, requests)
-    if head_label != "reference" and not keep_reference:
+    if not keep_reference:
         servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
     feed = forced(requests, ref)
     runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
@@ -359,7 +369,7 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str, cand_
             except ServerFailure as e:
                 raise _fail(label, e) from None
     stats = _stats(servers.handles[cand_label])
-    outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_label)
+    outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
     outcome.reference = ref
     return outcome
 
@@ -377,10 +387,9 @@ def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
                deadline: float | None = None) -> ReplayOutcome:
     """The timed stage (CUDA; callable on any device, as the tests do): see the module's docstring."""
     t0 = time.monotonic()
-    sources = {"reference": None, "candidate": source} | ({} if head is None else {"head": head})
-    with Servers(cfg, device, sources, secrets.randbits(31)) as servers:
+    with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31)) as servers:
         started = time.monotonic() - t0
-        outcome = paired_in(cfg, device, servers, "reference" if head is None else "head", "candidate", deadline)
+        outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
     outcome.metrics.update(servers_ready_s=started, stage_s=time.monotonic() - t0)
     return outcome
 

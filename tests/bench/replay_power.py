@@ -35,7 +35,8 @@ from harness.config import load_config  # noqa: E402
 from harness.stages.replay import Servers, gates_in, paired_in, run_replay  # noqa: E402
 
 KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
-        "gate_mean_logprob_diff", "gate_flips", "head_gate_passed", "head_gate_max_logprob_diff", "head_gate_mean_logprob_diff",
+        "gate_p99_logprob_diff", "gate_mean_logprob_diff", "gate_flips", "gate_flip_lead", "head_gate_passed",
+        "head_gate_max_logprob_diff", "head_gate_p99_logprob_diff", "head_gate_mean_logprob_diff", "head_gate_flip_lead",
         "head_tpot_p50_ms", "candidate_tpot_p50_ms", "head_ttft_p50_ms", "candidate_ttft_p50_ms", "stage_s", "servers_ready_s",
         "candidate_stalls", "head_requests")
 
@@ -126,7 +127,7 @@ def main() -> None:
                                  ("bf16 accumulator", C.ACCUMULATES_IN_BF16)):
                 t0 = time.monotonic()
                 servers.add("E", source)
-                rows.append(row(f"gates on: {name} (must fail)", gates_in(cfg, "cuda", servers, "E"), t0))
+                rows.append(row(f"gates on: {name} (must fail)", gates_in(cfg, "cuda", servers, "E", head_label="A"), t0))
                 servers.stop("E")
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
