@@ -79,6 +79,41 @@ def row(name: str, outcome, t0: float) -> dict:
     return {"name": name, **m, "reason": outcome.reason}
 
 
+def errors_only(cfg, out: str | None) -> None:
+    """The head and the three errors fed one reference pass's tokens, all requests at once (untimed)."""
+    import dataclasses
+    import random
+
+    from harness.served.score import against_head
+    from harness.stages.replay import _gate, draw, forced, reference_pass, send
+    arms = {"A": C.REF_DECODE, "window4096": C.recent_window(4096), "drops<1e-3": C.DROPS_SMALL_WEIGHTS,
+            "bf16acc": C.ACCUMULATES_IN_BF16}
+    t0 = time.monotonic()
+    rows = []
+    with Servers(cfg, "cuda", {"reference": None, **arms}, secrets.randbits(31)) as servers:
+        print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
+        requests = draw(cfg, "cuda", random.Random(secrets.randbits(64)))
+        t0 = time.monotonic()
+        ref = reference_pass(cfg, servers, requests)
+        print(f"reference pass {time.monotonic() - t0:.1f} s, {sum(len(c.tokens) for c in ref.completions)} tokens", flush=True)
+        feed = [dataclasses.replace(r, arrival_s=0.0) for r in forced(requests, ref)]
+        gates = {}
+        for label in arms:
+            t0 = time.monotonic()
+            gates[label] = _gate(cfg, "bfloat16", ref, send(cfg, servers.handles[label], feed, label))
+            print(f"{label} fed in {time.monotonic() - t0:.1f} s", flush=True)
+    r = cfg.stages.replay
+    for label, g in gates.items():
+        final = g if label == "A" else against_head(g, gates["A"], r.head_factor, r.gates["bfloat16"].mean_floor)
+        row = {"arm": label, "passed": final.passed, "max": g.max_abs, "p99": g.p99_abs, "mean": g.mean_abs,
+               "mean_over_head": g.mean_abs / gates["A"].mean_abs, "flips": g.flips, "flip_lead": g.flip_lead,
+               "compared": g.compared, "detail": final.detail}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--aa", type=int, default=3, help="A/A comparisons in all (the first is the stage itself)")
@@ -88,10 +123,16 @@ def main() -> None:
     p.add_argument("--only-stage", action="store_true", help="run (1) alone (a smoke test)")
     p.add_argument("--window", type=float, help="override served.cuda.window_s")
     p.add_argument("--segments", type=int, help="override stages.replay.segments")
+    p.add_argument("--errors-only", action="store_true",
+                   help="only the gates on the three errors and the head, all from one reference pass, sent at once")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments)) if v}
+    if a.errors_only:                     # five servers at once: smaller caches for the arms
+        overrides |= {"served.presets.qwen3-0.6b.kv_cache_tokens": 131072, "stages.replay.reference_kv_cache_tokens": 131072}
     cfg = config_with(**overrides) if overrides else load_config()
+    if a.errors_only:
+        return errors_only(cfg, a.json)
     head = C.REF_DECODE
     rows = []
     print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, max_output "
