@@ -128,10 +128,12 @@ def main() -> None:
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments)) if v}
-    if a.errors_only:                     # five servers at once: smaller caches for the arms
-        overrides |= {"served.presets.qwen3-0.6b.kv_cache_tokens": 131072, "stages.replay.reference_kv_cache_tokens": 131072}
     cfg = config_with(**overrides) if overrides else load_config()
-    if a.errors_only:
+    if a.errors_only:                     # five servers at once: smaller caches for the arms
+        presets = dict(cfg.served.presets)
+        presets[cfg.served.cuda.preset] = presets[cfg.served.cuda.preset].model_copy(update={"kv_cache_tokens": 131072})
+        cfg = cfg.model_copy(update={"served": cfg.served.model_copy(update={"presets": presets}), "stages": cfg.stages.model_copy(
+            update={"replay": cfg.stages.replay.model_copy(update={"reference_kv_cache_tokens": 131072})})})
         return errors_only(cfg, a.json)
     head = C.REF_DECODE
     rows = []
