@@ -26,7 +26,13 @@ def edited(tmp_path, old: str, new: str):
     ("    min_margin: 0.02", "    min_margin: -1", "stages.replay.min_margin: Input should be greater than or equal to 0"),
     ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
      "HF_TOKEN looks like a secret"),
-], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "secret-to-external"])
+    ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [1, 4, 2]}",
+     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [1, 4, 2]"),
+    ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [0, 2]}",
+     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [0, 2]"),
+    ("cuda_graphs: {enabled: true,", "cuda_graphs: {enabled: true, buckets: [1],", "served.cuda_graphs.buckets: unknown key"),
+], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "secret-to-external",
+        "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key"])
 def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:
         load_config(edited(tmp_path, old, new))
