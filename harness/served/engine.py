@@ -6,6 +6,7 @@ runs ONE forward pass over the new sequences' prompts (varlen prefill) and one n
 running sequence (batched paged decode), and samples greedily: the chosen token, its logprob and
 the TOP_K most likely tokens with theirs (near-ties are judged from the top two). A request ends
 after exactly max_tokens tokens (there is no end-of-sequence token: traces fix output lengths).
+A decode-only step (no prefill in it) replays a CUDA graph where the engine has them (graphs.py).
 Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
 """
 from __future__ import annotations

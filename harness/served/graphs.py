@@ -181,7 +181,8 @@ class DecodeGraphs:
             return
         t0 = time.perf_counter()
         ops = self.ops
-        saved = ops.calls, ops.stalls, ops.shapes
+        saved = ops.calls, ops.stalls, ops.shapes        # the books are put back as they were: capturing serves nothing
+        ops.reset()
         B = W = 0
         self.stage([], self.batches[-1], self.widths[-1])   # every row padding: what warming and capturing read
         ops.host_lengths = False
