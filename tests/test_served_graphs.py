@@ -37,8 +37,11 @@ class EagerGraphs:
         fn()
 
     def record(self, fn):
-        if self.fail_at is not None and self.recorded == self.fail_at:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        if self.fail_at is not None and self.recorded == self.fail_at:     # as a capture broken by a host sync fails:
+            try:                                                           # the sync's error, then the capture's end
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            finally:
+                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
         self.recorded += 1
         out = fn()
 
@@ -155,7 +158,8 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_whole_server_and_says_why
     warm_up(e)
     st = e.graphs.stats()
     assert st["on"] is False and st["graphs"] == 0 and e.graphs.graphs == {}
-    assert "capturing the decode step at batch" in st["reason"] and "operation not permitted when stream is capturing" in st["reason"]
+    assert "capturing the decode step at batch" in st["reason"]
+    assert "(RuntimeError: CUDA error: operation not permitted when stream is capturing; then RuntimeError: " in st["reason"]
     assert "decoding eagerly" in st["reason"]
     out = run_requests(e, reqs, realtime=False)
     assert tokens(out) == tokens(run_requests(engine(graphs=False), reqs, realtime=False)) and e.graphs.replays == 0

@@ -67,6 +67,18 @@ def decode_rows(seqs: list, block_size: int) -> tuple[list[int], list[int], list
     return tokens, pos, slots
 
 
+def _cause(e: BaseException) -> str:
+    """One line: the first error of a chain (a failed capture's own error follows the one that broke it)."""
+    def line(x: BaseException) -> str:
+        return f"{type(x).__name__}: {''.join(str(x).splitlines()[:1])[:200]}"
+    first = e
+    for _ in range(8):
+        if first.__context__ is None:
+            break
+        first = first.__context__
+    return line(first) if first is e else f"{line(first)}; then {line(e)}"
+
+
 class Recorder(Protocol):
     """How a forward is warmed and captured: CUDA graphs here; tests stand in for CUDA on a CPU."""
 
@@ -201,8 +213,7 @@ class DecodeGraphs:
             self.graphs.clear()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            what = "".join(str(e).splitlines()[:1])[:300]
-            self.reason = f"off: capturing the decode step at batch {B}, width {W} failed ({type(e).__name__}: {what}); decoding eagerly"
+            self.reason = f"off: capturing the decode step at batch {B}, width {W} failed ({_cause(e)}); decoding eagerly"
         finally:
             ops.host_lengths = True
             ops.calls, ops.stalls, ops.shapes = saved
