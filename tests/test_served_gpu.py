@@ -100,7 +100,7 @@ def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
     books = ("calls", "candidate", "unsupported", "not_implemented")
     eager_calls = {op: [c[k] for k in books] for op, c in eager_engine.ops.stats().items()}
     del eager_engine
-    e = _engine(decode, GraphPlan(True, tuple(CFG.served.cuda_graphs.batch_buckets), longest))
+    e = _engine(decode, GraphPlan(True, tuple(CFG.served.cuda_graphs.batch_buckets), min(len(r.prompt) for r in reqs) + 1, longest))
     warm_up(e)
     st = e.graphs.stats()
     print("\n", kernel, st)
@@ -138,7 +138,7 @@ def test_a_decode_that_syncs_the_host_cannot_be_captured_and_is_served_eagerly_s
             raise ValueError("empty sequence")
         return ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 
-    e = _engine(decode, GraphPlan(True, (1, 2, 4), 4096), kv_cache_tokens=16384)
+    e = _engine(decode, GraphPlan(True, (1, 2, 4), 1, 4096), kv_cache_tokens=16384)
     warm_up(e)
     st = e.graphs.stats()
     print("\n", st)

@@ -24,7 +24,7 @@ TINY = CFG.served.presets["tiny"]
 BS = CFG.targets.attention.cpu.block_size
 CPU = torch.device("cpu")
 BUCKETS = tuple(CFG.served.cuda_graphs.batch_buckets)
-PLAN = GraphPlan(True, BUCKETS, 64)
+PLAN = GraphPlan(True, BUCKETS, 1, 64)
 
 
 class EagerGraphs:
@@ -78,7 +78,8 @@ def tokens(out) -> dict[int, list[int]]:
 def test_a_batch_is_padded_to_the_next_bucket_and_a_table_to_the_next_power_of_two():
     assert [batch_bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert [width_bucket(w) for w in (0, 1, 2, 3, 4, 5, 1025)] == [1, 1, 2, 4, 4, 8, 2048]
-    assert width_buckets(17408, 16) == tuple(1 << i for i in range(12))     # 1088 blocks: up to 2048, not 16384
+    assert width_buckets(1, 17408, 16) == tuple(1 << i for i in range(12))  # 1088 blocks: up to 2048, not 16384
+    assert width_buckets(1500, 17408, 16) == (128, 256, 512, 1024, 2048)     # none narrower than the shortest prompt's
     e = engine(max_running=16)
     assert e.graphs.batches == (1, 2, 4, 8, 16) and max(BUCKETS) > 16       # buckets above max_running dropped
 
@@ -172,7 +173,7 @@ def test_on_a_cpu_graphs_are_off_and_the_stats_say_so():
     st = e.graphs.stats()
     assert st["on"] is False and "CUDA graphs need a GPU; this engine runs on the cpu" in st["reason"]
     assert e.allocator.num_blocks == e.cache.num_blocks              # no scratch block held where nothing is captured
-    off = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=GraphPlan(False, BUCKETS, 64))
+    off = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=GraphPlan(False, BUCKETS, 1, 64))
     assert "served.cuda_graphs.enabled: false" in off.graphs.stats()["reason"]
 
 

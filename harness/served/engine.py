@@ -238,7 +238,7 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
     Then the engine's CUDA graphs, if it has them, are captured (harness/served/graphs.py).
     Counts and recorded shapes start afresh."""
     from harness.served.traces import TraceRequest
-    bs, cap, vocab = engine.bs, engine.cache.num_blocks * engine.bs, engine.model.p.vocab
+    bs, cap, vocab = engine.bs, engine.allocator.num_blocks * engine.bs, engine.model.p.vocab
     lengths = [n for n in (1, bs - 1, bs + 1, 2 * bs + 3, 100) if 1 <= n and n + 6 <= cap // 8]
     reqs = [TraceRequest(i, 0.0, [(7 * i + j) % vocab for j in range(n)], 2 + i) for i, n in enumerate(lengths)]
     run_requests(engine, reqs, realtime=False)

@@ -6,9 +6,10 @@ for the engine's decode-only steps (a step with a prefill in it runs eagerly):
 
 - A graph per key (batch bucket, width bucket). The batch is padded up to the next of the configured
   `batch_buckets` (those above the preset's max_running are dropped), the block table to the next
-  power of two at or above its widest row, up to the width the served trace's longest context needs,
-  so a kernel that sizes its grid from the table's width never sees the cache's whole capacity. A step
-  no key covers runs eagerly and is counted.
+  power of two at or above its widest row, from the width of the served trace's shortest prompt
+  (a step's width is its longest row's) up to that of its longest context, so a kernel that sizes
+  its grid from the table's width never sees the cache's whole capacity. A step no key covers runs
+  eagerly and is counted.
 - Padding: a padded row decodes token 0 at position 0 with seq_len 1, its K/V written to a scratch
   block that no sequence ever owns (held out of the allocator); padded columns of every row point at
   that block too. Padded rows' logits are discarded.
@@ -53,9 +54,11 @@ def width_bucket(blocks: int) -> int:
     return 1 << (max(1, blocks) - 1).bit_length()
 
 
-def width_buckets(longest_context: int, block_size: int) -> tuple[int, ...]:
-    top = width_bucket(math.ceil(max(1, longest_context) / block_size))
-    return tuple(1 << i for i in range(top.bit_length()))
+def width_buckets(shortest_context: int, longest_context: int, block_size: int) -> tuple[int, ...]:
+    """The width buckets a decode step can need when its longest sequence holds between these many
+    tokens (a step's width is its longest row's)."""
+    lo, hi = (width_bucket(math.ceil(max(1, n) / block_size)) for n in (shortest_context, longest_context))
+    return tuple(1 << i for i in range(lo.bit_length() - 1, hi.bit_length()))
 
 
 def decode_rows(seqs: list, block_size: int) -> tuple[list[int], list[int], list[int]]:
@@ -126,7 +129,7 @@ class DecodeGraphs:
         self.engine, self.model, self.ops, self.cache = engine, engine.model, engine.ops, engine.cache
         self.bs, self.device = engine.bs, engine.device
         self.batches = tuple(b for b in plan.batch_buckets if b <= engine.max_running)
-        self.widths = width_buckets(plan.longest_context, self.bs)
+        self.widths = width_buckets(min(plan.shortest_context, plan.longest_context), plan.longest_context, self.bs)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = self.eager_decode_steps = 0
         self.capture_s = 0.0

@@ -236,7 +236,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     ops = AttentionOps(module, spec["dtype"])
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
-                         root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["longest_context"]))
+                         root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
     loop = EngineLoop(engine)
     loop.thread.start()

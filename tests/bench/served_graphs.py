@@ -12,7 +12,7 @@ Each mode (eager, graphs) runs in a fresh process, on the 0.6B-shaped preset in 
 - the decode-only step time (median wall time of 30 steps, each ending in the engine's device-to-host
   read of the sampled tokens) at batch 4 x 2048 tokens and batch 16 x 8192 tokens, for the torch
   baseline decode and the reference decode kernel (knowledge/attention/decode_paged_splitkv.py); here
-  the engine captures batch buckets 4 and 16 only, up to the width these contexts need.
+  the engine captures batch buckets 4 and 16 only, at the widths these contexts need.
 About 80 s a mode on an H200, most of it the profile's drain of long outputs and the warm-ups.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def one_mode(mode: str, window: float) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
         ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype)
-        plan = GraphPlan(mode == "graphs", tuple(b for b, _ in SHAPES), max(c for _, c in SHAPES) + STEPS + 8)
+        plan = GraphPlan(mode == "graphs", tuple(b for b, _ in SHAPES), min(c for _, c in SHAPES), max(c for _, c in SHAPES) + STEPS + 8)
         engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype],
                              torch.device("cuda"), ops, root=PROJECT_ROOT, graphs=plan)
         t = time.perf_counter()
