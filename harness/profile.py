@@ -11,9 +11,10 @@ the time is device time of kernels, each attributed through the op that launched
 time is CPU time of torch ops (idle then means host time outside any op) and is labelled so.
 Decode-only steps served from CUDA graphs (harness/served/graphs.py) launch their kernels in one
 `cudaGraphLaunch`, so no host range says which part of the model a kernel of theirs belongs to: each
-is attributed by its kernel name, in the proportions that name's kernels took in the eager steps of
-the same profile (steps with a prefill always run eagerly), else as GEMM by its name (cuBLAS, nvjet),
-else unattributed (counted as other, and warned about above 5%).
+is attributed by its kernel name, in the proportions that name's kernels took when every graph's
+forward ran once eagerly before the window (`graph_kernel_regions`) and in the profile's eager steps
+(a step with a prefill is eager), else as GEMM by its name (cuBLAS, nvjet), else unattributed
+(counted as other, and warned about above 5%).
 Then the target op's share f and the end-to-end ceilings 1/(1-f+f/s), the shapes the workload
 served with their frequencies, and a plain sentence when the target is not where the time goes.
 Not covered: multi-stream overlap (the engine uses one stream), the HTTP server's own cost.
@@ -174,6 +175,22 @@ def attribute_graphs(buckets: dict[str, float], names: dict[str, dict[str, float
     return out
 
 
+def graph_kernel_regions(engine) -> dict[str, dict[str, float]]:
+    """Kernel name -> region -> us, from each captured graph's forward run once eagerly under the
+    profiler: the same calls on the same shapes as its capture, so the same kernels."""
+    names: dict[str, dict[str, float]] = {}
+    if engine.graphs is None or not engine.graphs.on:
+        return names
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with engine.model.region("kevo.step"):
+            engine.graphs.forward_each_eagerly()
+        torch.cuda.synchronize()
+    bucket_device(prof.events(), names)
+    engine.ops.reset()
+    return names
+
+
 def bucket_host(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
     """CPU: self time of each torch op by its region; the rest of each step is host time."""
     out = dict.fromkeys(BUCKETS, 0.0)
@@ -232,7 +249,7 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
     acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0, "graph": 0.0}
     totals = [0.0, 0]
-    names: dict[str, dict[str, float]] = {}
+    names = graph_kernel_regions(engine) if device.type == "cuda" else {}
     reader = (lambda events: bucket_device(events, names)) if device.type == "cuda" else bucket_host
 
     traced: dict[str, int] = {}

@@ -181,3 +181,20 @@ def test_the_scratch_block_is_not_counted_in_what_the_cache_holds():
     e = engine(kv_cache_tokens=8 * BS)
     with pytest.raises(Exception, match=f"needs {8 * BS} tokens of KV cache; this model holds {7 * BS}"):
         e.add(Request("all", [1] * (8 * BS - 1), 1))
+
+
+def test_running_every_graphs_forward_eagerly_for_the_profile_writes_only_the_scratch_block():
+    calls = []
+    e = engine(AttentionOps(SimpleNamespace(decode=lambda q, k_cache, v_cache, block_table, seq_lens, sm_scale:
+                                            calls.append(q.shape[0]) or decode_baseline(q, k_cache, v_cache, block_table,
+                                                                                         seq_lens, sm_scale))))
+    e.graphs.capture()
+    run_requests(e, requests(3), realtime=False)                     # served from graphs: real K/V, real static inputs
+    assert e.graphs.replays > 0
+    k, v, scratch = e.cache.k.clone(), e.cache.v.clone(), e.graphs.scratch
+    calls.clear()
+    e.graphs.forward_each_eagerly()
+    assert sorted(set(calls)) == list(e.graphs.batches) and len(calls) == len(e.graphs.graphs) * TINY.layers
+    others = [b for b in range(e.cache.num_blocks) if b != scratch]
+    assert torch.equal(e.cache.k[:, others], k[:, others]) and torch.equal(e.cache.v[:, others], v[:, others])
+    assert not torch.equal(e.cache.k[:, scratch], k[:, scratch])     # written there, and only there

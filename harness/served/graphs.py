@@ -241,6 +241,14 @@ class DecodeGraphs:
         self.replays += 1
         return g.logits[:len(seqs)]
 
+    def forward_each_eagerly(self) -> None:
+        """Every captured key's forward once, eagerly, on padding inputs: the kernels its graph launches,
+        each from the part of the model that launches it (the profile reads them; harness/profile.py).
+        Writes only the scratch block; the ops count the calls (the caller resets them)."""
+        self.stage([], self.batches[-1], self.widths[-1])
+        for key in sorted(self.graphs):
+            self.model.forward(self._batch(*key), self.cache, self.ops)
+
     def stats(self) -> dict:
         """For /kevo/stats: on or off, the keys captured, why it is off, replays and eager decode steps."""
         return {"on": self.on, "batch_buckets": sorted({b for b, _ in self.graphs}),
