@@ -165,6 +165,11 @@ def test_only_a_candidate_faster_beyond_noise_is_accepted():
         same.stage_result()
     unaccounted = judge(CFG, "float32", base, fast, again, None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
+    eager = judge(CFG, "float32", base, fast, again, ALL_CANDIDATE | {"graphs": {
+        "on": False, "fell_back": True, "reason": "off: capturing the decode step at batch 4, width 8 failed (...)"}})
+    assert eager.accepted and eager.metrics["candidate_cuda_graphs"] == 0.0      # said, not held against it
+    assert "the candidate's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 4" in eager.reason
+    assert "decoded eagerly" not in faster.reason
 
 
 def test_a_baseline_two_percent_slower_moves_the_score_two_percent_where_attainment_collapses():

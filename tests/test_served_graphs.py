@@ -158,7 +158,7 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_whole_server_and_says_why
     e = engine(fail_at=2)
     warm_up(e)
     st = e.graphs.stats()
-    assert st["on"] is False and st["graphs"] == 0 and e.graphs.graphs == {}
+    assert st["on"] is False and st["fell_back"] is True and st["graphs"] == 0 and e.graphs.graphs == {}
     assert "capturing the decode step at batch" in st["reason"]
     assert "(RuntimeError: CUDA error: operation not permitted when stream is capturing; then RuntimeError: " in st["reason"]
     assert "decoding eagerly" in st["reason"]
@@ -171,7 +171,7 @@ def test_on_a_cpu_graphs_are_off_and_the_stats_say_so():
     e = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=PLAN)
     warm_up(e)
     st = e.graphs.stats()
-    assert st["on"] is False and "CUDA graphs need a GPU; this engine runs on the cpu" in st["reason"]
+    assert st["on"] is False and st["fell_back"] is False and "CUDA graphs need a GPU; this engine runs on the cpu" in st["reason"]
     assert e.allocator.num_blocks == e.cache.num_blocks              # no scratch block held where nothing is captured
     off = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=GraphPlan(False, BUCKETS, 1, 64))
     assert "served.cuda_graphs.enabled: false" in off.graphs.stats()["reason"]

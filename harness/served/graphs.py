@@ -251,7 +251,7 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         """For /kevo/stats: on or off, the keys captured, why it is off, replays and eager decode steps."""
-        return {"on": self.on, "batch_buckets": sorted({b for b, _ in self.graphs}),
+        return {"on": self.on, "fell_back": self.reason.startswith("off: capturing"), "batch_buckets": sorted({b for b, _ in self.graphs}),
                 "width_buckets": sorted({w for _, w in self.graphs}), "graphs": len(self.graphs),
                 "reason": self.reason, "replays": self.replays, "eager_decode_steps": self.eager_decode_steps,
                 "capture_s": round(self.capture_s, 3)}
