@@ -32,8 +32,8 @@ from pathlib import Path
 from harness import replies
 from harness.config import PROJECT_ROOT, Config
 from harness.isolation import sandbox_spec
-from harness.served.limits import plan_for
 from harness.sandbox import clean_env, redact
+from harness.served.limits import plan_for
 
 
 class ServerFailure(Exception):

@@ -4,9 +4,9 @@ One source of truth, nothing copied: the preset's `max_running` (sequences batch
 `max_prefill_tokens` (prompt tokens admitted per step; a longer prompt runs alone) and
 `kv_cache_tokens` (what the paged cache holds at once), and the served trace's longest prompt and
 longest context (prompt plus output). Parity draws its served-limit cases from these
-(harness/targets/attention.py: `limit_cases`); and the block-table widths the CUDA graphs capture
-(`plan_for`, harness/served/graphs.py) run from the shortest prompt's to the longest context's. Not covered: an external server's own limits
-(`served.external`): the preset's stand for them.
+(harness/targets/attention.py: `limit_cases`); the block-table widths the CUDA graphs capture
+(`plan_for`, harness/served/graphs.py) run from the shortest prompt's to the longest context's.
+Not covered: an external server's own limits (`served.external`): the preset's stand for them.
 """
 from __future__ import annotations
 
