@@ -14,7 +14,8 @@ Decode-only steps served from CUDA graphs (harness/served/graphs.py) launch thei
 is attributed by its kernel name, in the proportions that name's kernels took when every graph's
 forward ran once eagerly before the window (`graph_kernel_regions`) and in the profile's eager steps
 (a step with a prefill is eager), else as GEMM by its name (cuBLAS, nvjet), else unattributed
-(counted as other, and warned about above 5%).
+(counted as other, and warned about above 5%). A kernel whose launch was not traced is attributed
+by its name the same way where the name is known.
 Then the target op's share f and the end-to-end ceilings 1/(1-f+f/s), the shapes the workload
 served with their frequencies, and a plain sentence when the target is not where the time goes.
 Not covered: multi-stream overlap (the engine uses one stream), the HTTP server's own cost.
@@ -138,9 +139,9 @@ def bucket_device(events, names: dict[str, dict[str, float]] | None = None) -> t
                 region = _region_at(call.time_range.start, starts, marks) if call is not None else None
                 how["launch call" if region is not None else "unattributed"] += 1
             out[region or "unattributed"] += hi - lo
-            if names is not None and region is not None:
+            if names is not None:
                 by = names.setdefault(e.name, {})
-                by[region] = by.get(region, 0.0) + hi - lo
+                by[region or "unattributed"] = by.get(region or "unattributed", 0.0) + hi - lo
             busy += hi - lo
             last = hi
         out["idle"] += (end - start) - busy
@@ -150,24 +151,32 @@ def bucket_device(events, names: dict[str, dict[str, float]] | None = None) -> t
 
 
 def attribute_graphs(buckets: dict[str, float], names: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The "graph" bucket shared out by kernel name: in the proportions each name's kernels took in
-    eager steps, else to GEMM for a GEMM library's name, else unattributed. Returns the time (us) each
-    way took, for `kernels_traced_by`."""
-    out = {"kernel name (graph replay)": 0.0, "gemm by name (graph replay)": 0.0, "unattributed (graph replay)": 0.0}
+    """The "graph" bucket shared out by kernel name: in the proportions each name's kernels took where
+    their launch was traced (the eager steps, the graphs' eager forwards), else to GEMM for a GEMM
+    library's name, else unattributed. A kernel whose launch was not traced at all (counted as
+    unattributed and other) is shared out the same way where its name is known. Returns the time
+    (us) each way took, for `graph_kernels_ms`."""
+    out = {"kernel name (graph replay)": 0.0, "gemm by name (graph replay)": 0.0, "unattributed (graph replay)": 0.0,
+           "kernel name (launch not traced)": 0.0}
     for name, by in names.items():
-        t = by.get("graph", 0.0)
-        if not t:
-            continue
-        eager = {r: v for r, v in by.items() if r not in ("graph", "unattributed")}
-        total = sum(eager.values())
-        if total:
-            for r, v in eager.items():
-                buckets[r] += t * v / total
-            out["kernel name (graph replay)"] += t
-        elif _GEMM_KERNEL.search(name):
-            buckets["gemm"] += t
-            out["gemm by name (graph replay)"] += t
+        t, lost = by.get("graph", 0.0), by.get("unattributed", 0.0)
+        traced = {r: v for r, v in by.items() if r not in ("graph", "unattributed")}
+        total = sum(traced.values())
+        gemm = not total and bool(_GEMM_KERNEL.search(name))
+        if lost and (total or gemm):                  # no longer unattributed: known by its name
+            buckets["unattributed"] -= lost
+            buckets["other"] -= lost
+            out["kernel name (launch not traced)"] += lost
         else:
+            lost = 0.0
+        if total:
+            for r, v in traced.items():
+                buckets[r] += (t + lost) * v / total
+            out["kernel name (graph replay)"] += t
+        elif gemm:
+            buckets["gemm"] += t + lost
+            out["gemm by name (graph replay)"] += t
+        elif t:
             buckets["unattributed"] += t
             buckets["other"] += t
             out["unattributed (graph replay)"] += t
