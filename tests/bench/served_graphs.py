@@ -1,7 +1,7 @@
 """Benchmark (not a test): the served step with decode from CUDA graphs against the eager engine
 (harness/served/graphs.py; config `served.cuda_graphs`).
 
-    python tests/bench/served_graphs.py [--window 5]
+    python tests/bench/served_graphs.py [--window 5] [--modes eager,graphs]
 
 Each mode (eager, graphs) runs in a fresh process, on the 0.6B-shaped preset in bf16, in this process
 (no HTTP), and prints one JSON line:
@@ -9,11 +9,12 @@ Each mode (eager, graphs) runs in a fresh process, on the 0.6B-shaped preset in 
   long-context trace: the idle share (launch and host gaps: the figure CUDA graphs should cut, from
   51-65% eager toward under 15%), the attention decode share f, the mean step, the unattributed share,
   and how the graphs fared (captured, replayed, capture seconds, or why they were off);
-- the decode-only step time (median wall time of 30 steps, each ending in the engine's device-to-host
+- the decode-only step time (median wall time of 20 steps, each ending in the engine's device-to-host
   read of the sampled tokens) at batch 4 x 2048 tokens and batch 16 x 8192 tokens, for the torch
   baseline decode and the reference decode kernel (knowledge/attention/decode_paged_splitkv.py); here
   the engine captures batch buckets 4 and 16 only, at the widths these contexts need.
-About 80 s a mode on an H200, most of it the profile's drain of long outputs and the warm-ups.
+About 90 s a mode on an H200 (estimated), most of it the profile's drain of long outputs (the window's
+requests run to their end) and the warm-ups; `--modes graphs` runs one.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = ((4, 2048), (16, 8192))
-STEPS = 30
+STEPS = 20
 
 
 def decode_step_ms(engine, batch: int, context: int) -> tuple[float, int]:
@@ -99,12 +100,13 @@ def one_mode(mode: str, window: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=float, default=5.0)
+    ap.add_argument("--modes", default="eager,graphs", help="the modes to run, each in a fresh process")
     ap.add_argument("--mode", choices=["eager", "graphs"], default=None, help="one mode, in this process (used by the parent)")
     a = ap.parse_args()
     if a.mode:
         print(json.dumps(one_mode(a.mode, a.window)))
         return
-    for mode in ("eager", "graphs"):
+    for mode in a.modes.split(","):
         t = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
         res = subprocess.run([sys.executable, __file__, "--mode", mode, "--window", str(a.window)], cwd=ROOT, env=env,
