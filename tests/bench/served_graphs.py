@@ -109,7 +109,7 @@ def main() -> None:
     for mode in a.modes.split(","):
         t = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
-        res = subprocess.run([sys.executable, __file__, "--mode", mode, "--window", str(a.window)], cwd=ROOT, env=env,
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--window", str(a.window)], cwd=ROOT, env=env,
                              capture_output=True, text=True)
         if res.returncode:
             print(f"{mode}: exit {res.returncode} after {time.perf_counter() - t:.0f} s\n{res.stderr[-3000:]}")
