@@ -87,8 +87,8 @@ def _reference_decode():
 def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
     """12 requests of the trace at once, 40 tokens each: prefill steps, then decode-only steps from
     batch 12 down. The eager and the graph-served engine must agree token by token, as the replay's
-    gates judge (logprobs within the bf16 tolerance; tokens may part only at a near-tie, and the rest
-    of that request is not compared). Graphs pad the block table to a power of two, which changes
+    gates judge (logprobs within their bf16 tolerance; tokens may part only at a near-tie, and the
+    rest of that request is not compared). Graphs pad the block table to a power of two, which changes
     the reference kernel's split count and so its float32 summation order: bit-equal logits are not
     expected, equal tokens are."""
     decode = _reference_decode() if kernel == "reference" else None
@@ -108,14 +108,18 @@ def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
         pytest.skip(f"the torch baseline decode is not capturable here: {st['reason']}")
     assert st["on"], st["reason"]
     graphs = run_requests(e, reqs, realtime=False)
-    gate = CFG.stages.replay.gates["bfloat16"]
+    # The gates' figures for a baseline whose own A/A disagreement is the configured tolerance: padding
+    # changes GEMM shapes (bucket rows) and split counts, the kind of change two baseline servers see.
+    gate, factor = CFG.stages.replay.gates["bfloat16"], CFG.stages.replay.noise_factor
+    tol = factor * gate.logprob_tolerance
+    margin = max(gate.near_tie_margin, 2 * tol)
     compared = same = parted = 0
     worst, problems = 0.0, []
     for k, base in eager.items():
         for i, (a, b) in enumerate(zip(base, graphs[k])):
             if a.token != b.token:
                 parted += 1
-                if a.top[0][1] - a.top[1][1] > gate.near_tie_margin:
+                if a.top[0][1] - a.top[1][1] > margin:
                     problems.append(f"request {k}, token {i}: {b.token} where eager has {a.token}, lead {a.top[0][1] - a.top[1][1]:.3f}")
                 break
             compared += 1
@@ -126,7 +130,7 @@ def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
           f"{parted} requests parted at a near-tie; {e.graphs.replays} decode steps replayed, "
           f"{e.graphs.eager_decode_steps} ran eagerly")
     assert not problems, problems
-    assert worst <= gate.logprob_tolerance and e.graphs.replays > 0 and e.graphs.eager_decode_steps == 0
+    assert worst <= tol and e.graphs.replays > 0 and e.graphs.eager_decode_steps == 0
     assert {op: [c[k] for k in books] for op, c in e.ops.stats().items()} == eager_calls   # replays counted as calls
 
 
