@@ -331,6 +331,19 @@ class ServedDevice(Strict):
     warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
 
 
+class CudaGraphsConfig(Strict):
+    """Decode-only steps replayed from CUDA graphs (harness/served/graphs.py); never on a CPU."""
+    enabled: bool
+    batch_buckets: list[int] = Field(min_length=1)   # padded batch sizes captured; those above max_running are dropped
+
+    @field_validator("batch_buckets")
+    @classmethod
+    def _increasing(cls, v: list[int]) -> list[int]:
+        if v[0] < 1 or any(b <= a for a, b in zip(v, v[1:])):
+            raise ValueError(f"must be positive and strictly increasing, got {v}")
+        return v
+
+
 class ExternalServer(Strict):
     """The user's own OpenAI-compatible server instead of the embedded one."""
     command: list[str] = Field(min_length=1)   # argv; "{port}" is replaced; $KEVO_CANDIDATE holds the candidate's path
@@ -353,6 +366,7 @@ class ServedConfig(Strict):
     request_timeout_s: float = Field(gt=0)  # one streamed request, on the client
     drain_timeout_s: float = Field(gt=0)    # after the last arrival, the wait for streams to finish
     external: ExternalServer | None
+    cuda_graphs: CudaGraphsConfig
     recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
 
     @model_validator(mode="after")

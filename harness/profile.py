@@ -9,6 +9,13 @@ marked parts), and idle gaps (time in a step when nothing runs on the device: la
 overhead). Each is a share of the served step; they add up to the measured step time. On CUDA
 the time is device time of kernels, each attributed through the op that launched it; on a CPU the
 time is CPU time of torch ops (idle then means host time outside any op) and is labelled so.
+Decode-only steps served from CUDA graphs (harness/served/graphs.py) launch their kernels in one
+`cudaGraphLaunch`, so no host range says which part of the model a kernel of theirs belongs to: each
+is attributed by its kernel name, in the proportions that name's kernels took when every graph's
+forward ran once eagerly before the window (`graph_kernel_regions`) and in the profile's eager steps
+(a step with a prefill is eager), else as GEMM by its name (cuBLAS, nvjet), else unattributed
+(counted as other, and warned about above 5%). A kernel whose launch was not traced is attributed
+by its name the same way where the name is known.
 Then the target op's share f and the end-to-end ceilings 1/(1-f+f/s), the shapes the workload
 served with their frequencies, and a plain sentence when the target is not where the time goes.
 Not covered: multi-stream overlap (the engine uses one stream), the HTTP server's own cost.
@@ -26,6 +33,7 @@ from torch.autograd import DeviceType
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.served.engine import make_engine, run_requests, warm_up
+from harness.served.limits import plan_for
 from harness.served.ops import AttentionOps
 from harness.transport import DTYPES
 
@@ -36,13 +44,15 @@ BUCKETS = {
 }
 REGIONS = {"kevo.attention.prefill": "attention_prefill", "kevo.attention.decode": "attention_decode",
            "kevo.gemm": "gemm", "kevo.norm": "norm", "kevo.rope": "rope", "kevo.activation": "activation",
-           "kevo.sampling": "sampling", "kevo.copies": "copies", "kevo.residual": "other"}
+           "kevo.sampling": "sampling", "kevo.copies": "copies", "kevo.residual": "other",
+           "kevo.graph": "graph"}    # a CUDA graph replay: its kernels are attributed by name (attribute_graphs)
 TARGET_OPS = {"attention": {"decode": "attention_decode", "prefill": "attention_prefill"}}
 SPEEDUPS = (1.25, 1.5, 2.0, 4.0, math.inf)
 # CUDA: (wait, warmup, active) steps of each profiler cycle, so a long replay stays cheap to read;
 # a CPU replay is short: every step is recorded.
 SCHEDULE = {"cuda": (20, 1, 2), "cpu": None}
 _RUNTIME_CALL = re.compile(r"^(cuda|cu[A-Z])")   # CUDA runtime and driver API calls seen by the profiler
+_GEMM_KERNEL = re.compile(r"gemm|nvjet|cublas", re.IGNORECASE)   # a graph kernel's name never met eagerly
 
 
 def ceiling(f: float, s: float) -> float:
@@ -90,11 +100,13 @@ def _region_at(t: float, starts: list[float], marks: list) -> str | None:
     return None
 
 
-def bucket_device(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
+def bucket_device(events, names: dict[str, dict[str, float]] | None = None) -> tuple[dict[str, float], float, int, dict[str, int]]:
     """CUDA: kernel time by the region of the host code that launched it, within each step's window.
     A kernel is traced to its launch two ways, whichever the profiler's build supports: through the
     torch op linked to it (linked correlation id), or through the runtime/driver launch call with its
-    correlation id, placed by host time inside the innermost kevo.* range."""
+    correlation id, placed by host time inside the innermost kevo.* range. A kernel of a CUDA graph
+    replay goes to the "graph" bucket, and `names` (kernel name -> region -> us, the "graph" region
+    too) collects what `attribute_graphs` needs to share it out."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
     launcher = {e.id: e for e in cpu if e.id > 0 and not _marker(e) and not getattr(e, "linked_correlation_id", 0)}
     launches = {}
@@ -107,7 +119,7 @@ def bucket_device(events) -> tuple[dict[str, float], float, int, dict[str, int]]
     steps = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == "kevo.step")
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA and not _marker(e)),
                      key=lambda e: e.time_range.start)
-    out = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
+    out = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0, "graph": 0.0}
     how = {"torch op": 0, "launch call": 0, "unattributed": 0}
     total, k = 0.0, 0
     for start, end in steps:
@@ -127,12 +139,65 @@ def bucket_device(events) -> tuple[dict[str, float], float, int, dict[str, int]]
                 region = _region_at(call.time_range.start, starts, marks) if call is not None else None
                 how["launch call" if region is not None else "unattributed"] += 1
             out[region or "unattributed"] += hi - lo
+            if names is not None:
+                by = names.setdefault(e.name, {})
+                by[region or "unattributed"] = by.get(region or "unattributed", 0.0) + hi - lo
             busy += hi - lo
             last = hi
         out["idle"] += (end - start) - busy
         total += end - start
     out["other"] += out["unattributed"]           # kept apart too, so a broken attribution shows
     return out, total, len(steps), how
+
+
+def attribute_graphs(buckets: dict[str, float], names: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The "graph" bucket shared out by kernel name: in the proportions each name's kernels took where
+    their launch was traced (the eager steps, the graphs' eager forwards), else to GEMM for a GEMM
+    library's name, else unattributed. A kernel whose launch was not traced at all (counted as
+    unattributed and other) is shared out the same way where its name is known. Returns the time
+    (us) each way took, for `graph_kernels_ms`."""
+    out = {"kernel name (graph replay)": 0.0, "gemm by name (graph replay)": 0.0, "unattributed (graph replay)": 0.0,
+           "kernel name (launch not traced)": 0.0}
+    for name, by in names.items():
+        t, lost = by.get("graph", 0.0), by.get("unattributed", 0.0)
+        traced = {r: v for r, v in by.items() if r not in ("graph", "unattributed")}
+        total = sum(traced.values())
+        gemm = not total and bool(_GEMM_KERNEL.search(name))
+        if lost and (total or gemm):                  # no longer unattributed: known by its name
+            buckets["unattributed"] -= lost
+            buckets["other"] -= lost
+            out["kernel name (launch not traced)"] += lost
+        else:
+            lost = 0.0
+        if total:
+            for r, v in traced.items():
+                buckets[r] += (t + lost) * v / total
+            out["kernel name (graph replay)"] += t
+        elif gemm:
+            buckets["gemm"] += t + lost
+            out["gemm by name (graph replay)"] += t
+        elif t:
+            buckets["unattributed"] += t
+            buckets["other"] += t
+            out["unattributed (graph replay)"] += t
+    buckets["graph"] = 0.0
+    return out
+
+
+def graph_kernel_regions(engine) -> dict[str, dict[str, float]]:
+    """Kernel name -> region -> us, from each captured graph's forward run once eagerly under the
+    profiler: the same calls on the same shapes as its capture, so the same kernels."""
+    names: dict[str, dict[str, float]] = {}
+    if engine.graphs is None or not engine.graphs.on:
+        return names
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        with engine.model.region("kevo.step"):
+            engine.graphs.forward_each_eagerly()
+        torch.cuda.synchronize()
+    bucket_device(prof.events(), names)
+    engine.ops.reset()
+    return names
 
 
 def bucket_host(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
@@ -151,6 +216,7 @@ def bucket_host(events) -> tuple[dict[str, float], float, int, dict[str, int]]:
 def summarize(buckets_us: dict[str, float], total_us: float, steps: int, target: str, device: str) -> dict:
     buckets_us = dict(buckets_us)
     unattributed = buckets_us.pop("unattributed", 0.0)
+    buckets_us.pop("graph", None)
     shares = {k: (v / total_us if total_us else 0.0) for k, v in buckets_us.items()}
     ops = TARGET_OPS[target]
     op_shares = {op: shares[b] for op, b in ops.items()}
@@ -188,11 +254,12 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     requests = served_requests(cfg, device.type, window_s)
     ops = AttentionOps(None, section.dtype)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], device, ops,
-                         annotate=True, root=PROJECT_ROOT)
+                         annotate=True, root=PROJECT_ROOT, graphs=plan_for(cfg, device.type))
     warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
-    acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0}
+    acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0, "graph": 0.0}
     totals = [0.0, 0]
-    reader = bucket_device if device.type == "cuda" else bucket_host
+    names = graph_kernel_regions(engine) if device.type == "cuda" else {}
+    reader = (lambda events: bucket_device(events, names)) if device.type == "cuda" else bucket_host
 
     traced: dict[str, int] = {}
 
@@ -219,8 +286,10 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
                 run_requests(engine, requests, realtime=True, on_step=lambda events: prof.step())
     if not totals[1]:
         raise HarnessError("the profile recorded no served step (the trace is too short for the profiler's schedule)")
+    graph_us = attribute_graphs(acc, names)
     report = summarize(acc, totals[0], totals[1], target, device.type)
-    report.update(kernels_traced_by=traced, preset=served.preset, trace=served.trace, window_s=window_s or served.window_s,
+    report.update(kernels_traced_by=traced, graph_kernels_ms={k: v / 1e3 for k, v in graph_us.items()},
+                  cuda_graphs=engine.graphs.stats() if engine.graphs is not None else {"on": False}, preset=served.preset, trace=served.trace, window_s=window_s or served.window_s,
                   requests=len(requests), steps=engine.steps, served_shapes=ops.shapes.summary(),
                   heads=[engine.model.p.q_heads, engine.model.p.kv_heads], head_dim=engine.model.p.head_dim,
                   block_size=section.block_size, dtype=section.dtype)
@@ -230,7 +299,11 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
 def render(report: dict) -> str:
     lines = [f"served step of {report['preset']} on {report['trace']} ({report['requests']} requests, "
              f"{report['steps_profiled']} of {report['steps']} steps profiled, mean {report['step_ms_mean']:.3f} ms); "
-             f"time is {report['clock']}", ""]
+             f"time is {report['clock']}"]
+    g = report.get("cuda_graphs") or {}
+    lines += [f"CUDA graphs: on, {g['graphs']} captured in {g['capture_s']:.1f} s, {g['replays']} decode steps replayed, "
+              f"{g['eager_decode_steps']} decode-only steps outside them ran eagerly" if g.get("on")
+              else f"CUDA graphs: {g.get('reason') or 'off'}", ""]
     for k, b in sorted(report["buckets"].items(), key=lambda kv: -kv[1]["share"]):
         lines.append(f"  {b['label']:<36} {b['share']:7.1%}  {b['ms']:10.2f} ms")
     lines.append(f"  {'total':<36} {sum(b['share'] for b in report['buckets'].values()):7.1%}  "

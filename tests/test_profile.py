@@ -14,7 +14,7 @@ import torch
 from conftest import CUDA, ROOT, config_with
 from harness.errors import HarnessError
 from harness.evaluate import device_shapes
-from harness.profile import BUCKETS, ceiling, profile_served, summarize
+from harness.profile import BUCKETS, attribute_graphs, ceiling, profile_served, summarize
 from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
 from harness.targets.attention import served_cases
 
@@ -59,6 +59,24 @@ def test_profile_says_plainly_when_the_target_is_not_where_the_time_goes():
     split = {"attention_decode": 300.0, "attention_prefill": 250.0, "gemm": 350.0, "idle": 100.0}
     here = summarize(dict.fromkeys(BUCKETS, 0.0) | split, 1000.0, 10, "attention", "cuda")
     assert here["verdict"].startswith("attention is where the time goes: 55% of the served step")   # both ops together
+
+
+def test_graph_replay_kernels_are_shared_out_by_name_as_their_eager_kernels_were():
+    buckets = dict.fromkeys(BUCKETS, 0.0) | {"graph": 100.0 + 40.0 + 10.0}
+    buckets |= {"norm": 30.0, "rope": 10.0, "attention_decode": 20.0}          # the eager steps' own time
+    buckets |= {"unattributed": 8.0 + 5.0, "other": 8.0 + 5.0}                  # launches not traced: other
+    names = {"elementwise_mul": {"norm": 30.0, "rope": 10.0, "graph": 100.0, "unattributed": 8.0},   # 3:1 where traced
+             "_decode_split_kernel": {"attention_decode": 20.0},              # eager only: nothing to share
+             "nvjet_tst_64x8_64x16": {"graph": 40.0},                          # a GEMM met only inside graphs
+             "mystery_kernel": {"graph": 10.0, "unattributed": 5.0}}           # known nowhere
+    before = sum(buckets.values()) - buckets["unattributed"]
+    how = attribute_graphs(buckets, names)
+    assert buckets["norm"] == 30.0 + 81.0 and buckets["rope"] == 10.0 + 27.0 and buckets["attention_decode"] == 20.0
+    assert buckets["gemm"] == 40.0 and buckets["graph"] == 0.0
+    assert buckets["unattributed"] == 15.0 and buckets["other"] == 15.0                # counted as other, kept apart too
+    assert math.isclose(sum(v for k, v in buckets.items() if k != "unattributed"), before)   # nothing lost or counted twice
+    assert how == {"kernel name (graph replay)": 100.0, "gemm by name (graph replay)": 40.0,
+                   "unattributed (graph replay)": 10.0, "kernel name (launch not traced)": 8.0}
 
 
 def test_recorded_shapes_become_the_config_shape_groups_parity_and_microbench_use(report, tmp_path):

@@ -190,6 +190,11 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
         same.stage_result()
     unaccounted = judge(CFG, "float32", ref, *_arms([1.0] * 4, [0.9] * 4)[1:], None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
+    eager = judge(CFG, "float32", base, fast, again, ALL_CANDIDATE | {"graphs": {
+        "on": False, "fell_back": True, "reason": "off: capturing the decode step at batch 4, width 8 failed (...)"}})
+    assert eager.accepted and eager.metrics["candidate_cuda_graphs"] == 0.0      # said, not held against it
+    assert "the candidate's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 4" in eager.reason
+    assert "decoded eagerly" not in faster.reason
 
 
 def test_a_faster_decode_does_not_hide_a_ttft_three_times_the_heads():

@@ -27,7 +27,13 @@ def edited(tmp_path, old: str, new: str):
     ("    segments: 4 ", "    segments: 1 ", "stages.replay.segments: Input should be greater than or equal to 2"),
     ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
      "HF_TOKEN looks like a secret"),
-], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external"])
+    ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [1, 4, 2]}",
+     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [1, 4, 2]"),
+    ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [0, 2]}",
+     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [0, 2]"),
+    ("cuda_graphs: {enabled: true,", "cuda_graphs: {enabled: true, buckets: [1],", "served.cuda_graphs.buckets: unknown key"),
+], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external",
+        "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key"])
 def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:
         load_config(edited(tmp_path, old, new))

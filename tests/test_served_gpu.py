@@ -1,20 +1,29 @@
 """The served scenario on a real GPU (Qwen3-0.6B-shaped preset, bf16, the long-context trace): the
 reference kernels pass the gates in the served replay, a kernel that drops the newest token fails
-them, teacher forcing serves the forced tokens, the profile attributes device time to the model's
-parts, and `evaluate` runs through the replay. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
+them, teacher forcing serves the forced tokens, the profile attributes device time to the model's parts, `evaluate` runs through the
+replay, decode steps served from CUDA graphs give the eager engine's tokens, and a decode that
+syncs the host cannot be captured, so it is served eagerly, said so. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
 itself is a measurement, printed, not asserted."""
 from __future__ import annotations
 
+import gc
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import candidates as C
-from conftest import CUDA, config_with
+from conftest import CUDA, ROOT, config_with
+from harness.config import PROJECT_ROOT
 from harness.profile import profile_served, render
-from harness.stages.replay import run_replay
+from harness.served.engine import make_engine, run_requests, warm_up
+from harness.served.limits import GraphPlan
+from harness.served.ops import AttentionOps, load_candidate
+from harness.served.traces import TraceRequest
+from harness.stages.replay import run_replay, served_requests
+from harness.transport import DTYPES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")]
 
@@ -92,3 +101,87 @@ def test_evaluate_runs_the_reference_decode_kernel_through_the_replay(evaluate_s
     v = evaluate_source(C.REF_DECODE, config=CFG)
     print("\n" + v.reason + "\n" + v.stages[-1].reason)
     assert [s.name for s in v.stages][-1] == "replay" or not v.ok, v.reason
+
+
+def _engine(decode, graphs: GraphPlan | None, **preset):
+    """The served preset on CUDA with `decode` (None: the torch baseline), its memory given back first."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    served, section = CFG.served.cuda, CFG.targets.attention.cuda
+    ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype)
+    return make_engine(CFG.served.presets[served.preset].model_copy(update=preset), section.block_size,
+                       DTYPES[section.dtype], torch.device("cuda"), ops, root=PROJECT_ROOT, graphs=graphs)
+
+
+def _reference_decode():
+    return load_candidate(ROOT / "knowledge/attention/decode_paged_splitkv.py").decode
+
+
+@pytest.mark.parametrize("kernel", ["reference", "baseline"])
+def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
+    """12 requests of the trace at once, 40 tokens each: prefill steps, then decode-only steps from
+    batch 12 down. The eager and the graph-served engine must agree token by token, as the replay's
+    gates judge (logprobs within their bf16 tolerance; tokens may part only at a near-tie, and the
+    rest of that request is not compared). Graphs pad the block table to a power of two, which changes
+    the reference kernel's split count and so its float32 summation order: bit-equal logits are not
+    expected, equal tokens are."""
+    decode = _reference_decode() if kernel == "reference" else None
+    reqs = [TraceRequest(r.index, 0.0, r.prompt, 40) for r in served_requests(CFG, "cuda", WINDOW)[:12]]
+    longest = max(len(r.prompt) for r in reqs) + 40
+    eager_engine = _engine(decode, None)
+    warm_up(eager_engine)
+    eager = run_requests(eager_engine, reqs, realtime=False)
+    books = ("calls", "candidate", "unsupported", "not_implemented")
+    eager_calls = {op: [c[k] for k in books] for op, c in eager_engine.ops.stats().items()}
+    del eager_engine
+    e = _engine(decode, GraphPlan(True, tuple(CFG.served.cuda_graphs.batch_buckets), min(len(r.prompt) for r in reqs) + 1, longest))
+    warm_up(e)
+    st = e.graphs.stats()
+    print("\n", kernel, st)
+    if kernel == "baseline" and not st["on"]:
+        pytest.skip(f"the torch baseline decode is not capturable here: {st['reason']}")
+    assert st["on"], st["reason"]
+    graphs = run_requests(e, reqs, realtime=False)
+    # The gates' figures for a baseline whose own A/A disagreement is the configured tolerance: padding
+    # changes GEMM shapes (bucket rows) and split counts, the kind of change two baseline servers see.
+    gate, factor = CFG.stages.replay.gates["bfloat16"], CFG.stages.replay.noise_factor
+    tol = factor * gate.logprob_tolerance
+    margin = max(gate.near_tie_margin, 2 * tol)
+    compared = same = parted = 0
+    worst, problems = 0.0, []
+    for k, base in eager.items():
+        for i, (a, b) in enumerate(zip(base, graphs[k])):
+            if a.token != b.token:
+                parted += 1
+                if a.top[0][1] - a.top[1][1] > margin:
+                    problems.append(f"request {k}, token {i}: {b.token} where eager has {a.token}, lead {a.top[0][1] - a.top[1][1]:.3f}")
+                break
+            compared += 1
+            same += a.logprob == b.logprob
+            worst = max(worst, abs(a.logprob - b.logprob))
+    total = sum(len(v) for v in eager.values())
+    print(f"{kernel}: {compared} of {total} tokens compared, {same} with bit-equal logprobs, max |dlogprob| {worst:.4f}, "
+          f"{parted} requests parted at a near-tie; {e.graphs.replays} decode steps replayed, "
+          f"{e.graphs.eager_decode_steps} ran eagerly")
+    assert not problems, problems
+    assert worst <= tol and e.graphs.replays > 0 and e.graphs.eager_decode_steps == 0
+    assert {op: [c[k] for k in books] for op, c in e.ops.stats().items()} == eager_calls   # replays counted as calls
+
+
+def test_a_decode_that_syncs_the_host_cannot_be_captured_and_is_served_eagerly_said_so():
+    ref = _reference_decode()
+
+    def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        if seq_lens.max().item() < 1:             # a host sync: an error inside a CUDA graph capture
+            raise ValueError("empty sequence")
+        return ref(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    e = _engine(decode, GraphPlan(True, (1, 2, 4), 1, 4096), kv_cache_tokens=16384)
+    warm_up(e)
+    st = e.graphs.stats()
+    print("\n", st)
+    assert not st["on"] and st["graphs"] == 0 and "capturing the decode step at batch" in st["reason"]
+    out = run_requests(e, [TraceRequest(i, 0.0, [(7 * i + j) % 1000 for j in range(100 + 50 * i)], 8) for i in range(3)],
+                       realtime=False)
+    assert all(len(v) == 8 for v in out.values()) and e.graphs.replays == 0
+    assert e.ops.stats()["decode"]["candidate"] > 0          # served eagerly, by the candidate

@@ -47,6 +47,7 @@ def test_tiny_preset_serves_a_trace_end_to_end_through_the_openai_sdk(server):
     assert all(math.isfinite(s[k]) and s[k] > 0 for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p90_ms", "throughput_tok_s"))
     stats = server.stats()
     assert stats["tokens"] == s["tokens"] and stats["ops"]["decode"]["not_implemented"] > 0 and stats["error"] == ""
+    assert stats["graphs"]["on"] is False and "CUDA graphs need a GPU" in stats["graphs"]["reason"]   # said, on a CPU
 
 
 def test_the_same_request_gets_the_same_tokens_streamed_or_not(server):

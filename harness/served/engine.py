@@ -10,6 +10,7 @@ Teacher forcing: a request may give its `forced` tokens (one per generated token
 appends the forced token instead of the greedy choice and reports the model's logprob of it, with
 the model's own TOP_K beside it (top[0] is what it would have chosen), so another server's
 continuation can be scored token by token after the two have parted.
+A decode-only step (no prefill in it) replays a CUDA graph where the engine has them (graphs.py).
 Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
 """
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any, Callable
 
 import torch
 
+from harness.served.graphs import DecodeGraphs, decode_rows
 from harness.served.kvcache import BlockAllocator, PagedKVCache
+from harness.served.limits import GraphPlan
 from harness.served.model import Qwen3, StepBatch, build_model
 from harness.served.ops import AttentionOps
 
@@ -75,6 +78,7 @@ class Engine:
         self.running: list[_Seq] = []
         self.steps = 0
         self.tokens_out = 0
+        self.graphs: DecodeGraphs | None = None     # decode-only steps from CUDA graphs (make_engine)
 
     def check(self, req: Request) -> None:
         vocab = self.model.p.vocab
@@ -90,7 +94,7 @@ class Engine:
                                   f"max_tokens is {req.max_tokens}")
             if min(req.forced) < 0 or max(req.forced) >= vocab:
                 raise EngineError(f"forced token ids must be in [0, {vocab})")
-        capacity = self.cache.num_blocks * self.bs
+        capacity = self.allocator.num_blocks * self.bs
         if len(req.prompt) + req.max_tokens > capacity:
             raise EngineError(f"the request needs {len(req.prompt) + req.max_tokens} tokens of KV cache; "
                               f"this model holds {capacity}")
@@ -140,10 +144,10 @@ class Engine:
             tokens.append(torch.tensor(s.req.prompt, dtype=torch.int64))
             positions.append(torch.arange(n))
             slots.append((torch.tensor(s.blocks)[:, None] * bs + torch.arange(bs)).flatten()[:n])
-        dec_pos = [s.length - 1 for s in decode]
-        tokens.append(torch.tensor([s.generated[-1] for s in decode], dtype=torch.int64))
+        dec_tokens, dec_pos, dec_slots = decode_rows(decode, bs)
+        tokens.append(torch.tensor(dec_tokens, dtype=torch.int64))
         positions.append(torch.tensor(dec_pos, dtype=torch.int64))
-        slots.append(torch.tensor([s.blocks[p // bs] * bs + p % bs for s, p in zip(decode, dec_pos)], dtype=torch.int64))
+        slots.append(torch.tensor(dec_slots, dtype=torch.int64))
         prefill_lens = [len(s.req.prompt) for s in new]
         cu = torch.tensor([0] + prefill_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         width = max((len(s.blocks) for s in decode), default=0)
@@ -166,9 +170,11 @@ class Engine:
                 return []
             for s in decode:
                 self._grow(s, s.length)
-            with R("kevo.copies"):
-                batch = self._batch(new, decode)
-            logits = self.model.forward(batch, self.cache, self.ops)
+            logits = self.graphs.run(decode) if self.graphs is not None and not new else None
+            if logits is None:
+                with R("kevo.copies"):
+                    batch = self._batch(new, decode)
+                logits = self.model.forward(batch, self.cache, self.ops)
             seqs = new + decode                   # the order of the batch: prefill rows first
             forced = [-1 if s.req.forced is None else s.req.forced[len(s.generated)] for s in seqs]
             with R("kevo.sampling"):
@@ -198,11 +204,15 @@ class Engine:
 
 
 def make_engine(preset: Any, block_size: int, dtype: torch.dtype, device: torch.device,
-                ops: AttentionOps, annotate: bool = False, root=None) -> Engine:
+                ops: AttentionOps, annotate: bool = False, root=None, graphs: GraphPlan | None = None) -> Engine:
+    """`graphs`: decode-only steps replay CUDA graphs captured by `warm_up` (off on a CPU, said so)."""
     model = build_model(preset, dtype, device, annotate=annotate, root=root)
     num_blocks = max(1, preset.kv_cache_tokens // block_size)
     cache = PagedKVCache(preset.layers, num_blocks, block_size, preset.kv_heads, preset.head_dim, dtype, device)
-    return Engine(model, ops, cache, preset.max_running, preset.max_prefill_tokens)
+    engine = Engine(model, ops, cache, preset.max_running, preset.max_prefill_tokens)
+    if graphs is not None:
+        engine.graphs = DecodeGraphs(engine, graphs)
+    return engine
 
 
 def run_requests(engine: Engine, requests: list, realtime: bool = True,
@@ -244,9 +254,10 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
       lengths: in the second pass the longest contexts leave first;
     - then each distinct length alone, as a prompt arriving at an idle server is served.
     Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
+    Then the engine's CUDA graphs, if it has them, are captured (harness/served/graphs.py).
     Counts and recorded shapes start afresh."""
     from harness.served.traces import TraceRequest
-    bs, cap, vocab = engine.bs, engine.cache.num_blocks * engine.bs, engine.model.p.vocab
+    bs, cap, vocab = engine.bs, engine.allocator.num_blocks * engine.bs, engine.model.p.vocab
     lengths = [n for n in (1, bs - 1, bs + 1, 2 * bs + 3, 100) if 1 <= n and n + 6 <= cap // 8]
     reqs = [TraceRequest(i, 0.0, [(7 * i + j) % vocab for j in range(n)], 2 + i) for i, n in enumerate(lengths)]
     run_requests(engine, reqs, realtime=False)
@@ -266,5 +277,7 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
             run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
         for i, n in enumerate(alone):
             run_requests(engine, [filler(k + i, n, 2)], realtime=False)
+    if engine.graphs is not None:
+        engine.graphs.capture()
     engine.ops.reset()
     engine.steps = engine.tokens_out = 0

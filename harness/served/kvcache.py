@@ -5,7 +5,8 @@ layout of the attention target's decode contract. A sequence owns a list of bloc
 block table); token t of it sits in block `blocks[t // block_size]` at offset `t % block_size`.
 The allocator hands out blocks lazily as sequences grow, from reservations made at admission (so a
 running sequence never runs out and nothing is ever preempted); freed blocks go to the back of the
-free list, so after some traffic a sequence's blocks are scattered, as in any paged server.
+free list, so after some traffic a sequence's blocks are scattered, as in any paged server. One
+block may be held out for good (the CUDA graphs' scratch block, harness/served/graphs.py).
 Not covered: prefix sharing, swapping, preemption.
 """
 from __future__ import annotations
@@ -35,6 +36,13 @@ class BlockAllocator:
         assert self.promised > 0 and self.free, "take() without a reservation"
         self.promised -= 1
         return self.free.popleft()
+
+    def hold(self) -> int:
+        """A block taken out for good, before anything is allocated (the CUDA graphs' scratch block):
+        no sequence is ever given it, and the capacity no longer counts it."""
+        assert self.promised == 0 and len(self.free) == self.num_blocks > 1, "hold() on a used allocator"
+        self.num_blocks -= 1
+        return self.free.pop()
 
     def release(self, blocks: list[int], unused_reservation: int) -> None:
         self.free.extend(blocks)

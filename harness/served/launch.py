@@ -14,6 +14,7 @@ command; it is not sandboxed (kevo cannot confine a server it does not control).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shlex
@@ -34,6 +35,7 @@ from harness import replies
 from harness.config import PROJECT_ROOT, Config
 from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
+from harness.served.limits import plan_for
 
 
 class ServerFailure(Exception):
@@ -181,7 +183,8 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "dtype": dtype, "device": device, "candidate": str(candidate) if candidate else None,
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
-            "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests}
+            "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests,
+            "cuda_graphs": dataclasses.asdict(plan_for(cfg, device))}
 
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),

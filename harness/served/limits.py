@@ -4,8 +4,9 @@ One source of truth, nothing copied: the preset's `max_running` (sequences batch
 `max_prefill_tokens` (prompt tokens admitted per step; a longer prompt runs alone) and
 `kv_cache_tokens` (what the paged cache holds at once), and the served trace's longest prompt and
 longest context (prompt plus output). Parity draws its served-limit cases from these
-(harness/targets/attention.py: `limit_cases`). Not covered: an external server's own limits
-(`served.external`): the preset's stand for them.
+(harness/targets/attention.py: `limit_cases`); the block-table widths the CUDA graphs capture
+(`plan_for`, harness/served/graphs.py) run from the shortest prompt's to the longest context's.
+Not covered: an external server's own limits (`served.external`): the preset's stand for them.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class ServedLimits:
     kv_cache_tokens: int
     longest_prompt: int
     longest_context: int
+    shortest_prompt: int
 
 
 def served_limits(cfg: Config, device_type: str) -> ServedLimits:
@@ -36,4 +38,22 @@ def served_limits(cfg: Config, device_type: str) -> ServedLimits:
     return ServedLimits(max_running=preset.max_running, max_prefill_tokens=preset.max_prefill_tokens,
                         kv_cache_tokens=preset.kv_cache_tokens,
                         longest_prompt=max(line.length for line in lines),
-                        longest_context=min(preset.kv_cache_tokens, max(line.length + line.output_len for line in lines)))
+                        longest_context=min(preset.kv_cache_tokens, max(line.length + line.output_len for line in lines)),
+                        shortest_prompt=min(line.length for line in lines))
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """What the served engine captures as CUDA graphs: `served.cuda_graphs`, and the contexts (tokens)
+    a decode step's longest sequence can have serving the trace: from its shortest prompt plus one
+    token to its longest context. The block-table widths captured cover that range."""
+    enabled: bool
+    batch_buckets: tuple[int, ...]
+    shortest_context: int
+    longest_context: int
+
+
+def plan_for(cfg: Config, device_type: str) -> GraphPlan:
+    g = cfg.served.cuda_graphs
+    lim = served_limits(cfg, device_type)
+    return GraphPlan(g.enabled, tuple(g.batch_buckets), lim.shortest_prompt + 1, lim.longest_context)

@@ -7,6 +7,12 @@ call is counted as a fallback. The counts, and the shapes served, are what the r
 profile read. The candidate's outputs are checked for shape, dtype and device here; their values
 are judged by the replay's gates. This module runs inside the served process, next to the
 candidate: it keeps the books, it does not judge.
+
+Under CUDA graphs (harness/served/graphs.py) the ops run only while a decode step is captured, on
+the bucket's shapes: `supports()` then sees the bucket's batch and the width bucket's max_seq_len
+(width x block_size), the baseline gets no host lengths (a baseline that needs them reads seq_lens,
+which cannot be captured), and every replay adds the calls the capture made (`replayed`) with the
+real lengths served.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ class AttentionOps:
         self.dtype = dtype
         self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
         self.supports = getattr(candidate, "supports", None) if candidate else None
+        self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
         self.reset()
 
     def reset(self) -> None:
@@ -82,7 +89,7 @@ class AttentionOps:
         self.shapes.record("decode", lens)
         fn = self._route("decode", shape)
         if fn is TARGET.ops["decode"].baseline:           # the engine's host-side lengths: no device read
-            return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens)
+            return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
         return self._checked("decode", self._timed("decode", fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
@@ -94,6 +101,13 @@ class AttentionOps:
         if fn is TARGET.ops["prefill"].baseline:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
         return self._checked("prefill", self._timed("prefill", fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
+
+    def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
+        """A CUDA graph replay: the calls per op its capture made, on the real lengths served."""
+        for op, c in calls.items():
+            self.calls[op].update(c)
+            if c.total():
+                self.shapes.record(op, lens, c.total())
 
     def stats(self) -> dict:
         """Per op: calls, how many the candidate served, fell back (declined shapes), or were never

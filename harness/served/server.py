@@ -10,7 +10,7 @@ weights and its own folder (to which it copies the candidate's file, read before
 no capabilities, rlimits and seccomp. It then builds the engine, warms it up, and serves:
   POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream,
                          kevo_forced (optional, kevo's own extension: no other server has it)
-  GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error)
+  GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error, CUDA graphs)
 Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
 `kevo_forced`, a list of max_tokens token ids in [0, vocab), is teacher forcing: the server appends
 those tokens instead of its own choices and reports, for each, the model's logprob of the forced
@@ -225,7 +225,8 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
     async def stats(_):
         e = loop.engine
         return web.json_response({"ops": e.ops.stats(), "steps": e.steps, "tokens": e.tokens_out, "error": loop.error,
-                                  "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary()})
+                                  "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary(),
+                                  "graphs": e.graphs.stats() if e.graphs is not None else {"on": False, "reason": "not configured"}})
 
     app = web.Application(client_max_size=64 << 20)
     app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
@@ -238,13 +239,15 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from aiohttp import web
 
     from harness.served.engine import make_engine, warm_up
+    from harness.served.limits import GraphPlan
     from harness.served.ops import AttentionOps, load_candidate
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
     ops = AttentionOps(module, spec["dtype"])
+    g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
-                         root=Path(spec["root"]))
+                         root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
     loop = EngineLoop(engine)
     loop.thread.start()

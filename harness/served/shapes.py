@@ -26,14 +26,15 @@ class ShapeRecorder:
         # (op, batch bucket, length bucket) -> [calls, batch total, shortest, longest, work]
         self.groups: dict[tuple[str, int, int], list[float]] = {}
 
-    def record(self, op: str, lens: list[int]) -> None:
+    def record(self, op: str, lens: list[int], calls: int = 1) -> None:
+        """`calls` calls on these lengths (a CUDA graph replay stands for all its layers' calls at once)."""
         hi, lo = max(lens), min(lens)
         work = sum(lens) if op == "decode" else sum(n * (n + 1) / 2 for n in lens)
         g = self.groups.setdefault((op, _bucket(len(lens)), _bucket(hi)), [0, 0, lo, hi, 0.0])
-        g[0] += 1
-        g[1] += len(lens)
+        g[0] += calls
+        g[1] += calls * len(lens)
         g[2], g[3] = min(g[2], lo), max(g[3], hi)
-        g[4] += work
+        g[4] += calls * work
 
     def summary(self, top: int = 4) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}

@@ -232,6 +232,16 @@ def _stalls(stats: dict | None) -> tuple[dict[str, float], str]:
                      f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
 
 
+def _graphs(stats: dict | None) -> tuple[dict[str, float], str]:
+    """Whether the candidate's server decoded from CUDA graphs (harness/served/graphs.py): a metric, and
+    a clause for the reason when it did not and says why (a decode that cannot be captured)."""
+    g = stats.get("graphs") if isinstance(stats, dict) else None
+    if not isinstance(g, dict) or not isinstance(g.get("on"), bool):
+        return {}, ""
+    words = f"; the candidate's server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
+    return {"candidate_cuda_graphs": float(g["on"])}, (words if g.get("fell_back") is True else "")
+
+
 def _stats(server: ServerHandle) -> dict | None:
     stats = server.stats()
     if stats is None:
@@ -279,6 +289,8 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     speed: Paired = paired(head, cand, r.false_accept)
     fallback_share, fallback_words = _fallbacks(stats)
     stall_metrics, stall_words = _stalls(stats)
+    graph_metrics, graph_words = _graphs(stats)
+    stall_metrics, stall_words = stall_metrics | graph_metrics, stall_words + graph_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
                "fallback_share": fallback_share, "gain": speed.gain, "gain_lower": speed.lower,

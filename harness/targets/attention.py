@@ -38,6 +38,13 @@ prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> Tensor
 Both: sm_scale is any positive float (scores are q.k * sm_scale). The returned tensor is the
 caller's: no later call of either function may change it (the served engine holds the prefill
 output while decode runs in the same step).
+decode must be capturable in a CUDA graph: the served engine captures its decode steps once and
+replays them, so its Python runs only at capture. No host sync (.item(), .tolist(), .cpu(), printing
+a tensor, a tensor's value in an `if`); grid sizes and split counts from shapes only; no state
+carried from one call to the next; allocate with torch (within a graph an allocation keeps its
+address from one replay to the next). Served, decode sees its batch padded to a bucket (padded rows
+have seq_len 1) and block_table padded to a power-of-two width; a kernel that cannot be captured
+is served eagerly, and that is reported.
 """
 
 # ---------------------------------------------------------------------------------------------
