@@ -3,8 +3,10 @@
 Entries are indexed by target, op (or `any`), architecture (`sm90`, `cpu`, or `any`) and tags; each
 names its files under knowledge/. A kernel entry may carry a parametric `family` (knob name -> the
 values worth trying, why, the prior expected speedup of one step, the risk, the stage that kills it):
-the built-in proposer searches those. `select` gives a role only the entries for its target's ops and
-the GPU in use. Not here: what to do with them (planner, coder, offline).
+the built-in proposer searches those, and moves between the families of one op. `family` is an op's
+head family (the first in the catalog: the reference kernel, unless `heads_first` put the one config
+names, agent.heads, before it). `select` gives a role only the entries for its target's ops and the GPU
+in use. Not here: what to do with them (planner, coder, offline).
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class KnobSpec(Strict):
 
 class Family(Strict):
     knobs: dict[str, KnobSpec]
+    # prior local speedup of this family's kernel over the op's reference kernel (the first family of the
+    # op), as measured (catalog comment says where); 1 for the reference itself
+    over_reference: float = Field(default=1.0, gt=0)
 
 
 class Entry(Strict):
@@ -78,11 +83,28 @@ class Catalog(Strict):
         return [e for e in self.entries if e.target in (target, "any") and e.op in (*ops, "any")
                 and e.arch in (arch, "any")]
 
+    def families(self, target: str, op: str) -> list[tuple[Entry, Family]]:
+        """Every kernel family of `op`, the head family first."""
+        return [(e, e.family) for e in self.entries if e.target == target and e.op == op and e.family]
+
     def family(self, target: str, op: str) -> tuple[Entry, Family]:
-        for e in self.entries:
-            if e.target == target and e.op == op and e.family:
-                return e, e.family
-        raise CatalogError(f"{CATALOG}: no kernel family for {target}.{op}")
+        """The head family of `op`: the kernel a run starts from."""
+        found = self.families(target, op)
+        if not found:
+            raise CatalogError(f"{CATALOG}: no kernel family for {target}.{op}")
+        return found[0]
+
+    def heads_first(self, target: str, heads: dict[str, str]) -> "Catalog":
+        """This catalog with the family named for each op in `heads` (config agent.heads: op -> entry id)
+        moved before the op's other families, so that it is the head; one line naming the op when it is not
+        a kernel family of that op."""
+        for op, eid in heads.items():
+            ids = [e.id for e, _ in self.families(target, op)]
+            if eid not in ids:
+                raise CatalogError(f"agent.heads.{op}: {eid!r} is not a kernel family of {target}.{op} in "
+                                   f"knowledge/catalog.yaml (known: {', '.join(ids) or 'none'})")
+        chosen = [e for e in self.entries if e.target == target and heads.get(e.op) == e.id]
+        return Catalog(entries=chosen + [e for e in self.entries if e not in chosen])
 
 
 def load_catalog(path: Path = CATALOG) -> Catalog:

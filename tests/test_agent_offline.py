@@ -23,7 +23,10 @@ from agent.state import ProposalState, search_parent
 from agent.view import RunView
 
 CATALOG = load_catalog()
+MARGIN = config_with().stages.microbench.min_margin
 FILES = {"decode": "attention/decode_paged_splitkv.py", "prefill": "attention/prefill_causal_tiled.py"}
+# each family's file by its knobs: a candidate of another family than its parent's starts from that file
+BY_KNOBS = {frozenset(read_knobs((KNOWLEDGE / e.files[0]).read_text())): e.files[0] for e in CATALOG.entries if e.family}
 
 
 def head(op: str, speedup: float | None = None) -> Kernel:
@@ -31,10 +34,10 @@ def head(op: str, speedup: float | None = None) -> Kernel:
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source), speedup=speedup)
 
 
-def verdict(stage: str | None, speedup: float | None = None) -> Verdict:
+def verdict(stage: str | None, speedup: float | None = None, noise: float = 0.0) -> Verdict:
     stages = []
     for name in ("compile", "dispatch", "parity", "microbench"):
-        metrics = {"speedup": speedup} if name == "microbench" and speedup is not None else {}
+        metrics = {"speedup": speedup, "noise": noise} if name == "microbench" and speedup is not None else {}
         if name == stage:
             stages.append(StageResult.failed(name, f"{name} said no", **metrics))
             break
@@ -44,12 +47,14 @@ def verdict(stage: str | None, speedup: float | None = None) -> Verdict:
 
 
 def record(cid: str, parent: Kernel | CandidateRecord, op: str, change: dict, failed: str | None = None,
-           speedup: float | None = None) -> CandidateRecord:
-    v = verdict(failed, speedup)
+           speedup: float | None = None, noise: float = 0.0) -> CandidateRecord:
+    v = verdict(failed, speedup, noise)
     local = speedup / parent.speedup if speedup and parent.speedup else None
+    knobs = change if set(change) != set(parent.knobs) and frozenset(change) in BY_KNOBS else {**parent.knobs, **change}
+    file = BY_KNOBS[frozenset(knobs)]
     return CandidateRecord(id=cid, op=op, parent=getattr(parent, "ref", None) or parent.id, proposer="offline",
                            outcome="rejected" if failed else "passed", stage=failed or "parity", reason=v.reason,
-                           knobs={**parent.knobs, **change}, rounds=[Round(source=with_knobs(head(op).source, {**parent.knobs, **change}, cid), verdict=v)],
+                           knobs=knobs, rounds=[Round(source=with_knobs((KNOWLEDGE / file).read_text(), knobs, cid), verdict=v)],
                            speedup=speedup, local_speedup=local,
                            conclusion=Conclusion(learned="-", kill_test_fired=None, predicted=None, observed=local))
 
@@ -60,7 +65,7 @@ def state(history=(), heads=None, shares=(0.35, 0.15), ops=("decode", "prefill")
                       ops={op: OpEvidence(share=f, lines=[f"{op} share f = {f}"]) for op, f in zip(("decode", "prefill"), shares)})
     history = list(history)
     return ProposalState(next_id=f"c{len(history) + 1:03d}", ops=list(ops), history=history, heads=heads,
-                         parents={op: search_parent(op, heads[op], history) for op in ops}, profile=profile,
+                         parents={op: search_parent(op, heads[op], history, MARGIN) for op in ops}, profile=profile,
                          min_ceiling=1.005, pending=list(pending))
 
 
@@ -68,13 +73,25 @@ def proposer(ops=("decode", "prefill")) -> OfflineProposer:
     return OfflineProposer(CATALOG, "attention", list(ops))
 
 
-def test_first_claim_is_the_step_with_the_highest_ceiling_and_quotes_numbers():
-    p = proposer().propose(state())
+def test_first_claim_moves_to_the_measured_faster_family_then_the_step_with_the_highest_ceiling():
+    prop = proposer()
+    p = prop.propose(state())
+    gqa = next(e for e in CATALOG.entries if e.id == "decode-paged-gqa")
     assert p.outcome == "ready" and p.op == "decode" and p.parent == "head:decode"
-    assert p.claim.hypothesis.startswith("SPLITS_PER_SM_TARGET 2 -> 4")       # the catalog's largest prior
-    assert p.claim.ceiling == pytest.approx(ceiling(0.35, 1.06))
-    assert all(any(ch.isdigit() for ch in line) for line in p.claim.evidence)
-    changed = [(a, b) for a, b in zip(head("decode").source.splitlines(), p.source.splitlines()[1:]) if a != b]
+    assert p.claim.hypothesis.startswith("family decode-paged-splitkv -> decode-paged-gqa")   # a structural step
+    assert p.claim.expected_speedup == pytest.approx(gqa.family.over_reference)   # its measured prior over the reference
+    assert p.knobs == read_knobs((KNOWLEDGE / gqa.files[0]).read_text())
+    assert p.source.splitlines()[1:] == (KNOWLEDGE / gqa.files[0]).read_text().splitlines()
+    assert f"{gqa.family.over_reference:.2f}x over the reference kernel" in p.claim.evidence[-1]
+
+    moved = record(p.id, head("decode"), "decode", p.knobs)              # passed, not timed (a CPU run)
+    q = prop.propose(state([moved]))
+    assert q.parent == "head:prefill" and q.claim.hypothesis.startswith("family prefill-causal-tiled -> prefill-causal-tma")
+    r = prop.propose(state([moved, record(q.id, head("prefill"), "prefill", q.knobs)]))
+    assert r.claim.hypothesis.startswith("SPLITS_PER_SM_TARGET 2 -> 4")       # the catalog's largest knob prior
+    assert r.claim.ceiling == pytest.approx(ceiling(0.35, 1.06))
+    assert all(any(ch.isdigit() for ch in line) for line in r.claim.evidence)
+    changed = [(a, b) for a, b in zip(head("decode").source.splitlines(), r.source.splitlines()[1:]) if a != b]
     assert changed == [("SPLITS_PER_SM_TARGET = 2  # aim for this many stage-1 programs per SM",
                         "SPLITS_PER_SM_TARGET = 4  # aim for this many stage-1 programs per SM")]
 
