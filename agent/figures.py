@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from harness.records import Verdict
+from harness.targets import TARGETS
 
 NO_ANCHOR = "no cuDNN anchor timed"
 CORRECTNESS = ("compile", "dispatch", "parity")
@@ -123,3 +124,24 @@ def outcome_words(outcome: str, stage: str, verdict: Verdict | None) -> str:
         skipped = [s.name for s in verdict.stages if s.status == "skipped"]
         return f"passed the correctness stages ({', '.join(ran)}); not timed, not accepted ({', '.join(skipped)} skipped)"
     return f"{outcome} at {stage}"
+
+
+def anchors_text(heads: dict, target: str, ops: list[str]) -> str:
+    """The library to beat, per served shape, as the heads' microbench measured it: the cuDNN anchor's
+    rate and the head's, with kevo/cuDNN. Lines for a prompt; where none was timed, it says so."""
+    lines = []
+    for op in ops:
+        k = heads.get(op)
+        bench = next((s for s in k.verdict.stages if s.name == "microbench"), None) if k is not None and k.verdict else None
+        unit = TARGETS[target].ops[op].unit
+        cases = microbench_cases(bench.metrics, bench.reason, op) if bench is not None and bench.metrics else []
+        if not cases:
+            lines.append(f"- {op}: {NO_ANCHOR} ({speed(k.verdict if k else None, op).why or 'no figures'})")
+            continue
+        for c in cases:
+            lib = vs_cudnn([c])
+            lines.append(f"- {c['label']} (weight {c.get('weight', float('nan')):.2f}): " + (
+                f"cuDNN {c['anchor_rate']:.2f} {unit}, {k.ref} {c['candidate_rate']:.2f} {unit} = {lib:.3f}x cuDNN"
+                if lib is not None and "anchor_rate" in c else f"{NO_ANCHOR}; {k.ref} {c['candidate_rate']:.2f} {unit}")
+                + f", torch {c['baseline_rate']:.2f} {unit}")
+    return "\n".join(lines)

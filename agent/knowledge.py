@@ -128,6 +128,38 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
     return cat
 
 
+NOTE_CHARS = 6000        # a note longer than this reaches a prompt cut, saying where the rest is
+WHY_CHARS = 240          # each knob's reason, as a prompt shows it
+
+
+def prompt_text(catalog: Catalog, target: str, ops: list[str], arch: str) -> str:
+    """The knowledge a planner or coder prompt carries for `ops` on `arch`: each note (the op notes, the
+    GPU's, the method), and each kernel family with its file, summary and knobs (values, default, why).
+    Bounded: a note is cut at NOTE_CHARS and a knob's reason at WHY_CHARS, each saying so."""
+    parts = []
+    for e in catalog.select(target, ops, arch):
+        if e.family is None:
+            text = e.text()
+            if len(text) > NOTE_CHARS:
+                text = text[:NOTE_CHARS] + f"\n... (cut at {NOTE_CHARS} characters; the rest is in knowledge/{e.files[0]})"
+            parts.append(f"### {e.id} (knowledge/{', knowledge/'.join(e.files)})\n{text}")
+            continue
+        if "kernel" not in e.tags:
+            continue
+        defaults = read_knobs((KNOWLEDGE / e.files[0]).read_text())
+        knobs = [f"  - {name} = {defaults.get(name)!r}, worth trying {spec.values}: "
+                 + (spec.why if len(spec.why) <= WHY_CHARS else spec.why[:WHY_CHARS - 1] + "…")
+                 for name, spec in e.family.knobs.items()]
+        prior = ("the reference kernel" if e.family.over_reference == 1.0 else
+                 f"measured {e.family.over_reference:.2f}x the reference kernel's rate (geomean, H200)")
+        parts.append(f"### kernel family {e.id} ({e.op}; knowledge/{e.files[0]}, runnable; {prior})\n{e.summary}\n"
+                     f"knobs (module constants):\n" + "\n".join(knobs))
+    for e in catalog.select(target, ops, arch):
+        if "kernel" in e.tags and e.family is None:
+            parts.append(f"- runnable example: knowledge/{e.files[0]} ({e.op}): {e.summary}")
+    return "\n\n".join(parts)
+
+
 def gpu_arch(device: torch.device) -> str:
     """sm90 on an H100/H200; cpu on the CPU (where the catalog's GPU notes do not apply)."""
     if device.type != "cuda":
