@@ -62,6 +62,12 @@ class Speed:
         """'0.970x cuDNN, 1.320x torch' (served mix), or what stands in for a figure."""
         return speed_words(self.record())
 
+    def per_shape(self) -> str:
+        """'per served shape 0.962x, 0.991x cuDNN', in the stage's order ('' when not timed or no anchor)."""
+        if not self.timed or all(v is None for _, v, _ in self.shapes):
+            return ""
+        return "per served shape " + ", ".join("n/a" if v is None else f"{v:.3f}x" for _, v, _ in self.shapes) + " cuDNN"
+
     def trailer(self) -> str:
         """The ledger trailer `Vs-cuDNN`: the served mix, then each served shape in the stage's order."""
         if self.mix_vs_cudnn is None:

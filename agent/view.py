@@ -79,7 +79,7 @@ class RunView:
 
     def record(self, record, summary: dict) -> None:
         fast = speed(record.verdict, record.op)
-        figures = f", {fast.words()}" if fast.timed else ""
+        figures = f", {fast.words()}" + (f" ({fast.per_shape()})" if fast.per_shape() else "") if fast.timed else ""
         line = (f"{record.id} [{record.op}] {outcome_words(record.outcome, record.stage, record.verdict)}{figures}: "
                 f"{record.conclusion.learned}")
         self.update(funnel=summary["funnel"], best=summary["best"], cost_usd=summary["cost_usd"],

@@ -352,7 +352,8 @@ def test_the_live_view_reports_each_candidate_and_the_best_over_cudnn_first_and_
     summary = {"funnel": {"accepted": 1}, "cost_usd": 0.0, "candidates": 5, "untimed": "",
                "best": {"decode": {"ref": "c005", **speed(c005.verdict, "decode").record()}}}
     view.record(c005, summary)
-    assert f"c005 [decode] accepted at replay, {mix:.3f}x cuDNN, 1.320x torch" in out.getvalue()
+    per = ", ".join(f"{a / (b / 1.32):.3f}x" for _, _, b, a in shapes)
+    assert f"c005 [decode] accepted at replay, {mix:.3f}x cuDNN, 1.320x torch (per served shape {per} cuDNN)" in out.getvalue()
     board = io.StringIO()
     Console(file=board, width=300).print(view)
     assert f"decode: c005 {mix:.3f}x cuDNN, 1.320x torch" in board.getvalue()
