@@ -311,7 +311,8 @@ class Run:
         self.last_id = max(self.last_id, id_number(record.id))
         known = op in self.heads
         new_best = known and best_kernel(op, self.heads[op], self.history).ref == record.id
-        files, trailers = {}, {"Vs-cuDNN": speed(record.verdict, op).trailer(), **(trailers or {})}
+        files, trailers = {}, {**({"Vs-cuDNN": speed(record.verdict, op).trailer()} if record.verdict else {}),
+                               **(trailers or {})}
         if known and record.outcome == "accepted":      # the bottleneck moves: a new head, a new profile
             self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
                                     source=record.source or "", knobs=record.knobs, speedup=record.speedup,
