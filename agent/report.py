@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 
 from agent import plots
