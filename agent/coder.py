@@ -14,8 +14,7 @@ import torch
 from harness.config import Config
 from harness.targets import TARGETS
 
-from agent.knowledge import Catalog
-from agent.planner import knowledge_text
+from agent.knowledge import Catalog, prompt_text
 from agent.prompts import render
 from agent.asking import ask, retold
 from agent.providers import LLM, Meter
@@ -68,12 +67,15 @@ class Coder:
                                                                        error=error))]
         return None, exchanges, f"no usable code after one repair round: {error}"
 
-    def write(self, claim: Claim, parent: Kernel) -> tuple[str | None, list[Exchange], str]:
-        prompt = render("coder", device=f"{self.device.type} ({self.arch})", contract=TARGETS[self.target].contract,
-                        op=claim.op, claim=claim.model_dump_json(indent=1), parent_ref=parent.ref,
-                        parent_source=parent.source,
-                        knowledge=knowledge_text(self.catalog, self.target, [claim.op], self.arch))
-        return self._ask("code", prompt)
+    def prompt(self, claim: Claim, parent: Kernel, anchors: str) -> str:
+        """The request for `claim` from `parent`; `anchors`: the measured cuDNN figures (figures.anchors_text)."""
+        return render("coder", device=f"{self.device.type} ({self.arch})", contract=TARGETS[self.target].contract,
+                      op=claim.op, claim=claim.model_dump_json(indent=1), parent_ref=parent.ref,
+                      parent_source=parent.source, anchors=anchors,
+                      knowledge=prompt_text(self.catalog, self.target, [claim.op], self.arch))
+
+    def write(self, claim: Claim, parent: Kernel, anchors: str) -> tuple[str | None, list[Exchange], str]:
+        return self._ask("code", self.prompt(claim, parent, anchors))
 
     def repair(self, claim: Claim, source: str, feedback: str, round_no: int) -> tuple[str | None, list[Exchange], str]:
         prompt = render("coder_compile_repair", contract=TARGETS[self.target].contract,

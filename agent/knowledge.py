@@ -3,8 +3,10 @@
 Entries are indexed by target, op (or `any`), architecture (`sm90`, `cpu`, or `any`) and tags; each
 names its files under knowledge/. A kernel entry may carry a parametric `family` (knob name -> the
 values worth trying, why, the prior expected speedup of one step, the risk, the stage that kills it):
-the built-in proposer searches those. `select` gives a role only the entries for its target's ops and
-the GPU in use. Not here: what to do with them (planner, coder, offline).
+the built-in proposer searches those, and moves between the families of one op. `family` is an op's
+head family (the first in the catalog: the reference kernel, unless `heads_first` put the one config
+names, agent.heads, before it). `select` gives a role only the entries for its target's ops and the GPU
+in use. Not here: what to do with them (planner, coder, offline).
 """
 from __future__ import annotations
 
@@ -48,6 +50,9 @@ class KnobSpec(Strict):
 
 class Family(Strict):
     knobs: dict[str, KnobSpec]
+    # prior local speedup of this family's kernel over the op's reference kernel (the first family of the
+    # op), as measured (catalog comment says where); 1 for the reference itself
+    over_reference: float = Field(default=1.0, gt=0)
 
 
 class Entry(Strict):
@@ -78,11 +83,28 @@ class Catalog(Strict):
         return [e for e in self.entries if e.target in (target, "any") and e.op in (*ops, "any")
                 and e.arch in (arch, "any")]
 
+    def families(self, target: str, op: str) -> list[tuple[Entry, Family]]:
+        """Every kernel family of `op`, the head family first."""
+        return [(e, e.family) for e in self.entries if e.target == target and e.op == op and e.family]
+
     def family(self, target: str, op: str) -> tuple[Entry, Family]:
-        for e in self.entries:
-            if e.target == target and e.op == op and e.family:
-                return e, e.family
-        raise CatalogError(f"{CATALOG}: no kernel family for {target}.{op}")
+        """The head family of `op`: the kernel a run starts from."""
+        found = self.families(target, op)
+        if not found:
+            raise CatalogError(f"{CATALOG}: no kernel family for {target}.{op}")
+        return found[0]
+
+    def heads_first(self, target: str, heads: dict[str, str]) -> "Catalog":
+        """This catalog with the family named for each op in `heads` (config agent.heads: op -> entry id)
+        moved before the op's other families, so that it is the head; one line naming the op when it is not
+        a kernel family of that op."""
+        for op, eid in heads.items():
+            ids = [e.id for e, _ in self.families(target, op)]
+            if eid not in ids:
+                raise CatalogError(f"agent.heads.{op}: {eid!r} is not a kernel family of {target}.{op} in "
+                                   f"knowledge/catalog.yaml (known: {', '.join(ids) or 'none'})")
+        chosen = [e for e in self.entries if e.target == target and heads.get(e.op) == e.id]
+        return Catalog(entries=chosen + [e for e in self.entries if e not in chosen])
 
 
 def load_catalog(path: Path = CATALOG) -> Catalog:
@@ -104,6 +126,38 @@ def load_catalog(path: Path = CATALOG) -> Catalog:
                     raise CatalogError(f"{path}: entry {entry.id}: knob {name} = {defaults.get(name)!r} in "
                                        f"{entry.files[0]} is not among its values {spec.values}")
     return cat
+
+
+NOTE_CHARS = 6000        # a note longer than this reaches a prompt cut, saying where the rest is
+WHY_CHARS = 240          # each knob's reason, as a prompt shows it
+
+
+def prompt_text(catalog: Catalog, target: str, ops: list[str], arch: str) -> str:
+    """The knowledge a planner or coder prompt carries for `ops` on `arch`: each note (the op notes, the
+    GPU's, the method), and each kernel family with its file, summary and knobs (values, default, why).
+    Bounded: a note is cut at NOTE_CHARS and a knob's reason at WHY_CHARS, each saying so."""
+    parts = []
+    for e in catalog.select(target, ops, arch):
+        if e.family is None:
+            text = e.text()
+            if len(text) > NOTE_CHARS:
+                text = text[:NOTE_CHARS] + f"\n... (cut at {NOTE_CHARS} characters; the rest is in knowledge/{e.files[0]})"
+            parts.append(f"### {e.id} (knowledge/{', knowledge/'.join(e.files)})\n{text}")
+            continue
+        if "kernel" not in e.tags:
+            continue
+        defaults = read_knobs((KNOWLEDGE / e.files[0]).read_text())
+        knobs = [f"  - {name} = {defaults.get(name)!r}, worth trying {spec.values}: "
+                 + (spec.why if len(spec.why) <= WHY_CHARS else spec.why[:WHY_CHARS - 1] + "…")
+                 for name, spec in e.family.knobs.items()]
+        prior = ("the reference kernel" if e.family.over_reference == 1.0 else
+                 f"measured {e.family.over_reference:.2f}x the reference kernel's rate (geomean, H200)")
+        parts.append(f"### kernel family {e.id} ({e.op}; knowledge/{e.files[0]}, runnable; {prior})\n{e.summary}\n"
+                     f"knobs (module constants):\n" + "\n".join(knobs))
+    for e in catalog.select(target, ops, arch):
+        if "kernel" in e.tags and e.family is None:
+            parts.append(f"- runnable example: knowledge/{e.files[0]} ({e.op}): {e.summary}")
+    return "\n\n".join(parts)
 
 
 def gpu_arch(device: torch.device) -> str:

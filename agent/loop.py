@@ -33,6 +33,7 @@ from harness.targets import TARGETS
 from agent.conclusion import subject
 from agent.environment import describe
 from agent.evaluator import device_seconds, evaluate_head, now
+from agent.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
 from agent.profile import baseline_replay_note, run_profile
@@ -59,6 +60,7 @@ class RunResult:
     not_run: list[str] = field(default_factory=list)
     signal: int = 0                 # the signal that stopped the run, if one did
     providers: list[str] = field(default_factory=list)      # how each LLM provider fared, a line each
+    untimed: str = ""               # on a machine that timed nothing: what its passes mean (figures.untimed_words)
 
 
 def in_thread(name: str, fn, *args, fut: Future | None = None) -> Future:
@@ -84,6 +86,13 @@ def funnel(history: list[CandidateRecord]) -> dict[str, int]:
     return counts
 
 
+def untimed_note(heads: dict[str, Kernel], history: list[CandidateRecord]) -> str:
+    """On a machine that timed nothing, what the passes mean (figures.untimed_words); empty otherwise."""
+    if not nothing_timed([k.verdict for k in heads.values()] + [r.verdict for r in history]):
+        return ""
+    return untimed_words(sum(r.outcome == "passed" and untimed_pass(r.verdict) for r in history))
+
+
 def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[str]:
     """The stages that could not run here, and why (from the verdicts themselves)."""
     seen: dict[str, str] = {}
@@ -91,11 +100,7 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[st
         for s in v.stages if v else []:
             if s.status == "skipped":
                 seen.setdefault(s.name, " ".join(s.reason.split()))
-    notes = [f"{name}: {why}" for name, why in seen.items()]
-    replay = baseline_replay_note()
-    if replay["status"] == "not run":
-        notes.append(f"replay: {replay['note']}")
-    return notes
+    return [f"{name}: {why}" for name, why in seen.items()]
 
 
 class Run:
@@ -104,9 +109,10 @@ class Run:
         self.t0 = time.monotonic()
         self.device = resolve_device(cfg)
         self.arch = gpu_arch(self.device)
-        self.catalog = load_catalog()
         if settings.target not in TARGETS:
             raise RunError(f"unknown target {settings.target!r}; known: {', '.join(TARGETS)}")
+        # the heads: the reference kernels unless agent.heads names another family (a CatalogError if unknown)
+        self.catalog = load_catalog().heads_first(settings.target, cfg.agent.heads)
         unknown = [op for op in cfg.agent.ops if op not in TARGETS[settings.target].ops]
         if unknown:
             raise RunError(f"agent.ops: {unknown[0]!r} is not an op of {settings.target} "
@@ -187,7 +193,9 @@ class Run:
                 "device_s": round(self.device_s(), 1),
                 "providers": {name: f.record() for name, f in sorted(self.meter.fared.items())},
                 "heads": {op: k.ref for op, k in self.heads.items()},
-                "best": {op: {"ref": k.ref, "speedup": k.speedup, "path": self._path(k)} for op, k in best.items()},
+                "best": {op: {"ref": k.ref, **speed(k.verdict, op).record(), "speedup": k.speedup, "path": self._path(k)}
+                         for op, k in best.items()},
+                "untimed": untimed_note(self.heads, self.history),
                 "stopped": stop}
 
     def _path(self, k: Kernel) -> str:
@@ -222,7 +230,8 @@ class Run:
                 self.ledger = Ledger.create(self.root, header, yaml.safe_dump(self.cfg.model_dump(mode="json"), sort_keys=False),
                                             describe(self.device), self.profile, baseline_replay_note(), self.heads,
                                             self.summary(), self._settings_json())
-        self.parents = {op: search_parent(op, self.heads[op], self.history) for op in self.heads}
+        self.parents = {op: search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)
+                        for op in self.heads}
         self.view.update(ledger=str(self.root), funnel=funnel(self.history))
 
     def head(self, op: str, pool) -> Kernel:
@@ -302,13 +311,16 @@ class Run:
         self.last_id = max(self.last_id, id_number(record.id))
         known = op in self.heads
         new_best = known and best_kernel(op, self.heads[op], self.history).ref == record.id
-        files, trailers = {}, dict(trailers or {})
+        files, trailers = {}, {**({"Vs-cuDNN": speed(record.verdict, op).trailer()} if record.verdict else {}),
+                               **(trailers or {})}
         if known and record.outcome == "accepted":      # the bottleneck moves: a new head, a new profile
             self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
                                     source=record.source or "", knobs=record.knobs, speedup=record.speedup,
                                     verdict=record.verdict)
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
-                                           why=f"rebuilt after {record.id} became the {op} head")
+                                       why=f"rebuilt after {record.id} became the {op} head: f derived again from "
+                                           f"its microbench {record.speedup:.3f}x over torch" if record.speedup else
+                                           f"rebuilt after {record.id} became the {op} head")
             files = {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
                      "profile.json": self.profile.model_dump_json(indent=1)}
             trailers["Head"] = f"{op}={record.id}"
@@ -317,7 +329,7 @@ class Run:
             self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
                                          self.summary(), new_best, files, trailers)
         if known:
-            self.parents[op] = search_parent(op, self.heads[op], self.history)
+            self.parents[op] = search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)
         self.view.record(record, self.summary())
 
     def commit_proposal(self, proposal: Proposal, from_proposer: bool = False) -> None:
@@ -343,7 +355,10 @@ class Run:
         summary = self.summary(stop)
         pending = [p.id for p in self.ledger.pending()]
         fared = [f.line(name) for name, f in sorted(self.meter.fared.items())]
+        best = [f"- {op}: {b['ref']}, {speed_words(b)}" for op, b in summary["best"].items()]
         text = "\n".join([f"# {self.settings.run_id}: ended", "", f"Stopped: {stop}", "",
+                          "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
+                          *([summary["untimed"], ""] if summary["untimed"] else []),
                           *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
                             if pending else []),
                           *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),
@@ -356,7 +371,7 @@ class Run:
                                 **({"Providers": "; ".join(fared)} if fared else {})})
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}
         return RunResult(self.root, stop, fatal, self.history, self.heads, best, self.meter.cost_usd,
-                         funnel(self.history), notes, self.stop.signum, fared)
+                         funnel(self.history), notes, self.stop.signum, fared, summary["untimed"])
 
     def __call__(self, pool=None) -> RunResult:
         try:

@@ -1,7 +1,8 @@
 """The planner role (LLM): reads the evidence, writes one Claim.
 
-It is shown the knowledge entries for the target's ops and the GPU in use, the profile evidence, the
-current kernel of each op, and the run's history (the last few candidates in full, older ones a line
+It is shown the knowledge entries for the target's ops and the GPU in use (notes, and the kernel families
+with their knobs), the profile evidence, the measured cuDNN anchors per served shape (the heads'
+microbench: the library to beat), the current kernel of each op, and the run's history (the last few candidates in full, older ones a line
 each, rejections included). Its reply must hold one JSON claim; a reply without a valid one gets one
 repair round, then the proposal counts as malformed. The op's share f comes from the profile and the
 ceiling is computed by code: if the model sends either, it is ignored and the exchange says so.
@@ -18,7 +19,8 @@ from pydantic import ValidationError
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
-from agent.knowledge import Catalog
+from agent.figures import anchors_text
+from agent.knowledge import Catalog, prompt_text
 from agent.profile import kernel_figures
 from agent.prompts import render
 from agent.asking import ask, retold
@@ -76,16 +78,6 @@ def history_text(history: list[CandidateRecord], full: int) -> str:
     return "\n".join(lines)
 
 
-def knowledge_text(catalog: Catalog, target: str, ops: list[str], arch: str) -> str:
-    parts = []
-    for e in catalog.select(target, ops, arch):
-        if "kernel" in e.tags:
-            parts.append(f"- runnable example: knowledge/{e.files[0]} ({e.op}): {e.summary}")
-        else:
-            parts.append(f"### {e.id} (knowledge/{', knowledge/'.join(e.files)})\n{e.text()}")
-    return "\n\n".join(parts)
-
-
 class Planner:
     def __init__(self, llm: LLM, meter: Meter, model: str, cfg, target: str, device: torch.device,
                  catalog: Catalog, arch: str) -> None:
@@ -100,7 +92,8 @@ class Planner:
         pending = "\n".join(f"- {p.id} [{p.op}]: {p.claim.hypothesis}" for p in state.pending if p.claim) or "(nothing)"
         return render("planner", target=self.target, ops=", ".join(state.ops), device=f"{self.device.type} ({self.arch})",
                       contract=TARGETS[self.target].contract, profile=profile,
-                      knowledge=knowledge_text(self.catalog, self.target, state.ops, self.arch), kernels=kernels,
+                      knowledge=prompt_text(self.catalog, self.target, state.ops, self.arch), kernels=kernels,
+                      anchors=anchors_text(state.heads, self.target, state.ops),
                       history=history_text(state.history, self.cfg.agent.history_in_prompt), pending=pending,
                       min_ceiling=f"{state.min_ceiling}")
 

@@ -14,6 +14,7 @@ import torch
 from harness.config import Config
 
 from agent.coder import Coder
+from agent.figures import anchors_text
 from agent.knowledge import Catalog
 from agent.offline import OfflineProposer
 from agent.planner import Planner
@@ -50,7 +51,7 @@ class LLMProposer:
             return Proposal(**base, outcome="not-worth-coding", stage="ceiling",
                             reason=f"ceiling {claim.ceiling:.4f} is under the minimum {state.min_ceiling}: "
                                    f"{claim.expected_speedup:.3f}x expected on an op holding {claim.op_share:.0%} of the step")
-        source, more, error = self.coder.write(claim, parent)
+        source, more, error = self.coder.write(claim, parent, anchors_text(state.heads, self.coder.target, [claim.op]))
         base["exchanges"] = exchanges + more
         if source is None:
             return Proposal(**base, outcome="malformed", stage="coder", reason=error)

@@ -5,8 +5,9 @@ The page: the run's header and why it stopped; the stages that did not run on it
 five plots (best-so-far over time, the rejection funnel, time per stage, predicted against observed
 speedup, cost over time), each replaced by a sentence saying why when the ledger holds nothing to
 plot (a CPU run times nothing); per op the best kernel's source with its verdict and its microbench
-figures per served shape against the torch baseline and the cuDNN anchor; the ledger's rows
-(agent/table). Everything is read from the ledger's committed files. The page is a view: written
+figures per served shape, kevo over the cuDNN anchor first and over the torch baseline second; the
+ledger's rows (agent/table) with each candidate's kevo/cuDNN. On a run that timed nothing, the page
+says its passes are of the correctness stages only. Everything is read from the ledger's committed files. The page is a view: written
 beside them, kept out of the ledger's git. Not here: the figures themselves (plots), the terminal
 table (table), which kernel is best (state.best_kernel).
 """
@@ -14,10 +15,10 @@ from __future__ import annotations
 
 import html
 import json
-import re
 from pathlib import Path
 
 from agent import plots
+from agent.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
 from agent.ledger import Ledger
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
 from agent.state import best_kernel
@@ -62,30 +63,18 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[st
     return seen
 
 
-def microbench_cases(metrics: dict[str, float], reason: str, op: str) -> list[dict]:
-    """Per served shape of `op`, the microbench figures (metrics `<op><i>_<figure>`), with the label the
-    stage's reason gives that shape (`<label>: 1.23x (...)`, in the same order), else `<op> case <i>`."""
-    labels = re.findall(rf"(?:^|; )({re.escape(op)} [^;]*?): \d+\.\d+x \(", reason)
-    cases, i = [], 0
-    while f"{op}{i}_candidate_ms" in metrics:
-        figures = {k.removeprefix(f"{op}{i}_"): v for k, v in metrics.items() if k.startswith(f"{op}{i}_")}
-        cases.append({"label": labels[i] if i < len(labels) else f"{op} case {i}", **figures})
-        i += 1
-    return cases
-
-
 def _plot(p: plots.Plot, context: str = "") -> str:
     return p.svg or f"<p class='absent'>{e(' '.join([p.absent, context]).strip())}</p>"
 
 
 def _shapes_table(cases: list[dict]) -> str:
     anchor = all("anchor_ms" in c for c in cases)
-    cols = ["shape", "weight", "kernel ms", "torch ms", "vs torch"] + (["cuDNN ms", "vs cuDNN"] if anchor else [])
+    cols = ["shape", "weight", "kernel ms"] + (["cuDNN ms", "vs cuDNN"] if anchor else []) + ["torch ms", "vs torch"]
     body = "".join("<tr>" + "".join(f"<td>{v}</td>" for v in [
-        e(c["label"]), f"{c.get('weight', float('nan')):.2f}", f"{c['candidate_ms']:.4f}", f"{c['baseline_ms']:.4f}",
-        x(c["baseline_ms"] / c["candidate_ms"]),
-        *([f"{c['anchor_ms']:.4f}", x(c["anchor_ms"] / c["candidate_ms"])] if anchor else [])]) + "</tr>" for c in cases)
-    none = "" if anchor else "<p class='absent'>No cuDNN anchor figure was recorded for these shapes.</p>"
+        e(c["label"]), f"{c.get('weight', float('nan')):.2f}", f"{c['candidate_ms']:.4f}",
+        *([f"{c['anchor_ms']:.4f}", x(vs_cudnn([c]))] if anchor else []),
+        f"{c['baseline_ms']:.4f}", x(c["baseline_ms"] / c["candidate_ms"])]) + "</tr>" for c in cases)
+    none = "" if anchor else f"<p class='absent'>{NO_ANCHOR.capitalize()} for these shapes.</p>"
     return f"<table class='shapes'><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>{body}</table>{none}"
 
 
@@ -96,8 +85,9 @@ def _best_section(ledger: Ledger, header: RunHeader, op: str, head: Kernel, hist
     source = k.source
     record = next((r for r in history if r.id == k.ref), None)
     said = ("the reference kernel: no candidate beat it" if from_head else
-            ("accepted by the full scored replay" if record and record.outcome == "accepted" else
-             "passed every stage that ran") + f", {x(k.speedup)} over torch")
+            "accepted by the full scored replay" if record and record.outcome == "accepted" else
+            "passed the correctness stages; not timed, not accepted" if record and untimed_pass(record.verdict) else
+            "passed every stage that ran") + f"; served mix {speed(k.verdict, op).words()}"
     out = [f"<section class='best' id='best-{e(op)}'><h3>{e(op)}: {e(k.ref)} ({e(said)})</h3>",
            f"<p class='path'>{e(str(path.relative_to(ledger.root)))} in the ledger</p>"]
     if k.verdict:
@@ -107,8 +97,8 @@ def _best_section(ledger: Ledger, header: RunHeader, op: str, head: Kernel, hist
     bench = next((s for s in (k.verdict.stages if k.verdict else []) if s.name == "microbench" and s.metrics), None)
     cases = microbench_cases(bench.metrics, bench.reason, op) if bench else []
     if cases:
-        out += [f"<h4>Microbench, per served shape (served mix {x(bench.metrics.get('speedup'))} over torch, "
-                f"noise bar {x(bench.metrics.get('bar'))})</h4>", _plot(plots.shapes(cases)), _shapes_table(cases)]
+        out += [f"<h4>Microbench, per served shape (served mix {e(speed(k.verdict, op).words())}; "
+                f"torch noise bar {x(bench.metrics.get('bar'))})</h4>", _plot(plots.shapes(cases)), _shapes_table(cases)]
     else:
         skipped = not_run({op: k}, history).get("microbench")
         why = f"microbench did not run on this {header.device} machine ({skipped})" if skipped else "microbench recorded no figures"
@@ -118,12 +108,14 @@ def _best_section(ledger: Ledger, header: RunHeader, op: str, head: Kernel, hist
     return "\n".join(out)
 
 
-def _rows_table(items: list[Row]) -> str:
-    cols = ("id", "op", "claim", "stage", "verdict", "predicted", "observed", "vs torch", "conclusion", "cost")
+def _rows_table(items: list[Row], history: list[CandidateRecord]) -> str:
+    cols = ("id", "op", "claim", "stage", "verdict", "predicted", "observed", "vs cuDNN", "vs torch", "conclusion", "cost")
+    lib = {r.id: speed(r.verdict, r.op) for r in history}
     body = "".join(
         f"<tr><td>{e(r.id)}</td><td>{e(r.op)}</td><td>{e(r.claim)}</td><td>{e(r.stage)}</td>"
         f"<td class='{e(r.verdict)}'>{e(r.verdict)}</td><td class='num'>{x(r.predicted)}</td>"
-        f"<td class='num'>{x(r.observed)}</td><td class='num'>{x(r.speedup)}</td><td>{e(r.conclusion)}</td>"
+        f"<td class='num'>{x(r.observed)}</td><td class='num'>{x(lib[r.id].mix_vs_cudnn) if r.id in lib else '-'}</td>"
+        f"<td class='num'>{x(r.speedup)}</td><td>{e(r.conclusion)}</td>"
         f"<td class='num'>${r.cost_usd:.4f}</td></tr>" for r in items)
     return f"<table class='rows'><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>{body}</table>"
 
@@ -141,6 +133,8 @@ def render(ledger: Ledger) -> str:
     started = first_heads(ledger)
     skipped = not_run(started, history)
     untimed = all(r.speedup is None for r in history) and all(k.speedup is None for k in started.values())
+    only_correct = nothing_timed([k.verdict for k in started.values()] + [r.verdict for r in history])
+    passed = sum(r.outcome == "passed" and untimed_pass(r.verdict) for r in history)
     no_timing = (f"The microbench stage did not run on this {header.device} machine ({skipped['microbench']})."
                  if "microbench" in skipped else "")
     models = f", planner {header.planner_model}, coder {header.coder_model}" if header.planner_model else ""
@@ -154,8 +148,9 @@ def render(ledger: Ledger) -> str:
     if skipped:
         parts.append("<div class='notrun' id='not-run'><b>Stages that did not run on this machine:</b><ul>"
                      + "".join(f"<li><b>{e(n)}</b>: {e(why)}</li>" for n, why in skipped.items()) + "</ul>"
-                     + ("No speed figure exists for this run: nothing was timed, so no candidate could beat a head."
-                        if untimed else "") + "</div>")
+                     + ("No speed figure exists for this run: nothing was timed, so no candidate could beat a head. "
+                        if untimed else "")
+                     + (f"<span id='untimed'>{e(untimed_words(passed))}.</span>" if only_correct else "") + "</div>")
     figures = {"best-so-far": _plot(plots.best_so_far(header, started, history), no_timing),
                "funnel": _plot(plots.funnel(history)),
                "stage-time": _plot(plots.stage_time(header, history, _exchanges(ledger, history))),
@@ -164,7 +159,7 @@ def render(ledger: Ledger) -> str:
     parts += [f"<section class='plot' id='{pid}'><h2>{title}</h2>{figures[pid]}</section>" for pid, title in PLOTS]
     parts.append("<h2>Best kernel per op</h2>")
     parts += [_best_section(ledger, header, op, head, history) for op, head in heads.items()]
-    parts += ["<h2>Every candidate</h2>", _rows_table([row(r) for r in history])]
+    parts += ["<h2>Every candidate</h2>", _rows_table([row(r) for r in history], history)]
     return (f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>kevo run {e(header.id)}</title>"
             f"<style>{CSS}</style></head><body>\n" + "\n".join(parts) + "\n</body></html>\n")
 

@@ -38,11 +38,27 @@ def _fastest(head: Kernel, records) -> Kernel:
     return best
 
 
-def search_parent(op: str, head: Kernel, history: list[CandidateRecord]) -> Kernel:
-    """What the next candidate of `op` starts from: the fastest correct kernel timed so far (a candidate
-    that microbench rejected as not beating torch still counts), else the head."""
-    return _fastest(head, [r for r in history if r.op == op and r.speedup is not None and r.verdict is not None
-                           and r.verdict.failed_stage not in CORRECTNESS_STAGES])
+def noise_band(r: CandidateRecord) -> float:
+    """The noise microbench measured while timing `r` (its worst case's two baselines apart), 0 if none."""
+    bench = next((s for s in r.verdict.stages if s.name == "microbench"), None) if r.verdict else None
+    noise = bench.metrics.get("noise", 0.0) if bench is not None else 0.0
+    return noise if noise == noise else float("inf")           # a NaN band: nothing clears it
+
+
+def search_parent(op: str, head: Kernel, history: list[CandidateRecord], min_margin: float) -> Kernel:
+    """What the next candidate of `op` starts from. From the head, in the order they were judged, a correct
+    timed kernel (a candidate that microbench rejected as not beating torch still counts) replaces the
+    parent only when its served-mix speedup over torch beats the parent's by more than the noise band
+    microbench measured for it, and at least `min_margin` (stages.microbench.min_margin): a step inside
+    the noise is chance, not a better kernel to build on."""
+    parent = head
+    for r in history:
+        if (r.op != op or r.speedup is None or r.verdict is None
+                or r.verdict.failed_stage in CORRECTNESS_STAGES):
+            continue
+        if parent.speedup is None or r.speedup > parent.speedup * (1 + max(noise_band(r), min_margin)):
+            parent = _as_kernel(r)
+    return parent
 
 
 def best_kernel(op: str, head: Kernel, history: list[CandidateRecord]) -> Kernel:

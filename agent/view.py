@@ -1,4 +1,7 @@
-"""What a person reads in the terminal (rich): a verdict as a table; a run's live view and its summary."""
+"""What a person reads in the terminal (rich): a verdict as a table; a run's live view and its summary.
+
+Speeds read kevo over the cuDNN anchor first and over torch second (agent/figures.py); on a machine that
+timed nothing, a pass says it is a pass of the correctness stages and that nothing was timed or accepted."""
 from __future__ import annotations
 
 import re
@@ -11,6 +14,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.records import Verdict
+
+from agent.figures import outcome_words, speed, speed_words
 
 _STYLE = {"passed": "green", "failed": "red", "skipped": "yellow"}
 
@@ -37,7 +42,7 @@ class RunView:
         self.t0 = time.monotonic()
         self.llm_key = ""
         self.fields = {"activity": "", "llm": "", "claim": "", "ledger": "", "funnel": {}, "best": {}, "cost_usd": 0.0,
-                       "candidates": 0, "last": ""}
+                       "candidates": 0, "last": "", "untimed": ""}
         self.budget_minutes, self.provider = budget_minutes, provider
         self.since = self.t0
 
@@ -73,10 +78,12 @@ class RunView:
             self.console.print(escape(f"[{time.monotonic() - self.t0:6.1f} s]   {text}"), soft_wrap=True)
 
     def record(self, record, summary: dict) -> None:
-        speed = f", {record.speedup:.3f}x over torch" if record.speedup is not None else ""
-        line = f"{record.id} [{record.op}] {record.outcome} at {record.stage}{speed}: {record.conclusion.learned}"
+        fast = speed(record.verdict, record.op)
+        figures = f", {fast.words()}" + (f" ({fast.per_shape()})" if fast.per_shape() else "") if fast.timed else ""
+        line = (f"{record.id} [{record.op}] {outcome_words(record.outcome, record.stage, record.verdict)}{figures}: "
+                f"{record.conclusion.learned}")
         self.update(funnel=summary["funnel"], best=summary["best"], cost_usd=summary["cost_usd"],
-                    candidates=summary["candidates"], last=line, claim="")
+                    candidates=summary["candidates"], last=line, claim="", untimed=summary.get("untimed", ""))
         if self.live is None:
             self.console.print(escape(line), soft_wrap=True)
 
@@ -93,14 +100,19 @@ class RunView:
         t.add_row("claim", escape(f["claim"] or "-"))
         t.add_row("last", escape(f["last"] or "-"))
         t.add_row("funnel", "  ".join(f"{k} {v}" for k, v in f["funnel"].items() if v) or "-")
-        t.add_row("best", "  ".join(f"{op}: {b['ref']} {_x(b['speedup'])}" for op, b in f["best"].items()) or "-")
+        if f["untimed"]:
+            t.add_row("timed", escape(f["untimed"]))
+        t.add_row("best", escape("  ".join(f"{op}: {b['ref']} {_best(b)}" for op, b in f["best"].items())) or "-")
         t.add_row("cost", f"${f['cost_usd']:.4f} over {f['candidates']} candidates")
         t.add_row("ledger", escape(f["ledger"]))
         return t
 
 
-def _x(speedup: float | None) -> str:
-    return "(no timing here)" if speedup is None else f"{speedup:.3f}x over torch"
+def _best(best: dict) -> str:
+    """A best kernel's served-mix figures from summary.json (older summaries: only its speedup over torch)."""
+    if "vs_cudnn" not in best:
+        return "(no timing here)" if best.get("speedup") is None else f"{best['speedup']:.3f}x over torch"
+    return speed_words(best)
 
 
 def print_summary(result, console: Console | None = None) -> None:
@@ -109,14 +121,21 @@ def print_summary(result, console: Console | None = None) -> None:
     t = Table(show_lines=False)
     for col in ("outcome", "candidates"):
         t.add_column(col)
+    untimed = getattr(result, "untimed", "")
     for k, v in result.funnel.items():
         if v:
-            t.add_row(k if k in ("passed", "accepted", "malformed", "not-worth-coding", "unevaluated") else f"rejected at {k}", str(v))
+            label = k if k in ("accepted", "malformed", "not-worth-coding", "unevaluated") else f"rejected at {k}"
+            if k == "passed":
+                label = "passed the correctness stages only (nothing timed)" if untimed else "passed every stage that ran"
+            t.add_row(label, str(v))
     console.print(t)
+    if untimed:
+        console.print(escape(untimed), soft_wrap=True)
     for op, k in result.best.items():
         where = f"{result.ledger}/best/{op}.py" if not k.ref.startswith("head:") else f"{result.ledger}/heads/{op}.py"
         verdict = ("no candidate beat it" if k.ref.startswith("head:") else "the fastest candidate that passed every stage that ran")
-        console.print(escape(f"best {op}: {k.ref} {_x(k.speedup)} ({verdict}): {where}"), soft_wrap=True)
+        console.print(escape(f"best {op}: {k.ref}, served mix {speed(k.verdict, op).words()} ({verdict}): {where}"),
+                      soft_wrap=True)
     console.print(escape(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
                   soft_wrap=True)
     for line in getattr(result, "providers", []):

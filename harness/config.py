@@ -223,6 +223,7 @@ class AgentConfig(Strict):
     overlap: bool                                         # propose the next candidate while one is evaluated
     standin_op_share: dict[str, float]                    # assumed op shares until the served profile exists
     runs_dir: str                                         # run ledgers, relative to the project root
+    heads: dict[str, str] = Field(default_factory=dict)   # op -> catalog family a run starts from (default: the reference)
 
     @model_validator(mode="after")
     def _shares(self) -> "AgentConfig":
@@ -232,6 +233,9 @@ class AgentConfig(Strict):
         for op, share in self.standin_op_share.items():
             if not 0 < share <= 1:
                 raise ValueError(f"standin_op_share.{op} must be in (0, 1]")
+        for op in self.heads:
+            if op not in self.ops:
+                raise ValueError(f"heads names op {op!r}, which is not in agent.ops")
         return self
 
 

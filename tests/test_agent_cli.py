@@ -28,8 +28,9 @@ def test_offline_run_writes_a_ledger_and_says_which_stages_could_not_run(tmp_pat
     done = kevo("--config", config_file(tmp_path), "run", "--max-candidates", "2", "--run-id", "cli")
     assert done.returncode == 0, done.stderr
     out = " ".join(done.stdout.split())
-    assert "c001 [decode] passed at parity" in out and "c002 [decode]" in out
+    assert "c001 [decode] passed the correctness stages (compile, dispatch, parity); not timed" in out and "c002 [decode]" in out
     assert "run ended: 2 candidates reached" in out
+    assert "passed the correctness stages only (nothing timed)" in out and "nothing was timed or accepted here" in out
     assert "not run here: microbench: skipped: needs CUDA" in out and "not run here: replay:" in out
     assert f"ledger: {tmp_path / 'runs' / 'cli'}" in out
     log = subprocess.run(["git", "log", "--oneline"], cwd=tmp_path / "runs" / "cli", capture_output=True, text=True)

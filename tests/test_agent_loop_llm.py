@@ -93,6 +93,8 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
     assert [(e["purpose"], e["attempts"]) for e in exchanges(ledger, "c002")] == [("claim", 2), ("code", 1), ("compile-repair", 1)]
     assert "ceiling=9.9" in exchanges(ledger, "c003")[0]["note"]
     assert [e["purpose"] for e in exchanges(ledger, "c004")] == ["claim", "code", "code-format-repair"]
+    code = next(e for e in exchanges(ledger, "c002") if e["purpose"] == "code")["messages"][0]["content"]
+    assert "decode: no cuDNN anchor timed (needs CUDA" in code            # the coder is told the anchors (none on a CPU)
     assert (ledger / "candidates/c002/round0.py").read_text().count("def decode((") == 1
     assert json.loads((ledger / "summary.json").read_text())["cost_usd"] == pytest.approx(result.cost_usd)
     assert result.cost_usd == pytest.approx(sum(r.cost_usd for r in result.history)) and result.cost_usd > 0

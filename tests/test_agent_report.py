@@ -273,6 +273,13 @@ def test_report_is_one_self_contained_page_with_every_plot_and_the_best_kernel_a
     for label, _, base_ms, anchor_ms in SHAPES["decode"]:
         assert label in best["text"] and f"{base_ms:.4f}" in best["text"] and f"{anchor_ms:.4f}" in best["text"]
     assert "cuDNN" in best["text"] and "svg" in best["tags"]
+    shapes = SHAPES["decode"]                          # c005: 1.32x torch; kevo/cuDNN from the anchor's times
+    mix = sum(w * a for _, w, _, a in shapes) / sum(w * b / 1.32 for _, w, b, _ in shapes)
+    assert f"served mix {mix:.3f}x cuDNN, 1.320x torch" in best["text"]     # the library first, torch second
+    for _, _, base_ms, anchor_ms in shapes:
+        assert f"{anchor_ms / (base_ms / 1.32):.3f}x" in best["text"]
+    rows = text[text.index("<table class='rows'>"):]
+    assert "<th>vs cuDNN</th><th>vs torch</th>" in rows and f"<td class='num'>{mix:.3f}x</td>" in rows
     assert "head:prefill" in page.sections["best-prefill"]["text"]          # nothing beat the prefill head
     assert ledger.repo.head.commit.hexsha == before and not ledger.repo.is_dirty(untracked_files=True)
 
@@ -292,6 +299,9 @@ def test_cpu_report_says_which_stages_did_not_run_and_that_no_speed_figure_exist
     for pid in ("funnel", "stage-time"):
         assert "svg" in page.sections[pid]["tags"]
     assert "No speed figure exists for this kernel" in page.sections["best-decode"]["text"]
+    passed = sum(r.outcome == "passed" for r in cpu_run[1])
+    assert (f"{passed} candidate(s) passed the correctness stages (compile, dispatch, parity) only: nothing was timed "
+            "or accepted here") in text
 
 
 # -- in a real browser ----------------------------------------------------------------------------------
@@ -324,3 +334,35 @@ def test_report_renders_in_headless_chromium_with_its_plots_and_best_kernel(gpu_
     pixels = matplotlib.image.imread(shot)
     assert pixels.shape[:2] == (5200, 1280) and pixels[..., :3].std() > 0.05     # drawn, not a blank page
     print(f"screenshot: {shot}")
+
+
+# -- the live view ------------------------------------------------------------------------------------
+
+def test_the_live_view_reports_each_candidate_and_the_best_over_cudnn_first_and_a_cpu_pass_as_untimed(gpu_run, cpu_run):
+    import io
+
+    from rich.console import Console
+
+    from agent.figures import speed
+    from agent.view import RunView
+    c005, shapes = gpu_run[1][4], SHAPES["decode"]
+    mix = sum(w * a for _, w, _, a in shapes) / sum(w * b / 1.32 for _, w, b, _ in shapes)
+    out = io.StringIO()
+    view = RunView(console=Console(file=out, width=300))
+    summary = {"funnel": {"accepted": 1}, "cost_usd": 0.0, "candidates": 5, "untimed": "",
+               "best": {"decode": {"ref": "c005", **speed(c005.verdict, "decode").record()}}}
+    view.record(c005, summary)
+    per = ", ".join(f"{a / (b / 1.32):.3f}x" for _, _, b, a in shapes)
+    assert f"c005 [decode] accepted at replay, {mix:.3f}x cuDNN, 1.320x torch (per served shape {per} cuDNN)" in out.getvalue()
+    board = io.StringIO()
+    Console(file=board, width=300).print(view)
+    assert f"decode: c005 {mix:.3f}x cuDNN, 1.320x torch" in board.getvalue()
+
+    cpu = cpu_run[1][0]
+    view.record(cpu, {**summary, "untimed": "1 candidate(s) passed the correctness stages", "best": {
+        "decode": {"ref": "head:decode", **speed(cpu.verdict, "decode").record()}}})
+    assert ("c001 [decode] passed the correctness stages (compile, dispatch, parity); not timed, not accepted "
+            "(microbench, replay skipped)") in " ".join(out.getvalue().split())
+    board = io.StringIO()
+    Console(file=board, width=300).print(view)
+    assert "decode: head:decode no cuDNN anchor timed (nothing timed: needs CUDA)" in board.getvalue()

@@ -32,6 +32,7 @@ def test_project_config_loads():
     ("lengths: [5, 24], weight: 0.7", "lengths: [24, 5], weight: 0.7", "lengths: Value error, lengths must be [lo, hi]"),
     ("env_passthrough: [PATH,", "env_passthrough: [OPENAI_API_KEY, PATH,", "OPENAI_API_KEY looks like a secret"),
     ("    reps: 30", "", "stages.microbench.reps: missing key"),
+    ("  heads: {}", "  heads: {attention: decode-paged-gqa}", "agent: Value error, heads names op 'attention', which is not in agent.ops"),
 ])
 def test_a_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:

@@ -61,3 +61,16 @@ def test_a_catalog_naming_a_missing_file_or_a_foreign_default_is_refused(tmp_pat
     bad.write_text(lone.replace("values: [16, 32, 64, 128]", "values: [16, 32]", 1))
     with pytest.raises(CatalogError, match=r"knob BLOCK_N = 64 .* is not among its values \[16, 32\]"):
         load_catalog(bad)
+
+
+def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_of_the_op():
+    assert [e.id for e, _ in CATALOG.families("attention", "decode")] == ["decode-paged-splitkv", "decode-paged-gqa"]
+    assert CATALOG.family("attention", "decode")[0].id == "decode-paged-splitkv"
+    moved = CATALOG.heads_first("attention", {"decode": "decode-paged-gqa"})
+    assert moved.family("attention", "decode")[0].id == "decode-paged-gqa"
+    assert moved.family("attention", "prefill")[0].id == "prefill-causal-tiled"       # an op not named keeps its reference
+    assert sorted(e.id for e in moved.entries) == sorted(e.id for e in CATALOG.entries)
+    with pytest.raises(CatalogError, match=r"^agent.heads.decode: 'prefill-causal-tma' is not a kernel family of "
+                                           r"attention.decode in knowledge/catalog.yaml \(known: decode-paged-splitkv, "
+                                           r"decode-paged-gqa\)$"):
+        CATALOG.heads_first("attention", {"decode": "prefill-causal-tma"})

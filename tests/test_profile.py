@@ -153,3 +153,17 @@ def test_a_recorded_profile_gives_the_planner_measured_shares_instead_of_assumpt
     path.write_text(json.dumps({"served_shapes": report["served_shapes"]}))     # shapes, but no measured shares
     with pytest.raises(HarnessError, match="not a kevo profile"):
         run_profile(cfg, "attention", torch.device("cpu"), "cpu", heads={})
+
+
+def test_the_shares_of_the_current_heads_follow_their_measured_speedups_over_the_torch_baseline():
+    from agent.profile import head_shares
+    from agent.records import Kernel
+
+    def k(op, s):
+        return Kernel(ref=f"c-{op}", op=op, path="-", source="", speedup=s)
+    base = {"decode": 0.35, "prefill": 0.15}
+    assert head_shares(base, {}) == pytest.approx(base)                       # nothing timed: the base shares
+    got = head_shares(base, {"decode": k("decode", 1.4), "prefill": k("prefill", None)})
+    step = 0.5 + 0.35 / 1.4 + 0.15                                            # the rest, decode 1.4x faster, prefill as it was
+    assert got == pytest.approx({"decode": 0.35 / 1.4 / step, "prefill": 0.15 / step})
+    assert got["decode"] < base["decode"] and got["prefill"] > base["prefill"]   # the bottleneck moves
