@@ -198,8 +198,13 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
     assert len({tuple(sorted(r.knobs.items())) for r in again.history}) == 3
     log = subprocess.run(["git", "log", "--reverse", "--format=%s"], cwd=again.ledger, capture_output=True,
                          text=True, check=True).stdout.splitlines()
-    assert [line.split(":")[0] for line in log] == ["start offline", "passed c001 at parity", "passed c002 at parity",
-                                                    "end offline", "resume offline", "passed c003 at parity", "end offline"]
+    gist = [f"{line.split()[0]}: {line.rsplit(': ', 1)[1]}" if line.startswith("c") else line.split(":")[0]
+            for line in log]
+    assert gist == ["start offline", "c001: passed at parity", "c002: passed at parity", "end offline",
+                    "resume offline", "c003: passed at parity", "end offline"]
+    for line, r in zip([line for line in log if line.startswith("c")], again.history):
+        change = line.removeprefix(f"{r.id} decode ").rsplit(": ", 1)[0]   # what was tried: `<knob> <old> -> <new>`
+        assert " -> " in change and r.claim.hypothesis.startswith(change) and len(line) <= 72, line
     tags = subprocess.run(["git", "tag"], cwd=again.ledger, capture_output=True, text=True).stdout.split()
     assert tags == ["best-decode", "head-decode"]
     assert "c001 [decode] passed at parity" in out.getvalue()

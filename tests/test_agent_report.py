@@ -21,7 +21,7 @@ from conftest import ROOT, config_with
 from harness.records import StageResult, Verdict
 
 from agent.cli import main
-from agent.conclusion import conclude, outcome_of, speedup_of, subject
+from agent.conclusion import conclude, outcome_of, speedup_of
 from agent.ledger import Ledger
 from agent.loop import funnel
 from agent.records import (CandidateRecord, Claim, Exchange, Kernel, KillTest, Message, OpEvidence, Profile, Round,
@@ -117,8 +117,7 @@ def write_ledger(root, device: str, records: list[CandidateRecord], heads: dict[
         summary = {"run": root.name, "candidates": len(history), "funnel": funnel(history), "cost_usd": round(cost, 6),
                    "input_tokens": sum(h.input_tokens for h in history), "output_tokens": sum(h.output_tokens for h in history),
                    "stopped": ""}
-        ledger.commit_candidate(r, [exchange(12.0, r.cost_usd)] if r.cost_usd else [],
-                                subject(r.outcome, r.id, r.stage, r.conclusion), summary, best)
+        ledger.commit_candidate(r, [exchange(12.0, r.cost_usd)] if r.cost_usd else [], summary, best)
         if r.outcome == "accepted":             # the loop moves the head (agent/loop.py Run.record)
             heads[r.op] = Kernel(ref=r.id, op=r.op, path=f"candidates/{r.id}/candidate.py", source=r.source,
                                  speedup=r.speedup, verdict=r.verdict)
