@@ -14,6 +14,7 @@ import torch
 import candidates as C
 from conftest import CUDA, config_with
 from harness.profile import profile_served, render
+from harness.stages import STAGE_NAMES
 from harness.stages.replay import run_replay
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")]
@@ -55,6 +56,13 @@ def test_profile_attributes_device_time_to_the_models_parts():
 
 
 def test_evaluate_runs_the_reference_decode_kernel_through_the_replay(evaluate_source):
+    """The reference kernel passes the four cheap stages (microbench: about 4x the served baseline) and is
+    served through the whole replay, its gates passed and every decode call its own; whether the replay then
+    accepts it is a measurement over a 20 s window, printed, not asserted."""
     v = evaluate_source(C.REF_DECODE, config=CFG)
     print("\n" + v.reason + "\n" + v.stages[-1].reason)
-    assert [s.name for s in v.stages][-1] == "replay" or not v.ok, v.reason
+    assert [s.name for s in v.stages] == list(STAGE_NAMES), v.reason
+    assert [s.status for s in v.stages[:-1]] == ["passed"] * (len(STAGE_NAMES) - 1), v.reason
+    replay = v.stages[-1]
+    assert replay.status in ("passed", "failed") and replay.metrics.get("gate_passed") == 1.0, replay.reason
+    assert replay.metrics["fallback_share"] == 0.0 and replay.metrics["gate_tokens_compared"] > 0
