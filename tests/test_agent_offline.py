@@ -158,23 +158,20 @@ def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_
     assert bars[-1] == (untimed.id, 1.0)
 
 
-def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_reach_the_replay():
+def test_a_candidate_rejected_below_its_parents_speedup_is_recorded_against_that_parent():
+    """The evaluator's verdict here stands in for a GPU's microbench: faster than the baseline (2.6x) but not
+    than its parent (2.7x). The record keeps where it stopped and its speedup over that parent, and the next
+    claim still starts from the parent. (That microbench itself rejects such a kernel, and the replay never
+    sees it, is tests/test_stages.py's, on a GPU.)"""
     heads = {"decode": head("decode", speedup=2.5)}
     c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=2.7)
     st = state([c001], heads, ops=["decode"])
     p = proposer(["decode"]).propose(st)
-    bars: list[tuple[str, float]] = []
-
-    def evaluate_fn(job: str, source: str, beat: float) -> Verdict:
-        bars.append((job, beat))
-        return verdict("microbench", 2.6)
     rec, _, stop = judge(p, st.parents["decode"], proposer(["decode"]), config_with(), "attention", None,
-                         evaluate_fn=evaluate_fn)
-    assert p.parent == "c001" and bars == [(p.id, 2.7)] and not stop         # the fastest so far, not the head
-    assert rec.outcome == "rejected" and rec.local_speedup == pytest.approx(2.6 / 2.7)
-    untimed = proposer(["decode"]).propose(state(ops=["decode"]))              # a parent never timed (a CPU run)
-    judge(untimed, head("decode"), proposer(["decode"]), config_with(), "attention", None, evaluate_fn=evaluate_fn)
-    assert bars[-1] == (untimed.id, 1.0)
+                         evaluate_fn=lambda job, source, beat: verdict("microbench", 2.6))
+    assert not stop and (rec.outcome, rec.stage, rec.parent) == ("rejected", "microbench", "c001")
+    assert rec.speedup == 2.6 and rec.local_speedup == pytest.approx(2.6 / 2.7)
+    assert search_parent("decode", heads["decode"], [c001, rec]).ref == "c001"
 
 
 
