@@ -1,14 +1,18 @@
 """`kevo-agent`: the command line. One function per subcommand, registered in COMMANDS.
 
-Exit codes: 0 ok, 1 the candidate (or run) was rejected, 2 the command itself could not run — always
-one line on stderr, never a traceback. `evaluate` judges every file it can and exits 2 if any could
-not be judged (each such file is one line on stderr naming it).
+Exit codes: EXIT_CODES below is the one list of them, per subcommand, and each subcommand's `--help`
+shows its own. In short: 0 ok, 1 the candidate (or run) was rejected, 2 the command itself could not
+run — always one line on stderr, never a traceback. `evaluate` judges every file it can and exits 2 if
+any could not be judged (each such file is one line on stderr naming it). Output cut short by its
+reader (`| head`) ends the command quietly. `--config` may be given before or after the subcommand.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import textwrap
 from pathlib import Path
 
 from harness.config import ConfigError, load_config
@@ -20,15 +24,20 @@ class UsageError(Exception):
 
 
 def _read_candidate(path: Path) -> str:
-    """A candidate file's text, or UsageError naming the path."""
-    if path.is_dir():
-        raise UsageError(f"{path}: is a folder, not a candidate file (give its files, e.g. {path}/*.py)")
-    if not path.is_file():
-        raise UsageError(f"{path}: no such file")
+    """A candidate file's text, or UsageError naming the path and why it cannot be read."""
     try:
+        if path.is_dir():
+            raise UsageError(f"{path}: is a folder, not a candidate file (give its files, e.g. {path}/*.py)")
+        if path.exists() and not path.is_file():            # a FIFO would block the read; a device never ends
+            raise UsageError(f"{path}: not a regular file")
         return path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"{path}: cannot read ({e})") from None
+    except FileNotFoundError:
+        why = "a link to a missing file" if path.is_symlink() else "no such file"
+        raise UsageError(f"{path}: {why}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: cannot read (not UTF-8 text: {e.reason} at byte {e.start})") from None
+    except OSError as e:                                     # permission denied, a loop of links, ...
+        raise UsageError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
 def _evaluate(args: argparse.Namespace) -> int:
@@ -247,27 +256,85 @@ def _replay(args: argparse.Namespace) -> int:
 COMMANDS = {"evaluate": _evaluate, "run": _run, "profile": _profile, "ledger": _ledger, "report": _report,
             "replay": _replay}
 
+# Every exit status of every subcommand: the one list, shown in each subcommand's --help.
+_COMMAND_FAILED = "the command could not run (one line on stderr naming why, never a traceback)"
+_INTERRUPTED = "interrupted (Ctrl-C)"
+_CUT_SHORT = "its output was closed by its reader (| head) before it was done; nothing on stderr"
+EXIT_CODES: dict[str, dict[int, str]] = {
+    "evaluate": {0: "every file passed every stage that ran", 1: "at least one was rejected",
+                 2: "a file could not be judged (missing, a folder, unreadable: a one-line error naming it, and the "
+                    "other files are still judged) or " + _COMMAND_FAILED, 130: _INTERRUPTED, 141: _CUT_SHORT},
+    "run": {0: "the run ended at its budget or limits, its end commit written",
+            2: "the run could not start, or stopped on a fatal error (its end commit written); one line on stderr "
+               "naming why, never a traceback",
+            130: "stopped by SIGINT after the candidate in evaluation was committed (resume with --resume); "
+                 "a second signal: stopped at once, between commits",
+            141: _CUT_SHORT,
+            143: "stopped by SIGTERM after the candidate in evaluation was committed (resume with --resume)"},
+    "profile": {0: "the profile was printed (and written with --json)", 2: _COMMAND_FAILED, 130: _INTERRUPTED,
+                141: _CUT_SHORT},
+    "ledger": {0: "the rows were printed, also when the reader stopped early (| head)", 2: _COMMAND_FAILED,
+               130: _INTERRUPTED},
+    "report": {0: "the page was written", 2: _COMMAND_FAILED, 130: _INTERRUPTED, 141: _CUT_SHORT},
+    "replay": {0: "every kernel (or decision) is as it was, or changed without a regression",
+               1: "a kernel that passed then is rejected now, or (--llm recorded) a decision differs",
+               2: _COMMAND_FAILED, 130: "interrupted; a verdict replay keeps the kernels it finished (--resume)",
+               141: _CUT_SHORT},
+}
+
+
+def _exit_codes(command: str) -> str:
+    return "exit status:\n" + "\n".join(textwrap.fill(f"{code:>3}  {why}", 78, initial_indent="  ", subsequent_indent=" " * 7)
+                                        for code, why in EXIT_CODES[command].items())
+
+
+def _registry_names() -> dict[str, str]:
+    """The names help lists: the targets, the stages, the profiled targets (imports torch: only for --help)."""
+    from harness.profile import TARGET_OPS
+    from harness.stages import STAGE_NAMES
+    from harness.targets import TARGETS
+    return {"{targets}": ", ".join(TARGETS), "{stages}": ", ".join(STAGE_NAMES), "{profiled}": ", ".join(TARGET_OPS)}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with the registries' names filled into help when help is shown, so that parsing a
+    command line imports nothing heavy."""
+
+    def format_help(self) -> str:
+        if any("{" in (a.help or "") for a in self._actions):
+            names = _registry_names()
+            for a in self._actions:
+                for slot, value in names.items():
+                    if a.help and slot in a.help:
+                        a.help = a.help.replace(slot, value)
+        return super().format_help()
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kevo-agent", description="Evolve GPU kernels and tell the truth about them.")
-    p.add_argument("--config", default=None, help="config file (default: the project's config.yaml)")
+    config = argparse.ArgumentParser(add_help=False)     # --config, before or after the subcommand
+    config.add_argument("--config", default=argparse.SUPPRESS, metavar="PATH",
+                        help="config file (default: the project's config.yaml); before or after the subcommand")
+    p = _Parser(prog="kevo-agent", description="Evolve GPU kernels and tell the truth about them.",
+                epilog="Each subcommand's --help lists its exit statuses.")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="config file (default: the project's config.yaml); before or after the subcommand")
     sub = p.add_subparsers(dest="command", required=True)
-    ev = sub.add_parser("evaluate", help="run the staged evaluator on candidate files, in order, in one worker pool",
-                        description="Judge candidate files in the order given, in one worker pool, as a run's "
-                                    "evaluation slot judges them.",
-                        epilog="exit status: 0 every file passed every stage that ran; 1 at least one was rejected; "
-                               "2 a file could not be judged (missing, a folder, unreadable: a one-line error "
-                               "naming it, and the other files are still judged) or the command itself could not "
-                               "run")
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=textwrap.fill(description or help, 78), parents=[config],
+                              epilog=_exit_codes(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    ev = command("evaluate", "run the staged evaluator on candidate files, in order, in one worker pool",
+                 "Judge candidate files in the order given, in one worker pool, as a run's evaluation slot judges them.")
     ev.add_argument("candidates", nargs="+", metavar="FILE", help="a Python file defining decode(...) and/or prefill(...)")
-    ev.add_argument("--target", default="attention")
-    ev.add_argument("--until", default=None, help="stop after this stage")
+    ev.add_argument("--target", default="attention", help="one of: {targets} (default: attention)")
+    ev.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage, one of: {stages}")
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object per line, one per file in order: file, ok, accepted, failed_stage, "
                          "reason, stages (each with name, status, reason, seconds, metrics); a file that could not "
                          "be judged: file, error")
-    rn = sub.add_parser("run", help="evolve kernels: propose, evaluate, record in a git ledger under runs/")
-    rn.add_argument("--target", default=None, help="default: attention (a resumed run: its own)")
+    rn = command("run", "evolve kernels: propose, evaluate, record in a git ledger under runs/")
+    rn.add_argument("--target", default=None, help="one of: {targets} (default: attention; a resumed run: its own)")
     rn.add_argument("--provider", default=None, help="offline | openai | anthropic (default: config agent.provider; "
                                                      "a resumed run: its own)")
     rn.add_argument("--model", default=None, help="the model for both planner and coder (default: config providers)")
@@ -280,22 +347,23 @@ def _parser() -> argparse.ArgumentParser:
     rn.add_argument("--resume", default=None, metavar="RUN",
                     help="continue a stopped run (a path, or a run id under runs/) with its own settings; "
                          "flags given replace them")
-    pf = sub.add_parser("profile", help="where the served step's time goes (baseline replay under torch.profiler)")
-    pf.add_argument("--target", default="attention")
+    pf = command("profile", "where the served step's time goes (baseline replay under torch.profiler)")
+    pf.add_argument("--target", default="attention", help="one of: {profiled} (default: attention)")
     pf.add_argument("--json", default=None, metavar="PATH", help="also write the profile as JSON (for the planner)")
     pf.add_argument("--window", type=float, default=None, help="seconds of the trace to replay (default: config served)")
-    lg = sub.add_parser("ledger", help="one row per candidate of a run: claim, stage, verdict, predicted vs observed, cost")
+    lg = command("ledger", "one row per candidate of a run: claim, stage, verdict, predicted vs observed, cost")
     lg.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     lg.add_argument("--json", action="store_true", help="print the rows as JSON")
-    rp = sub.add_parser("report", help="a run as one self-contained HTML page with plots and the best kernels")
+    rp = command("report", "a run as one self-contained HTML page with plots and the best kernels")
     rp.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rp.add_argument("--out", default=None, metavar="PATH", help="where to write it (default: runs/<id>/report.html)")
-    rl = sub.add_parser("replay", help="a past run again with today's harness (or its recorded LLM): then vs now, "
-                                      "committed on a replay/ branch of the run; a verdict replay saves each kernel "
-                                      "as it finishes (--resume) and uses every evaluation slot of config executor")
+    rl = command("replay", "a past run again with today's harness (or its recorded LLM): then vs now, "
+                           "committed on a replay/ branch of the run; a verdict replay saves each kernel "
+                           "as it finishes (--resume) and uses every evaluation slot of config executor")
     rl.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rl.add_argument("--only", default=None, metavar="IDS", help="only these candidates (or head:<op>), e.g. c003,c007")
-    rl.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage (both verdicts cut there)")
+    rl.add_argument("--until", default=None, metavar="STAGE",
+                    help="stop after this stage, one of: {stages} (both verdicts cut there)")
     rl.add_argument("--resume", action="store_true",
                     help="continue the newest unfinished (killed) verdict replay of the run with its --until and --only: "
                          "only the kernels it had not finished are evaluated")
@@ -305,11 +373,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _cut_short() -> None:
+    """The reader of stdout went away (| head): stdout to /dev/null, so that nothing more, not even the
+    interpreter's last flush, tries to write to the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        return COMMANDS[args.command](args)
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()                                # a closed pipe is found here, not at exit
+        return code
+    except BrokenPipeError:
+        _cut_short()
+        return 0 if args.command == "ledger" else 141
     except (UsageError, ConfigError, HarnessError) as e:
         print(f"kevo-agent: {e}".splitlines()[0], file=sys.stderr)
         return 2

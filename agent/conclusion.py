@@ -91,8 +91,3 @@ def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds:
         learned += f"; kill test ({claim.kill_test.stage}) {'fired' if fired else 'did not fire'}"
     return Conclusion(learned=learned, kill_test_fired=fired, predicted=predicted, observed=observed)
 
-
-def subject(outcome: str, cid: str, stage: str, conclusion: Conclusion) -> str:
-    """The commit subject: `<verdict> <candidate> at <stage>: <conclusion>`, one line."""
-    line = f"{outcome} {cid} at {stage}: {conclusion.learned}"
-    return line if len(line) <= 150 else line[:149] + "…"

@@ -5,12 +5,14 @@ profile.json (the baseline profile), replay.json (the baseline replay, or why th
 heads/ (the kernels the run starts from, with their verdicts). Then one commit per candidate,
 whatever became of it, under candidates/<id>/: record.json (claim, every round's source and
 verdict with all stage metrics, conclusion, cost), candidate.py, README.md (for people) and
-exchanges.jsonl (every LLM call: prompts, replies, tokens, cost). The subject reads
-`<verdict> <candidate> at <stage>: <conclusion>`; trailers carry the fields for machines. Tags:
+exchanges.jsonl (every LLM call: prompts, replies, tokens, cost). The subject says what was tried and
+what became of it in at most 72 characters, `c007 decode BLOCK_N 64 -> 128: rejected at parity`
+(`subject()`), so `git log --oneline` reads as the run's history; the body holds the claim, the verdict
+and the conclusion; trailers carry the fields for machines (readers use those, never the subject). Tags:
 best-<op> (the best so far; the head until a candidate beats it) and head-<op>. summary.json is
 rewritten in every commit; settings.json holds the settings in force (rewritten by each resume).
 An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.json, subject
-`propose <id> ...`, trailer `Proposal`), so a run killed mid-evaluation evaluates it when resumed
+`propose <id> [<op>]: <change>`, trailer `Proposal`), so a run killed mid-evaluation evaluates it when resumed
 (`pending()`) instead of losing or buying it again. Each paid LLM exchange is committed as soon as it is
 answered (candidates/<id>/exchanges.jsonl, subject `paid <id> ...`), so one answered before a fatal
 failure or a kill is kept and a resumed run takes it from there (`unjudged_exchanges()`). Every text is redacted of secret-looking
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -40,7 +43,7 @@ from pydantic import ValidationError
 
 from harness.sandbox import redact
 
-from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
+from agent.records import CandidateRecord, Claim, Exchange, Kernel, Profile, Proposal, RunHeader
 from agent.session import LOCK_NAME
 
 # What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
@@ -82,6 +85,37 @@ def open_repo(root: Path) -> git.Repo:
 
 class LedgerError(Exception):
     """The ledger cannot be created or read; one line."""
+
+
+SUBJECT_CHARS = 72                     # git's convention: a subject that `git log --oneline` shows whole
+
+
+def _fit(text: str, n: int) -> str:
+    """`text` on one line, cut to `n` characters with an ellipsis when longer."""
+    line = " ".join(text.split())
+    return line if len(line) <= n else line[: max(n - 1, 0)].rstrip() + "…"
+
+
+def change_of(claim: Claim | None, op: str) -> str:
+    """What a candidate tried, in a few words: its hypothesis up to the first ': ' or '; ' (the why follows
+    there), without what the subject says already ('in the decode kernel', '(from c003)')."""
+    if claim is None:
+        return "(no claim)"
+    text = " ".join(claim.hypothesis.split())
+    for stop in (": ", "; ", " - ", " — "):
+        text = text.split(stop)[0]
+    text = re.sub(rf"\s+in the {re.escape(op)} kernel\b", "", text)
+    return re.sub(r"\s*\(from [^)]*\)", "", text).strip() or "(no claim)"
+
+
+def subject(record: CandidateRecord) -> str:
+    """A verdict commit's subject: id, op and the change first, the verdict last, in SUBJECT_CHARS at most —
+    `c007 decode BLOCK_N 64 -> 128: rejected at parity`."""
+    head, verdict = f"{record.id} {record.op} ", f": {record.outcome} at {record.stage}"
+    room = SUBJECT_CHARS - len(head) - len(verdict)
+    if room < 8:                                          # an id, op or stage so long the change cannot show
+        return _fit(f"{record.id} {record.op}{verdict}", SUBJECT_CHARS)
+    return head + _fit(change_of(record.claim, record.op), room) + verdict
 
 
 def _trailers(fields: dict[str, object]) -> str:
@@ -237,17 +271,19 @@ class Ledger:
         body = [f"claim: {c.hypothesis}\npredicted s {c.expected_speedup:.3f}, ceiling {c.ceiling:.4f}" if c else "",
                 "evaluated next; a run stopped before its verdict evaluates it when resumed" if proposal.outcome == "ready"
                 else f"not to be evaluated ({proposal.outcome} at {proposal.stage}); its verdict commit follows"]
-        return self.commit(f"propose {proposal.id} [{proposal.op}]: {c.hypothesis if c else proposal.outcome}"[:150], body,
+        head = f"propose {proposal.id} [{proposal.op}]: "
+        change = change_of(c, proposal.op) if c else proposal.outcome
+        return self.commit(head + _fit(change, max(SUBJECT_CHARS - len(head), 8)), body,
                            {f"{d}/proposal.json": proposal.model_dump_json(indent=1),
                             "summary.json": _json(summary)},
                            {"Proposal": proposal.id, "Op": proposal.op, "Parent": proposal.parent or "n/a",
                             "Cost": f"{sum(e.cost_usd for e in proposal.exchanges):.6f}"})
 
-    def commit_candidate(self, record: CandidateRecord, exchanges: list[Exchange], subject: str, summary: dict,
+    def commit_candidate(self, record: CandidateRecord, exchanges: list[Exchange], summary: dict,
                          new_best: bool, files: dict[str, str] | None = None,
                          trailers: dict[str, object] | None = None) -> str:
-        """The candidate's verdict; `files` and `trailers` add to it (an accepted kernel's new head and profile,
-        a health check), so everything one candidate changes is one commit."""
+        """The candidate's verdict, under `subject(record)`; `files` and `trailers` add to it (an accepted
+        kernel's new head and profile, a health check), so everything one candidate changes is one commit."""
         d = f"candidates/{record.id}"
         if self.committed(f"{d}/record.json") is not None:
             raise LedgerError(f"{record.id} already has a verdict in the ledger; a candidate is evaluated once")
@@ -265,7 +301,7 @@ class Ledger:
                 f"{c.kill_test.observation}" if c else "",
                 f"{'verdict' if record.rounds else 'not evaluated'}: {record.reason[:1200]}",
                 f"conclusion: {record.conclusion.learned}"]
-        sha = self.commit(subject, body, files, {
+        sha = self.commit(subject(record), body, files, {
             "Candidate": record.id, "Parent": record.parent or "n/a", "Op": record.op, "Stage": record.stage,
             "Verdict": record.outcome, "Speedup": _num(record.speedup), "Local-Speedup": _num(record.local_speedup),
             "Predicted": _num(c.expected_speedup if c else None), "Ceiling": _num(c.ceiling if c else None),

@@ -30,7 +30,6 @@ from harness.evaluate import open_pool, resolve_device
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
-from agent.conclusion import subject
 from agent.environment import describe
 from agent.evaluator import device_seconds, evaluate_head, now
 from agent.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
@@ -326,7 +325,7 @@ class Run:
             trailers["Head"] = f"{op}={record.id}"
         with self._ledger_lock, self.stop.writing():
             self._paid.pop(record.id, None)         # its exchanges are in its own commit from here
-            self.ledger.commit_candidate(record, exchanges, subject(record.outcome, record.id, record.stage, record.conclusion),
+            self.ledger.commit_candidate(record, exchanges,
                                          self.summary(), new_best, files, trailers)
         if known:
             self.parents[op] = search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)

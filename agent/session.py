@@ -2,8 +2,10 @@
 commits rather than in the middle of one.
 
 The lock is `fcntl.flock` on `<run>/.kevo.lock` (excluded from the ledger's git): the kernel releases it
-when the holder exits however it exits, SIGKILL and reboots included, so a lock is never stale. The file
-says who holds it (pid, host, since when, the command), for the one-line refusal a second run gets.
+when the holder exits however it exits, SIGKILL and reboots included, so a lock is never stale: the file a
+killed run leaves is taken over by the next. A run that ends in order removes it (still holding it; a
+process that opened the removed file meanwhile sees it is no longer the one there and locks the new one).
+The file says who holds it (pid, host, since when, the command), for the one-line refusal a second run gets.
 On NFS, flock is emulated with byte-range locks; two hosts sharing a run folder are not supported.
 
 Signals: the first SIGINT or SIGTERM only sets `why`; the loop sees it between steps, finishes the
@@ -50,6 +52,15 @@ def _holder(path: Path) -> str:
             f"({info.get('command', '?')})")
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` is still the file open as `fd`."""
+    try:
+        here, there = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
+
+
 class RunLock:
     """An exclusive hold on one run folder for the life of this object's `with` block (or process)."""
 
@@ -60,12 +71,16 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise _busy(self.root, self.path) from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise _busy(self.root, self.path) from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)                # its holder removed it as this opened it: the lock is the file there now
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "command": " ".join(["kevo-agent", *sys.argv[1:]])[:300]}
@@ -75,8 +90,12 @@ class RunLock:
         return self
 
     def release(self) -> None:
+        """The file removed while still held, then the lock dropped: whoever opened the old file meanwhile
+        finds it is no longer the one there and takes the new one (acquire)."""
         if self.fd is not None:
-            os.close(self.fd)           # the kernel drops the lock; the file stays (unlinking it would race)
+            if _same_file(self.fd, self.path):
+                os.unlink(self.path)
+            os.close(self.fd)
             self.fd = None
 
     def __enter__(self) -> "RunLock":
@@ -89,9 +108,10 @@ class RunLock:
 def check_free(root: Path) -> None:
     """RunBusy now if another process holds `root` (a cheap early refusal; the run takes the lock itself)."""
     path = root / LOCK_NAME
-    if not path.exists():
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:                   # no run holds it, or one has just ended
         return
-    fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -3,10 +3,12 @@ speedup, conclusion, cost — read from a run's committed files, and shown as a 
 like agent/view.py) or as JSON.
 
 Also finds a run's ledger from what a person types: a path, or a bare run id under the configured
-runs folder. Not here: the HTML report (report), writing the ledger (ledger), judging (conclusion).
+runs folder. Piped, the table keeps its full width. Not here: the HTML report (report), writing the ledger (ledger), judging (conclusion).
 """
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -69,8 +71,15 @@ def x(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}x"
 
 
-def print_rows(header: RunHeader, items: list[Row], console: Console | None = None) -> None:
-    console = console or Console()
+class _Console(Console):
+    """rich's console, but a reader gone away (`| head`) is BrokenPipeError, for the command line to end
+    quietly with its own exit status (rich's own answer is exit 1)."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
+def _table(header: RunHeader, items: list[Row]) -> list:
     t = Table(title=escape(f"run {header.id}: {header.target} ({', '.join(header.ops)}), {header.provider} on "
                            f"{header.device} ({header.arch}); {len(items)} candidates"),
               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, padding=(0, 1))
@@ -81,9 +90,25 @@ def print_rows(header: RunHeader, items: list[Row], console: Console | None = No
         t.add_row(f"{r.id}\n[dim]{r.op}[/]", r.stage, f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", x(r.predicted),
                   x(r.observed), x(r.speedup), f"${r.cost_usd:.4f}",
                   f"{escape(r.claim)}\n[dim]» {escape(r.conclusion)}[/]", end_section=True)
-    console.print(t)
     if not items:
-        console.print("no candidates yet")
-    elif all(r.speedup is None for r in items):
-        console.print(escape(f"no candidate was timed on {header.device}: 'obs s' and 'torch' stay empty"),
-                      soft_wrap=True)
+        return [t, "no candidates yet"]
+    if all(r.speedup is None for r in items):
+        return [t, escape(f"no candidate was timed on {header.device}: 'obs s' and 'torch' stay empty")]
+    return [t]
+
+
+def print_rows(header: RunHeader, items: list[Row], console: Console | None = None) -> None:
+    """The rows as a table on `console`, else on stdout: on a terminal as wide as it is; piped or redirected
+    (`| less -S`, `> rows.txt`) as wide as the rows need, where rich would cut every line to 80 columns,
+    and without the padding that fills each line to the table's width; COLUMNS, when set, decides."""
+    parts = _table(header, items)
+    if console is not None or sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        console = console or _Console()
+        for part in parts:
+            console.print(part, soft_wrap=isinstance(part, str))
+        return
+    wide = Console(width=100_000, color_system=None)
+    with wide.capture() as captured:
+        for part in parts:
+            wide.print(part, soft_wrap=isinstance(part, str))
+    sys.stdout.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))

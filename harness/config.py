@@ -1,7 +1,7 @@
 """Load and validate config.yaml.
 
-One pydantic model per top-level section; unknown keys are rejected and every error comes back as
-one line naming the key (`ConfigError`). Covers: the worker pool, the four cheap stages, and the
+One pydantic model per top-level section; unknown keys are rejected and the errors come back as one
+line (`ConfigError`), every one of them, each naming its key. Covers: the worker pool, the four cheap stages, and the
 targets' served shapes. the agent loop and its LLM providers (issue 4). the served scenario and the
 replay stage (issue 3). where evaluations run: the executor (issue 6). Later sections add their own
 models here.
@@ -16,6 +16,8 @@ from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from harness.sandbox import SECRET_NAME
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config.yaml"
@@ -49,7 +51,7 @@ class WorkerConfig(Strict):
     @classmethod
     def _no_secrets(cls, names: list[str]) -> list[str]:
         for name in names:
-            if any(word in name.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+            if SECRET_NAME.search(name):
                 raise ValueError(f"{name} looks like a secret and may not reach a candidate")
         return names
 
@@ -433,20 +435,23 @@ class Config(Strict):
         return self
 
 
-def _one_line(err: ValidationError, source: str) -> str:
-    """The most useful error first: an unknown key (a typo) explains the missing one beside it."""
+def _message(err: ValidationError, source: str) -> str:
+    """Every error, each naming its key, on one line; unknown keys (typos) first, each with the likeliest
+    missing key beside it as a guess."""
     errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    first = errors[0]
-    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"]
-    if first["type"] == "extra_forbidden":
-        siblings = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and e["loc"][:-1] == first["loc"][:-1]]
-        close = difflib.get_close_matches(str(first["loc"][-1]), siblings, n=1)
-        msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
-    elif first["type"] == "missing":
-        msg = "missing key"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{source}: {key}: {msg}{more}"
+    parts = []
+    for e in errors:
+        loc = tuple(str(p) for p in e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            siblings = [str(m["loc"][-1]) for m in errors if m["type"] == "missing" and m["loc"][:-1] == e["loc"][:-1]]
+            close = difflib.get_close_matches(loc[-1], siblings, n=1) if loc else []
+            msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
+        elif e["type"] == "missing":
+            msg = "missing key"
+        parts.append(f"{'.'.join(loc) or '(top level)'}: {msg}")
+    count = f"{len(parts)} errors: " if len(parts) > 1 else ""
+    return f"{source}: {count}" + "; ".join(" ".join(p.split()) for p in parts)
 
 
 def load_config(path: Path | str | None = None) -> Config:
@@ -455,6 +460,12 @@ def load_config(path: Path | str | None = None) -> Config:
         raw = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a folder, not a config file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -464,4 +475,4 @@ def load_config(path: Path | str | None = None) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_one_line(e, str(path))) from None
+        raise ConfigError(_message(e, str(path))) from None

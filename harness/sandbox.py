@@ -43,6 +43,8 @@ _REFER, _TRUNCATE = 1 << 13, 1 << 14
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 
+# What a secret's name looks like, the one list kevo has: such variables never reach a candidate (clean_env,
+# and config's env_passthrough refuses them) and their values are blanked in what kevo writes (redact).
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.IGNORECASE)
 NOBODY = 65534                 # the uid and gid a sandbox started by root runs as
 

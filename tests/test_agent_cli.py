@@ -3,6 +3,7 @@ which stages it could not run here; what stops it before or during a run is one 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import yaml
 
 from conftest import ROOT, config_with
 from fakes.llm_server import FakeLLM
+
+from agent.session import LOCK_NAME
 
 
 def kevo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -25,7 +28,7 @@ def config_file(tmp_path, **overrides) -> str:
 
 
 def test_offline_run_writes_a_ledger_and_says_which_stages_could_not_run(tmp_path):
-    done = kevo("--config", config_file(tmp_path), "run", "--max-candidates", "2", "--run-id", "cli")
+    done = kevo("run", "--config", config_file(tmp_path), "--max-candidates", "2", "--run-id", "cli")
     assert done.returncode == 0, done.stderr
     out = " ".join(done.stdout.split())
     assert "c001 [decode] passed the correctness stages (compile, dispatch, parity); not timed" in out and "c002 [decode]" in out
@@ -33,8 +36,12 @@ def test_offline_run_writes_a_ledger_and_says_which_stages_could_not_run(tmp_pat
     assert "passed the correctness stages only (nothing timed)" in out and "nothing was timed or accepted here" in out
     assert "not run here: microbench: skipped: needs CUDA" in out and "not run here: replay:" in out
     assert f"ledger: {tmp_path / 'runs' / 'cli'}" in out
-    log = subprocess.run(["git", "log", "--oneline"], cwd=tmp_path / "runs" / "cli", capture_output=True, text=True)
-    assert len(log.stdout.splitlines()) == 4                     # start, two candidates, end
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=tmp_path / "runs" / "cli", capture_output=True, text=True)
+    subjects = log.stdout.splitlines()                            # end, two candidates, start
+    assert len(subjects) == 4 and subjects[0].startswith("end cli:") and subjects[3].startswith("start cli:")
+    for cid, line in zip(("c002", "c001"), subjects[1:3]):        # `c001 decode BLOCK_N 64 -> 128: passed at parity`
+        assert re.fullmatch(rf"{cid} decode .+ -> .+: passed at parity", line) and len(line) <= 72, line
+    assert not (tmp_path / "runs" / "cli" / LOCK_NAME).exists()  # a run that ended in order leaves no lock file
 
 
 def test_run_errors_are_one_line_and_exit_2(tmp_path):

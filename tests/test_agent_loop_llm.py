@@ -41,6 +41,13 @@ def git(ledger, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=ledger, capture_output=True, text=True, check=True).stdout
 
 
+def gist(subject: str) -> str:
+    """A ledger subject without its free text: `propose c001 [decode]`, `c001: passed at parity`, `paid c001 ...`."""
+    if subject.startswith(("propose ", "paid ", "start ", "end ", "resume ")):
+        return subject.split(":")[0]
+    return f"{subject.split()[0]}: {subject.rsplit(': ', 1)[1]}"
+
+
 def exchanges(ledger, cid: str) -> list[dict]:
     path = ledger / "candidates" / cid / "exchanges.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -81,9 +88,10 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
     proposed = [s.split(":")[0] for s in subjects if s.startswith("propose ")]   # committed before their verdicts
     assert proposed == ["propose c002 [decode]", "propose c005 [decode]"]
     verdicts = [s for s in subjects[1:-1] if not s.startswith(("propose ", "paid "))]
-    assert [s.split(":")[0] for s in verdicts] == [f"{o} {c} at {st}" for c, o, st in outcomes]
+    assert [gist(s) for s in verdicts] == [f"{c}: {o} at {st}" for c, o, st in outcomes]
+    assert all(len(s) <= 72 for s in verdicts + proposed)
     trailers = git(ledger, "log", "-1", "--format=%(trailers:key=Verdict,key=Rounds,key=Cost,valueonly)",
-                   "--grep=^passed c002")
+                   "--grep=^c002 .*: passed at parity$")
     assert trailers.split() == ["passed", "2", f"{c002.cost_usd:.6f}"]
     paid = [s.split(":")[0] for s in subjects if s.startswith("paid ")]      # each exchange committed as answered
     assert paid[:4] == ["paid c001 planner claim", "paid c001 planner claim-repair", "paid c002 planner claim",
@@ -126,8 +134,8 @@ def test_next_claim_is_written_and_committed_while_the_current_candidate_is_eval
     in_flight = second.split("## In flight")[1].split("##")[0]
     assert "c001 [decode]" in in_flight                         # proposed before c001's verdict was in
     assert [r.outcome for r in result.history] == ["passed", "passed"]
-    subjects = [line.split(":")[0] for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()
+    subjects = [gist(line) for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()
                 if not line.startswith("paid ")]
     # committed as soon as it was written, not after c001's verdict: a kill meanwhile would not lose it
-    assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "passed c001 at parity",
-                             "passed c002 at parity"], subjects
+    assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "c001: passed at parity",
+                             "c002: passed at parity"], subjects

@@ -176,23 +176,20 @@ def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_
     assert bars[-1] == (untimed.id, 1.0)
 
 
-def test_a_candidate_must_beat_its_parents_speedup_not_only_the_baselines_to_reach_the_replay():
+def test_a_candidate_rejected_below_its_parents_speedup_is_recorded_against_that_parent():
+    """The evaluator's verdict here stands in for a GPU's microbench: faster than the baseline (2.6x) but not
+    than its parent (2.7x). The record keeps where it stopped and its speedup over that parent, and the next
+    claim still starts from the parent. (That microbench itself rejects such a kernel, and the replay never
+    sees it, is tests/test_stages.py's, on a GPU.)"""
     heads = {"decode": head("decode", speedup=2.5)}
     c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=2.7)
     st = state([c001], heads, ops=["decode"])
     p = proposer(["decode"]).propose(st)
-    bars: list[tuple[str, float]] = []
-
-    def evaluate_fn(job: str, source: str, beat: float, head: str | None = None) -> Verdict:
-        bars.append((job, beat))
-        return verdict("microbench", 2.6)
     rec, _, stop = judge(p, st.parents["decode"], proposer(["decode"]), config_with(), "attention", None,
-                         evaluate_fn=evaluate_fn)
-    assert p.parent == "c001" and bars == [(p.id, 2.7)] and not stop         # the fastest so far, not the head
-    assert rec.outcome == "rejected" and rec.local_speedup == pytest.approx(2.6 / 2.7)
-    untimed = proposer(["decode"]).propose(state(ops=["decode"]))              # a parent never timed (a CPU run)
-    judge(untimed, head("decode"), proposer(["decode"]), config_with(), "attention", None, evaluate_fn=evaluate_fn)
-    assert bars[-1] == (untimed.id, 1.0)
+                         evaluate_fn=lambda job, source, beat: verdict("microbench", 2.6))
+    assert not stop and (rec.outcome, rec.stage, rec.parent) == ("rejected", "microbench", "c001")
+    assert rec.speedup == 2.6 and rec.local_speedup == pytest.approx(2.6 / 2.7)
+    assert search_parent("decode", heads["decode"], [c001, rec]).ref == "c001"
 
 
 
@@ -216,8 +213,13 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
     assert len({tuple(sorted(r.knobs.items())) for r in again.history}) == 3
     log = subprocess.run(["git", "log", "--reverse", "--format=%s"], cwd=again.ledger, capture_output=True,
                          text=True, check=True).stdout.splitlines()
-    assert [line.split(":")[0] for line in log] == ["start offline", "passed c001 at parity", "passed c002 at parity",
-                                                    "end offline", "resume offline", "passed c003 at parity", "end offline"]
+    gist = [f"{line.split()[0]}: {line.rsplit(': ', 1)[1]}" if line.startswith("c") else line.split(":")[0]
+            for line in log]
+    assert gist == ["start offline", "c001: passed at parity", "c002: passed at parity", "end offline",
+                    "resume offline", "c003: passed at parity", "end offline"]
+    for line, r in zip([line for line in log if line.startswith("c")], again.history):
+        change = line.removeprefix(f"{r.id} decode ").rsplit(": ", 1)[0]   # what was tried: `<knob> <old> -> <new>`
+        assert " -> " in change and r.claim.hypothesis.startswith(change) and len(line) <= 72, line
     tags = subprocess.run(["git", "tag"], cwd=again.ledger, capture_output=True, text=True).stdout.split()
     assert tags == ["best-decode", "head-decode"]
     said = " ".join(out.getvalue().split())

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from datetime import datetime, timedelta
 from html.parser import HTMLParser
 
@@ -16,11 +17,11 @@ import matplotlib.image
 import pytest
 import yaml
 
-from conftest import config_with
+from conftest import ROOT, config_with
 from harness.records import StageResult, Verdict
 
 from agent.cli import main
-from agent.conclusion import conclude, outcome_of, speedup_of, subject
+from agent.conclusion import conclude, outcome_of, speedup_of
 from agent.ledger import Ledger
 from agent.loop import funnel
 from agent.records import (CandidateRecord, Claim, Exchange, Kernel, KillTest, Message, OpEvidence, Profile, Round,
@@ -116,8 +117,7 @@ def write_ledger(root, device: str, records: list[CandidateRecord], heads: dict[
         summary = {"run": root.name, "candidates": len(history), "funnel": funnel(history), "cost_usd": round(cost, 6),
                    "input_tokens": sum(h.input_tokens for h in history), "output_tokens": sum(h.output_tokens for h in history),
                    "stopped": ""}
-        ledger.commit_candidate(r, [exchange(12.0, r.cost_usd)] if r.cost_usd else [],
-                                subject(r.outcome, r.id, r.stage, r.conclusion), summary, best)
+        ledger.commit_candidate(r, [exchange(12.0, r.cost_usd)] if r.cost_usd else [], summary, best)
         if r.outcome == "accepted":             # the loop moves the head (agent/loop.py Run.record)
             heads[r.op] = Kernel(ref=r.id, op=r.op, path=f"candidates/{r.id}/candidate.py", source=r.source,
                                  speedup=r.speedup, verdict=r.verdict)
@@ -225,6 +225,33 @@ def test_ledger_lists_one_row_per_candidate_with_claim_stage_verdict_speedups_an
     text = " ".join(out.split())
     assert all(r.id in text for r in records) and "rejected" in text and "not-worth-coding" in text
     assert "0.927x" in text and "$0.0140" in text                # c004's observed local speedup; c005's cost
+
+
+def test_ledger_piped_keeps_every_claim_and_conclusion_whole_on_its_line(gpu_run, capsys, monkeypatch):
+    ledger, records = gpu_run
+    monkeypatch.delenv("COLUMNS", raising=False)                # capsys's stdout is not a terminal: as when piped
+    code, out, _ = kevo(capsys, "ledger", str(ledger.root))
+    assert code == 0
+    lines = out.splitlines()
+    long = [r for r in records if len(r.conclusion.learned) > 80]
+    assert long, "the fixture has conclusions longer than 80 columns"
+    for r in records:
+        assert any(line.endswith(f"» {r.conclusion.learned}") for line in lines), r.id
+    assert all(line == line.rstrip() for line in lines)
+
+
+@pytest.mark.parametrize("columns", [None, "100"])
+def test_ledger_whose_reader_has_gone_exits_0_without_a_word(gpu_run, columns):
+    ledger, _ = gpu_run
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
+    read, write = os.pipe()
+    os.close(read)                                              # `| head` that has read its lines and left
+    try:
+        done = subprocess.run([sys.executable, "-m", "agent.cli", "ledger", str(ledger.root)], stdout=write,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env, timeout=120)
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 def test_a_bare_run_id_is_found_under_the_configured_runs_dir(cpu_run, tmp_path, capsys):

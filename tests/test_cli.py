@@ -3,10 +3,14 @@ errors naming the file, several files judged in order in one worker pool."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+import pytest
+
 import candidates as C
+from agent.cli import COMMANDS, EXIT_CODES, UsageError, _read_candidate, main
 from conftest import ROOT
 
 
@@ -92,8 +96,58 @@ def test_several_files_without_json_print_a_block_each_and_exit_1_when_one_is_re
     assert out.count("┏") == 2 and out.index("rejected at compile") < out.index("passed every stage that ran")
 
 
+def help_of(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--help"])
+    assert done.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
 def test_help_documents_the_exit_codes():
     done = kevo("evaluate", "--help")
     assert done.returncode == 0
     text = " ".join(done.stdout.split())
-    assert "exit status: 0" in text and "1 at least one was rejected" in text and "2 a file could not be judged" in text
+    assert "exit status: 0 every file passed every stage that ran" in text and "1 at least one was rejected" in text
+    assert "2 a file could not be judged" in text
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_subcommand_help_lists_its_exit_codes_and_takes_config(capsys, command):
+    text = help_of(capsys, command)
+    assert EXIT_CODES[command], command
+    for code, why in EXIT_CODES[command].items():
+        assert f"{code} {' '.join(why.split())}" in text, (command, code)
+    assert "--config PATH config file" in text and "before or after the subcommand" in text
+
+
+def test_evaluate_and_replay_help_list_the_targets_and_stages(capsys):
+    from harness.stages import STAGE_NAMES
+    from harness.targets import TARGETS
+    evaluate = help_of(capsys, "evaluate")
+    assert f"--target TARGET one of: {', '.join(TARGETS)}" in evaluate
+    assert f"--until STAGE stop after this stage, one of: {', '.join(STAGE_NAMES)}" in evaluate
+    assert f"one of: {', '.join(STAGE_NAMES)}" in help_of(capsys, "replay")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_is_taken_before_or_after_the_subcommand(capsys, tmp_path, where):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text((ROOT / "config.yaml").read_text().replace("tolerance_factor:", "tolerence_factor:"))
+    args = ["--config", str(bad), "ledger", "r1"] if where == "before" else ["ledger", "r1", "--config", str(bad)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}: 2 errors: stages.parity.tolerence_factor: unknown key" in err and len(err.splitlines()) == 1
+
+
+def test_a_candidate_path_that_cannot_be_read_says_why(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "dangling.py").symlink_to(tmp_path / "gone.py")
+    os.mkfifo(tmp_path / "fifo.py")
+    (tmp_path / "latin1.py").write_bytes(b"# caf\xe9\n")
+    why = {"folder": "is a folder, not a candidate file", "missing.py": "no such file",
+           "dangling.py": "a link to a missing file", "fifo.py": "not a regular file",
+           "latin1.py": "cannot read (not UTF-8 text: invalid continuation byte at byte 5)"}
+    for name, words in why.items():
+        with pytest.raises(UsageError) as err:
+            _read_candidate(tmp_path / name)
+        assert str(err.value).startswith(f"{tmp_path / name}: {words}"), (name, str(err.value))

@@ -45,3 +45,34 @@ def test_missing_and_malformed_files_are_one_line_errors(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(write(tmp_path, "device: [auto\n"))
+
+
+def test_several_mistakes_are_all_named_each_with_its_key(tmp_path):
+    text = "\n".join(line for line in edited("checks_per_shape: 2", "checks_per_shape: 0").splitlines()
+                     if not line.startswith("    reps: 30"))
+    text = text.replace("  sandbox: required", "  sandbox: required\n  sandboxx: 1", 1)
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, text))
+    message = str(err.value)
+    assert "\n" not in message and "3 errors" in message and "more)" not in message
+    for words in ("worker.sandboxx: unknown key", "stages.parity.checks_per_shape: Input should be greater than",
+                  "stages.microbench.reps: missing key"):
+        assert words in message, message
+
+
+def test_a_folder_or_an_undecodable_file_given_as_config_says_so(tmp_path):
+    with pytest.raises(ConfigError, match="is a folder, not a config file"):
+        load_config(tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"device: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="binary.yaml: not UTF-8 text"):
+        load_config(binary)
+
+
+@pytest.mark.parametrize("name", ["OPENAI_API_KEY", "HF_TOKEN", "DB_PASSWD", "CLOUD_CREDENTIALS", "GH_AUTH"])
+def test_config_refuses_to_pass_on_every_name_the_sandbox_keeps_from_a_candidate(tmp_path, monkeypatch, name):
+    from harness.sandbox import clean_env
+    monkeypatch.setenv(name, "value-of-a-secret")
+    assert name not in clean_env([name], {})                   # the worker's environment never has it
+    with pytest.raises(ConfigError, match=f"{name} looks like a secret"):
+        load_config(write(tmp_path, edited("env_passthrough: [PATH,", f"env_passthrough: [{name}, PATH,")))

@@ -1,6 +1,6 @@
 """The run ledger is a git repository whose log reads as the run's history: a first commit with what
-the run started from, one commit per candidate with a `<verdict> <candidate> at <stage>: <conclusion>`
-subject and machine-readable trailers, the best kernel tagged, secrets never written, and everything
+the run started from, one commit per candidate with a short `<candidate> <op> <change>: <verdict> at <stage>`
+subject, the conclusion in the body and machine-readable trailers, the best kernel tagged, secrets never written, and everything
 readable back."""
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pytest
 
 from harness.records import StageResult, Verdict
 
-from agent.conclusion import subject
-from agent.ledger import Ledger, LedgerError
+from agent.ledger import SUBJECT_CHARS, Ledger, LedgerError
 from agent.records import (CandidateRecord, Claim, Conclusion, Exchange, Kernel, KillTest, Message, OpEvidence,
-                           Profile, Round, RunHeader)
+                           Profile, Proposal, Round, RunHeader)
 
 SECRET = "sk-ledger-test-77aa99"
 
@@ -49,8 +48,7 @@ def candidate(cid: str, outcome: str, stage: str, speedup: float | None, reason:
 
 
 def commit(ledger: Ledger, r: CandidateRecord, new_best: bool = False, exchanges=()) -> str:
-    return ledger.commit_candidate(r, list(exchanges), subject(r.outcome, r.id, r.stage, r.conclusion), {"candidates": 1},
-                                   new_best)
+    return ledger.commit_candidate(r, list(exchanges), {"candidates": 1}, new_best)
 
 
 def test_git_log_reads_as_the_history_with_trailers_and_the_best_tagged(tmp_path):
@@ -61,8 +59,11 @@ def test_git_log_reads_as_the_history_with_trailers_and_the_best_tagged(tmp_path
     best = commit(ledger, candidate("c002", "passed", "microbench", 1.5), new_best=True)
     commit(ledger, candidate("c003", "passed", "microbench", 1.3))
     assert git(ledger.root, "log", "--format=%s").splitlines() == [
-        "passed c003 at microbench: learned from c003", "passed c002 at microbench: learned from c002",
-        "rejected c001 at parity: learned from c001", "start r1: heads evaluated, baseline profile recorded"]
+        "c003 decode wider KV tiles put more bytes in flig…: passed at microbench",
+        "c002 decode wider KV tiles put more bytes in flig…: passed at microbench",
+        "c001 decode wider KV tiles put more bytes in flight: rejected at parity",
+        "start r1: heads evaluated, baseline profile recorded"]
+    assert "conclusion: learned from c002" in git(ledger.root, "log", "-1", "--format=%b", best)
     fields = git(ledger.root, "log", "-1", "--format=%(trailers:only,unfold)", best)
     assert dict(line.split(": ", 1) for line in fields.strip().splitlines()) == {
         "Candidate": "c002", "Parent": "head:decode", "Op": "decode", "Stage": "microbench", "Verdict": "passed",
@@ -72,6 +73,34 @@ def test_git_log_reads_as_the_history_with_trailers_and_the_best_tagged(tmp_path
     assert (ledger.root / "best/decode.py").read_text() == "# c002\n"
     shown = git(ledger.root, "show", "--stat", "--format=", "HEAD~2")
     assert "candidates/c001/record.json" in shown and "candidates/c001/candidate.py" in shown
+
+
+def test_each_subject_leads_with_the_change_fits_72_columns_and_the_conclusion_is_in_the_body(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    offline = candidate("c007", "rejected", "parity", None)
+    offline.claim = offline.claim.model_copy(update={
+        "hypothesis": "BLOCK_N 64 -> 128 in the decode kernel (from c003): more bytes in flight per program"})
+    offline.conclusion = offline.conclusion.model_copy(update={"learned": "parity: max abs error 0.37 at [0, 3] " * 8})
+    malformed = candidate("c008", "rejected", "parity", None).model_copy(update={
+        "claim": None, "rounds": [], "outcome": "malformed", "stage": "planner"})
+    wordy = candidate("c1000", "passed", "microbench", 1.2).model_copy(update={"op": "prefill"})
+    wordy.claim = wordy.claim.model_copy(update={
+        "op": "prefill", "hypothesis": "Use a persistent-kernel schedule over KV blocks so that each program streams "
+                                       "several tiles back to back without relaunching, which hides latency"})
+    for r in (offline, malformed, wordy):
+        commit(ledger, r)
+    proposal = Proposal(id="c1001", op="decode", parent="head:decode", proposer="openai:m/m", outcome="ready",
+                        claim=wordy.claim.model_copy(update={"op": "decode"}), source="# c1001\n")
+    ledger.commit_proposal(proposal, {"candidates": 3})
+    subjects = git(ledger.root, "log", "--format=%s").splitlines()[:4]
+    assert subjects[3] == "c007 decode BLOCK_N 64 -> 128: rejected at parity"
+    assert subjects[2] == "c008 decode (no claim): malformed at planner"
+    assert subjects[1].startswith("c1000 prefill Use a persistent-kernel schedule") and \
+        subjects[1].endswith("…: passed at microbench")
+    assert subjects[0].startswith("propose c1001 [decode]: Use a persistent-kernel") and subjects[0].endswith("…")
+    assert max(len(s) for s in subjects) == SUBJECT_CHARS
+    body = git(ledger.root, "log", "-1", "--format=%b", "HEAD~3")
+    assert f"conclusion: {offline.conclusion.learned}" in body and offline.claim.hypothesis in body
 
 
 def test_what_was_committed_reads_back_exactly(tmp_path):

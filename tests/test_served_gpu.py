@@ -22,6 +22,7 @@ from harness.served.engine import make_engine, run_requests, warm_up
 from harness.served.limits import GraphPlan
 from harness.served.ops import AttentionOps, load_candidate
 from harness.served.traces import TraceRequest
+from harness.stages import STAGE_NAMES
 from harness.stages.replay import run_replay, served_requests
 from harness.transport import DTYPES
 
@@ -98,9 +99,16 @@ def test_profile_attributes_device_time_to_the_models_parts():
 
 
 def test_evaluate_runs_the_reference_decode_kernel_through_the_replay(evaluate_source):
+    """The reference kernel passes the four cheap stages (microbench: about 4x the served baseline) and is
+    served through the whole replay, its gates passed and every decode call its own; whether the replay then
+    accepts it is a measurement over a 20 s window, printed, not asserted."""
     v = evaluate_source(C.REF_DECODE, config=CFG)
     print("\n" + v.reason + "\n" + v.stages[-1].reason)
-    assert [s.name for s in v.stages][-1] == "replay" or not v.ok, v.reason
+    assert [s.name for s in v.stages] == list(STAGE_NAMES), v.reason
+    assert [s.status for s in v.stages[:-1]] == ["passed"] * (len(STAGE_NAMES) - 1), v.reason
+    replay = v.stages[-1]
+    assert replay.status in ("passed", "failed") and replay.metrics.get("gate_passed") == 1.0, replay.reason
+    assert replay.metrics["fallback_share"] == 0.0 and replay.metrics["gate_tokens_compared"] > 0
 
 
 def _engine(decode, graphs: GraphPlan | None, **preset):
@@ -144,9 +152,8 @@ def test_graph_served_decode_gives_the_eager_engines_tokens(kernel):
     graphs = run_requests(e, reqs, realtime=False)
     # The gates' figures for a baseline whose own A/A disagreement is the configured tolerance: padding
     # changes GEMM shapes (bucket rows) and split counts, the kind of change two baseline servers see.
-    gate, factor = CFG.stages.replay.gates["bfloat16"], CFG.stages.replay.noise_factor
-    tol = factor * gate.logprob_tolerance
-    margin = max(gate.near_tie_margin, 2 * tol)
+    gate = CFG.stages.replay.gates["bfloat16"]
+    tol, margin = gate.max_abs, gate.near_tie_margin
     compared = same = parted = 0
     worst, problems = 0.0, []
     for k, base in eager.items():

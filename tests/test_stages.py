@@ -12,6 +12,7 @@ import pytest
 import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
 from harness.evaluate import sched_s
+from harness.stages import STAGE_NAMES
 
 
 def stage_of(verdict):
@@ -19,14 +20,31 @@ def stage_of(verdict):
 
 
 def test_reference_decode_kernel_passes_every_stage(evaluate_source):
-    v = evaluate_source(C.REF_DECODE)
-    assert v.ok, v.reason
-    assert [s.name for s in v.stages] == ["compile", "dispatch", "parity", "microbench", "replay"]
-    if not CUDA:                                # microbench does not time on a CPU; the replay runs its gates alone
-        assert v.stages[3].status == "skipped" and v.stages[4].status == "passed"
-        assert "nothing timed and nothing accepted" in v.stages[4].reason and v.stages[4].metrics["gate_coverage"] == 1.0
-    assert v.stages[2].metrics["checks"] >= 8
-    assert not v.accepted                       # only the full scored replay accepts
+    """On a CPU, microbench says it needs CUDA and the replay runs its gates alone, timing nothing; on a GPU, microbench times it faster than the
+    served baseline (its replay is tests/test_served_gpu.py's, over a window of its own)."""
+    v = evaluate_source(C.REF_DECODE, until="microbench" if CUDA else None)
+    assert v.ok and not v.accepted, v.reason     # only the full scored replay accepts
+    assert [s.name for s in v.stages] == list(STAGE_NAMES[:4] if CUDA else STAGE_NAMES)
+    assert [s.status for s in v.stages[:3]] == ["passed"] * 3 and v.stages[2].metrics["checks"] >= 8
+    if CUDA:
+        bench = v.stages[3]
+        assert bench.status == "passed" and bench.metrics["speedup"] > bench.metrics["bar"] > 1, bench.reason
+    else:
+        assert v.stages[3].status == "skipped" and "needs CUDA" in v.stages[3].reason
+        assert v.stages[4].status == "passed" and "nothing timed and nothing accepted" in v.stages[4].reason
+        assert v.stages[4].metrics["gate_coverage"] == 1.0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA): microbench times kernels only there")
+def test_a_kernel_faster_than_the_baseline_but_not_than_its_parent_is_rejected_at_microbench(evaluate_source):
+    """The reference decode is several times the served baseline; a parent 50x the baseline is beyond it, so
+    it stops at microbench, saying so, and never reaches the replay."""
+    v = evaluate_source(C.REF_DECODE, beat=50.0)
+    bench = v.stages[-1]
+    assert v.failed_stage == "microbench" and bench.name == "microbench", v.reason
+    assert "faster than the baseline but not than its parent" in bench.reason, bench.reason
+    assert 1 < bench.metrics["speedup"] < 50 and bench.metrics["beat"] == 50.0
 
 
 def test_reference_prefill_kernel_passes_every_stage(evaluate_source):
