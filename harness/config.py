@@ -371,6 +371,7 @@ class ExecutorConfig(Strict):
     cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores
     slot_cores: Literal["blocks", "interleaved", "none"] = "blocks"   # how the cores are dealt to the slots
     requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
+    verdict_cache: bool = True                 # reuse a verdict whose inputs are all unchanged (harness/verdicts.py)
     dask: DaskConfig
 
     @field_validator("gpus")

@@ -17,8 +17,11 @@ CUDA = torch.cuda.is_available()
 
 
 def config_with(**overrides) -> Config:
-    """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20})."""
+    """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20}).
+    The verdict cache is off unless an override turns it on: a test judges its candidate itself, never
+    a verdict an earlier run of the suite left under runs/.verdicts."""
     raw = copy.deepcopy(yaml.safe_load(DEFAULT_CONFIG.read_text()))
+    raw["executor"]["verdict_cache"] = False
     for dotted, value in overrides.items():
         node = raw
         *parents, leaf = dotted.split(".")
