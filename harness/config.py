@@ -217,8 +217,15 @@ class AgentConfig(Strict):
     compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
     history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
     overlap: bool                                         # propose the next candidate while one is evaluated
+    proposals_in_flight: int | None = Field(default=None, ge=1)   # with overlap: proposals written or waiting at once; null: 3 per slot
     standin_op_share: dict[str, float]                    # assumed op shares until the served profile exists
     runs_dir: str                                         # run ledgers, relative to the project root
+
+    def in_flight(self, slots: int) -> int:
+        """How many proposals a slow proposer may have being written or waiting for the evaluator at once,
+        with `slots` evaluation slots: `proposals_in_flight`, or 3 per slot (an LLM call of ~30 s against
+        ~12 s a candidate through microbench on the H200: docs/BENCHMARKS.md). Used only with `overlap`."""
+        return self.proposals_in_flight or 3 * max(1, slots)
 
     @model_validator(mode="after")
     def _shares(self) -> "AgentConfig":
