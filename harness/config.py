@@ -100,8 +100,15 @@ class Floor(Strict):
     rel_l2: float = Field(gt=0)
 
 
+class WarmThreads(Strict):
+    """Per device: Triton compiles at once when parity first compiles the candidate for every shape class (0: no warm)."""
+    cuda: int = Field(ge=0, le=64)
+    cpu: int = Field(ge=0, le=64)
+
+
 class ParityConfig(Strict):
     timeout_s: float = Field(gt=0)
+    warm_threads: WarmThreads = WarmThreads(cuda=8, cpu=0)
     distributions: list[Literal["normal", "peaky", "shifted_keys", "served"]] = Field(min_length=1)
     sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
