@@ -37,6 +37,7 @@ from harness.slot import Done, Job
 from agent.evaluator import evaluate_head, judge, unevaluated
 from agent.ledger import id_number
 from agent.loop import Run, in_thread
+from agent.serial import next_id, unproposed
 from agent.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 
@@ -126,8 +127,7 @@ class ParallelRun(Run):
     def _propose(self, held: dict[str, Proposal], writing: dict[str, Future]) -> tuple[str, Future]:
         """Ask for the next proposal in a thread; its id follows every id held and being written."""
         state = self.state(list(held.values()))
-        n = max([id_number(state.next_id)] + [id_number(cid) + 1 for cid in writing])
-        state = replace(state, next_id=f"c{n:03d}")
+        state = replace(state, next_id=next_id(state.next_id, list(writing), self._unproposed))
         self._proposing = ", ".join([*writing, state.next_id])
         self._news(None)
         fut: Future = Future()
@@ -139,6 +139,7 @@ class ParallelRun(Run):
             return why, False
         ex = self.slots()
         overlap = self.cfg.agent.overlap and not self.proposer.instant
+        self._unproposed = unproposed(self)
         order, held, futures = InOrder(), OrderedDict(), {}    # every proposal not yet recorded; order: in id order
         waiting: deque[Proposal] = deque()                      # ready, not started
         running: dict[str, Future] = {}

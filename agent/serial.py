@@ -43,10 +43,9 @@ class SerialRun(Run):
 
     def _submit(self, pending: list, writing: list[tuple[Future, bool, str]]) -> tuple[Future, bool, str]:
         """Ask for the next proposal in a thread: (its future, whether it was asked while others were in flight
-        or being judged, its id). Its id follows every id in `pending` and being written."""
+        or being judged, its id: `next_id`)."""
         state = self.state(pending)
-        n = max([id_number(state.next_id)] + [id_number(cid) + 1 for _, _, cid in writing])
-        state = replace(state, next_id=f"c{n:03d}")
+        state = replace(state, next_id=next_id(state.next_id, [cid for _, _, cid in writing], self._unproposed))
         if not pending and not writing:
             self.view.update(activity=f"proposing {state.next_id}")
         overlapped = bool(pending or writing)
@@ -72,6 +71,7 @@ class SerialRun(Run):
     def drive(self) -> tuple[str, bool]:
         overlap = self.cfg.agent.overlap and not self.proposer.instant
         most = self.cfg.agent.in_flight(1) if overlap else 1
+        self._unproposed = unproposed(self)
         backlog = self.ledger.pending()         # committed before a stop, never evaluated: first
         writing: deque[tuple[Future, bool, str]] = deque()     # in id order: (future, stale, id)
         stop, fatal = "", False
@@ -141,6 +141,26 @@ class SerialRun(Run):
                 else:
                     self.record(unevaluated(late, "unevaluated", "budget", f"the run ended: {stop}"), late.exchanges)
         return stop, fatal
+
+
+def unproposed(run: Run) -> list[str]:
+    """Ids an earlier session paid LLM calls for and stopped before committing a proposal under, oldest first,
+    but the last (Run's resume gives the next proposal that one): several were being written at once when it
+    stopped. Each is proposed again under its own id, before any new one, the calls it paid for not bought
+    again (the meter's prepaid exchanges), so ids stay contiguous."""
+    if run.proposer.instant:
+        return []
+    return sorted((cid for cid, (_, proposal) in run.ledger.unjudged_exchanges().items()
+                   if proposal is None and id_number(cid) <= run.last_id), key=id_number)
+
+
+def next_id(after: str, in_flight: list[str], unproposed: list[str]) -> str:
+    """The id of the next proposal asked for: the oldest unproposed one (taken from the list), else the one
+    after `after` (Run.state's next id: past the ledger and the proposals it was told of) and every id in flight."""
+    if unproposed:
+        return unproposed.pop(0)
+    n = max([id_number(after)] + [id_number(cid) + 1 for cid in in_flight])
+    return f"c{n:03d}"
 
 
 def _written(writing) -> list[Proposal]:

@@ -12,7 +12,7 @@ from rich.console import Console
 from candidates import REF_DECODE
 from conftest import config_with
 from fakes import scripts as S
-from fakes.llm_server import FakeLLM
+from fakes.llm_server import FakeLLM, Step
 
 from agent.loop import settings_from
 from agent.parallel import ParallelRun
@@ -67,21 +67,43 @@ BASE = {"agent.ops": ["decode"], "agent.compile_repair_rounds": 0, "agent.propos
         "stages.parity.checks_per_shape": 1, "executor.verdict_cache": True, "executor.cpu_slots": 1}
 
 
+def llm_config(fake: FakeLLM, runs):
+    return config_with(**BASE, **{
+            "agent.runs_dir": str(runs), "providers.openai.base_url": fake.openai_url, "providers.openai.planner_model": PLANNER,
+            "providers.openai.coder_model": CODER, "providers.retry.initial_s": 0.01, "providers.retry.max_s": 0.05,
+            f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},
+            f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}})
+
+
+def go(drive, cfg, pool, run_id: str, n: int):
+    settings = settings_from(cfg, pool.device, provider="openai", max_candidates=n, run_id=run_id)
+    return drive(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)))(pool)
+
+
 @pytest.mark.parametrize("drive", [SerialRun, ParallelRun])
 def test_a_slow_llm_has_the_configured_number_of_proposals_in_flight_and_never_more(pool, runs, monkeypatch, drive):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-in-flight")
     model = SlowModel()
     with FakeLLM({PLANNER: [model.plan] * CANDIDATES, CODER: [model.code] * CANDIDATES}) as fake:
-        cfg = config_with(**BASE, **{
-            "agent.runs_dir": str(runs), "providers.openai.base_url": fake.openai_url, "providers.openai.planner_model": PLANNER,
-            "providers.openai.coder_model": CODER, "providers.retry.initial_s": 0.01, "providers.retry.max_s": 0.05,
-            f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},
-            f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}})
-        settings = settings_from(cfg, pool.device, provider="openai", max_candidates=CANDIDATES, run_id=drive.__name__)
-        result = drive(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)))(pool)
+        result = go(drive, llm_config(fake, runs), pool, drive.__name__, CANDIDATES)
     assert result.heads["decode"].verdict.cached_from.job == "head-decode"     # the run's head: from the cache
     assert not model.together.broken, "the run never had IN_FLIGHT proposals being written at once"
     assert model.most == IN_FLIGHT and model.calls == CANDIDATES
     assert not result.fatal and result.stop == f"{CANDIDATES} candidates reached"
     assert [(r.id, r.outcome, r.stage) for r in result.history] == [
         (f"c{i:03d}", "rejected", "compile") for i in range(1, CANDIDATES + 1)]
+
+
+def test_proposals_paid_for_and_cut_short_together_are_proposed_again_under_their_ids(pool, runs, monkeypatch):
+    """A run stopped with several proposals being written (here: the coder's key revoked under all three) has
+    paid for their claims; resumed, it proposes each again under its own id, buying no claim twice."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-in-flight")
+    claims = [S.claim(1.3)] * IN_FLIGHT
+    with FakeLLM({PLANNER: list(claims), CODER: [Step.error(401, "key revoked")] * IN_FLIGHT}) as fake:
+        first = go(SerialRun, llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
+    assert first.fatal and first.history == []
+    with FakeLLM({PLANNER: [], CODER: [CHEAP] * IN_FLIGHT}) as fake:        # no claim left to sell
+        again = go(SerialRun, llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
+        asked = [s.model for s in fake.seen]
+    assert asked == [CODER] * IN_FLIGHT
+    assert not again.fatal and [r.id for r in again.history] == [f"c{i:03d}" for i in range(1, IN_FLIGHT + 1)]
