@@ -5,7 +5,8 @@ The stages run in cost order and the full scored replay, where it exists, only a
 passed (the harness's driver stops at the first rejection). A candidate the compile stage rejects
 goes back to its proposer with the stage's verbatim feedback, at most agent.compile_repair_rounds
 times; every round is kept (a repair the run stopped waiting for ends the rounds, not the run). Also
-evaluates the heads (the reference kernels) a run starts from, checks the device after a candidate's
+evaluates the heads (the reference kernels) a run starts from (through the verdict cache, as every
+candidate: harness/verdicts.py), checks the device after a candidate's
 worker crashed, hung or hit a CUDA error, and adds up the stage time (the device-time budget).
 Not here: choosing what to evaluate (proposers) or recording it (ledger).
 """
@@ -17,8 +18,8 @@ from datetime import datetime, timezone
 from harness.config import Config
 from harness.errors import HarnessError
 from harness.executors import EvaluationLost
-from harness.evaluate import evaluate
 from harness.pool import Pool
+from harness.verdicts import evaluate_cached
 
 from agent.conclusion import conclude, outcome_of, speedup_of
 from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
@@ -34,7 +35,8 @@ def now() -> str:
 def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None) -> Kernel:
     entry, _ = catalog.family(target, op)
     source = (KNOWLEDGE / entry.files[0]).read_text()
-    verdict = evaluate_fn(f"head-{op}", source, 1.0, None) if evaluate_fn else evaluate(source, target, cfg, pool)
+    verdict = (evaluate_fn(f"head-{op}", source, 1.0, None) if evaluate_fn
+               else evaluate_cached(source, target, cfg, pool, job=f"head-{op}"))
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
@@ -55,7 +57,8 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
     beat = parent.speedup if parent is not None and parent.speedup else 1.0     # only faster than it is replayed
     against = head.source if head is not None and head.source else None
-    evaluate_fn = evaluate_fn or (lambda job, src, bar, hd: evaluate(src, target, cfg, pool, on_stage=on_stage, beat=bar, head=hd))
+    evaluate_fn = evaluate_fn or (lambda job, src, bar, hd: evaluate_cached(src, target, cfg, pool, job=job, on_stage=on_stage,
+                                                                            beat=bar, head=hd))
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
         try:
             verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source, beat, against)
@@ -84,10 +87,11 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
 
 
 def device_seconds(heads: dict[str, Kernel], history: list[CandidateRecord]) -> float:
-    """The evaluator's stage time: the reference heads' and every evaluated round's."""
+    """The evaluator's stage time: the reference heads' and every evaluated round's (none for a verdict
+    given from the verdict cache: its stages ran in an earlier evaluation)."""
     verdicts = [k.verdict for k in heads.values() if k.ref.startswith("head:") and k.verdict]
     verdicts += [rnd.verdict for r in history for rnd in r.rounds]
-    return sum(s.seconds for v in verdicts for s in v.stages)
+    return sum(s.seconds for v in verdicts if v.cached_from is None for s in v.stages)
 
 
 HEALTH_RETRY_S = 5.0            # a device that fails its health check is checked once more after this

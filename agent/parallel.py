@@ -1,12 +1,14 @@
 """Several candidates in flight at once: the run's drive when evaluations go through an executor
 (harness/executors.py: one slot process per GPU here, or a Dask cluster; docs/CLUSTER.md).
 
-One proposer thread writes proposals one after another, so ids and the order of proposals are what a
-serial run's would be; the planner is told every candidate still in flight. Each ready proposal is
+Proposals are asked for in id order, each in its own thread: a slow proposer (an LLM) has up to
+`agent.proposals_in_flight` (null: 3 per slot) being written or written and waiting for a slot, the
+built-in one a single one at a time, so its ids and order are what a serial run's would be; the
+planner is told every candidate still in flight. Each ready proposal is
 judged in its own thread, every round of it a job on the executor (c007, then c007.r1 for its first
 compile repair), so the loop's process evaluates no candidate (nor the heads, where Run.start asks
 `head()`); compile repairs ask the LLM from that thread, on this machine. Up to `executor.capacity`
-candidates are judged at once, and one more proposal is written meanwhile (`agent.overlap`).
+candidates are judged at once, and the next proposals are written meanwhile (`agent.overlap`).
 Verdicts are committed through Run.record strictly in candidate-id order (`InOrder`): one that
 finished early waits for those before it, so the ledger's order does not depend on which slot was
 faster. A job whose evaluator was lost more often than `executor.requeue_limit` allows
@@ -24,7 +26,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.config import Config
 from harness.errors import HarnessError
@@ -33,7 +35,9 @@ from harness.records import Verdict
 from harness.slot import Done, Job
 
 from agent.evaluator import evaluate_head, judge, unevaluated
+from agent.ledger import id_number
 from agent.loop import Run, in_thread
+from agent.serial import next_id, unproposed
 from agent.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 
@@ -120,31 +124,42 @@ class ParallelRun(Run):
             self._reported |= set(new)
         return out
 
-    def _propose(self, held: dict[str, Proposal]) -> Future:
+    def _propose(self, held: dict[str, Proposal], writing: dict[str, Future]) -> tuple[str, Future]:
+        """Ask for the next proposal in a thread; its id follows every id held and being written."""
         state = self.state(list(held.values()))
-        self._proposing = state.next_id
+        state = replace(state, next_id=next_id(state.next_id, list(writing), self._unproposed))
+        self._proposing = ", ".join([*writing, state.next_id])
         self._news(None)
         fut: Future = Future()
         fut.add_done_callback(lambda _: self._wake.set())
-        return in_thread("kevo-proposer", self.proposer.propose, state, fut=fut)
+        return state.next_id, in_thread("kevo-proposer", self.proposer.propose, state, fut=fut)
 
     def drive(self) -> tuple[str, bool]:
         if why := self.limit():                     # spent before this session: what is pending stays so
             return why, False
         ex = self.slots()
-        ahead = 1 if self.cfg.agent.overlap and not self.proposer.instant else 0
-        order, held, futures = InOrder(), OrderedDict(), {}    # every proposal not yet recorded, in id order
+        overlap = self.cfg.agent.overlap and not self.proposer.instant
+        self._unproposed = unproposed(self)
+        order, held, futures = InOrder(), OrderedDict(), {}    # every proposal not yet recorded; order: in id order
         waiting: deque[Proposal] = deque()                      # ready, not started
         running: dict[str, Future] = {}
-        fut, asked, hold, stop, fatal, broken = None, 0, False, "", False, ""
+        writing: OrderedDict[str, Future] = OrderedDict()       # id -> the proposal being written under it
+        asked: dict[str, int] = {}                              # id -> candidates recorded when it was asked for
+        hold, stop, fatal, broken = False, "", False, ""
+
+        def reserve(cid: str) -> None:               # its place in the ledger's order, taken when it is asked for
+            futures[cid] = Future()
+            futures[cid].add_done_callback(lambda _: self._wake.set())
+            order.track(cid, futures[cid])
 
         def arrive(p: Proposal, new: bool) -> None:
+            if p.id not in futures:
+                reserve(p.id)
             if stop and self.proposer.instant and not p.exchanges:
-                return                               # written as the run ended, and it cost nothing
-            waits = bool(held)                       # its verdict is committed after those before it
-            held[p.id], futures[p.id] = p, Future()
-            futures[p.id].add_done_callback(lambda _: self._wake.set())
-            order.track(p.id, futures[p.id])
+                futures[p.id].set_result(None)       # written as the run ended, and it cost nothing
+                return
+            waits = next(iter(order.pending)) != p.id    # its verdict is committed after those before it
+            held[p.id] = p
             if p.outcome != "ready":
                 if new and waits and not self.proposer.instant:
                     self.commit_proposal(p)          # it waits in memory: committed, a kill does not lose it
@@ -168,6 +183,8 @@ class ParallelRun(Run):
                 except HarnessError as e:            # the evaluator itself cannot go on (no slot left)
                     broken, stop, fatal = cid, f"{e}; resume the run once the evaluator can run", True
                     break
+                if judged is None:                   # asked for, and no proposal came
+                    continue
                 del held[cid]
                 self.record(judged.record, judged.exchanges, self._trailers(judged))
                 hold = False
@@ -176,33 +193,46 @@ class ParallelRun(Run):
             running = {c: f for c, f in running.items() if not f.done()}
             if not stop and (why := self.limit()):
                 stop = why
-            if fut is not None and self.stop.why:    # a signal: the proposal being written is abandoned
-                fut = None
-            if fut is not None and fut.done():
+            if writing and self.stop.why:            # a signal: the proposals being written are abandoned
+                for cid in writing:
+                    futures[cid].set_result(None)
+                writing.clear()
+            for cid, fut in [(c, f) for c, f in writing.items() if f.done()]:     # in id order
                 try:
                     proposal = fut.result()
                 except ProviderStop as e:
                     proposal = None
                     if not stop:
                         stop, fatal = self.provider_stopped(e)
-                fut, self._proposing = None, ""
+                del writing[cid]
                 if isinstance(proposal, Proposal):
                     arrive(proposal, new=True)
-                elif not stop:                       # the proposer has nothing left, as things stand
-                    if held:
+                    continue
+                futures[cid].set_result(None)        # no proposal under this id: its place is given up
+                if not stop:                         # the proposer has nothing left, as things stand
+                    if held or writing:
                         hold = True                  # ask again once the next verdict is in
-                    elif len(self.history) == asked:
+                    elif len(self.history) == asked[cid]:
                         stop = "search exhausted: the proposer has nothing left worth trying"
-            cap = ex.capacity if not stop and (waiting or fut is None) else 0     # Dask: asks the scheduler
+                    else:
+                        hold = False                 # verdicts came in since it was asked: ask again
+            self._proposing = ", ".join(writing)
+            cap = ex.capacity if not stop and (waiting or not writing or overlap) else 0     # Dask: asks the scheduler
             while not stop and waiting and len(running) < max(cap, 1):
                 p = waiting.popleft()
                 self._news(p.id, "queued")
                 self.view.update(claim=f"{p.id} [{p.op}] {p.claim.hypothesis}" if p.claim else "")
                 running[p.id] = in_thread(f"kevo-judge-{p.id}", self._judge, p, self.parents[p.op], fut=futures[p.id])
-            if (not stop and not hold and fut is None and len(running) + len(waiting) < cap + ahead
-                    and not self.limit(in_flight=len(held))):
-                asked, fut = len(self.history), self._propose(held)
-            if stop and not running and fut is None:
+            # in flight: being written, or written and waiting for a slot; with overlap up to agent.in_flight,
+            # else one at a time, and only for a free slot
+            most = self.cfg.agent.in_flight(cap) if overlap else 1
+            while (not stop and not hold and len(writing) < most
+                   and (len(waiting) + len(writing) < most if overlap else len(running) + len(waiting) < cap)
+                   and not self.limit(in_flight=len(held) + len(writing))):
+                cid, fut = self._propose(held, writing)
+                writing[cid], asked[cid] = fut, len(self.history)
+                reserve(cid)
+            if stop and not running and not writing:
                 break
             self._wake.wait(0.2)
         self._proposing = ""
@@ -216,7 +246,7 @@ class ParallelRun(Run):
         go on) leaves it in the ledger as a proposal for a resumed run; otherwise it is recorded unevaluated.
         An instant proposer's is dropped (nothing spent, nothing committed)."""
         cut = False
-        for cid, p in held.items():
+        for cid, p in sorted(held.items(), key=lambda item: id_number(item[0])):
             f = futures[cid]
             judged = f.result() if f.done() and not f.cancelled() and f.exception() is None else None
             if judged is not None and not cut and cid != broken:

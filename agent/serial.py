@@ -1,22 +1,26 @@
 """One candidate at a time: the drive of a run on one evaluator (the loop's own worker pool).
 
-A slow proposer (an LLM) writes the next candidate in a thread while the current one is evaluated, so
-the GPU is not left idle. Its proposal is committed as soon as it is written, from that thread (Run's
-commit_proposal, under the ledger's lock). So a kill during a long evaluation loses no answered proposal,
+A slow proposer (an LLM) writes the next candidates in threads while the current one is evaluated, so
+the GPU is not left idle: up to `agent.proposals_in_flight` (null: 3) proposals being written or written
+and waiting, each in its own thread, asked for in id order and judged in that order. Each proposal is
+committed as soon as it is written, from its thread (Run's commit_proposal, under the ledger's lock). So a kill during a long evaluation loses no answered proposal,
 including one that is malformed or not worth coding and would otherwise wait in memory for the current
 verdict. The built-in proposer answers at once and waits for each verdict. A candidate whose worker
 crashed, hung or hit a CUDA error is followed by a health check of the device (a known computation in a fresh worker)
 before the next one. A proposal still being written when a signal arrives is abandoned (its thread is a
-daemon); one that arrives as the run ends is kept: evaluated on resume after a signal, else recorded.
+daemon); one written by the time the run ends is kept: evaluated on resume after a signal, else recorded.
 Not here: the run's state, budgets and ledger writes (loop); several candidates at once (parallel).
 """
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import replace
 
 from harness.stages import STAGE_NAMES
 
 from agent.evaluator import check_device, judge, unevaluated
+from agent.ledger import id_number
 from agent.loop import Run, in_thread
 from agent.providers import ProviderStop
 from agent.records import Proposal
@@ -37,11 +41,22 @@ class SerialRun(Run):
             self.commit_proposal(proposal, from_proposer=True)
         return proposal
 
-    def _submit(self, pending: list) -> Future:
+    def _submit(self, pending: list, writing: list[tuple[Future, bool, str]]) -> tuple[Future, bool, str]:
+        """Ask for the next proposal in a thread: (its future, whether it was asked while others were in flight
+        or being judged, its id: `next_id`)."""
         state = self.state(pending)
-        if not pending:
+        state = replace(state, next_id=next_id(state.next_id, [cid for _, _, cid in writing], self._unproposed))
+        if not pending and not writing:
             self.view.update(activity=f"proposing {state.next_id}")
-        return in_thread("kevo-proposer", self._write_proposal, state, bool(pending))
+        overlapped = bool(pending or writing)
+        return in_thread("kevo-proposer", self._write_proposal, state, overlapped), overlapped, state.next_id
+
+    def _fill(self, writing: deque, most: int, judging: Proposal | None = None) -> None:
+        """Ask for proposals until `most` are in flight (being written, or written and not yet taken), within
+        the run's budgets (max_candidates counts those in flight and the one being judged). The planner is
+        told of the one being judged and those written."""
+        while len(writing) < most and not self.limit(in_flight=len(writing) + (judging is not None)):
+            writing.append(self._submit(([judging] if judging else []) + _written(writing), list(writing)))
 
     def _await(self, fut: Future):
         """The proposal once written, or _ABANDONED as soon as a signal says the run must stop. (A budget
@@ -55,36 +70,41 @@ class SerialRun(Run):
 
     def drive(self) -> tuple[str, bool]:
         overlap = self.cfg.agent.overlap and not self.proposer.instant
+        most = self.cfg.agent.in_flight(1) if overlap else 1
+        self._unproposed = unproposed(self)
         backlog = self.ledger.pending()         # committed before a stop, never evaluated: first
-        fut, stale, stop, fatal = None, False, "", False
+        writing: deque[tuple[Future, bool, str]] = deque()     # in id order: (future, stale, id)
+        stop, fatal = "", False
         while True:
-            if (stop := self.stop.why) or (fut is None and (stop := self.limit())):
+            if (stop := self.stop.why) or (not writing and (stop := self.limit())):
                 break
             if backlog:
                 proposal, new = backlog.pop(0), False
             else:
-                if fut is None:
-                    fut, stale = self._submit([]), False
+                if not writing:                 # none in flight: a slow proposer writes `most` at once
+                    self._fill(writing, most)
+                    if not writing:             # a budget ran out just now: said at the top
+                        continue
+                fut, stale, _ = writing.popleft()
                 try:
                     proposal = self._await(fut)
                 except ProviderStop as e:
-                    fut = None
                     stop, fatal = self.provider_stopped(e)
                     break
                 if proposal is _ABANDONED:
                     stop = self.stop.why
-                    break                       # the proposal being written is abandoned (the thread is a daemon)
-                fut, new = None, True
+                    break                       # the proposals being written are abandoned (the threads are daemons)
+                new = True
                 if proposal is None:
-                    if stale:                   # built before the last verdict: ask again with it
+                    if stale or writing:        # built before the last verdict, or others are coming: go on with them
                         continue
                     stop = "search exhausted: the proposer has nothing left worth trying"
                     break
             ready = proposal.outcome == "ready"
             if new and ready and not self.proposer.instant:
                 self.commit_proposal(proposal)  # from here a stop loses nothing: a resumed run evaluates it
-            if overlap and ready and fut is None and not self.limit(in_flight=1):
-                fut, stale = self._submit([proposal]), True
+            if overlap and ready:
+                self._fill(writing, most, judging=proposal)
             if not ready:
                 self.record(unevaluated(proposal, proposal.outcome, proposal.stage, proposal.reason), proposal.exchanges)
             elif why := self.budget():          # a signal since it was proposed: it is evaluated all the same
@@ -92,7 +112,8 @@ class SerialRun(Run):
                 self.record(unevaluated(proposal, "unevaluated", "budget", why), proposal.exchanges)
                 break
             else:
-                meanwhile = "; proposing the next meanwhile" if fut is not None else ""
+                meanwhile = (f"; proposing {len(writing)} meanwhile" if len(writing) > 1
+                             else "; proposing the next meanwhile" if writing else "")
                 self.view.update(activity=f"evaluating {proposal.id} ({', '.join(STAGE_NAMES)}){meanwhile}",
                                  claim=f"{proposal.id} [{proposal.op}] {proposal.claim.hypothesis}")
                 stage_news = (lambda name, p=proposal, m=meanwhile:
@@ -105,7 +126,9 @@ class SerialRun(Run):
                 if stop_msg or sick:
                     stop, fatal = stop_msg or sick, True
                     break
-        if fut is not None:                     # a proposal written while the run was ending: keep what it cost
+        for fut, _, _ in writing:               # proposals written while the run was ending: keep what they cost
+            if self.stop.why and not fut.done():
+                continue                        # a signal: one still being written is abandoned
             try:
                 late = self._await(fut)
             except ProviderStop:
@@ -118,3 +141,32 @@ class SerialRun(Run):
                 else:
                     self.record(unevaluated(late, "unevaluated", "budget", f"the run ended: {stop}"), late.exchanges)
         return stop, fatal
+
+
+def unproposed(run: Run) -> list[str]:
+    """Ids an earlier session paid LLM calls for and stopped before committing a proposal under, oldest first,
+    but the last (Run's resume gives the next proposal that one): several were being written at once when it
+    stopped. Each is proposed again under its own id, before any new one, the calls it paid for not bought
+    again (the meter's prepaid exchanges), so ids stay contiguous."""
+    if run.proposer.instant:
+        return []
+    return sorted((cid for cid, (_, proposal) in run.ledger.unjudged_exchanges().items()
+                   if proposal is None and id_number(cid) <= run.last_id), key=id_number)
+
+
+def next_id(after: str, in_flight: list[str], unproposed: list[str]) -> str:
+    """The id of the next proposal asked for: the oldest unproposed one (taken from the list), else the one
+    after `after` (Run.state's next id: past the ledger and the proposals it was told of) and every id in flight."""
+    if unproposed:
+        return unproposed.pop(0)
+    n = max([id_number(after)] + [id_number(cid) + 1 for cid in in_flight])
+    return f"c{n:03d}"
+
+
+def _written(writing) -> list[Proposal]:
+    """The proposals among those in flight that are written already (the planner is told of them)."""
+    out = []
+    for fut, _, _ in writing:
+        if fut.done() and not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), Proposal):
+            out.append(fut.result())
+    return out

@@ -102,8 +102,15 @@ class Floor(Strict):
     rel_l2: float = Field(gt=0)
 
 
+class WarmThreads(Strict):
+    """Per device: Triton compiles at once when parity first compiles the candidate for every shape class (0: no warm)."""
+    cuda: int = Field(ge=0, le=64)
+    cpu: int = Field(ge=0, le=64)
+
+
 class ParityConfig(Strict):
     timeout_s: float = Field(gt=0)
+    warm_threads: WarmThreads = WarmThreads(cuda=8, cpu=0)
     distributions: list[Literal["normal", "peaky", "shifted_keys", "served"]] = Field(min_length=1)
     sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
@@ -223,9 +230,16 @@ class AgentConfig(Strict):
     compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
     history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
     overlap: bool                                         # propose the next candidate while one is evaluated
+    proposals_in_flight: int | None = Field(default=None, ge=1)   # with overlap: proposals written or waiting at once; null: 3 per slot
     standin_op_share: dict[str, float]                    # assumed op shares until the served profile exists
     runs_dir: str                                         # run ledgers, relative to the project root
     heads: dict[str, str] = Field(default_factory=dict)   # op -> catalog family a run starts from (default: the reference)
+
+    def in_flight(self, slots: int) -> int:
+        """How many proposals a slow proposer may have being written or waiting for the evaluator at once,
+        with `slots` evaluation slots: `proposals_in_flight`, or 3 per slot (an LLM call of ~30 s against
+        ~12 s a candidate through microbench on the H200: docs/BENCHMARKS.md). Used only with `overlap`."""
+        return self.proposals_in_flight or 3 * max(1, slots)
 
     @model_validator(mode="after")
     def _shares(self) -> "AgentConfig":
@@ -396,6 +410,7 @@ class ExecutorConfig(Strict):
     cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores
     slot_cores: Literal["blocks", "interleaved", "none"] = "blocks"   # how the cores are dealt to the slots
     requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
+    verdict_cache: bool = True                 # reuse a verdict whose inputs are all unchanged (harness/verdicts.py)
     dask: DaskConfig
 
     @field_validator("gpus")

@@ -1,7 +1,9 @@
 """Instruments installed inside a worker: which Triton kernels launch, which torch ops run.
 
 `Probes` counts every Triton launch by kernel name (JIT, interpreted and precompiled launches), can
-skip them all ("ablate": is the kernel what produces the output?), and audits the aten ops a candidate
+skip them all ("ablate": is the kernel what produces the output?), can turn them into compiles only
+("compiling": each JIT kernel is compiled for the call's specialization, every config of an autotuned
+one, in a thread pool through Triton's AsyncCompileMode, and nothing is launched), and audits the aten ops a candidate
 issues with a TorchDispatchMode: every op by name (`op_calls`, inside Triton launches too, where a launch
 hook could hide library work) and the elements produced outside launches (`op_elements`). The worker
 applies the audit to every call it makes for the candidate, in every stage. Runs in the untrusted
@@ -25,6 +27,7 @@ class Probes:
         self.op_elements: Counter[str] = Counter()
         self.op_calls: Counter[str] = Counter()
         self.ablate = False
+        self.compile_only = False
         self.in_launch = 0
 
     def reset(self) -> None:
@@ -35,8 +38,9 @@ class Probes:
     def install(self) -> None:
         import triton.runtime.interpreter as interp
         import triton.runtime.jit as jit
-        self._wrap(jit.JITFunction, "run", lambda fn, a, kw: kw.get("warmup", False))
+        self._wrap(jit.JITFunction, "run", lambda fn, a, kw: kw.get("warmup", False), compiles=True)
         self._wrap(interp.InterpretedFunction, "run", lambda fn, a, kw: kw.get("warmup", False))
+        self._wrap_autotuner()
         try:
             from triton.compiler.compiler import CompiledKernel
         except ImportError:                                          # pragma: no cover - other triton
@@ -49,14 +53,14 @@ class Probes:
 
             def launch(*args, **kwargs):
                 probes.launches[kernel.name] += 1
-                if probes.ablate:
+                if probes.ablate or probes.compile_only:
                     return None
                 with probes.launching():
                     return runner(*args, **kwargs)
             return launch
         CompiledKernel.__getitem__ = getitem
 
-    def _wrap(self, cls, attr: str, is_warmup) -> None:
+    def _wrap(self, cls, attr: str, is_warmup, compiles: bool = False) -> None:
         original = getattr(cls, attr)
         probes = self
 
@@ -67,6 +71,11 @@ class Probes:
             name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
             probes.launches[name] += 1
             if probes.ablate:
+                return None
+            if probes.compile_only:                  # compiled for this call's specialization, not launched
+                if compiles:
+                    with probes.launching():
+                        original(fn, *args, **{**kwargs, "warmup": True})
                 return None
             with probes.launching():
                 return original(fn, *args, **kwargs)
@@ -79,6 +88,49 @@ class Probes:
             yield
         finally:
             self.in_launch -= 1
+
+    def _wrap_autotuner(self) -> None:
+        """While compiling only, an autotuned kernel compiles every config it would time (its `warmup`), and
+        neither times nor picks one: its choice is left for a call that runs."""
+        import triton.runtime.interpreter as interp
+        import triton.runtime.jit as jit
+        from triton.runtime.autotuner import Autotuner
+        original = Autotuner.run
+        probes = self
+
+        def run(tuner, *args, **kwargs):
+            if not probes.compile_only:
+                return original(tuner, *args, **kwargs)
+            inner = tuner.fn
+            while not isinstance(inner, (jit.JITFunction, interp.InterpretedFunction)) and hasattr(inner, "fn"):
+                inner = inner.fn                     # through heuristics to the kernel
+            probes.launches[getattr(inner, "__name__", "?")] += 1
+            if isinstance(inner, jit.JITFunction):   # the interpreter compiles nothing
+                kwargs.pop("warmup", None)
+                with probes.launching():
+                    tuner.warmup(*args, **kwargs)
+            return None
+        Autotuner.run = run
+
+    @contextlib.contextmanager
+    def compiling(self, threads: int):
+        """Calls made inside launch nothing: their Triton kernels are compiled, `threads` compiles at once,
+        and the exit waits for all of them. A compile that fails is left for a call that runs to report."""
+        from concurrent.futures import ThreadPoolExecutor
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode
+        except ImportError:                                          # pragma: no cover - other triton
+            AsyncCompileMode = None
+        self.compile_only = True
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kevo-compile") as pool:
+                if AsyncCompileMode is None:
+                    yield
+                else:
+                    with AsyncCompileMode(pool, ignore_errors=True):
+                        yield
+        finally:
+            self.compile_only = False
 
     @contextlib.contextmanager
     def ablated(self):

@@ -5,13 +5,15 @@ A metric that is not finite (NaN or ±Inf: a replay without fallback accounting,
 kept: it is dropped at construction and the stage's reason says which one and what it was, so no verdict,
 ledger or Done message ever carries one. A stored metric of null (how ledgers written before this check
 kept a NaN) is dropped the same way when read back, so resuming such a run never fails on it.
+A verdict given from the verdict cache (harness/verdicts.py) says so in `cached_from`; a fresh one has none
+and is written exactly as before.
 """
 from __future__ import annotations
 
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 Status = Literal["passed", "failed", "skipped"]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -71,6 +73,15 @@ class StageResult(BaseModel):
                 else "hit a CUDA error" if m.get("cuda_error") else "")
 
 
+class CachedFrom(BaseModel):
+    """Where a verdict given from the verdict cache (harness/verdicts.py) was first reached."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    key: str                  # the cache entry's key (runs/.verdicts/<key>.json)
+    job: str                  # the job it was reached for (a candidate's id, head-decode, file1)
+    where: str                # host/slot
+    reached: str              # when, ISO 8601 UTC
+
+
 class Verdict(BaseModel):
     model_config = ConfigDict(extra="forbid")
     ok: bool
@@ -78,6 +89,15 @@ class Verdict(BaseModel):
     failed_stage: str | None
     reason: str
     stages: list[StageResult]
+    cached_from: CachedFrom | None = None      # set when the verdict came from the cache, not from the stages
+
+    @model_serializer(mode="wrap")
+    def _no_null_cache(self, handler):
+        """A verdict reached by the stages is written as before the cache existed (no `cached_from: null`)."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("cached_from") is None:
+            data.pop("cached_from", None)
+        return data
 
     @field_validator("stages", mode="before")
     @classmethod

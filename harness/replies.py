@@ -113,6 +113,14 @@ class Called(Reply):
     seconds: dict[Name, Seconds] = Field(max_length=64)
 
 
+class Warmed(Reply):
+    ok: Literal[True]
+    launches: dict[Name, Count] = Field(max_length=256)
+    op_calls: dict[Name, Count] = Field(max_length=1024)
+    failed: Count
+    seconds: dict[Name, Seconds] = Field(max_length=8)
+
+
 class Profiled(Reply):
     ok: Literal[True]
     kernels: dict[Annotated[str, StringConstraints(max_length=2048)], Micros] = Field(max_length=4096)
@@ -158,7 +166,7 @@ class ServedStats(Reply):
     ops: dict[Name, OpStats] = Field(max_length=16)
 
 
-SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "profile": Profiled, "time": Timed,
+SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "warm": Warmed, "profile": Profiled, "time": Timed,
                                    "capture": Captured, "burst": Burst, "served_stats": ServedStats}
 
 

@@ -7,6 +7,8 @@ times on it or a replay serves from it (docs/CLUSTER.md). Pinning is by environm
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
 inherit it. The health check is a known sum computed on the device in the slot's own process, then
 a tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`).
+A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
+same inputs comes back marked `cached_from`, with no stage run.
 Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
 worker process). `Job` and `Done` are pure data: they cross a pipe or a network as JSON.
 Not here: which slot runs which job, re-queueing, ordering (the executors).
@@ -26,9 +28,10 @@ from pydantic import BaseModel, ConfigDict
 
 from harness.config import Config
 from harness.errors import HarnessError
-from harness.evaluate import evaluate, resolve_device
+from harness.evaluate import resolve_device
 from harness.pool import Pool
 from harness.records import Verdict
+from harness.verdicts import evaluate_cached
 
 _KNOWN = 4096
 _KNOWN_SUM = float(_KNOWN * (_KNOWN - 1))          # 2 * (0 + 1 + ... + 4095): exact in float32
@@ -128,8 +131,9 @@ class Slot:
 
     def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
         started = time.time()
-        verdict = evaluate(job.source, self.target, self.cfg, self._pool(), until=job.until, on_stage=on_stage,
-                           beat=job.beat, head=job.head)
+        verdict = evaluate_cached(job.source, self.target, self.cfg, self._pool(), job=job.id,
+                                  where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=on_stage,
+                                  beat=job.beat, head=job.head)
         return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time())
 
     def scratch(self) -> str:

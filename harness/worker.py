@@ -174,6 +174,31 @@ class Worker:
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
                 "inputs_modified": modified, "seconds": seconds}
 
+    def warm(self, msg: dict) -> dict:
+        """Compile the candidate's kernels for every call in `calls` (each a recipe: the shape classes parity
+        will run) before any is checked: each call runs watched with nothing launched, its kernels compiled
+        `threads` at once (`Probes.compiling`), so the checks that follow find them compiled in this process.
+        Its outputs are nobody's: dropped. A call that raises is counted, not reported: the check that runs it
+        says why."""
+        self.probes.reset()
+        failed, t0 = 0, time.perf_counter()
+        with self.probes.compiling(int(msg.get("threads", 1))):
+            for recipe in msg["calls"]:
+                op = recipe["case"].op
+                args = self.target.ops[op].make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device,
+                                                      DTYPES[recipe["dtype"]])
+                try:
+                    self._watched(self._fn("candidate", op), op, args)
+                except Exception as e:
+                    if "CUDA" in str(e):            # the context is gone with it: reported as any call's
+                        raise
+                    failed += 1
+                del args
+            called = time.perf_counter() - t0
+        self._sync()
+        return {"ok": True, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls),
+                "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called}}
+
     def profile(self, msg: dict) -> dict:
         from torch.profiler import ProfilerActivity, profile
         op = msg["op"]
@@ -318,7 +343,7 @@ def preload() -> None:
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
-    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "profile": worker.profile, "time": worker.time,
+    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "time": worker.time,
                 "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:

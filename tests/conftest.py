@@ -17,8 +17,14 @@ CUDA = torch.cuda.is_available()
 
 
 def config_with(**overrides) -> Config:
-    """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20})."""
+    """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20}).
+    The verdict cache is off unless an override turns it on: a test judges its candidate itself, never
+    a verdict an earlier run of the suite left under runs/.verdicts. One proposal is written at a time unless
+    an override says otherwise: a scripted LLM answers in the order it is asked, and its scripts are written
+    for the ids of a run that asks in id order."""
     raw = copy.deepcopy(yaml.safe_load(DEFAULT_CONFIG.read_text()))
+    raw["executor"]["verdict_cache"] = False
+    raw["agent"]["proposals_in_flight"] = 1
     for dotted, value in overrides.items():
         node = raw
         *parents, leaf = dotted.split(".")

@@ -8,14 +8,26 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 import candidates as C
 from agent.cli import COMMANDS, EXIT_CODES, UsageError, _read_candidate, main
-from conftest import ROOT
+from conftest import ROOT, config_with
+
+NO_CACHE: list[str] = []        # --config: the project's config with the verdict cache off (the fixture below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _judged_afresh(tmp_path_factory):
+    """Each file is judged by the stages, never given a verdict an earlier run left in runs/.verdicts."""
+    path = tmp_path_factory.mktemp("cli") / "config.yaml"
+    path.write_text(yaml.safe_dump(config_with().model_dump(mode="json"), sort_keys=False))
+    NO_CACHE[:] = ["--config", str(path)]
 
 
 def kevo(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "agent.cli", *args], capture_output=True, text=True,
+    config = [] if args[:1] == ("--config",) else NO_CACHE
+    return subprocess.run([sys.executable, "-m", "agent.cli", *config, *args], capture_output=True, text=True,
                           timeout=300, cwd=cwd)
 
 

@@ -33,6 +33,9 @@ def test_project_config_loads():
     ("env_passthrough: [PATH,", "env_passthrough: [OPENAI_API_KEY, PATH,", "OPENAI_API_KEY looks like a secret"),
     ("    reps: 30", "", "stages.microbench.reps: missing key"),
     ("  heads: {}", "  heads: {attention: decode-paged-gqa}", "agent: Value error, heads names op 'attention', which is not in agent.ops"),
+    ("proposals_in_flight: null", "proposals_in_flight: 0", "agent.proposals_in_flight: Input should be greater than or equal to 1"),
+    ("verdict_cache: true", "verdict_cache: sometimes", "executor.verdict_cache: Input should be a valid boolean"),
+    ("warm_threads: {cuda: 8, cpu: 0}", "warm_threads: {cuda: 8, gpu: 0}", "stages.parity.warm_threads.gpu: unknown key"),
 ])
 def test_a_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:

@@ -67,6 +67,8 @@ CALL = {"ok": True, "outputs": [], "launches": {"_k": 1}, "op_elements": {}, "op
 TIME = {"ok": True, "synced_ms": {"candidate:0": [1.0]}, "streamed_ms": {"candidate:0": [0.9]}, "anchor_error": "",
         "outputs": []}
 
+WARM = {"ok": True, "launches": {"_k": 1}, "op_calls": {}, "failed": 0, "seconds": {"calls_s": 0.1}}
+
 
 @pytest.mark.parametrize("kind, reply, words", [
     ("call", [CALL], "a JSON list, not an object"),
@@ -88,6 +90,9 @@ TIME = {"ok": True, "synced_ms": {"candidate:0": [1.0]}, "streamed_ms": {"candid
     ("load", {"ok": True}, "field ops: Field required"),
     ("capture", {"ok": True}, "field graph: Field required"),
     ("profile", {"ok": True, "kernels": {"k": float("inf")}, "launches": {}}, "field kernels.k: Input should be a finite number"),
+    ("warm", {**WARM, "failed": -1}, "field failed: Input should be greater than or equal to 0"),
+    ("warm", {**WARM, "op_calls": {"mm": 1.5}}, "field op_calls.mm: Input should be a valid integer"),
+    ("warm", {**WARM, "outputs": []}, "field outputs: Extra inputs are not permitted"),
 ])
 def test_a_reply_of_the_wrong_shape_is_malformed_naming_the_field(kind, reply, words):
     with pytest.raises(MalformedReply) as err:
@@ -98,6 +103,7 @@ def test_a_reply_of_the_wrong_shape_is_malformed_naming_the_field(kind, reply, w
 def test_a_failing_reply_is_accepted_for_any_request_and_well_formed_ones_parse():
     assert parse("time", {"ok": False, "error": "boom", "fatal": True}).error == "boom"
     assert parse("call", CALL, wall_s=0.5).wall_s == 0.5
+    assert parse("warm", WARM).failed == 0
     assert parse("call", {**CALL, "wall_s": 99.0}, wall_s=0.5).wall_s == 0.5       # the evaluator's clock, not the worker's
     assert parse("load", {"ok": False, "ops": [], "error": "defines none"}).ops == []
 

@@ -189,11 +189,7 @@ def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls:
     `aux_work_fraction` of the calls' multiply-adds, or, where `launches` counts, for a call that launched no
     Triton kernel. Returns the elements torch compute ops produced."""
     d = ctx.cfg.stages.dispatch
-    op_calls = reply.get("op_calls") or {}
-    forbidden = sorted(n for n in op_calls if n in set(d.forbidden_ops))
-    if forbidden:
-        listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
-        raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", library_ops=1.0)
+    no_library_compute(ctx, where, reply)
     elements = reply.get("op_elements") or {}
     compute = {n: e for n, e in elements.items() if n not in PLUMBING}
     work = float(sum(compute.values()))
@@ -202,6 +198,15 @@ def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls:
         raise Rejected(f"{where}: torch ops outside the kernel produce {work:.0f} elements, more than "
                        f"{d.aux_work_fraction:.0%} of the op's {madds * calls:.0f} multiply-adds: {top}")
     return work
+
+
+def no_library_compute(ctx: EvalContext, where: str, reply: Reply) -> None:
+    """Rejected if the worker saw the candidate issue any library compute op (dispatch.forbidden_ops)."""
+    op_calls = reply.get("op_calls") or {}
+    forbidden = sorted(n for n in op_calls if n in set(ctx.cfg.stages.dispatch.forbidden_ops))
+    if forbidden:
+        listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
+        raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", library_ops=1.0)
 
 
 def no_launch(where: str) -> Rejected:
@@ -256,5 +261,5 @@ def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_launch", "PLUMBING", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_library_compute", "no_launch", "PLUMBING", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

@@ -11,18 +11,23 @@ after each of the next two checks: it must not have changed (decode and prefill 
 one buffer are each right alone and wrong together in a served step). The worker poisons the
 allocator before each call and reports whether inputs changed; each call is repeated on identical
 inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
-same inputs times a factor, with a floor (config: stages.parity).
+same inputs times a factor, with a floor (config: stages.parity). Before the first check, the candidate's
+kernels are compiled for every shape class of the plan at once (`warm`; config warm_threads).
 """
 from __future__ import annotations
 
 import itertools
+import random
 import secrets
+import time
 
 import torch
 
 from harness.records import StageResult
-from harness.stages.common import EvalContext, Rejected, collect_trial, diff, draw, send_trial
+from harness.stages.common import (EvalContext, Rejected, candidate_raised, collect_trial, diff, draw,
+                                   no_library_compute, send_trial)
 from harness.targets import Case
+from harness.transport import DTYPE_NAMES
 
 RECHECK_AFTER = 2          # every output is sent back after each of this many later checks
 
@@ -63,9 +68,36 @@ def _plan(ctx: EvalContext) -> list[tuple[Case, str]]:
     return [check for round_ in itertools.zip_longest(*per_op) for check in round_ if check is not None]
 
 
+def warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> dict[str, float]:
+    """Compile the candidate's kernels for each shape class of the plan at once, in its own worker, before the
+    first check (config stages.parity.warm_threads, per device; 0: skipped): one call per class with nothing
+    launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per specialization
+    and a fresh worker has an empty cache, so otherwise each class compiles in turn inside its first check.
+    The calls are held to `no_library_compute` like every call; their outputs are dropped, so their torch
+    work is not weighed against the op's (`library_use`). Returns the stage's metrics of it."""
+    threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
+    if not threads:
+        return {}
+    classes = list({(case.op, case.label): case for case, _ in plan}.values())
+    calls = []
+    for case in classes:
+        seed = secrets.randbits(62)
+        if ctx.target.vary is not None:
+            case = ctx.target.vary(case, "normal", random.Random(seed), ctx)
+        calls.append({"case": case, "dist": "normal", "seed": seed, "dtype": DTYPE_NAMES[ctx.dtype]})
+    t0 = time.monotonic()
+    reply = ctx.request({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes", "warm")
+    if not reply.ok:
+        raise candidate_raised("compiling the shape classes", reply)
+    no_library_compute(ctx, f"parity (compiling the {len(classes)} shape classes)", reply)
+    return {"warm_s": round(time.monotonic() - t0, 3), "warm_classes": float(len(classes)),
+            "warm_failed": float(reply.failed), "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+
+
 def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
     plan = _plan(ctx)
+    warmed = warm(ctx, plan)
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
     firsts: dict[int, tuple] = {}            # check index -> (trial, its first output as read then)
 
@@ -102,4 +134,4 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         worst = max(worst, settle(*pending))
     return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance, interleaved "
                                         f"over {', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
-                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent)
+                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent, **warmed)
