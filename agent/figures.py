@@ -103,32 +103,39 @@ def speed(verdict: Verdict | None, op: str) -> Speed:
                  shapes=shapes)
 
 
+def _timed(stage) -> bool:
+    """A stage that timed something: microbench or the replay, run, and not the replay's gates alone (a CPU)."""
+    return stage.status != "skipped" and stage.metrics.get("timed", 1.0) != 0.0
+
+
 def untimed_pass(verdict: Verdict | None) -> bool:
-    """Passed every stage that ran, and the ones that time (microbench, replay) did not run: correct, not fast."""
+    """Passed every stage that ran, and none of those that time (microbench, replay) timed: correct, not fast."""
     if verdict is None or not verdict.ok:
         return False
-    return all(s.status == "skipped" for s in verdict.stages if s.name not in CORRECTNESS)
+    return not any(_timed(s) for s in verdict.stages if s.name not in CORRECTNESS)
 
 
 def nothing_timed(verdicts: list[Verdict | None]) -> bool:
-    """No stage that times (microbench, replay) ran in any of these verdicts (a CPU run), and some exist."""
+    """No stage that times (microbench, replay) timed anything in any of these verdicts (a CPU run), and some exist."""
     stages = [s for v in verdicts if v is not None for s in v.stages if s.name not in CORRECTNESS]
-    return any(s.name == "microbench" for s in stages) and all(s.status == "skipped" for s in stages)
+    return any(s.name == "microbench" for s in stages) and not any(_timed(s) for s in stages)
 
 
 def untimed_words(passed: int) -> str:
     """What 'passed N' means on a machine that timed nothing."""
-    return (f"{passed} candidate(s) passed the correctness stages (compile, dispatch, parity) only: nothing was "
-            "timed or accepted here (microbench and replay did not run)")
+    return (f"{passed} candidate(s) passed the correctness stages (compile, dispatch, parity, the replay's gates) only: "
+            "nothing was timed or accepted here (microbench and the replay's timing did not run)")
 
 
 def outcome_words(outcome: str, stage: str, verdict: Verdict | None) -> str:
-    """'passed at parity' as a person should read it: on a machine that timed nothing, a pass is a pass of
+    """'passed at replay' as a person should read it: on a machine that timed nothing, a pass is a pass of
     the correctness stages only."""
     if outcome == "passed" and untimed_pass(verdict):
-        ran = [s.name for s in verdict.stages if s.status == "passed"]
+        ran = [s.name if _timed(s) or s.name in CORRECTNESS else f"the {s.name}'s gates" for s in verdict.stages
+               if s.status == "passed"]
         skipped = [s.name for s in verdict.stages if s.status == "skipped"]
-        return f"passed the correctness stages ({', '.join(ran)}); not timed, not accepted ({', '.join(skipped)} skipped)"
+        return (f"passed the correctness stages ({', '.join(ran)}); not timed, not accepted"
+                + (f" ({', '.join(skipped)} skipped)" if skipped else ""))
     return f"{outcome} at {stage}"
 
 

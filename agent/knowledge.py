@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness.config import PROJECT_ROOT
+from harness.syntax import parse
 
 from agent.records import Knob
 
@@ -174,7 +175,7 @@ _KNOB_LINE = r"^({name}) = ([^#\n]*?)(\s*#.*)?$"
 def read_knobs(source: str) -> dict[str, Knob]:
     """Module-level `NAME = literal` lines in upper case: a kernel family's settings."""
     knobs = {}
-    for node in ast.parse(source).body:
+    for node in parse(source).body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
             name = node.targets[0].id
             if name.isupper() and not name.startswith("_"):

@@ -190,7 +190,8 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
         same.stage_result()
     unaccounted = judge(CFG, "float32", ref, *_arms([1.0] * 4, [0.9] * 4)[1:], None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
-    eager = judge(CFG, "float32", base, fast, again, ALL_CANDIDATE | {"graphs": {
+    ref, head, fast = _arms([1.0, 1.02, 0.99, 1.01], [0.9, 0.92, 0.89, 0.91])
+    eager = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE | {"graphs": {
         "on": False, "fell_back": True, "reason": "off: capturing the decode step at batch 4, width 8 failed (...)"}})
     assert eager.accepted and eager.metrics["candidate_cuda_graphs"] == 0.0      # said, not held against it
     assert "the candidate's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 4" in eager.reason

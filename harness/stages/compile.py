@@ -12,13 +12,14 @@ import ast
 
 from harness import allowlist
 from harness.records import StageResult
+from harness.syntax import parse
 from harness.stages.common import EvalContext, Rejected, candidate_raised, draw, run_trial
 
 
 def static_check(ctx: EvalContext) -> list[str]:
     """Return the ops the source defines; raise Rejected for what can be refused without running it."""
     try:
-        tree = ast.parse(ctx.source)
+        tree = parse(ctx.source)
     except SyntaxError as e:
         raise Rejected(f"syntax error at line {e.lineno}: {e.msg}\n    {(e.text or '').rstrip()}") from None
     try:
