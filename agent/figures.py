@@ -123,8 +123,8 @@ def nothing_timed(verdicts: list[Verdict | None]) -> bool:
 
 def untimed_words(passed: int) -> str:
     """What 'passed N' means on a machine that timed nothing."""
-    return (f"{passed} candidate(s) passed the correctness stages (compile, dispatch, parity, the replay's gates) only: "
-            "nothing was timed or accepted here (microbench and the replay's timing did not run)")
+    return (f"{passed} candidate(s) passed the correctness stages only: nothing was timed or accepted here "
+            "(microbench and the replay's timing need CUDA)")
 
 
 def outcome_words(outcome: str, stage: str, verdict: Verdict | None) -> str:

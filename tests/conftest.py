@@ -16,15 +16,21 @@ ROOT = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
 
 
+CPU_GATES = {"stages.replay.cpu_gates": True}
+
+
 def config_with(**overrides) -> Config:
     """The project's config with dotted-path overrides, e.g. config_with(**{"stages.parity.timeout_s": 20}).
     The verdict cache is off unless an override turns it on: a test judges its candidate itself, never
     a verdict an earlier run of the suite left under runs/.verdicts. One proposal is written at a time unless
     an override says otherwise: a scripted LLM answers in the order it is asked, and its scripts are written
-    for the ids of a run that asks in id order."""
+    for the ids of a run that asks in id order. On a CPU the replay stage's gates are off unless an override
+    turns them on (`CPU_GATES`): each costs two server starts per candidate, the tests of the agent's loop
+    judge many candidates, and the gates' own tests (test_replay.py, test_stages.py) turn them on."""
     raw = copy.deepcopy(yaml.safe_load(DEFAULT_CONFIG.read_text()))
     raw["executor"]["verdict_cache"] = False
     raw["agent"]["proposals_in_flight"] = 1
+    raw["stages"]["replay"]["cpu_gates"] = False
     for dotted, value in overrides.items():
         node = raw
         *parents, leaf = dotted.split(".")

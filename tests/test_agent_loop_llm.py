@@ -42,7 +42,7 @@ def git(ledger, *args: str) -> str:
 
 
 def gist(subject: str) -> str:
-    """A ledger subject without its free text: `propose c001 [decode]`, `c001: passed at replay`, `paid c001 ...`."""
+    """A ledger subject without its free text: `propose c001 [decode]`, `c001: passed at parity`, `paid c001 ...`."""
     if subject.startswith(("propose ", "paid ", "start ", "end ", "resume ")):
         return subject.split(":")[0]
     return f"{subject.split()[0]}: {subject.rsplit(': ', 1)[1]}"
@@ -74,7 +74,7 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
 
     assert not result.fatal and result.stop == "5 candidates reached"
     outcomes = [(r.id, r.outcome, r.stage) for r in result.history]
-    assert outcomes == [("c001", "malformed", "planner"), ("c002", "passed", "replay"),
+    assert outcomes == [("c001", "malformed", "planner"), ("c002", "passed", "parity"),
                         ("c003", "not-worth-coding", "ceiling"), ("c004", "malformed", "coder"),
                         ("c005", "rejected", "parity")]
     c002, c003, c005 = result.history[1], result.history[2], result.history[4]
@@ -91,7 +91,7 @@ def test_openai_run_survives_every_scripted_failure_and_records_each_outcome(poo
     assert [gist(s) for s in verdicts] == [f"{c}: {o} at {st}" for c, o, st in outcomes]
     assert all(len(s) <= 72 for s in verdicts + proposed)
     trailers = git(ledger, "log", "-1", "--format=%(trailers:key=Verdict,key=Rounds,key=Cost,valueonly)",
-                   "--grep=^c002 .*: passed at replay$")
+                   "--grep=^c002 .*: passed at parity$")
     assert trailers.split() == ["passed", "2", f"{c002.cost_usd:.6f}"]
     paid = [s.split(":")[0] for s in subjects if s.startswith("paid ")]      # each exchange committed as answered
     assert paid[:4] == ["paid c001 planner claim", "paid c001 planner claim-repair", "paid c002 planner claim",
@@ -137,5 +137,5 @@ def test_next_claim_is_written_and_committed_while_the_current_candidate_is_eval
     subjects = [gist(line) for line in git(result.ledger, "log", "--reverse", "--format=%s").splitlines()
                 if not line.startswith("paid ")]
     # committed as soon as it was written, not after c001's verdict: a kill meanwhile would not lose it
-    assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "c001: passed at replay",
-                             "c002: passed at replay"], subjects
+    assert subjects[1:5] == ["propose c001 [decode]", "propose c002 [decode]", "c001: passed at parity",
+                             "c002: passed at parity"], subjects

@@ -206,8 +206,7 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
     assert [r.outcome for r in first.history] == ["passed", "passed"]
     assert Ledger(first.ledger).history() == first.history                   # nothing lives only in memory
     assert any("microbench: skipped: needs CUDA" in n for n in first.not_run)
-    assert not any(n.startswith("replay:") for n in first.not_run)               # on a CPU the replay runs its gates
-    assert all(r.verdict.stages[-1].name == "replay" and r.verdict.stages[-1].metrics["timed"] == 0.0 for r in first.history)
+    assert any(n.startswith("replay:") for n in first.not_run)
 
     again = go(3)                                                             # the same run id resumes it
     assert [r.id for r in again.history] == ["c001", "c002", "c003"]
@@ -216,16 +215,16 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
                          text=True, check=True).stdout.splitlines()
     gist = [f"{line.split()[0]}: {line.rsplit(': ', 1)[1]}" if line.startswith("c") else line.split(":")[0]
             for line in log]
-    assert gist == ["start offline", "c001: passed at replay", "c002: passed at replay", "end offline",
-                    "resume offline", "c003: passed at replay", "end offline"]
+    assert gist == ["start offline", "c001: passed at parity", "c002: passed at parity", "end offline",
+                    "resume offline", "c003: passed at parity", "end offline"]
     for line, r in zip([line for line in log if line.startswith("c")], again.history):
         change = line.removeprefix(f"{r.id} decode ").rsplit(": ", 1)[0]   # what was tried: `<knob> <old> -> <new>`
         assert " -> " in change and r.claim.hypothesis.startswith(change.removesuffix("…")) and len(line) <= 72, line
     tags = subprocess.run(["git", "tag"], cwd=again.ledger, capture_output=True, text=True).stdout.split()
     assert tags == ["best-decode", "head-decode"]
     said = " ".join(out.getvalue().split())
-    assert ("c001 [decode] passed the correctness stages (compile, dispatch, parity, the replay's gates); not timed, "
-            "not accepted (microbench skipped)") in said
+    assert ("c001 [decode] passed the correctness stages (compile, dispatch, parity); not timed, not accepted "
+            "(microbench, replay skipped)") in said
     summary = json.loads(Ledger(again.ledger).committed("summary.json"))
     assert summary["untimed"] == again.untimed and again.untimed.startswith("3 candidate(s) passed the correctness stages")
     assert "nothing was timed or accepted here" in Ledger(again.ledger).committed("summary.md")

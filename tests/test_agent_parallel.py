@@ -122,7 +122,7 @@ def test_a_dask_run_with_a_worker_killed_mid_task_commits_what_a_serial_run_comm
         parallel = prun()
         killer.join(timeout=5)
 
-    expected = [("c001", "passed", "replay"), ("c002", "passed", "replay"), ("c003", "passed", "replay"),
+    expected = [("c001", "passed", "parity"), ("c002", "passed", "parity"), ("c003", "passed", "parity"),
                 ("c004", "rejected", "dispatch"), ("c005", "not-worth-coding", "ceiling")]
     for result in (serial, parallel):
         assert not result.fatal and result.stop == "5 candidates reached"
@@ -172,7 +172,7 @@ def test_a_candidate_whose_evaluator_is_lost_for_good_is_recorded_unevaluated_an
         threading.Thread(target=kill, daemon=True).start()
         result = prun(pool)
     assert not result.fatal and [(r.id, r.outcome, r.stage) for r in result.history] == [
-        ("c001", "unevaluated", "evaluator"), ("c002", "passed", "replay")]
+        ("c001", "unevaluated", "evaluator"), ("c002", "passed", "parity")]
     assert "c001: its evaluator was lost 1 times (executor.requeue_limit 0)" in result.history[0].reason
     assert commits(result.ledger, "Candidate") == ["c001", "c002"]
     assert head.verdict.ok and gist(head.verdict.model_dump()) == gist(result.heads["decode"].verdict.model_dump())

@@ -65,7 +65,7 @@ def past(pool, tmp_path_factory):
         result = run(cfg, settings_from(cfg, pool.device, provider="openai", max_candidates=3, run_id="past"),
                      quiet(), pool=pool)
     assert [(r.outcome, r.stage, len(r.rounds)) for r in result.history] == [
-        ("passed", "replay", 2), ("rejected", "parity", 1), ("not-worth-coding", "ceiling", 0)]
+        ("passed", "parity", 2), ("rejected", "parity", 1), ("not-worth-coding", "ceiling", 0)]
     return result
 
 
@@ -212,8 +212,8 @@ def uninterrupted(past, pool, tmp_path_factory):
     """The verdict replay cut after parity, one kernel at a time in one pool, never interrupted."""
     replay = replay_verdicts(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
     assert judged(replay.rows) == [
-        ("head:decode", "passed", "replay", ("passed", "replay"), "same", ""),
-        ("c001", "passed", "replay", ("passed", "replay"), "same", ""),
+        ("head:decode", "passed", "parity", ("passed", "parity"), "same", ""),
+        ("c001", "passed", "parity", ("passed", "parity"), "same", ""),
         ("c002", "rejected", "parity", ("rejected", "parity"), "same", ""),
         ("c003", "not-worth-coding", "ceiling", None, "not evaluated then", "")]
     return replay

@@ -10,7 +10,7 @@ import time
 import pytest
 
 import candidates as C
-from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
+from conftest import CPU_GATES, CUDA, RUNTIME_ONLY, config_with, runtime_only
 from harness.evaluate import sched_s
 from harness.stages import STAGE_NAMES
 
@@ -22,7 +22,7 @@ def stage_of(verdict):
 def test_reference_decode_kernel_passes_every_stage(evaluate_source):
     """On a CPU, microbench says it needs CUDA and the replay runs its gates alone, timing nothing; on a GPU, microbench times it faster than the
     served baseline (its replay is tests/test_served_gpu.py's, over a window of its own)."""
-    v = evaluate_source(C.REF_DECODE, until="microbench" if CUDA else None)
+    v = evaluate_source(C.REF_DECODE, until="microbench" if CUDA else None, config=config_with(**CPU_GATES))
     assert v.ok and not v.accepted, v.reason     # only the full scored replay accepts
     assert [s.name for s in v.stages] == list(STAGE_NAMES[:4] if CUDA else STAGE_NAMES)
     assert [s.status for s in v.stages[:3]] == ["passed"] * 3 and v.stages[2].metrics["checks"] >= 8

@@ -116,24 +116,37 @@ def _fail(label: str, e: ServerFailure) -> Exception:
 
 
 class Servers:
-    """The replay's servers, started at once (their warm-ups overlap; nothing is timed then), stopped
-    together whatever happens. A server that failed to start is the failure of its label."""
+    """The replay's servers, started at once from this thread (a server dies with the thread that started
+    it) and stopped together whatever happens, those still starting too. `wait` waits for some or all of
+    them; a server that failed to start is the failure of its label (the candidate's first)."""
 
-    def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int) -> None:
+    def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
+                 wait: bool = True) -> None:
         self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
         warm = warm_lengths(cfg, device)
         self.handles: dict[str, ServerHandle] = {}
+        self.starting: dict[str, ServerHandle] = {}
         failure: tuple[str, ServerFailure] | None = None
-        started = {}                   # all from this thread: a server dies with the thread that started it
         for label, source in sources.items():
             try:
-                started[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
-                                              reference=label == "reference")
+                self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
+                                                    reference=label == "reference")
             except ServerFailure as e:
                 failure = failure or (label, e)
-        for label, h in started.items():
+        if failure:
+            self.close()
+            raise _fail(*failure)
+        if wait:
+            self.wait()
+
+    def wait(self, labels: list[str] | None = None) -> None:
+        failure: tuple[str, ServerFailure] | None = None
+        for label in list(self.starting if labels is None else labels):
+            h = self.starting.pop(label, None)
+            if h is None:
+                continue
             try:
-                self.handles[label] = wait_ready(h, ready_timeout(cfg))
+                self.handles[label] = wait_ready(h, ready_timeout(self.cfg))
             except ServerFailure as e:
                 failure = failure if failure and failure[0] == "candidate" else (label, e)
         if failure:
@@ -157,6 +170,8 @@ class Servers:
     def close(self) -> None:
         for label in list(self.handles):
             self.stop(label)
+        while self.starting:
+            self.starting.popitem()[1].stop()
 
     def __enter__(self) -> "Servers":
         return self
@@ -332,8 +347,10 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     that server is fed them too and the candidate's mean is also held to `head_factor` x the head's."""
     dtype = getattr(cfg.targets.attention, device).dtype
     t0 = time.monotonic()
+    servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the others' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     ref = reference_pass(cfg, servers, requests)
+    servers.wait()
     _time_left(deadline, 0)
     try:
         cand = send(cfg, servers.handles[label], forced(requests, ref), label)
@@ -367,8 +384,13 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "hea
     r = cfg.stages.replay
     dtype = getattr(cfg.targets.attention, device).dtype
     window = getattr(cfg.served, device).window_s
+    t0 = time.monotonic()
+    servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the arms' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     ref = reference_pass(cfg, servers, requests)
+    ref_s = time.monotonic() - t0
+    servers.wait()
+    arms_s = time.monotonic() - t0
     if not keep_reference:
         servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
     feed = forced(requests, ref)
@@ -383,13 +405,14 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "hea
     stats = _stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
     outcome.reference = ref
+    outcome.metrics.update(reference_done_s=ref_s, arms_ready_s=arms_s)   # from the call, servers' start included
     return outcome
 
 
 def run_gates(cfg: Config, device: str, source: str, deadline: float | None = None) -> ReplayOutcome:
     """The CPU path: reference and candidate, every token compared, nothing timed or accepted."""
     t0 = time.monotonic()
-    with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31)) as servers:
+    with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31), wait=False) as servers:
         outcome = gates_in(cfg, device, servers, "candidate", deadline)
     outcome.metrics["stage_s"] = time.monotonic() - t0
     return outcome
@@ -399,10 +422,10 @@ def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
                deadline: float | None = None) -> ReplayOutcome:
     """The timed stage (CUDA; callable on any device, as the tests do): see the module's docstring."""
     t0 = time.monotonic()
-    with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31)) as servers:
-        started = time.monotonic() - t0
+    with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31),
+                 wait=False) as servers:
         outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
-    outcome.metrics.update(servers_ready_s=started, stage_s=time.monotonic() - t0)
+    outcome.metrics.update(stage_s=time.monotonic() - t0)
     return outcome
 
 
@@ -411,5 +434,8 @@ def replay_stage(ctx: EvalContext) -> StageResult:
         ctx.worker.close()
         ctx.worker = None
     if ctx.device.type != "cuda":
+        if not ctx.cfg.stages.replay.cpu_gates:
+            return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
+                                                 "its gates did not run either")
         return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None).stage_result()
     return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None).stage_result()

@@ -37,7 +37,7 @@ from harness.stages.replay import Servers, gates_in, paired_in, run_replay  # no
 KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
         "gate_p99_logprob_diff", "gate_mean_logprob_diff", "gate_flips", "gate_flip_lead", "head_gate_passed",
         "head_gate_max_logprob_diff", "head_gate_p99_logprob_diff", "head_gate_mean_logprob_diff", "head_gate_flip_lead",
-        "head_tpot_p50_ms", "candidate_tpot_p50_ms", "head_ttft_p50_ms", "candidate_ttft_p50_ms", "stage_s", "servers_ready_s",
+        "head_tpot_p50_ms", "candidate_tpot_p50_ms", "head_ttft_p50_ms", "candidate_ttft_p50_ms", "stage_s", "reference_done_s", "arms_ready_s",
         "candidate_stalls", "head_requests")
 
 
