@@ -16,9 +16,7 @@ real lengths served.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,6 +25,7 @@ from types import ModuleType
 import torch
 
 from harness.served.shapes import ShapeRecorder
+from harness.candidate import load_candidate as load
 from harness.targets.attention import TARGET
 
 # A candidate call that holds the host this long: it compiled (a shape class the warm-up did not
@@ -35,11 +34,12 @@ STALL_MS = 50.0
 
 
 def load_candidate(path: Path | str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location("candidate", str(path))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["candidate"] = module
-    spec.loader.exec_module(module)
-    return module
+    """The candidate's module (harness/candidate.py, the one loader), refused like the worker refuses it:
+    an op whose parameters are not the contract's."""
+    loaded = load(path, TARGET)
+    if loaded.problem:
+        raise TypeError(f"the candidate {loaded.problem}")
+    return loaded.module
 
 
 class AttentionOps:
