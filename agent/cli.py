@@ -70,7 +70,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"file": name, **outcome.model_dump()}), flush=True)
         else:
-            from agent.view import print_verdict
+            from agent.reading.view import print_verdict
             print_verdict(outcome, name)
         worst = max(worst, 0 if outcome.ok else 1)
     return worst
@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--run-id {args.run_id!r}: use letters, digits, '-', '_' and '.' only")
     if args.run_id is not None and args.resume is not None:
         raise UsageError("give --resume (an existing run) or --run-id (a new run, or an existing one), not both")
-    from agent.settings import RunError, run_folder, stored
+    from agent.run.settings import RunError, run_folder, stored
     try:
         root = run_folder(cfg, args.run_id, args.resume)     # a run in progress there: said now, before torch loads
         before = stored(root) if root is not None else None
@@ -101,18 +101,18 @@ def _run(args: argparse.Namespace) -> int:
             getattr(cfg.providers, cfg.providers.fallback).api_key(cfg.providers.fallback)
         if args.model and args.model not in cfg.providers.prices:
             raise UsageError(f"providers.prices has no entry for model {args.model!r}; add one (0 for a local server)")
-        from agent.providers import ProviderStop, check_keys
+        from agent.llm.providers import ProviderStop, check_keys
         try:
             check_keys(cfg.providers, provider)              # a refused key: said now, before the heads' minutes
         except ProviderStop as e:
             raise UsageError(str(e)) from None
     from harness.evaluate import resolve_device          # imports torch: after the cheap checks
     from agent.knowledge import CatalogError
-    from agent.ledger import LedgerError
-    from agent.loop import run, settings_from
-    from agent.prompts import PromptError
-    from agent.providers import ProviderStop
-    from agent.view import RunView, print_summary
+    from agent.ledger.repository import LedgerError
+    from agent.run.loop import run, settings_from
+    from agent.llm.prompts import PromptError
+    from agent.llm.providers import ProviderStop
+    from agent.reading.view import RunView, print_summary
     settings = None
     try:
         settings = settings_from(cfg, resolve_device(cfg).type, target=args.target, provider=args.provider,
@@ -161,8 +161,8 @@ def _profile(args: argparse.Namespace) -> int:
 def _find_run(args: argparse.Namespace):
     """The ledger named on the command line: a path, or a bare run id under the config's agent.runs_dir."""
     from harness.config import PROJECT_ROOT
-    from agent.ledger import LedgerError
-    from agent.table import find_run
+    from agent.ledger.repository import LedgerError
+    from agent.reading.table import find_run
     runs = Path(load_config(args.config).agent.runs_dir)
     try:
         return find_run(args.run, runs if runs.is_absolute() else PROJECT_ROOT / runs)
@@ -171,7 +171,7 @@ def _find_run(args: argparse.Namespace):
 
 
 def _ledger(args: argparse.Namespace) -> int:
-    from agent.table import print_rows, rows
+    from agent.reading.table import print_rows, rows
     ledger = _find_run(args)
     try:
         items = rows(ledger)
@@ -186,7 +186,7 @@ def _ledger(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     ledger = _find_run(args)
-    from agent.report import write                        # imports matplotlib: after the cheap checks
+    from agent.reading.report import write                        # imports matplotlib: after the cheap checks
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         raise UsageError(f"--out {out}: no such folder {out.parent}")
@@ -216,16 +216,16 @@ def _replay(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
     from rich.console import Console
     from agent.knowledge import CatalogError
-    from agent.ledger import LedgerError
-    from agent.loop import RunError
-    from agent.prompts import PromptError
-    from agent.providers import ProviderStop
-    from agent.replay import ReplayError, replay_decisions
-    from agent.replay_verdicts import replay_verdicts
-    from agent.replay_progress import ProgressError, finish
-    from agent.replay_report import commit_replay, print_replay
-    from agent.session import RunBusy, RunLock
-    from agent.view import RunView
+    from agent.ledger.repository import LedgerError
+    from agent.run.loop import RunError
+    from agent.llm.prompts import PromptError
+    from agent.llm.providers import ProviderStop
+    from agent.rejudging.rerun import ReplayError, replay_decisions
+    from agent.rejudging.rejudge import replay_verdicts
+    from agent.rejudging.progress import ProgressError, finish
+    from agent.rejudging.report import commit_replay, print_replay
+    from agent.run.session import RunBusy, RunLock
+    from agent.reading.view import RunView
     err = Console(stderr=True)
     try:
         if args.llm:

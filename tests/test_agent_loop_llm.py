@@ -14,8 +14,8 @@ from fakes import scripts as S
 from conftest import config_with
 from fakes.llm_server import FakeLLM, Step
 
-from agent.loop import run, settings_from
-from agent.view import RunView
+from agent.run.loop import run, settings_from
+from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEY = "sk-test-SECRET-4242"

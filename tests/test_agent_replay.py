@@ -21,13 +21,13 @@ from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
 
-from agent.loop import run, settings_from
+from agent.run.loop import run, settings_from
 from agent.cli import main
-from agent.replay import ReplayError, replay_decisions
-from agent.replay_verdicts import replay_verdicts
-from agent.replay_progress import PREFIX, finish, newest
-from agent.replay_report import VerdictRow, commit_replay
-from agent.view import RunView
+from agent.rejudging.rerun import ReplayError, replay_decisions
+from agent.rejudging.rejudge import replay_verdicts
+from agent.rejudging.progress import PREFIX, finish, newest
+from agent.rejudging.report import VerdictRow, commit_replay
+from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")

@@ -19,7 +19,7 @@ import matplotlib
 from matplotlib.figure import Figure
 
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
-from agent.state import best_kernel
+from agent.run.state import best_kernel
 
 COLOR = {"accepted": "#116329", "passed": "#2da44e", "rejected": "#cf222e", "skipped": "#afb8c1",
          "unevaluated": "#d0d7de"}

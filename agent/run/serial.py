@@ -19,12 +19,12 @@ from dataclasses import replace
 
 from harness.stages import STAGE_NAMES
 
-from agent.evaluator import check_device, judge, unevaluated
-from agent.ledger import id_number
-from agent.loop import Run, in_thread
-from agent.providers import ProviderStop
+from agent.roles.evaluator import check_device, judge, unevaluated
+from agent.ledger.repository import id_number
+from agent.run.loop import Run, in_thread
+from agent.llm.providers import ProviderStop
 from agent.records import Proposal
-from agent.state import ProposalState
+from agent.run.state import ProposalState
 
 _ABANDONED = object()           # what waiting for a proposal gives when the run must stop first
 

@@ -19,14 +19,14 @@ from pydantic import ValidationError
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
-from agent.figures import anchors_text
+from agent.reading.figures import anchors_text
 from agent.knowledge import Catalog, prompt_text
-from agent.profile import kernel_figures
-from agent.prompts import render
-from agent.asking import ask, retold
-from agent.providers import LLM, Meter
+from agent.run.profile import kernel_figures
+from agent.llm.prompts import render
+from agent.llm.asking import ask, retold
+from agent.llm.providers import LLM, Meter
 from agent.records import CandidateRecord, Claim, ClaimDraft, Exchange, Message
-from agent.state import ProposalState
+from agent.run.state import ProposalState
 
 _JSON_BLOCK = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL)
 _NOT_THE_MODELS = ("ceiling", "op_share", "share_source")

@@ -15,9 +15,9 @@ from harness.config import Config
 from harness.targets import TARGETS
 
 from agent.knowledge import Catalog, prompt_text
-from agent.prompts import render
-from agent.asking import ask, retold
-from agent.providers import LLM, Meter
+from agent.llm.prompts import render
+from agent.llm.asking import ask, retold
+from agent.llm.providers import LLM, Meter
 from agent.records import Claim, Exchange, Kernel, Message
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)

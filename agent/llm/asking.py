@@ -1,6 +1,6 @@
 """One recorded exchange with an LLM, made through outages (`ask`), and what a repair round shows of it.
 
-`ask` calls the run's provider (agent/providers.py: one bounded call, retried); when its retries run out
+`ask` calls the run's provider (agent/llm/providers.py: one bounded call, retried); when its retries run out
 it is down: the fallback provider is asked if one is configured (`providers.fallback`, with its own
 models; it stays first while it answers), else the call waits (`providers.outage`: doubling waits,
 capped, with a live count of the time down since the first failed call) and is made again, for up to
@@ -17,9 +17,9 @@ import time
 
 from harness.config import ProvidersConfig
 
-from agent.meter import Meter
-from agent.prompts import render
-from agent.providers import LLM, Halted, ProviderDown, ProviderStop, pause
+from agent.llm.meter import Meter
+from agent.llm.prompts import render
+from agent.llm.providers import LLM, Halted, ProviderDown, ProviderStop, pause
 from agent.records import Exchange, Message
 
 

@@ -26,7 +26,7 @@ from harness.stages import STAGE_NAMES
 
 from agent.knowledge import KNOWLEDGE, Catalog, Entry, Family, KnobSpec, read_knobs, with_knobs
 from agent.records import Claim, KillTest, Knob, Proposal, ceiling
-from agent.state import CORRECTNESS_STAGES, ProposalState
+from agent.run.state import CORRECTNESS_STAGES, ProposalState
 
 _HEADER = "kevo offline proposer:"
 FAMILY = "family"       # the `knob` of a structural move: from one family of the op to another

@@ -20,8 +20,8 @@ from pydantic import Field
 
 from harness.sandbox import redact
 
-from agent.ledger import AUTHOR, open_repo
-from agent.recorded import Divergence
+from agent.ledger.repository import AUTHOR, open_repo
+from agent.llm.recorded import Divergence
 from agent.records import Record
 
 

@@ -4,7 +4,7 @@ outages), and the run's side of a call — why it must not be made or must end n
 the time budget, a cost limit the call's worst case would pass), where its live line goes (`notice`),
 who commits a paid exchange at once (`on_paid`), and the exchanges an earlier session already paid
 for (`prepaid`, per candidate; the thread says which candidate it works on with `bind`).
-Not here: making calls (agent/providers.py), the ledger (agent/loop.py).
+Not here: making calls (agent/llm/providers.py), the ledger (agent/run/loop.py).
 """
 from __future__ import annotations
 

@@ -13,14 +13,14 @@ import torch
 
 from harness.config import Config
 
-from agent.coder import Coder
-from agent.figures import anchors_text
+from agent.roles.coder import Coder
+from agent.reading.figures import anchors_text
 from agent.knowledge import Catalog
-from agent.offline import OfflineProposer
-from agent.planner import Planner
-from agent.providers import PROVIDERS, Meter
+from agent.roles.offline import OfflineProposer
+from agent.roles.planner import Planner
+from agent.llm.providers import PROVIDERS, Meter
 from agent.records import Exchange, Proposal
-from agent.state import ProposalState
+from agent.run.state import ProposalState
 
 
 class Proposer(Protocol):

@@ -6,10 +6,10 @@ now: outcome, stage, speedup (microbench's bar is the one it had then: its paren
 flagged; a *regression* — a kernel that passed (or was accepted) then and is rejected now — fails the
 command (exit 1). A kernel that only loses a stage this machine cannot run (microbench or replay without
 CUDA) is flagged as changed, not regressed. `--until STAGE` cuts both verdicts after that stage; `--only`
-picks candidates (or `head:<op>`). Each row is saved as its kernel finishes (agent/replay_progress.py), so
+picks candidates (or `head:<op>`). Each row is saved as its kernel finishes (agent/rejudging/progress.py), so
 a killed replay is continued with `--resume`; with more than one evaluation slot (config executor) the
-kernels are judged at once, one per slot. Not here: reading the run (agent/replay.py's `Committed`),
-committing the comparison (agent/replay_report.py), judging (harness).
+kernels are judged at once, one per slot. Not here: reading the run (agent/rejudging/rerun.py's `Committed`),
+committing the comparison (agent/rejudging/report.py), judging (harness).
 """
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ from harness.records import Verdict
 from harness.slot import Job
 from harness.stages import STAGE_NAMES
 
-from agent.conclusion import outcome_of, speedup_of
-from agent.parallel import in_parallel
+from agent.roles.conclusion import outcome_of, speedup_of
+from agent.run.parallel import in_parallel
 from agent.records import CandidateRecord
-from agent.replay import Committed, ReplayError, here, stamp
-from agent.replay_progress import Saved, Unfinished, newest, resumed
-from agent.replay_report import Replay, Side, VerdictRow
+from agent.rejudging.rerun import Committed, ReplayError, here, stamp
+from agent.rejudging.progress import Saved, Unfinished, newest, resumed
+from agent.rejudging.report import Replay, Side, VerdictRow
 
 _OK = ("passed", "accepted")
 
@@ -86,7 +86,7 @@ class _Kernel:
 def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
                     progress: Callable[[str], None] | None = None, resume: bool = False) -> Replay:
     """Today's stages on the run's heads and committed candidates. Each kernel's row is saved as it finishes
-    (agent/replay_progress.py); `resume` continues the run's newest unfinished replay, its --until and --only
+    (agent/rejudging/progress.py); `resume` continues the run's newest unfinished replay, its --until and --only
     the saved ones, and evaluates only the kernels it had not finished. With no pool given and more than one
     evaluation slot (config executor), the kernels are judged at once, one per slot (`_verdicts`); otherwise
     one at a time in the pool (opened if none is given). The rows are in the run's order either way.

@@ -2,7 +2,7 @@
 
 `openai` speaks the Chat Completions API (and, with a base URL, any OpenAI-compatible server: vLLM,
 SGLang, llama.cpp, ollama); `anthropic` speaks the Messages API. Each call is streamed and read by
-agent/replies.py; here it is bounded: it runs in a thread of its own while the caller watches the
+agent/llm/replies.py; here it is bounded: it runs in a thread of its own while the caller watches the
 clock, so it ends at `providers.timeout_s`, at `idle_timeout_s` of silence (the SDK's read timeout),
 or at once when the run must stop (`Meter.halt`: a signal, the time budget); meanwhile the live line
 says "waiting for <model> 41 s (call 2/5)". Before each call the run may refuse it (`Meter.refusal`:
@@ -11,11 +11,11 @@ own retries are off: rate limits, server errors, timeouts, dropped connections a
 are retried with jittered exponential backoff, or after the wait a Retry-After / retry-after-ms header
 asks for (capped at `retry.max_retry_after_s`), with a countdown on the live line. What retrying cannot
 fix (authentication, an unknown model, a request too long) raises `ProviderStop`: the run stops with
-its one line. Retries that run out mean the provider is down (`ProviderDown`; agent/asking.py waits
+its one line. Retries that run out mean the provider is down (`ProviderDown`; agent/llm/asking.py waits
 for it). A service that never sent an HTTP reply since the run started (a wrong URL, a closed port)
 stops the run after `outage.unreached_s`, naming the provider and its URL. Every failed call is counted
 in `Meter.fared`. Keys come from the environment (harness/config.py) and are never recorded.
-Not here: outages and the recorded exchange (agent/asking.py), how a reply is read (agent/replies.py),
+Not here: outages and the recorded exchange (agent/llm/asking.py), how a reply is read (agent/llm/replies.py),
 what is asked (planner, coder).
 """
 from __future__ import annotations
@@ -29,9 +29,9 @@ from typing import Callable, Protocol
 from harness.config import ProviderConfig, ProvidersConfig
 from harness.sandbox import redact
 
-from agent.meter import Fared, Meter
+from agent.llm.meter import Fared, Meter
 from agent.records import Message
-from agent.replies import (CallTimeout, Reply, httpx_module, status_of, anthropic_reply, answered, fault_kind, openai_reply,
+from agent.llm.replies import (CallTimeout, Reply, httpx_module, status_of, anthropic_reply, answered, fault_kind, openai_reply,
                            retry_after, sdks)
 
 __all__ = ["LLM", "Meter", "PROVIDERS", "ProviderDown", "ProviderStop", "Halted", "Reply", "check_keys"]

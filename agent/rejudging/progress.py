@@ -24,9 +24,9 @@ from pathlib import Path
 import git
 from pydantic import Field, ValidationError
 
-from agent.ledger import open_repo
+from agent.ledger.repository import open_repo
 from agent.records import Record
-from agent.replay_report import Replay, VerdictRow, store_commit
+from agent.rejudging.report import Replay, VerdictRow, store_commit
 
 PREFIX = "refs/kevo/replay-unfinished/"
 FILE = "replay/unfinished.json"

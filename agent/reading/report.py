@@ -17,12 +17,12 @@ import html
 import json
 from pathlib import Path
 
-from agent import plots
-from agent.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
-from agent.ledger import Ledger
+from agent.reading import plots
+from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
+from agent.ledger.repository import Ledger
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
-from agent.state import best_kernel
-from agent.table import Row, row, x
+from agent.run.state import best_kernel
+from agent.reading.table import Row, row, x
 
 e = html.escape
 PLOTS = (("best-so-far", "Best so far over time"), ("funnel", "Rejection funnel by stage"),

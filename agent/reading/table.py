@@ -1,6 +1,6 @@
 """The ledger as rows: one per candidate — claim, stage reached, verdict, predicted against observed
 speedup, conclusion, cost — read from a run's committed files, and shown as a terminal table (rich,
-like agent/view.py) or as JSON.
+like agent/reading/view.py) or as JSON.
 
 Also finds a run's ledger from what a person types: a path, or a bare run id under the configured
 runs folder. Piped, the table keeps its full width. Not here: the HTML report (report), writing the ledger (ledger), judging (conclusion).
@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from agent.ledger import Ledger, LedgerError
+from agent.ledger.repository import Ledger, LedgerError
 from agent.records import CandidateRecord, RunHeader
 
 _STYLE = {"accepted": "bold green", "passed": "green", "rejected": "red", "not-worth-coding": "yellow",

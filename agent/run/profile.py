@@ -23,7 +23,7 @@ from harness.errors import HarnessError
 from harness.evaluate import device_shapes
 from harness.targets import TARGETS
 
-from agent.figures import speed
+from agent.reading.figures import speed
 from agent.records import Kernel, OpEvidence, Profile
 
 

@@ -2,14 +2,14 @@
 
 Here: the run as committed (`Committed`: its header, heads, history, exchanges and config, read from its
 git objects, never its working tree) and the decision replay. The verdict replay, the default (the run's
-kernels re-judged by today's stages), is agent/replay_verdicts.py.
+kernels re-judged by today's stages), is agent/rejudging/rejudge.py.
 Decisions (`--llm recorded`): the real loop runs again into a scratch ledger beside the run
 (runs/<id>-recorded-<UTC time>), its planner and coder answered from the recorded exchanges
-(agent/recorded.py) — or, for a run of the built-in proposer, that proposer again (it is deterministic).
+(agent/llm/recorded.py) — or, for a run of the built-in proposer, that proposer again (it is deterministic).
 The run's own `agent` and `providers` config is kept (ops, minimum ceiling, repair rounds, overlap,
 prices), so what differs is today's harness, prompts and knowledge. Each candidate's claim (op, expected
 speedup), outcome and stage are then against now; any difference fails the command (exit 1).
-The comparison is committed on a branch of its own by agent/replay_report.py. Not here: judging
+The comparison is committed on a branch of its own by agent/rejudging/report.py. Not here: judging
 (harness), proposing (proposers, recorded), the loop (loop).
 """
 from __future__ import annotations
@@ -27,13 +27,13 @@ from pydantic import ValidationError
 from harness.config import Config
 from harness.evaluate import resolve_device
 
-from agent.environment import describe
-from agent.ledger import open_repo
-from agent.loop import run, settings_from
-from agent.proposers import PROPOSERS
-from agent.recorded import Recording, recorded_proposer
+from agent.run.environment import describe
+from agent.ledger.repository import open_repo
+from agent.run.loop import run, settings_from
+from agent.roles.proposers import PROPOSERS
+from agent.llm.recorded import Recording, recorded_proposer
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
-from agent.replay_report import Decision, DecisionRow, Replay
+from agent.rejudging.report import Decision, DecisionRow, Replay
 
 _HARNESS_KEYS = ("device", "worker", "stages", "targets", "served")
 _NO_BUDGET_MINUTES = 24 * 60.0      # a replay ends at the run's number of candidates, not on a clock

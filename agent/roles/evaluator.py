@@ -21,11 +21,11 @@ from harness.executors import EvaluationLost
 from harness.pool import Pool
 from harness.verdicts import evaluate_cached
 
-from agent.conclusion import conclude, outcome_of, speedup_of
+from agent.roles.conclusion import conclude, outcome_of, speedup_of
 from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
-from agent.providers import ProviderDown, ProviderStop
+from agent.llm.providers import ProviderDown, ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, Round
-from agent.state import CORRECTNESS_STAGES
+from agent.run.state import CORRECTNESS_STAGES
 
 
 def now() -> str:

@@ -2,8 +2,8 @@
 
 Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), take the
 run folder's lock, open the evaluator, evaluate the heads (the reference kernels), build the baseline
-profile, make the ledger's first commit; then the drive — one candidate at a time (agent/serial.py) or
-several in flight (agent/parallel.py) — and the end commit. Here is what both drives share: the run's
+profile, make the ledger's first commit; then the drive — one candidate at a time (agent/run/serial.py) or
+several in flight (agent/run/parallel.py) — and the end commit. Here is what both drives share: the run's
 state and budgets, starting and resuming, and every ledger write. After an accepted kernel the head of
 its op moves and the profile is rebuilt, in the candidate's own commit. Proposals are committed once
 each, from any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
@@ -30,18 +30,18 @@ from harness.evaluate import open_pool, resolve_device
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
-from agent.environment import describe
-from agent.evaluator import device_seconds, evaluate_head, now
-from agent.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
+from agent.run.environment import describe
+from agent.roles.evaluator import device_seconds, evaluate_head, now
+from agent.reading.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
 from agent.knowledge import gpu_arch, load_catalog
-from agent.ledger import Ledger, discard_unstarted, folder_state, id_number
-from agent.profile import baseline_replay_note, run_profile
-from agent.proposers import PROPOSERS
-from agent.providers import Halted, Meter
+from agent.ledger.repository import Ledger, discard_unstarted, folder_state, id_number
+from agent.run.profile import baseline_replay_note, run_profile
+from agent.roles.proposers import PROPOSERS
+from agent.llm.providers import Halted, Meter
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
-from agent.session import Interrupts, RunBusy, RunLock
-from agent.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
-from agent.state import ProposalState, best_kernel, search_parent
+from agent.run.session import Interrupts, RunBusy, RunLock
+from agent.run.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
+from agent.run.state import ProposalState, best_kernel, search_parent
 
 FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
 
@@ -345,7 +345,7 @@ class Run:
 
     def drive(self) -> tuple[str, bool]:
         """Propose and judge until the run must end: (why it ended, whether that is fatal). One drive per
-        subclass: agent/serial.py (one candidate at a time), agent/parallel.py (several)."""
+        subclass: agent/run/serial.py (one candidate at a time), agent/run/parallel.py (several)."""
         raise NotImplementedError
 
     def finish(self, stop: str, fatal: bool) -> RunResult:
@@ -402,6 +402,6 @@ class Run:
 
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:
-    from agent.parallel import ParallelRun, in_parallel     # subclasses of Run: imported here, not above
-    from agent.serial import SerialRun
+    from agent.run.parallel import ParallelRun, in_parallel     # subclasses of Run: imported here, not above
+    from agent.run.serial import SerialRun
     return (ParallelRun if in_parallel(cfg) else SerialRun)(cfg, settings, view)(pool)

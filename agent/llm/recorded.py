@@ -1,6 +1,6 @@
 """The recorded LLM: a past run's planner and coder exchanges, answered again with no key and no network.
 
-`kevo-agent replay runs/<id> --llm recorded` drives the real loop with it (agent/replay.py). The
+`kevo-agent replay runs/<id> --llm recorded` drives the real loop with it (agent/rejudging/rerun.py). The
 proposer says which candidate it is writing or repairing (per thread: a repair and the next proposal
 overlap); each planner or coder call then takes that candidate's next recorded exchange of the same
 role, in the order it was made (candidates/<id>/exchanges.jsonl). When the prompt sent today differs
@@ -20,13 +20,13 @@ import torch
 from harness.config import Config
 from harness.sandbox import redact
 
-from agent.coder import Coder
+from agent.roles.coder import Coder
 from agent.knowledge import Catalog
-from agent.planner import Planner
-from agent.proposers import LLMProposer, Proposer
-from agent.providers import Meter, ProviderStop, Reply
+from agent.roles.planner import Planner
+from agent.roles.proposers import LLMProposer, Proposer
+from agent.llm.providers import Meter, ProviderStop, Reply
 from agent.records import Exchange, Message, Proposal, Record
-from agent.state import ProposalState
+from agent.run.state import ProposalState
 
 ROLES = ("planner", "coder")
 
@@ -138,7 +138,7 @@ class RecordedProposer(LLMProposer):
 
 
 def recorded_proposer(recording: Recording) -> Callable[..., Proposer]:
-    """A factory with the signature of agent/proposers.py's PROPOSERS entries."""
+    """A factory with the signature of agent/roles/proposers.py's PROPOSERS entries."""
     def make(cfg: Config, target: str, device: torch.device, arch: str, catalog: Catalog, meter: Meter,
              planner_model: str, coder_model: str) -> Proposer:
         planner = Planner(RecordedLLM(recording, "planner"), meter, planner_model, cfg, target, device, catalog, arch)

@@ -3,7 +3,7 @@
 Every reply is streamed (Chat Completions with `stream_options.include_usage`, Messages with `stream`),
 so a silence is seen as it happens: the SDK's read timeout is the idle timeout, a silence before the
 first byte or between two chunks (`providers.idle_timeout_s`); the whole call's deadline is kept by the
-caller (agent/providers.py). A reply is read as the API's: an event stream whose events are the API's
+caller (agent/llm/providers.py). A reply is read as the API's: an event stream whose events are the API's
 objects, ended as the API ends it (a finish reason, `message_stop`), or, from a compatible server that
 ignores `stream`, one JSON object of the API's shape. Anything else (a proxy's HTML page, invalid JSON,
 a JSON string, an object without the API's fields, a stream cut short) is `Malformed`, its message
@@ -12,7 +12,7 @@ naming the content type and the first bytes: a fault the caller retries like a 5
 text not (`Reply.over`): a malformed answer, never a fault and never sent back whole.
 `fault_kind` sorts what a call raised: retried (rate-limited, server, timeout, connection, malformed) or
 not (None: authentication, an unknown model, a request refused).
-Not here: retries, waits, deadlines, cost, what a reply means (agent/providers.py, planner, coder).
+Not here: retries, waits, deadlines, cost, what a reply means (agent/llm/providers.py, planner, coder).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ as the serial loop treats the one it was writing: after a signal (or an evaluato
 it stays in the ledger as a proposal, evaluated first when the run is resumed; after any other end it
 is recorded unevaluated, with what it cost.
 Not here: running jobs, re-queueing, slot health (the executors); what a round is and how records are
-made (agent/evaluator.py); the budgets themselves, heads, resume (agent/loop.py).
+made (agent/roles/evaluator.py); the budgets themselves, heads, resume (agent/run/loop.py).
 """
 from __future__ import annotations
 
@@ -34,11 +34,11 @@ from harness.executors import Executor, InOrder, local_pins, open_executor
 from harness.records import Verdict
 from harness.slot import Done, Job
 
-from agent.evaluator import evaluate_head, judge, unevaluated
-from agent.ledger import id_number
-from agent.loop import Run, in_thread
-from agent.serial import next_id, unproposed
-from agent.providers import ProviderStop
+from agent.roles.evaluator import evaluate_head, judge, unevaluated
+from agent.ledger.repository import id_number
+from agent.run.loop import Run, in_thread
+from agent.run.serial import next_id, unproposed
+from agent.llm.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 
 

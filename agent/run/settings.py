@@ -17,9 +17,9 @@ from pathlib import Path
 
 from harness.config import PROJECT_ROOT, Config
 
-from agent.ledger import Ledger, folder_state
+from agent.ledger.repository import Ledger, folder_state
 from agent.records import Record
-from agent.session import RunBusy, check_free
+from agent.run.session import RunBusy, check_free
 
 
 class RunError(Exception):

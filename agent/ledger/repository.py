@@ -23,7 +23,7 @@ Crash consistency: a commit is the unit of record. Files are written, then commi
 by this process to temporary files renamed into place (`open_repo`), refs by git through lock files, so a
 SIGKILL at any moment leaves the last commit whole, plus perhaps stale lock and temporary files,
 unreferenced whole objects and uncommitted files. `recover()` (by the holder of the
-run's lock, agent/session.py) removes those and resets the working tree to the last commit; reading is
+run's lock, agent/run/session.py) removes those and resets the working tree to the last commit; reading is
 always from committed state. A power cut is another matter: nothing here calls fsync.
 Not here: deciding anything (loop), the run folder's lock (session).
 """
@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from harness.sandbox import redact
 
 from agent.records import CandidateRecord, Claim, Exchange, Kernel, Profile, Proposal, RunHeader
-from agent.session import LOCK_NAME
+from agent.run.session import LOCK_NAME
 
 # What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
 FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",

@@ -1,6 +1,6 @@
 """What a person reads in the terminal (rich): a verdict as a table; a run's live view and its summary.
 
-Speeds read kevo over the cuDNN anchor first and over torch second (agent/figures.py); on a machine that
+Speeds read kevo over the cuDNN anchor first and over torch second (agent/reading/figures.py); on a machine that
 timed nothing, a pass says it is a pass of the correctness stages and that nothing was timed or accepted."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from rich.table import Table
 
 from harness.records import Verdict
 
-from agent.figures import outcome_words, speed, speed_words
+from agent.reading.figures import outcome_words, speed, speed_words
 
 _STYLE = {"passed": "green", "failed": "red", "skipped": "yellow"}
 
