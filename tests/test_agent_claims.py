@@ -7,7 +7,8 @@ import pytest
 from fakes import scripts as S
 from agent.roles.planner import parse_claim
 from agent.roles.conclusion import conclude
-from agent.records import Claim, KillTest, OpEvidence, Profile, Round, ceiling
+from agent.records import Claim, KillTest, OpEvidence, Profile, Round
+from harness.amdahl import ceiling
 from harness.records import StageResult, Verdict
 from agent.run.state import ProposalState
 

@@ -19,7 +19,8 @@ from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
 from agent.ledger.repository import Ledger
 from agent.run.loop import run, settings_from
 from agent.roles.offline import OfflineProposer
-from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round, ceiling
+from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
+from harness.amdahl import ceiling
 from agent.run.state import ProposalState, search_parent
 from agent.reading.view import RunView
 

@@ -14,7 +14,8 @@ import torch
 from conftest import CUDA, ROOT, config_with
 from harness.errors import HarnessError
 from harness.evaluate import device_shapes
-from harness.profile import BUCKETS, attribute_graphs, ceiling, profile_served, summarize
+from harness.amdahl import ceiling
+from harness.profile import BUCKETS, attribute_graphs, profile_served, summarize
 from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
 from harness.targets.attention import served_cases
 

@@ -7,9 +7,10 @@ same evidence must always read the same way. Not here: the verdict itself (harne
 """
 from __future__ import annotations
 
+from harness.amdahl import ceiling
 from harness.records import Verdict
 
-from agent.records import Claim, Conclusion, Outcome, Round, ceiling
+from agent.records import Claim, Conclusion, Outcome, Round
 
 _SPEED_STAGES = ("microbench", "replay")
 

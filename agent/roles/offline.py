@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from harness.amdahl import ceiling
 from harness.stages import STAGE_NAMES
 
 from agent.knowledge import KNOWLEDGE, Catalog, Entry, Family, KnobSpec, read_knobs, with_knobs
-from agent.records import Claim, KillTest, Knob, Proposal, ceiling
+from agent.records import Claim, KillTest, Knob, Proposal
 from agent.run.state import CORRECTNESS_STAGES, ProposalState
 
 _HEADER = "kevo offline proposer:"
