@@ -19,6 +19,7 @@ from harness.config import Config
 from harness.errors import HarnessError
 from harness.executors import EvaluationLost
 from harness.pool import Pool
+from harness.slot import device_health
 from harness.verdicts import evaluate_cached
 
 from agent.roles.conclusion import conclude, outcome_of, speedup_of
@@ -94,10 +95,7 @@ def device_seconds(heads: dict[str, Kernel], history: list[CandidateRecord]) -> 
     return sum(s.seconds for v in verdicts if v.cached_from is None for s in v.stages)
 
 
-HEALTH_RETRY_S = 5.0            # a device that fails its health check is checked once more after this
-
-
-def check_device(record: CandidateRecord, pool: Pool, say=lambda text: None) -> tuple[dict[str, str], str]:
+def check_device(record: CandidateRecord, pool: Pool, retry_s: float, say=lambda text: None) -> tuple[dict[str, str], str]:
     """After a candidate whose worker crashed, hung or hit a CUDA error: a known computation in a fresh
     worker, before the next candidate gets the device. The trailer to commit, and a message if the device failed twice (the run
     must stop: its verdicts would mean nothing)."""
@@ -106,10 +104,7 @@ def check_device(record: CandidateRecord, pool: Pool, say=lambda text: None) -> 
         return {}, ""
     how = died.worker_lost
     say(f"checking the {pool.device} after {record.id}'s worker {how} at {died.name}")
-    why = pool.check_health()
-    if why:
-        time.sleep(HEALTH_RETRY_S)
-        why = pool.check_health()
+    why = device_health(pool.device, pool, retry_s)      # the slots' check (harness/slot.py), its retry included
     if not why:
         return {"Health": f"passed after the worker {how} at {died.name}"}, ""
     line = " ".join(why.split())

@@ -121,7 +121,7 @@ class SerialRun(Run):
                 record, exchanges, stop_msg = judge(proposal, self.parents[proposal.op], self.proposer, self.cfg,
                                                     self.settings.target, self._pool, on_stage=stage_news,
                                                     head=self.heads.get(proposal.op))
-                trailers, sick = check_device(record, self._pool, lambda text: self.view.update(activity=text))
+                trailers, sick = check_device(record, self._pool, self.cfg.executor.health_retry_s, lambda text: self.view.update(activity=text))
                 self.record(record, exchanges, trailers)
                 if stop_msg or sick:
                     stop, fatal = stop_msg or sick, True
