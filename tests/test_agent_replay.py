@@ -23,10 +23,10 @@ from test_ledger import git
 
 from agent.run.loop import run, settings_from
 from agent.cli import main
-from agent.rejudging.rerun import ReplayError, replay_decisions
-from agent.rejudging.rejudge import replay_verdicts
+from agent.rejudging.rerun import RejudgeError, rerun
+from agent.rejudging.rejudge import rejudge
 from agent.rejudging.progress import PREFIX, finish, newest
-from agent.rejudging.report import VerdictRow, commit_replay
+from agent.rejudging.report import VerdictRow, commit_rejudging
 from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
@@ -72,7 +72,7 @@ def past(pool, tmp_path_factory):
 def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
     root = past.ledger
     before = untouched(root)
-    replay = replay_verdicts(root, config_with(), pool)
+    replay = rejudge(root, config_with(), pool)
 
     rows = {r.ref: r for r in replay.rows}
     assert list(rows) == ["head:decode", "c001", "c002", "c003"]
@@ -87,7 +87,7 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
     assert replay.failures == [] and replay.config_changes == []
 
     assert newest(root).state.at == replay.at and len(newest(root).state.rows) == 3     # saved as it went
-    done = commit_replay(root, replay)
+    done = commit_rejudging(root, replay)
     finish(root, done)
     assert git(root, "for-each-ref", PREFIX) == ""                                  # committed: the saved rows go
     assert untouched(root) == before
@@ -99,11 +99,11 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
     readme = git(root, "show", f"{done.branch}:replay/README.md")
     assert "| c002 | decode | rejected at parity | rejected at parity | same |" in readme
 
-    only = replay_verdicts(root, config_with(), pool, only=["c002"], until="compile")
+    only = rejudge(root, config_with(), pool, only=["c002"], until="compile")
     assert [(r.ref, r.then.outcome, r.then.stage, r.now.outcome, r.now.stage) for r in only.rows] == [
         ("c002", "passed", "compile", "passed", "compile")]            # both verdicts cut after compile
-    with pytest.raises(ReplayError, match="'c009' is not a kernel of past"):
-        replay_verdicts(root, config_with(), pool, only=["c009"])
+    with pytest.raises(RejudgeError, match="'c009' is not a kernel of past"):
+        rejudge(root, config_with(), pool, only=["c009"])
 
 
 def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
@@ -120,7 +120,7 @@ def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
     assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
                        "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
     assert any(c.startswith("stages.compile.allowed_names") for c in replay["config_changes"])
-    assert "replaying c002 (3/4)" in done.stderr
+    assert "re-judging c002 (3/4)" in done.stderr
     assert untouched(root) == before
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
 
@@ -130,7 +130,7 @@ def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, 
         monkeypatch.delenv(key, raising=False)
     root = past.ledger
     before = untouched(root)
-    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, config_with(), quiet(), pool=pool)
 
     assert [(d.id, d.differs) for d in replay.decisions] == [("c001", []), ("c002", []), ("c003", [])]
     for d, r in zip(replay.decisions, past.history, strict=True):
@@ -144,7 +144,7 @@ def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, 
     assert json.loads(git(scratch, "show", "HEAD:run.json"))["provider"] == "recorded"     # a ledger of its own
     assert json.loads(git(scratch, "show", "HEAD:candidates/c002/record.json"))["outcome"] == "rejected"
 
-    done = commit_replay(root, replay)
+    done = commit_rejudging(root, replay)
     assert untouched(root) == before
     assert done.branch.endswith("-cpu-llm-recorded")
     committed = json.loads(git(root, "show", f"{done.branch}:replay/replay.json"))
@@ -170,7 +170,7 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
     tamper(root, "c001", '"expected_speedup": 1.3', '"expected_speedup": 1.001')    # now not worth coding
     tamper(root, "c003", '"expected_speedup": 1.001', '"expected_speedup": 1.3')    # now worth coding: no code recorded
 
-    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, config_with(), quiet(), pool=pool)
     differs = {d.id: d.differs for d in replay.decisions}
     assert differs == {"c001": ["expected_speedup", "outcome", "stage"], "c002": [], "c003": ["not made now"]}
     assert replay.failures == ["c001", "c003"]
@@ -186,7 +186,7 @@ def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(p
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
     assert len(past.history) == 1
-    replay = replay_decisions(past.ledger, config_with(), quiet(), pool=pool)
+    replay = rerun(past.ledger, config_with(), quiet(), pool=pool)
     assert replay.proposer.startswith("the built-in proposer, run again")
     assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]
     assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
@@ -210,7 +210,7 @@ def judged(rows) -> list[tuple]:
 @pytest.fixture(scope="module")
 def uninterrupted(past, pool, tmp_path_factory):
     """The verdict replay cut after parity, one kernel at a time in one pool, never interrupted."""
-    replay = replay_verdicts(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
+    replay = rejudge(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
     assert judged(replay.rows) == [
         ("head:decode", "passed", "replay", ("passed", "replay"), "same", ""),
         ("c001", "passed", "replay", ("passed", "replay"), "same", ""),
@@ -240,14 +240,14 @@ def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_unint
     assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
 
     assert main(["--config", str(cfg), "replay", str(root), "--resume", "--until", "compile"]) == 2
-    assert "--until compile: the unfinished replay of" in capsys.readouterr().err     # its flags are the saved ones
+    assert "--until compile: the unfinished re-judging of" in capsys.readouterr().err     # its flags are the saved ones
     assert main(["--config", str(cfg), "replay", str(root), "--resume", "--llm", "recorded"]) == 2
-    assert "are for the verdict replay" in capsys.readouterr().err
+    assert "are for re-judging" in capsys.readouterr().err
 
     done = subprocess.run([*cli, "--resume", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert f"kernel(s) reused from it: {', '.join(kept)}" in done.stderr
-    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("replaying ")] == [
+    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("re-judging ")] == [
         r for r in ("head:decode", "c001", "c002") if r not in kept]               # only the rest evaluated
     resumed = json.loads(done.stdout)
     assert resumed["until"] == "parity" and resumed["kind"] == "verdicts"
@@ -256,14 +256,14 @@ def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_unint
     assert git(root, "rev-parse", f"{resumed['branch']}~1") == before[1]           # the same kind of commit
     assert git(root, "for-each-ref", PREFIX) == "" and untouched(root) == before
     assert main(["--config", str(cfg), "replay", str(root), "--resume"]) == 2
-    assert "no unfinished verdict replay to resume" in capsys.readouterr().err       # committed: nothing left
+    assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
 def test_a_replay_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
     root = fresh_copy(past, tmp_path)
     lines = []
-    two = replay_verdicts(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
+    two = rejudge(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
                           until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
     assert judged(two.rows) == judged(uninterrupted.rows)[1:]
-    assert sorted(lines) == ["replaying c001 (1/3)", "replaying c002 (2/3)"]
+    assert sorted(lines) == ["re-judging c001 (1/3)", "re-judging c002 (2/3)"]
     assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came

@@ -89,13 +89,10 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
 from test_ledger import candidate, commit, new_ledger
-from agent.ledger.repository import open_repo
-from agent.rejudging.report import store_commit
 ledger = new_ledger(Path(sys.argv[1]))
 for n in (1, 2, 3):
     commit(ledger, candidate(f"c{{n:03d}}", "rejected", "parity", None), new_best=False)
-repo = open_repo(ledger.root)
-store_commit(repo, repo.head.commit, {{"replay/replay.json": "{{}}"}}, "replay", parent=repo.head.commit)
+ledger.commit_beside({{"replay/replay.json": "{{}}"}}, "replay", "")
 """
 
 

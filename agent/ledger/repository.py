@@ -17,7 +17,9 @@ An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.
 answered (candidates/<id>/exchanges.jsonl, subject `paid <id> ...`), so one answered before a fatal
 failure or a kill is kept and a resumed run takes it from there (`unjudged_exchanges()`). Every text is redacted of secret-looking
 environment values before it is written. `history()` reads the candidates back, so a run can be
-resumed from its ledger alone.
+resumed from its ledger alone; a `pinned` Ledger reads the tip it was opened at throughout (re-judging a run).
+`commit_beside()` writes a commit from objects only, on no branch the run moves (re-judging's `replay/` branch
+and its saves, agent/rejudging/): the run's branch, index and working tree are left as they were.
 
 Crash consistency: a commit is the unit of record. Files are written, then committed; objects are written
 by this process to temporary files renamed into place (`open_repo`), refs by git through lock files, so a
@@ -29,6 +31,7 @@ Not here: deciding anything (loop), the run folder's lock (session).
 """
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 import git
+from git.index.typ import BaseIndexEntry, IndexEntry
 from gitdb.base import IStream
 from gitdb.db.loose import LooseObjectDB
 from pydantic import ValidationError
@@ -174,12 +178,31 @@ def discard_unstarted(root: Path) -> None:
 
 
 class Ledger:
-    def __init__(self, root: Path) -> None:
+    """The one reader and writer of a run's repository. Reads are of the last commit, or, `pinned`, of the tip
+    when it was opened (re-judging a run reads one commit throughout, whatever a resumed run commits meanwhile)."""
+
+    def __init__(self, root: Path, pinned: bool = False) -> None:
         self.root = root
+        self._pin: git.Commit | None = None
         try:
             self.repo = open_repo(root)
         except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError):
             raise LedgerError(f"{root} is not a run ledger (no git repository)") from None
+        if pinned:
+            try:
+                self._pin = self.repo.head.commit
+            except ValueError:
+                raise LedgerError(f"{root}: the run has no commit yet") from None
+
+    @property
+    def tip(self) -> git.Commit:
+        """The commit every read is of."""
+        return self._pin if self._pin is not None else self.repo.head.commit
+
+    @property
+    def first(self) -> git.Commit:
+        """The run's first commit: its config, environment and the heads it started from."""
+        return next(self.repo.iter_commits(self.tip, max_parents=0))
 
     def recover(self) -> list[str]:
         """The working tree as the last commit again, after a run was killed: stale git lock files and
@@ -258,6 +281,22 @@ class Ledger:
         message = redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n" + _trailers(trailers) + "\n")
         return self.repo.index.commit(message, author=AUTHOR, committer=AUTHOR).hexsha
 
+    def commit_beside(self, files: dict[str, str], subject: str, body: str, trailers: dict[str, object] | None = None,
+                      base: git.Commit | None = None, parent: git.Commit | None = None) -> git.Commit:
+        """A commit of `base`'s tree (default: the tip's) with `files` (redacted) added, on `parent` (default:
+        `base`), written as objects only: no ref moves, and the run's branch, .git/index and working tree are
+        not touched (the index is in memory). For what is kept beside the run (re-judging it), never the
+        run's own history; the caller names the ref."""
+        base = base or self.tip
+        index = git.IndexFile.new(self.repo, base.tree)
+        for rel, text in files.items():
+            data = redact(text).encode()
+            blob = self.repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
+            index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
+        message = subject + "\n\n" + body.rstrip("\n") + ("\n\n" + _trailers(trailers) if trailers else "") + "\n"
+        return git.Commit.create_from_tree(self.repo, index.write_tree(), redact(message), parent_commits=[parent or base],
+                                           head=False, author=AUTHOR, committer=AUTHOR)
+
     def tag(self, name: str, sha: str) -> None:
         self.repo.create_tag(name, ref=sha, force=True)
 
@@ -335,23 +374,32 @@ class Ledger:
 
     # -- reading: always the last commit, never the working tree (a live run may be writing it) -----
 
-    def committed(self, rel: str) -> str | None:
-        """A file as the last commit holds it, or None."""
+    def committed(self, rel: str, commit: git.Commit | None = None) -> str | None:
+        """A file as the last commit (or `commit`) holds it, or None."""
         try:
-            return (self.repo.head.commit.tree / rel).data_stream.read().decode()
+            return ((commit or self.tip).tree / rel).data_stream.read().decode()
         except (KeyError, ValueError):
             return None
 
-    def _read(self, rel: str) -> str:
-        text = self.committed(rel)
+    def read(self, rel: str, commit: git.Commit | None = None) -> str:
+        """A committed file that a kevo run always has; LedgerError when it is not there."""
+        text = self.committed(rel, commit)
         if text is None:
             raise LedgerError(f"{self.root}: no {rel}; not a kevo run ledger")
         return text
 
+    def _load(self, model, rel: str, text: str | None = None):
+        try:
+            return model.model_validate_json(self.read(rel) if text is None else text)
+        except ValidationError as e:
+            err = e.errors()[0]
+            raise LedgerError(f"{self.root}/{rel} cannot be read by this kevo "
+                              f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
+
     def _each(self, folder: str, name: str) -> dict[str, str]:
         """{subfolder: the text of its `name`} for every subfolder of `folder` that has one committed."""
         try:
-            tree = self.repo.head.commit.tree / folder
+            tree = self.tip.tree / folder
         except (KeyError, ValueError):
             return {}
         out = {}
@@ -363,31 +411,48 @@ class Ledger:
         return out
 
     def header(self) -> RunHeader:
-        try:
-            return RunHeader.model_validate_json(self._read("run.json"))
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise LedgerError(f"{self.root}/run.json cannot be read by this kevo "
-                              f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
+        return self._load(RunHeader, "run.json")
 
     def profile(self) -> Profile:
-        return Profile.model_validate_json(self._read("profile.json"))
+        return Profile.model_validate_json(self.read("profile.json"))
 
     def summary(self) -> dict:
-        return json.loads(self._read("summary.json"))
+        return json.loads(self.read("summary.json"))
 
-    def heads(self) -> dict[str, Kernel]:
+    def heads(self, at_start: bool = False) -> dict[str, Kernel]:
+        """The heads now (an accepted candidate moves its op's), or, `at_start`, those the run started from,
+        with their verdicts then (its first commit)."""
+        commit = self.first if at_start else self.tip
+        try:
+            blobs = (commit.tree / "heads").blobs
+        except KeyError:
+            raise LedgerError(f"{self.root}: no heads/ committed; not a kevo run ledger") from None
         heads = {}
-        tree = self.repo.head.commit.tree / "heads"
-        for blob in sorted(tree.blobs, key=lambda b: b.name):
+        for blob in sorted(blobs, key=lambda b: b.name):
             if blob.name.endswith(".json"):
                 data = json.loads(blob.data_stream.read().decode())
-                heads[blob.name[:-5]] = Kernel(**data, source=self._read(data["path"]))
+                heads[blob.name[:-5]] = Kernel(**data, source=self.read(data["path"], commit))
         return heads
 
     def history(self) -> list[CandidateRecord]:
-        records = [CandidateRecord.model_validate_json(t) for t in self._each("candidates", "record.json").values()]
+        """Every candidate with a verdict committed, in id order (a proposal still waiting for one is not history)."""
+        records = [self._load(CandidateRecord, f"candidates/{cid}/record.json", t)
+                   for cid, t in self._each("candidates", "record.json").items()]
         return sorted(records, key=lambda r: (id_number(r.id), r.id))
+
+    def exchanges(self) -> dict[str, list[Exchange]]:
+        """The LLM exchanges of every candidate with a verdict: candidate id -> its exchanges, in order."""
+        judged = self._each("candidates", "record.json")
+        out = {}
+        for cid, text in self._each("candidates", "exchanges.jsonl").items():
+            if cid not in judged:
+                continue
+            try:
+                out[cid] = [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
+            except ValidationError as e:
+                raise LedgerError(f"{self.root}/candidates/{cid}/exchanges.jsonl cannot be read by this kevo "
+                                  f"({e.errors()[0]['msg']})") from None
+        return dict(sorted(out.items(), key=lambda kv: (id_number(kv[0]), kv[0])))
 
     def pending(self) -> list[Proposal]:
         """Proposals committed but never evaluated (the run was stopped in between), oldest first."""
@@ -408,7 +473,7 @@ class Ledger:
     def last_id(self) -> int:
         """The highest candidate number in the ledger (verdicts and proposals); new ids start above it."""
         try:
-            return max((id_number(t.name) for t in (self.repo.head.commit.tree / "candidates").trees), default=0)
+            return max((id_number(t.name) for t in (self.tip.tree / "candidates").trees), default=0)
         except (KeyError, ValueError):
             return 0
 

@@ -8,7 +8,7 @@ from the recorded one — prompts, knowledge or evidence changed — the recorde
 the first difference is kept as a `Divergence`; when nothing is left to answer with, the call stops the
 run (`ProviderStop`) naming the candidate and the role. Recorded token counts are replayed, so the cost
 meter and a cost limit read as they did then; nothing is spent.
-Not here: reading the run (replay), comparing decisions (replay), deciding anything (loop, roles).
+Not here: reading the run, comparing decisions (rejudging/rerun.py), deciding anything (loop, roles).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The verdict replay (`kevo-agent replay runs/<id>`, the default): a past run's kernels re-judged today.
+"""Re-judging a past run (`kevo-agent replay runs/<id>`, the default): its kernels judged by today's harness.
 
 The heads the run started from and every candidate's committed source (its last round, the one its
 verdict is for) go through today's stages on this machine with today's config. Each row is then against
@@ -7,8 +7,8 @@ flagged; a *regression* — a kernel that passed (or was accepted) then and is r
 command (exit 1). A kernel that only loses a stage this machine cannot run (microbench or replay without
 CUDA) is flagged as changed, not regressed. `--until STAGE` cuts both verdicts after that stage; `--only`
 picks candidates (or `head:<op>`). Each row is saved as its kernel finishes (agent/rejudging/progress.py), so
-a killed replay is continued with `--resume`; with more than one evaluation slot (config executor) the
-kernels are judged at once, one per slot. Not here: reading the run (agent/rejudging/rerun.py's `Committed`),
+a killed re-judging is continued with `--resume`; with more than one evaluation slot (config executor) the
+kernels are judged at once, one per slot. Not here: reading the run (agent/ledger/repository.py's `Ledger`, pinned),
 committing the comparison (agent/rejudging/report.py), judging (harness).
 """
 from __future__ import annotations
@@ -32,9 +32,10 @@ from harness.stages import STAGE_NAMES
 from agent.roles.conclusion import outcome_of, speedup_of
 from agent.run.parallel import in_parallel
 from agent.records import CandidateRecord
-from agent.rejudging.rerun import Committed, ReplayError, here, stamp
+from agent.ledger.repository import Ledger
+from agent.rejudging.rerun import RejudgeError, config_changes, here, stamp, where
 from agent.rejudging.progress import Saved, Unfinished, newest, resumed
-from agent.rejudging.report import Replay, Side, VerdictRow
+from agent.rejudging.report import Rejudging, Side, VerdictRow
 
 _OK = ("passed", "accepted")
 
@@ -83,41 +84,41 @@ class _Kernel:
     record: CandidateRecord | None = None
 
 
-def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
-                    progress: Callable[[str], None] | None = None, resume: bool = False) -> Replay:
+def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
+            progress: Callable[[str], None] | None = None, resume: bool = False) -> Rejudging:
     """Today's stages on the run's heads and committed candidates. Each kernel's row is saved as it finishes
-    (agent/rejudging/progress.py); `resume` continues the run's newest unfinished replay, its --until and --only
+    (agent/rejudging/progress.py); `resume` continues the run's newest unfinished re-judging, its --until and --only
     the saved ones, and evaluates only the kernels it had not finished. With no pool given and more than one
     evaluation slot (config executor), the kernels are judged at once, one per slot (`_verdicts`); otherwise
     one at a time in the pool (opened if none is given). The rows are in the run's order either way.
-    The caller commits the result (replay_report.commit_replay), then drops the saved state (replay_progress.finish)."""
+    The caller commits the result (report.commit_rejudging), then drops the saved state (progress.finish)."""
     say = progress or (lambda _: None)
-    ran = Committed(root)
-    h = ran.header
+    ran = Ledger(root, pinned=True)
+    h = ran.header()
     saved = newest(root)
     if resume and saved is None:
-        raise ReplayError(f"{root}: no unfinished verdict replay to resume")
+        raise RejudgeError(f"{root}: no unfinished re-judging to resume")
     if saved is not None and not resume:
-        say(f"note: the unfinished replay of {saved.state.at} ({len(saved.state.rows)} kernel(s) done) is left as it "
+        say(f"note: the unfinished re-judging of {saved.state.at} ({len(saved.state.rows)} kernel(s) done) is left as it "
             "is; --resume continues it")
     if pool is not None:
         device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     else:
         device = resolve_device(cfg)
-    now, changes = here(device), ran.config_changes(cfg)
+    now, changes = here(device), config_changes(ran, cfg)
     if resume:
         until, only = resumed(saved, ran.tip.hexsha, now, changes, until, only)
-    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict) for k in ran.heads()]
+    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict) for k in ran.heads(at_start=True).values()]
     kernels += [_Kernel(r.id, r.op, r.source, r.verdict, r) for r in ran.history()]
     if only:
         known = [k.ref for k in kernels]
         unknown = [x for x in only if x not in known]
         if unknown:
-            raise ReplayError(f"--only: {unknown[0]!r} is not a kernel of {h.id} (known: {', '.join(known)})")
+            raise RejudgeError(f"--only: {unknown[0]!r} is not a kernel of {h.id} (known: {', '.join(known)})")
         kernels = [k for k in kernels if k.ref in only]
     if resume:
         rows = saved.done()
-        say(f"resuming the replay of {saved.state.at}: {len(rows)} kernel(s) reused from it"
+        say(f"resuming the re-judging of {saved.state.at}: {len(rows)} kernel(s) reused from it"
             + (f": {', '.join(rows)}" if rows else ""))
     else:
         saved = Saved.start(root, Unfinished(run=h.id, tip=ran.tip.hexsha, at=stamp()[0], until=until, only=only,
@@ -132,7 +133,7 @@ def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None =
     number = {k.ref: i for i, k in enumerate(kernels, 1)}
 
     def tell(k: _Kernel) -> None:
-        say(f"replaying {k.ref} ({number[k.ref]}/{len(kernels)})")
+        say(f"re-judging {k.ref} ({number[k.ref]}/{len(kernels)})")
     try:
         with closing(_verdicts(todo, h.target, cfg, pool, until, tell)) as verdicts:
             for k, verdict in verdicts:
@@ -142,9 +143,9 @@ def replay_verdicts(root: Path, cfg: Config, pool=None, only: list[str] | None =
                 saved.save(rows[k.ref])
     except HarnessError as e:
         kept = f"; the {len(saved.state.rows)} kernel(s) finished are saved, --resume continues" if saved.sha else ""
-        raise ReplayError(f"{e}".splitlines()[0] + kept) from None
-    return Replay(run=h.id, kind="verdicts", at=saved.state.at, then=ran.where(), now=now, until=until,
-                  config_changes=changes, rows=[rows[k.ref] for k in kernels])
+        raise RejudgeError(f"{e}".splitlines()[0] + kept) from None
+    return Rejudging(run=h.id, kind="verdicts", at=saved.state.at, then=where(ran), now=now, until=until,
+                     config_changes=changes, rows=[rows[k.ref] for k in kernels])
 
 
 def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | None,

@@ -1,26 +1,20 @@
-"""How a replay is written down: its records (then/now rows), the README table, the terminal table, and
-the commit on a branch of its own (`replay/<UTC time>-<device>`) in the run's repository.
+"""How a re-judging (or a re-run of decisions) is written down: its records (then/now rows), the README
+table, the terminal table, and the commit on a branch of its own (`replay/<UTC time>-<device>`) in the run.
 
 The commit is built from git objects with an in-memory index, on top of the run's tip: the run's branch,
 its .git/index and its working tree are left exactly as they were.
-Not here: making the comparison (replay).
+Not here: making the comparison (rejudge, rerun).
 """
 from __future__ import annotations
 
-import io
 import re
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-import git
-from git.index.typ import BaseIndexEntry, IndexEntry
-from gitdb.base import IStream
 from pydantic import Field
 
-from harness.sandbox import redact
-
-from agent.ledger.repository import AUTHOR, open_repo
+from agent.ledger.repository import Ledger
 from agent.llm.recorded import Divergence
 from agent.records import Record
 
@@ -59,8 +53,8 @@ class DecisionRow(Record):
     note: str = ""
 
 
-class Replay(Record):
-    """A whole replay, as committed (replay/replay.json) and printed with --json."""
+class Rejudging(Record):
+    """A whole re-judging or re-run, as committed (replay/replay.json) and printed with --json."""
     run: str
     kind: Literal["verdicts", "decisions"]
     at: str                                             # UTC
@@ -76,6 +70,11 @@ class Replay(Record):
     divergences: list[Divergence] = Field(default_factory=list)
     unasked: list[str] = Field(default_factory=list)
     branch: str = ""
+
+    @property
+    def what(self) -> str:
+        """Its name in prose: re-judging the run's kernels, or re-running its decisions."""
+        return "re-judging" if self.kind == "verdicts" else "re-run of decisions"
 
     @property
     def failures(self) -> list[str]:
@@ -101,8 +100,8 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def markdown(r: Replay) -> str:
-    lines = [f"# Replay of {r.run}: {r.kind}, {r.at}", "",
+def markdown(r: Rejudging) -> str:
+    lines = [f"# {r.what.capitalize()} of {r.run}, {r.at}", "",
              f"Then: {r.then['device']} ({r.then['gpu']}), kevo {r.then['kevo_commit']}.",
              f"Now: {r.now['device']} ({r.now['gpu']}), kevo {r.now['kevo_commit']}."]
     if r.until:
@@ -127,7 +126,7 @@ def markdown(r: Replay) -> str:
     return "\n".join(lines)
 
 
-def verdict_line(r: Replay) -> str:
+def verdict_line(r: Rejudging) -> str:
     fails = ", ".join(r.failures)
     if r.kind == "verdicts":
         counts = {c: sum(x.change == c for x in r.rows) for c in ("same", "changed", "now passes", "regressed")}
@@ -140,11 +139,11 @@ def verdict_line(r: Replay) -> str:
             + (f": {fails}" if fails else ""))
 
 
-def print_replay(r: Replay, console) -> None:
+def print_rejudging(r: Rejudging, console) -> None:
     """The comparison as a table, changes in colour, and where it was committed."""
     from rich.markup import escape
     from rich.table import Table
-    t = Table(title=f"replay of {r.run} ({r.kind}): then on {r.then['device']}, now on {r.now['device']}")
+    t = Table(title=f"{r.what} of {r.run}: then on {r.then['device']}, now on {r.now['device']}")
     if r.kind == "verdicts":
         for col in ("kernel", "then", "now", "change", "note"):
             t.add_column(col, overflow="fold")
@@ -174,11 +173,11 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
-def commit_replay(root: Path, r: Replay) -> Replay:
-    """Commit the replay on a branch of its own on top of the run's tip; the run's branch, index and
-    working tree are left as they are (the commit is built from objects, with an index of its own)."""
-    repo = open_repo(root)
-    base = repo.head.commit
+def commit_rejudging(root: Path, r: Rejudging) -> Rejudging:
+    """Commit the comparison on a branch of its own on top of the run's tip; the run's branch, index and
+    working tree are left as they are (Ledger.commit_beside: built from objects, with an index of its own)."""
+    ledger = Ledger(root)
+    repo = ledger.repo
     device = r.now["device"] if r.now["device"] != "cuda" else _slug(r.now["gpu"])
     name = f"replay/{datetime.fromisoformat(r.at).strftime('%Y%m%dT%H%M%SZ')}-{device}"
     name += "-llm-recorded" if r.kind == "decisions" else ""
@@ -188,25 +187,12 @@ def commit_replay(root: Path, r: Replay) -> Replay:
         n += 1
         unique = f"{name}-{n}"
     r = r.model_copy(update={"branch": unique})
-    subject = f"replay {r.run} {r.kind} on {device}: {verdict_line(r)}"
+    subject = f"{r.what} of {r.run} on {device}: {verdict_line(r)}"
     subject = subject if len(subject) <= 150 else subject[:149] + "…"
     trailers = {"Replay": r.kind, "Run": r.run, "Device": device, "Failures": len(r.failures),
                 "Kevo-Commit": r.now["kevo_commit"]}
-    message = subject + "\n\n" + markdown(r) + "\n" + "\n".join(f"{k}: {v}" for k, v in trailers.items()) + "\n"
-    commit = store_commit(repo, base, {"replay/replay.json": r.model_dump_json(indent=1), "replay/README.md": markdown(r)},
-                          message, parent=base)
+    commit = ledger.commit_beside({"replay/replay.json": r.model_dump_json(indent=1), "replay/README.md": markdown(r)},
+                                  subject, markdown(r), trailers)
     repo.create_head(unique, commit)
     return r
 
-
-def store_commit(repo: git.Repo, base: git.Commit, files: dict[str, str], message: str,
-                 parent: git.Commit) -> git.Commit:
-    """A commit of `base`'s tree with `files` (redacted) added, on `parent`, written as objects only: no ref
-    moves, and the run's .git/index and working tree are not touched (the index is in memory)."""
-    index = git.IndexFile.new(repo, base.tree)
-    for rel, text in files.items():
-        data = redact(text).encode()
-        blob = repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
-        index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
-    return git.Commit.create_from_tree(repo, index.write_tree(), redact(message), parent_commits=[parent], head=False,
-                                       author=AUTHOR, committer=AUTHOR)

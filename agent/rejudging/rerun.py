@@ -1,8 +1,8 @@
-"""Replaying a past run (`kevo-agent replay runs/<id>`): then against now, committed on a branch of its own.
+"""A past run again (`kevo-agent replay runs/<id>`): then against now, committed on a branch of its own.
 
-Here: the run as committed (`Committed`: its header, heads, history, exchanges and config, read from its
-git objects, never its working tree) and the decision replay. The verdict replay, the default (the run's
-kernels re-judged by today's stages), is agent/rejudging/rejudge.py.
+Here: where the run ran and what harness settings changed since (read through its `Ledger`, pinned to the
+tip: git objects, never its working tree) and re-running its decisions. Re-judging, the default (the run's
+kernels judged by today's stages), is agent/rejudging/rejudge.py.
 Decisions (`--llm recorded`): the real loop runs again into a scratch ledger beside the run
 (runs/<id>-recorded-<UTC time>), its planner and coder answered from the recorded exchanges
 (agent/llm/recorded.py) — or, for a run of the built-in proposer, that proposer again (it is deterministic).
@@ -19,7 +19,6 @@ from contextlib import contextmanager, nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 
-import git
 import torch
 import yaml
 from pydantic import ValidationError
@@ -28,103 +27,39 @@ from harness.config import Config
 from harness.evaluate import resolve_device
 
 from agent.run.environment import describe
-from agent.ledger.repository import open_repo
+from agent.ledger.repository import Ledger, LedgerError
 from agent.run.loop import run, settings_from
 from agent.roles.proposers import PROPOSERS
 from agent.llm.recorded import Recording, recorded_proposer
-from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
-from agent.rejudging.report import Decision, DecisionRow, Replay
+from agent.records import CandidateRecord
+from agent.rejudging.report import Decision, DecisionRow, Rejudging
 
 _HARNESS_KEYS = ("device", "worker", "stages", "targets", "served")
-_NO_BUDGET_MINUTES = 24 * 60.0      # a replay ends at the run's number of candidates, not on a clock
+_NO_BUDGET_MINUTES = 24 * 60.0      # a re-run ends at the run's number of candidates, not on a clock
 
 
-class ReplayError(Exception):
-    """The replay cannot run as asked; one line."""
+class RejudgeError(Exception):
+    """Re-judging (or re-running) a past run cannot go as asked; one line."""
 
 
-# -- the run as committed ---------------------------------------------------------------------------
+# -- the run as committed (read through its Ledger, pinned to its tip) ------------------------------------
 
-class Committed:
-    """A run's files as committed at the tip of its checked-out branch."""
+_WHERE = ("device", "gpu", "kevo_commit")
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        try:
-            self.repo = open_repo(root)
-            self.tip = self.repo.head.commit
-        except (git.exc.InvalidGitRepositoryError, git.exc.NoSuchPathError):
-            raise ReplayError(f"{root} is not a kevo run (no git repository)") from None
-        except ValueError:
-            raise ReplayError(f"{root}: the run has no commit yet") from None
-        self.header = self._load(RunHeader, "run.json")
-        self.first = next(self.repo.iter_commits(self.tip, max_parents=0))
 
-    def text(self, rel: str, commit: git.Commit | None = None) -> str:
-        try:
-            return ((commit or self.tip).tree / rel).data_stream.read().decode()
-        except KeyError:
-            raise ReplayError(f"{self.root}: {rel} is not committed; not a kevo run ledger") from None
+def where(ran: Ledger) -> dict[str, str]:
+    """Where the run ran (its first commit's environment.json): device, GPU, kevo commit."""
+    env = json.loads(ran.read("environment.json", ran.first))
+    return {k: str(env.get(k, "unknown")) for k in _WHERE}
 
-    def _load(self, model, rel: str, commit: git.Commit | None = None):
-        try:
-            return model.model_validate_json(self.text(rel, commit))
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ReplayError(f"{self.root}/{rel} cannot be read by this kevo "
-                              f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
 
-    def _candidates(self) -> list[str]:
-        """Candidates with a verdict committed (a proposal still waiting for one is not history yet)."""
-        try:
-            folders = (self.tip.tree / "candidates").trees
-        except KeyError:
-            return []
-        judged = [t.name for t in folders if any(b.name == "record.json" for b in t.blobs)]
-        return sorted(judged, key=lambda n: (len(n), n))
-
-    def history(self) -> list[CandidateRecord]:
-        return [self._load(CandidateRecord, f"candidates/{cid}/record.json") for cid in self._candidates()]
-
-    def heads(self) -> list[Kernel]:
-        """The heads the run started from, with their verdicts then (its first commit)."""
-        try:
-            blobs = (self.first.tree / "heads").blobs
-        except KeyError:
-            raise ReplayError(f"{self.root}: the run's first commit holds no heads/; not a kevo run ledger") from None
-        heads = []
-        for blob in sorted(blobs, key=lambda b: b.name):
-            if blob.name.endswith(".json"):
-                data = json.loads(blob.data_stream.read())
-                heads.append(Kernel(**data, source=self.text(data["path"], self.first)))
-        return heads
-
-    def exchanges(self) -> dict[str, list[Exchange]]:
-        out = {}
-        for cid in self._candidates():
-            try:
-                blob = self.tip.tree / f"candidates/{cid}/exchanges.jsonl"
-            except KeyError:
-                continue
-            try:
-                out[cid] = [Exchange.model_validate_json(line) for line in blob.data_stream.read().decode().splitlines()
-                            if line.strip()]
-            except ValidationError as e:
-                raise ReplayError(f"{self.root}/candidates/{cid}/exchanges.jsonl cannot be read by this kevo "
-                                  f"({e.errors()[0]['msg']})") from None
-        return out
-
-    def where(self) -> dict[str, str]:
-        env = json.loads(self.text("environment.json", self.first))
-        return {k: str(env.get(k, "unknown")) for k in ("device", "gpu", "kevo_commit")}
-
-    def config_changes(self, cfg: Config) -> list[str]:
-        """Harness settings that differ between the run's config.yaml and today's."""
-        then = _flat({k: v for k, v in (yaml.safe_load(self.text("config.yaml", self.first)) or {}).items()
-                      if k in _HARNESS_KEYS})
-        now = _flat({k: v for k, v in cfg.model_dump(mode="json").items() if k in _HARNESS_KEYS})
-        return [f"{k}: {_short(then.get(k, '(absent)'))} then, {_short(now.get(k, '(absent)'))} now"
-                for k in sorted(then.keys() | now.keys()) if then.get(k) != now.get(k)]
+def config_changes(ran: Ledger, cfg: Config) -> list[str]:
+    """Harness settings that differ between the run's config.yaml and today's."""
+    then = _flat({k: v for k, v in (yaml.safe_load(ran.read("config.yaml", ran.first)) or {}).items()
+                  if k in _HARNESS_KEYS})
+    now = _flat({k: v for k, v in cfg.model_dump(mode="json").items() if k in _HARNESS_KEYS})
+    return [f"{k}: {_short(then.get(k, '(absent)'))} then, {_short(now.get(k, '(absent)'))} now"
+            for k in sorted(then.keys() | now.keys()) if then.get(k) != now.get(k)]
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, object]:
@@ -144,7 +79,7 @@ def _short(v: object, n: int = 100) -> str:
 
 def here(device: torch.device) -> dict[str, str]:
     env = describe(device)
-    return {k: str(env.get(k, "unknown")) for k in ("device", "gpu", "kevo_commit")}
+    return {k: str(env.get(k, "unknown")) for k in _WHERE}
 
 
 def stamp() -> tuple[str, str]:
@@ -175,28 +110,28 @@ def compare_decisions(then: list[CandidateRecord], now: list[CandidateRecord]) -
     return rows
 
 
-def run_config(cfg: Config, ran: Committed) -> Config:
+def run_config(cfg: Config, ran: Ledger) -> Config:
     """Today's config with the run's own agent and providers settings (where today still has them)."""
-    theirs = yaml.safe_load(ran.text("config.yaml", ran.first)) or {}
+    theirs = yaml.safe_load(ran.read("config.yaml", ran.first)) or {}
     raw = cfg.model_dump(mode="json")
     for section in ("agent", "providers"):
         raw[section].update({k: {**raw[section][k], **v} if isinstance(v, dict) and isinstance(raw[section][k], dict) else v
                              for k, v in (theirs.get(section) or {}).items() if k in raw[section]})   # keys added since: today's
     raw["providers"]["prices"] = {**cfg.model_dump(mode="json")["providers"]["prices"],
                                   **((theirs.get("providers") or {}).get("prices") or {})}
-    raw["agent"].update(ops=list(ran.header.ops), runs_dir=str(ran.root.resolve().parent))
+    raw["agent"].update(ops=list(ran.header().ops), runs_dir=str(ran.root.resolve().parent))
     raw["providers"]["fallback"] = None                 # only the recording answers: never a live provider
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        raise ReplayError(f"{ran.root}/config.yaml: the run's agent and providers settings do not load today "
+        raise RejudgeError(f"{ran.root}/config.yaml: the run's agent and providers settings do not load today "
                           f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
 
 
 @contextmanager
 def _registered(name: str, factory):
-    """A proposer entry for the length of one replay (the recorded LLM needs its recording)."""
+    """A proposer entry for the length of one re-run (the recorded LLM needs its recording)."""
     before = PROPOSERS.get(name)
     PROPOSERS[name] = factory
     try:
@@ -208,12 +143,12 @@ def _registered(name: str, factory):
             PROPOSERS[name] = before
 
 
-def replay_decisions(root: Path, cfg: Config, view, pool=None) -> Replay:
+def rerun(root: Path, cfg: Config, view, pool=None) -> Rejudging:
     """The run again with its recorded LLM (or its built-in proposer) and today's harness, then vs now."""
-    ran = Committed(root)
-    h, then = ran.header, ran.history()
+    ran = Ledger(root, pinned=True)
+    h, then = ran.header(), ran.history()
     if not then:
-        raise ReplayError(f"{root}: the run has no candidates; there is no decision to replay")
+        raise RejudgeError(f"{root}: the run has no candidates; there is no decision to re-run")
     merged = run_config(cfg, ran)
     device = resolve_device(merged)
     at, name = stamp()
@@ -232,11 +167,11 @@ def replay_decisions(root: Path, cfg: Config, view, pool=None) -> Replay:
     with _registered("recorded", recorded_proposer(recording)) if recording else nullcontext():
         result = run(merged, settings, view, pool=pool)
     try:
-        stopped_then = json.loads(ran.text("summary.json")).get("stopped", "")
-    except (ReplayError, json.JSONDecodeError):
+        stopped_then = ran.summary().get("stopped", "")
+    except (LedgerError, json.JSONDecodeError):
         stopped_then = ""
-    return Replay(run=h.id, kind="decisions", at=at, then=ran.where(), now=here(device),
-                  config_changes=ran.config_changes(merged), decisions=compare_decisions(then, result.history),
+    return Rejudging(run=h.id, kind="decisions", at=at, then=where(ran), now=here(device),
+                  config_changes=config_changes(ran, merged), decisions=compare_decisions(then, result.history),
                   proposer=what, scratch=str(result.ledger), stopped={"then": stopped_then, "now": result.stop},
                   divergences=recording.divergences if recording else [],
                   unasked=recording.unasked() if recording else [])
