@@ -9,11 +9,8 @@ message and is written here, into the worker's own folder, before it is imported
 """
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import os
 import socket
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -21,6 +18,7 @@ from typing import Any
 
 import torch
 
+from harness.candidate import load_candidate
 from harness.probes import Probes
 from harness.targets import TARGETS
 from harness.transport import DTYPES, recv_pickle, send_json, write_arena
@@ -122,23 +120,9 @@ class Worker:
             # before the candidate's code runs: the rest of the GPU's memory stays the evaluator's
             torch.cuda.set_per_process_memory_fraction(float(msg["gpu_memory_fraction"]),
                                                        torch.cuda.current_device() if self.device.index is None else self.device.index)
-        path = Path(msg["path"])
-        spec = importlib.util.spec_from_file_location("candidate", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["candidate"] = module
-        spec.loader.exec_module(module)
-        self.module = module
-        ops, problems = [], []
-        for name, op in self.target.ops.items():
-            fn = getattr(module, name, None)
-            if fn is None:
-                continue
-            params = list(inspect.signature(fn).parameters)
-            if params != list(op.arg_names):
-                problems.append(f"{name}({', '.join(params)}) must be {name}({', '.join(op.arg_names)})")
-            ops.append(name)
-        return {"ok": not problems and bool(ops), "ops": ops,
-                "error": "; ".join(problems) or ("" if ops else "defines none of: " + ", ".join(self.target.ops))}
+        loaded = load_candidate(Path(msg["path"]), self.target)       # the one loader (harness/candidate.py)
+        self.module = loaded.module
+        return {"ok": not loaded.error, "ops": list(loaded.ops), "error": loaded.error}
 
     def call(self, msg: dict) -> dict:
         op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))
