@@ -100,6 +100,11 @@ def _fit(text: str, n: int) -> str:
     return line if len(line) <= n else line[: max(n - 1, 0)].rstrip() + "…"
 
 
+def fit_subject(text: str) -> str:
+    """Any commit subject of a run, on one line in SUBJECT_CHARS at most (the candidates' are built to fit)."""
+    return _fit(text, SUBJECT_CHARS)
+
+
 def change_of(claim: Claim | None, op: str) -> str:
     """What a candidate tried, in a few words: its hypothesis up to the first ': ' or '; ' (the why follows
     there), without what the subject says already ('in the decode kernel', '(from c003)')."""

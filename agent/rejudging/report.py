@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent.ledger.repository import Ledger
+from agent.ledger.repository import Ledger, fit_subject
 from agent.llm.recorded import Divergence
 from agent.records import Record
 
@@ -187,8 +187,7 @@ def commit_rejudging(root: Path, r: Rejudging) -> Rejudging:
         n += 1
         unique = f"{name}-{n}"
     r = r.model_copy(update={"branch": unique})
-    subject = f"{r.what} of {r.run} on {device}: {verdict_line(r)}"
-    subject = subject if len(subject) <= 150 else subject[:149] + "…"
+    subject = fit_subject(f"{r.what} of {r.run} on {device}: {verdict_line(r)}")   # the whole line is in the body
     trailers = {"Replay": r.kind, "Run": r.run, "Device": device, "Failures": len(r.failures),
                 "Kevo-Commit": r.now["kevo_commit"]}
     commit = ledger.commit_beside({"replay/replay.json": r.model_dump_json(indent=1), "replay/README.md": markdown(r)},

@@ -34,7 +34,7 @@ from agent.run.environment import describe
 from agent.roles.evaluator import device_seconds, evaluate_head, now
 from agent.reading.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
 from agent.knowledge import gpu_arch, load_catalog
-from agent.ledger.repository import Ledger, discard_unstarted, folder_state, id_number
+from agent.ledger.repository import Ledger, discard_unstarted, fit_subject, folder_state, id_number
 from agent.run.profile import baseline_replay_note, run_profile
 from agent.roles.proposers import PROPOSERS
 from agent.llm.providers import Halted, Meter
@@ -296,8 +296,8 @@ class Run:
             paid = self._paid.setdefault(cid, [])
             paid.append(exchange)
             with self.stop.writing() if in_main else nullcontext():
-                self.ledger.commit(f"paid {cid} {exchange.role} {exchange.purpose}: {exchange.provider} {exchange.model}, "
-                                   f"${exchange.cost_usd:.6f}"[:150],
+                self.ledger.commit(fit_subject(f"paid {cid} {exchange.role} {exchange.purpose}: ${exchange.cost_usd:.6f}, "
+                                               f"{exchange.provider} {exchange.model}"),
                                    [f"{exchange.attempts} call(s), {exchange.seconds:.1f} s" +
                                     (f"; {exchange.note}" if exchange.note else "")],
                                    {f"candidates/{cid}/exchanges.jsonl": "".join(e.model_dump_json() + "\n" for e in paid),
@@ -363,7 +363,7 @@ class Run:
                           *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),
                           "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
         with self._ledger_lock, self.stop.writing():     # a proposer thread may still be committing
-            self.ledger.commit(f"end {self.settings.run_id}: {stop}"[:150], [text],
+            self.ledger.commit(fit_subject(f"end {self.settings.run_id}: {stop}"), [text],
                                {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
                                {"Run": self.settings.run_id, "Candidates": len(self.history),
                                 "Cost": f"{self.meter.cost_usd:.6f}", "Fatal": str(fatal).lower(),
