@@ -1,7 +1,7 @@
 """`kevo-agent replay`: a real past run (the loop against a fake OpenAI service on loopback) re-judged by
-today's harness, and its decisions re-made from the recorded exchanges with no key and no service.
-Each replay is committed on a replay/ branch of the run and leaves the run's branch and files alone; a verdict
-replay killed mid-way is continued with --resume, and one on two evaluation slots gives the rows of one."""
+today's harness (re-judging), and its decisions re-run from the recorded exchanges with no key and no service.
+Each comparison is committed on a replay/ branch of the run and leaves the run's branch and files alone; a
+re-judging killed mid-way is continued with --resume, and one on two evaluation slots gives the rows of one."""
 from __future__ import annotations
 
 import io
@@ -38,7 +38,7 @@ def quiet() -> RunView:
 
 
 def untouched(repo) -> tuple:
-    """What a replay must not change: the checked-out branch, its tip, what is staged, the files."""
+    """What re-judging (or re-running) must not change: the checked-out branch, its tip, what is staged, the files."""
     return (git(repo, "rev-parse", "--abbrev-ref", "HEAD"), git(repo, "rev-parse", "HEAD"),
             git(repo, "ls-files", "--stage"), git(repo, "status", "--porcelain", "--untracked-files=all"))
 
@@ -69,7 +69,7 @@ def past(pool, tmp_path_factory):
     return result
 
 
-def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
+def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
     root = past.ledger
     before = untouched(root)
     replay = rejudge(root, config_with(), pool)
@@ -125,7 +125,7 @@ def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
 
 
-def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, pool, monkeypatch):
+def test_rerunning_on_the_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, pool, monkeypatch):
     for key in KEYS:
         monkeypatch.delenv(key, raising=False)
     root = past.ledger
@@ -152,7 +152,7 @@ def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, 
 
 
 def tamper(root, cid: str, old: str, new: str) -> None:
-    """Rewrite the planner's first recorded reply for `cid`, and commit it (the replay reads commits)."""
+    """Rewrite the planner's first recorded reply for `cid`, and commit it (a re-run reads commits)."""
     path = root / "candidates" / cid / "exchanges.jsonl"
     lines = path.read_text().splitlines()
     first = json.loads(lines[0])
@@ -195,7 +195,7 @@ def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(p
 
 
 def fresh_copy(past, folder):
-    """The run in another folder, without the unfinished replays other tests left in it."""
+    """The run in another folder, without the unfinished re-judgings other tests left in it."""
     root = folder / "run"
     shutil.copytree(past.ledger, root)
     for ref in git(root, "for-each-ref", "--format=%(refname)", PREFIX).split():
@@ -209,7 +209,7 @@ def judged(rows) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(past, pool, tmp_path_factory):
-    """The verdict replay cut after parity, one kernel at a time in one pool, never interrupted."""
+    """Re-judging cut after parity, one kernel at a time in one pool, never interrupted."""
     replay = rejudge(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
     assert judged(replay.rows) == [
         ("head:decode", "passed", "replay", ("passed", "replay"), "same", ""),
@@ -219,7 +219,7 @@ def uninterrupted(past, pool, tmp_path_factory):
     return replay
 
 
-def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
+def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
         past, uninterrupted, tmp_path, capsys):
     root = fresh_copy(past, tmp_path)
     before, branches = untouched(root), git(root, "branch", "--list", "replay/*").split()
@@ -259,7 +259,7 @@ def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_unint
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
-def test_a_replay_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
+def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
     root = fresh_copy(past, tmp_path)
     lines = []
     two = rejudge(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
