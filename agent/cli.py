@@ -70,7 +70,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"file": name, **outcome.model_dump()}), flush=True)
         else:
-            from agent.view import print_verdict
+            from agent.reading.view import print_verdict
             print_verdict(outcome, name)
         worst = max(worst, 0 if outcome.ok else 1)
     return worst
@@ -88,7 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--run-id {args.run_id!r}: use letters, digits, '-', '_' and '.' only")
     if args.run_id is not None and args.resume is not None:
         raise UsageError("give --resume (an existing run) or --run-id (a new run, or an existing one), not both")
-    from agent.settings import RunError, run_folder, stored
+    from agent.run.settings import RunError, run_folder, stored
     try:
         root = run_folder(cfg, args.run_id, args.resume)     # a run in progress there: said now, before torch loads
         before = stored(root) if root is not None else None
@@ -101,18 +101,18 @@ def _run(args: argparse.Namespace) -> int:
             getattr(cfg.providers, cfg.providers.fallback).api_key(cfg.providers.fallback)
         if args.model and args.model not in cfg.providers.prices:
             raise UsageError(f"providers.prices has no entry for model {args.model!r}; add one (0 for a local server)")
-        from agent.providers import ProviderStop, check_keys
+        from agent.llm.providers import ProviderStop, check_keys
         try:
             check_keys(cfg.providers, provider)              # a refused key: said now, before the heads' minutes
         except ProviderStop as e:
             raise UsageError(str(e)) from None
     from harness.evaluate import resolve_device          # imports torch: after the cheap checks
     from agent.knowledge import CatalogError
-    from agent.ledger import LedgerError
-    from agent.loop import run, settings_from
-    from agent.prompts import PromptError
-    from agent.providers import ProviderStop
-    from agent.view import RunView, print_summary
+    from agent.ledger.repository import LedgerError
+    from agent.run.loop import run, settings_from
+    from agent.llm.prompts import PromptError
+    from agent.llm.providers import ProviderStop
+    from agent.reading.view import RunView, print_summary
     settings = None
     try:
         settings = settings_from(cfg, resolve_device(cfg).type, target=args.target, provider=args.provider,
@@ -161,8 +161,8 @@ def _profile(args: argparse.Namespace) -> int:
 def _find_run(args: argparse.Namespace):
     """The ledger named on the command line: a path, or a bare run id under the config's agent.runs_dir."""
     from harness.config import PROJECT_ROOT
-    from agent.ledger import LedgerError
-    from agent.table import find_run
+    from agent.ledger.repository import LedgerError
+    from agent.reading.table import find_run
     runs = Path(load_config(args.config).agent.runs_dir)
     try:
         return find_run(args.run, runs if runs.is_absolute() else PROJECT_ROOT / runs)
@@ -171,7 +171,7 @@ def _find_run(args: argparse.Namespace):
 
 
 def _ledger(args: argparse.Namespace) -> int:
-    from agent.table import print_rows, rows
+    from agent.reading.table import print_rows, rows
     ledger = _find_run(args)
     try:
         items = rows(ledger)
@@ -186,7 +186,7 @@ def _ledger(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     ledger = _find_run(args)
-    from agent.report import write                        # imports matplotlib: after the cheap checks
+    from agent.reading.report import write                        # imports matplotlib: after the cheap checks
     out = Path(args.out) if args.out else None
     if out is not None and not out.parent.is_dir():
         raise UsageError(f"--out {out}: no such folder {out.parent}")
@@ -200,11 +200,11 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _rejudge(args: argparse.Namespace) -> int:
     if args.llm is not None and args.llm != "recorded":
         raise UsageError(f"--llm {args.llm!r}: only 'recorded' is known (the run's recorded exchanges, no key needed)")
     if args.llm and (args.only or args.until or args.resume):
-        raise UsageError("--only, --until and --resume are for the verdict replay; --llm recorded replays the run from "
+        raise UsageError("--only, --until and --resume are for re-judging; --llm recorded re-runs the run's decisions from "
                          "its start")
     only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None
     if only == []:
@@ -216,45 +216,45 @@ def _replay(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
     from rich.console import Console
     from agent.knowledge import CatalogError
-    from agent.ledger import LedgerError
-    from agent.loop import RunError
-    from agent.prompts import PromptError
-    from agent.providers import ProviderStop
-    from agent.replay import ReplayError, replay_decisions
-    from agent.replay_verdicts import replay_verdicts
-    from agent.replay_progress import ProgressError, finish
-    from agent.replay_report import commit_replay, print_replay
-    from agent.session import RunBusy, RunLock
-    from agent.view import RunView
+    from agent.ledger.repository import LedgerError
+    from agent.run.loop import RunError
+    from agent.llm.prompts import PromptError
+    from agent.llm.providers import ProviderStop
+    from agent.rejudging.rerun import RejudgeError, rerun
+    from agent.rejudging.rejudge import rejudge
+    from agent.rejudging.progress import ProgressError, finish
+    from agent.rejudging.report import commit_rejudging, print_rejudging
+    from agent.run.session import RunBusy, RunLock
+    from agent.reading.view import RunView
     err = Console(stderr=True)
     try:
         if args.llm:
             with RunView(console=err, provider="recorded") as view:
-                replay = replay_decisions(root, cfg, view)
+                done = rerun(root, cfg, view)
         else:
-            replay = replay_verdicts(root, cfg, only=only, until=args.until, resume=args.resume,
-                                     progress=lambda line: err.print(line, highlight=False, soft_wrap=True))
+            done = rejudge(root, cfg, only=only, until=args.until, resume=args.resume,
+                           progress=lambda line: err.print(line, highlight=False, soft_wrap=True))
         with RunLock(root):                               # a resume's recovery never races this commit
-            replay = commit_replay(root, replay)
+            done = commit_rejudging(root, done)
             if not args.llm:
-                finish(root, replay)                      # the unfinished replay's ref: committed in full now
-    except (ReplayError, ProgressError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
+                finish(root, done)                      # the unfinished re-judging's ref: committed in full now
+    except (RejudgeError, ProgressError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:
         if args.llm:
             raise
-        print(f"kevo-agent: replay interrupted; the kernels it finished are saved (continue: kevo-agent replay "
+        print(f"kevo-agent: re-judging interrupted; the kernels it finished are saved (continue: kevo-agent replay "
               f"{args.run} --resume)", file=sys.stderr)
         return 130
     if args.json:
-        print(replay.model_dump_json())
+        print(done.model_dump_json())
     else:
-        print_replay(replay, Console())
-    return 1 if replay.failures else 0
+        print_rejudging(done, Console())
+    return 1 if done.failures else 0
 
 
 COMMANDS = {"evaluate": _evaluate, "run": _run, "profile": _profile, "ledger": _ledger, "report": _report,
-            "replay": _replay}
+            "replay": _rejudge}
 
 # Every exit status of every subcommand: the one list, shown in each subcommand's --help.
 _COMMAND_FAILED = "the command could not run (one line on stderr naming why, never a traceback)"
@@ -278,7 +278,7 @@ EXIT_CODES: dict[str, dict[int, str]] = {
     "report": {0: "the page was written", 2: _COMMAND_FAILED, 130: _INTERRUPTED, 141: _CUT_SHORT},
     "replay": {0: "every kernel (or decision) is as it was, or changed without a regression",
                1: "a kernel that passed then is rejected now, or (--llm recorded) a decision differs",
-               2: _COMMAND_FAILED, 130: "interrupted; a verdict replay keeps the kernels it finished (--resume)",
+               2: _COMMAND_FAILED, 130: "interrupted; re-judging keeps the kernels it finished (--resume)",
                141: _CUT_SHORT},
 }
 
@@ -357,18 +357,19 @@ def _parser() -> argparse.ArgumentParser:
     rp = command("report", "a run as one self-contained HTML page with plots and the best kernels")
     rp.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rp.add_argument("--out", default=None, metavar="PATH", help="where to write it (default: runs/<id>/report.html)")
-    rl = command("replay", "a past run again with today's harness (or its recorded LLM): then vs now, "
-                           "committed on a replay/ branch of the run; a verdict replay saves each kernel "
-                           "as it finishes (--resume) and uses every evaluation slot of config executor")
+    rl = command("replay", "a past run again: re-judging its kernels with today's harness (the default), or "
+                           "re-running its decisions (--llm recorded); then vs now, committed on a replay/ branch of "
+                           "the run; re-judging saves each kernel as it finishes (--resume) and uses every "
+                           "evaluation slot of config executor")
     rl.add_argument("run", help="the run's ledger (runs/<id>), or a bare run id under agent.runs_dir")
     rl.add_argument("--only", default=None, metavar="IDS", help="only these candidates (or head:<op>), e.g. c003,c007")
     rl.add_argument("--until", default=None, metavar="STAGE",
                     help="stop after this stage, one of: {stages} (both verdicts cut there)")
     rl.add_argument("--resume", action="store_true",
-                    help="continue the newest unfinished (killed) verdict replay of the run with its --until and --only: "
+                    help="continue the newest unfinished (killed) re-judging of the run with its --until and --only: "
                          "only the kernels it had not finished are evaluated")
     rl.add_argument("--llm", default=None, metavar="recorded",
-                    help="replay the run's decisions: its planner and coder answered from the recorded exchanges")
+                    help="re-run the run's decisions: its planner and coder answered from the recorded exchanges")
     rl.add_argument("--json", action="store_true", help="print exactly one JSON object")
     return p
 

@@ -3,7 +3,7 @@
 What flows: a proposer writes a `Proposal` (claim, source, the exchanges that made it); the evaluator
 role adds `Round`s (each evaluated source and its Verdict); the conclusion role adds a `Conclusion`;
 together they become a `CandidateRecord`, the unit the ledger commits and the next planner reads.
-The claim's ceiling is computed here from s and f, never taken from a model.
+The claim's ceiling is computed from s and f (harness/amdahl.py), never taken from a model.
 Not here: how records are made (planner, coder, offline), stored (ledger) or shown (view).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
+from harness.amdahl import ceiling
 from harness.records import Verdict
 
 Knob = int | float | bool
@@ -20,11 +21,6 @@ Outcome = Literal["accepted", "passed", "rejected", "not-worth-coding", "malform
 
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-def ceiling(share: float, speedup: float) -> float:
-    """Amdahl: the end-to-end speedup if an op holding `share` of the step gets `speedup` faster."""
-    return 1.0 / (1.0 - share + share / speedup)
 
 
 class KillTest(Record):

@@ -21,8 +21,8 @@ from harness.targets import Target
 @dataclass(frozen=True)
 class Loaded:
     module: ModuleType
-    ops: list[str]              # the target's ops the file defines
-    problem: str                # "" when every defined op has the contract's signature and there is one at least
+    ops: tuple[str, ...]        # the target's ops the file defines
+    error: str                  # "" when every defined op has the contract's signature and there is one at least
 
 
 def load_candidate(path: Path | str, target: Target) -> Loaded:
@@ -39,5 +39,5 @@ def load_candidate(path: Path | str, target: Target) -> Loaded:
         if params != list(op.arg_names):
             problems.append(f"{name}({', '.join(params)}) must be {name}({', '.join(op.arg_names)})")
         ops.append(name)
-    problem = "; ".join(problems) or ("" if ops else "defines none of: " + ", ".join(target.ops))
-    return Loaded(module, ops, problem)
+    error = "; ".join(problems) or ("" if ops else "defines none of: " + ", ".join(target.ops))
+    return Loaded(module, tuple(ops), error)

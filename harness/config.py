@@ -412,6 +412,7 @@ class ExecutorConfig(Strict):
     slot_cores: Literal["blocks", "interleaved", "none"] = "blocks"   # how the cores are dealt to the slots
     requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
     verdict_cache: bool = True                 # reuse a verdict whose inputs are all unchanged (harness/verdicts.py)
+    health_retry_s: float = Field(default=5.0, ge=0)   # a device failing its health check is checked once more after this
     dask: DaskConfig
 
     @field_validator("gpus")

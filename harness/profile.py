@@ -30,6 +30,7 @@ import warnings
 import torch
 from torch.autograd import DeviceType
 
+from harness.amdahl import ceiling
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.served.engine import make_engine, run_requests, warm_up
@@ -53,12 +54,6 @@ SPEEDUPS = (1.25, 1.5, 2.0, 4.0, math.inf)
 SCHEDULE = {"cuda": (20, 1, 2), "cpu": None}
 _RUNTIME_CALL = re.compile(r"^(cuda|cu[A-Z])")   # CUDA runtime and driver API calls seen by the profiler
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|cublas", re.IGNORECASE)   # a graph kernel's name never met eagerly
-
-
-def ceiling(f: float, s: float) -> float:
-    """End-to-end speedup when a share f of the step gets s times faster (Amdahl)."""
-    rest = 1 - f + (0 if math.isinf(s) else f / s)
-    return math.inf if rest <= 0 else 1 / rest
 
 
 def _region(e) -> str:

@@ -5,8 +5,10 @@ Every stage of a job runs in its slot, the microbench and the full scored replay
 slot runs one job at a time; with one slot per GPU, nothing else runs on a GPU while a microbench
 times on it or a replay serves from it (docs/CLUSTER.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
-inherit it. The health check is a known sum computed on the device in the slot's own process, then
-a tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`).
+inherit it. The health check (`device_health`, the one every caller uses: slots, `kevo-agent evaluate`
+and the serial drive of a run) is a known sum computed on the device in the caller's process, then a
+tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`); a device that
+fails it is checked once more after executor.health_retry_s (a fault may be passing).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
 same inputs comes back marked `cached_from`, with no stage run.
 Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
@@ -66,6 +68,27 @@ class Pin(BaseModel):
     cpus: tuple[int, ...] = ()        # empty: leave the affinity as it is
 
 
+def _health_once(device: torch.device | str, pool: Pool) -> str:
+    try:
+        x = torch.arange(_KNOWN, dtype=torch.float32, device=device)
+        got = float((x * 2).sum().item())
+        if got != _KNOWN_SUM:
+            return f"a known sum on {torch.device(device).type} came out {got}, not {_KNOWN_SUM}"
+        return pool.check_health()
+    except (OSError, RuntimeError, HarnessError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def device_health(device: torch.device | str, pool: Pool, retry_s: float, sleep: Callable[[float], None] = time.sleep) -> str:
+    """'' when the device computes a known sum here and a known kernel in a fresh worker of `pool`; else one
+    line saying why not. A device that fails is checked once more after `retry_s` seconds."""
+    why = _health_once(device, pool)
+    if why:
+        sleep(retry_s)
+        why = _health_once(device, pool)
+    return " ".join(why.split())
+
+
 def needs_check(verdict: Verdict) -> bool:
     """A worker that crashed, hung or hit a CUDA error may have left the device unwell: check it before the next job."""
     return any(s.worker_lost for s in verdict.stages)
@@ -111,12 +134,7 @@ class Slot:
         """'' when the slot can evaluate; otherwise one line saying why not."""
         try:
             self._apply_pin()
-            device = self.device()
-            x = torch.arange(_KNOWN, dtype=torch.float32, device=device)
-            got = float((x * 2).sum().item())
-            if got != _KNOWN_SUM:
-                return f"{self.name}: a known sum on {device.type} came out {got}, not {_KNOWN_SUM}"
-            why = self._pool().check_health()
+            why = device_health(self.device(), self._pool(), self.cfg.executor.health_retry_s)
         except (OSError, RuntimeError, HarnessError) as e:
             why = f"{type(e).__name__}: {e}"
         return f"{self.name}: " + " ".join(why.split())[:500] if why else ""

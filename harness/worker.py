@@ -122,7 +122,7 @@ class Worker:
                                                        torch.cuda.current_device() if self.device.index is None else self.device.index)
         loaded = load_candidate(Path(msg["path"]), self.target)
         self.module = loaded.module
-        return {"ok": not loaded.problem, "ops": loaded.ops, "error": loaded.problem}
+        return {"ok": not loaded.error, "ops": list(loaded.ops), "error": loaded.error}
 
     def call(self, msg: dict) -> dict:
         op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from fakes import scripts as S
-from agent.planner import parse_claim
-from agent.conclusion import conclude
-from agent.records import Claim, KillTest, OpEvidence, Profile, Round, ceiling
+from agent.roles.planner import parse_claim
+from agent.roles.conclusion import conclude
+from agent.records import Claim, KillTest, OpEvidence, Profile, Round
+from harness.amdahl import ceiling
 from harness.records import StageResult, Verdict
-from agent.state import ProposalState
+from agent.run.state import ProposalState
 
 
 def state(share: float = 0.35) -> ProposalState:

@@ -12,7 +12,7 @@ import yaml
 from conftest import ROOT, config_with
 from fakes.llm_server import FakeLLM
 
-from agent.session import LOCK_NAME
+from agent.run.session import LOCK_NAME
 
 
 def kevo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -1,6 +1,6 @@
 """Enough proposals in flight (agent.proposals_in_flight): with a slow LLM, a run has that many proposals
-being written at once, never more, asked for and recorded in id order — on one evaluator (agent/serial.py)
-and through an executor (agent/parallel.py). Both runs take their head's verdict from the verdict cache."""
+being written at once, never more, asked for and recorded in id order — on one evaluator (agent/run/serial.py)
+and through an executor (agent/run/parallel.py). Both runs take their head's verdict from the verdict cache."""
 from __future__ import annotations
 
 import io
@@ -14,10 +14,10 @@ from conftest import config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM, Step
 
-from agent.loop import settings_from
-from agent.parallel import ParallelRun
-from agent.serial import SerialRun
-from agent.view import RunView
+from agent.run.loop import settings_from
+from agent.run.parallel import ParallelRun
+from agent.run.serial import SerialRun
+from agent.reading.view import RunView
 from harness.verdicts import evaluate_cached
 
 PLANNER, CODER = "fake-planner", "fake-coder"

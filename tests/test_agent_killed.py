@@ -26,7 +26,7 @@ from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_agent_unattended import SMALL
 
-from agent.session import LOCK_NAME
+from agent.run.session import LOCK_NAME
 
 SEED = 20261130
 KILLS = 1                               # while working, after an early one (many more, cheaper: test_ledger_killed.py)

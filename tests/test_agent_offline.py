@@ -14,14 +14,15 @@ from conftest import config_with
 from harness.evaluate import evaluate
 from harness.records import StageResult, Verdict
 
-from agent.evaluator import judge
+from agent.roles.evaluator import judge
 from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
-from agent.ledger import Ledger
-from agent.loop import run, settings_from
-from agent.offline import OfflineProposer
-from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round, ceiling
-from agent.state import ProposalState, search_parent
-from agent.view import RunView
+from agent.ledger.repository import Ledger
+from agent.run.loop import run, settings_from
+from agent.roles.offline import OfflineProposer
+from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
+from harness.amdahl import ceiling
+from agent.run.state import ProposalState, search_parent
+from agent.reading.view import RunView
 
 CATALOG = load_catalog()
 MARGIN = config_with().stages.microbench.min_margin
@@ -274,7 +275,7 @@ def timed(speedup: float, anchor_ms: float, replay: bool = False) -> Verdict:
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):
     from agent.records import RunHeader
-    from agent.serial import SerialRun
+    from agent.run.serial import SerialRun
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     settings = settings_from(cfg, "cpu", run_id="accepted")
     ref = head("decode", speedup=1.0).model_copy(update={"verdict": timed(1.0, anchor_ms=0.050)})

@@ -1,4 +1,4 @@
-"""Runs with several candidates in flight (agent/parallel.py) against a fake OpenAI-compatible service:
+"""Runs with several candidates in flight (agent/run/parallel.py) against a fake OpenAI-compatible service:
 through a real Dask cluster of two worker processes on loopback, one of them SIGKILLed mid-task, the
 ledger holds what a serial run's holds, in the same order; through two local slots, a candidate whose
 evaluator is lost for good is recorded as unevaluated, not dropped, and the candidates after it follow."""
@@ -19,9 +19,9 @@ from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
 
-from agent.loop import run, settings_from
-from agent.parallel import ParallelRun
-from agent.view import RunView
+from agent.run.loop import run, settings_from
+from agent.run.parallel import ParallelRun
+from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 GOOD = C.with_knobs(C.REF_DECODE, BLOCK_N=32)

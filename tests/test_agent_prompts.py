@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from agent.prompts import PROMPTS, PromptError, render, slots
+from agent.llm.prompts import PROMPTS, PromptError, render, slots
 
 
 def test_a_missing_slot_is_an_error_naming_the_file_and_the_slot():
@@ -70,19 +70,19 @@ def _roles(arch: str = "sm90"):
 
     from conftest import config_with
 
-    from agent.coder import Coder
+    from agent.roles.coder import Coder
     from agent.knowledge import load_catalog
-    from agent.planner import Planner
+    from agent.roles.planner import Planner
     cfg, catalog = config_with(), load_catalog()
     return (Planner(None, None, "m", cfg, "attention", torch.device("cpu"), catalog, arch),
             Coder(None, None, "m", cfg, "attention", torch.device("cpu"), catalog, arch), catalog)
 
 
 def test_planner_and_coder_prompts_carry_the_sm90_notes_the_families_with_their_knobs_and_the_cudnn_anchors():
-    from agent.figures import anchors_text
+    from agent.reading.figures import anchors_text
     from agent.knowledge import KNOWLEDGE, read_knobs
     from agent.records import Claim, KillTest, OpEvidence, Profile
-    from agent.state import ProposalState
+    from agent.run.state import ProposalState
     planner, coder, catalog = _roles("sm90")
     decode, label = _head("decode", anchor_rate=4.05)
     prefill, _ = _head("prefill", anchor_rate=None)

@@ -1,7 +1,7 @@
 """`kevo-agent replay`: a real past run (the loop against a fake OpenAI service on loopback) re-judged by
-today's harness, and its decisions re-made from the recorded exchanges with no key and no service.
-Each replay is committed on a replay/ branch of the run and leaves the run's branch and files alone; a verdict
-replay killed mid-way is continued with --resume, and one on two evaluation slots gives the rows of one."""
+today's harness (re-judging), and its decisions re-run from the recorded exchanges with no key and no service.
+Each comparison is committed on a replay/ branch of the run and leaves the run's branch and files alone; a
+re-judging killed mid-way is continued with --resume, and one on two evaluation slots gives the rows of one."""
 from __future__ import annotations
 
 import io
@@ -21,13 +21,13 @@ from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
 
-from agent.loop import run, settings_from
+from agent.run.loop import run, settings_from
 from agent.cli import main
-from agent.replay import ReplayError, replay_decisions
-from agent.replay_verdicts import replay_verdicts
-from agent.replay_progress import PREFIX, finish, newest
-from agent.replay_report import VerdictRow, commit_replay
-from agent.view import RunView
+from agent.rejudging.rerun import RejudgeError, rerun
+from agent.rejudging.rejudge import rejudge
+from agent.rejudging.progress import PREFIX, finish, newest
+from agent.rejudging.report import VerdictRow, commit_rejudging
+from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
@@ -38,7 +38,7 @@ def quiet() -> RunView:
 
 
 def untouched(repo) -> tuple:
-    """What a replay must not change: the checked-out branch, its tip, what is staged, the files."""
+    """What re-judging (or re-running) must not change: the checked-out branch, its tip, what is staged, the files."""
     return (git(repo, "rev-parse", "--abbrev-ref", "HEAD"), git(repo, "rev-parse", "HEAD"),
             git(repo, "ls-files", "--stage"), git(repo, "status", "--porcelain", "--untracked-files=all"))
 
@@ -69,10 +69,10 @@ def past(pool, tmp_path_factory):
     return result
 
 
-def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
+def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
     root = past.ledger
     before = untouched(root)
-    replay = replay_verdicts(root, config_with(), pool)
+    replay = rejudge(root, config_with(), pool)
 
     rows = {r.ref: r for r in replay.rows}
     assert list(rows) == ["head:decode", "c001", "c002", "c003"]
@@ -87,7 +87,7 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
     assert replay.failures == [] and replay.config_changes == []
 
     assert newest(root).state.at == replay.at and len(newest(root).state.rows) == 3     # saved as it went
-    done = commit_replay(root, replay)
+    done = commit_rejudging(root, replay)
     finish(root, done)
     assert git(root, "for-each-ref", PREFIX) == ""                                  # committed: the saved rows go
     assert untouched(root) == before
@@ -99,11 +99,11 @@ def test_replay_reproduces_every_verdict_and_commits_on_its_own_branch(past, poo
     readme = git(root, "show", f"{done.branch}:replay/README.md")
     assert "| c002 | decode | rejected at parity | rejected at parity | same |" in readme
 
-    only = replay_verdicts(root, config_with(), pool, only=["c002"], until="compile")
+    only = rejudge(root, config_with(), pool, only=["c002"], until="compile")
     assert [(r.ref, r.then.outcome, r.then.stage, r.now.outcome, r.now.stage) for r in only.rows] == [
         ("c002", "passed", "compile", "passed", "compile")]            # both verdicts cut after compile
-    with pytest.raises(ReplayError, match="'c009' is not a kernel of past"):
-        replay_verdicts(root, config_with(), pool, only=["c009"])
+    with pytest.raises(RejudgeError, match="'c009' is not a kernel of past"):
+        rejudge(root, config_with(), pool, only=["c009"])
 
 
 def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
@@ -120,17 +120,17 @@ def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
     assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
                        "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
     assert any(c.startswith("stages.compile.allowed_names") for c in replay["config_changes"])
-    assert "replaying c002 (3/4)" in done.stderr
+    assert "re-judging c002 (3/4)" in done.stderr
     assert untouched(root) == before
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
 
 
-def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, pool, monkeypatch):
+def test_rerunning_on_the_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, pool, monkeypatch):
     for key in KEYS:
         monkeypatch.delenv(key, raising=False)
     root = past.ledger
     before = untouched(root)
-    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, config_with(), quiet(), pool=pool)
 
     assert [(d.id, d.differs) for d in replay.decisions] == [("c001", []), ("c002", []), ("c003", [])]
     for d, r in zip(replay.decisions, past.history, strict=True):
@@ -144,7 +144,7 @@ def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, 
     assert json.loads(git(scratch, "show", "HEAD:run.json"))["provider"] == "recorded"     # a ledger of its own
     assert json.loads(git(scratch, "show", "HEAD:candidates/c002/record.json"))["outcome"] == "rejected"
 
-    done = commit_replay(root, replay)
+    done = commit_rejudging(root, replay)
     assert untouched(root) == before
     assert done.branch.endswith("-cpu-llm-recorded")
     committed = json.loads(git(root, "show", f"{done.branch}:replay/replay.json"))
@@ -152,7 +152,7 @@ def test_recorded_llm_reproduces_the_decisions_with_no_key_and_no_service(past, 
 
 
 def tamper(root, cid: str, old: str, new: str) -> None:
-    """Rewrite the planner's first recorded reply for `cid`, and commit it (the replay reads commits)."""
+    """Rewrite the planner's first recorded reply for `cid`, and commit it (a re-run reads commits)."""
     path = root / "candidates" / cid / "exchanges.jsonl"
     lines = path.read_text().splitlines()
     first = json.loads(lines[0])
@@ -170,7 +170,7 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
     tamper(root, "c001", '"expected_speedup": 1.3', '"expected_speedup": 1.001')    # now not worth coding
     tamper(root, "c003", '"expected_speedup": 1.001', '"expected_speedup": 1.3')    # now worth coding: no code recorded
 
-    replay = replay_decisions(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, config_with(), quiet(), pool=pool)
     differs = {d.id: d.differs for d in replay.decisions}
     assert differs == {"c001": ["expected_speedup", "outcome", "stage"], "c002": [], "c003": ["not made now"]}
     assert replay.failures == ["c001", "c003"]
@@ -186,7 +186,7 @@ def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(p
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
     assert len(past.history) == 1
-    replay = replay_decisions(past.ledger, config_with(), quiet(), pool=pool)
+    replay = rerun(past.ledger, config_with(), quiet(), pool=pool)
     assert replay.proposer.startswith("the built-in proposer, run again")
     assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]
     assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
@@ -195,7 +195,7 @@ def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(p
 
 
 def fresh_copy(past, folder):
-    """The run in another folder, without the unfinished replays other tests left in it."""
+    """The run in another folder, without the unfinished re-judgings other tests left in it."""
     root = folder / "run"
     shutil.copytree(past.ledger, root)
     for ref in git(root, "for-each-ref", "--format=%(refname)", PREFIX).split():
@@ -209,8 +209,8 @@ def judged(rows) -> list[tuple]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(past, pool, tmp_path_factory):
-    """The verdict replay cut after parity, one kernel at a time in one pool, never interrupted."""
-    replay = replay_verdicts(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
+    """Re-judging cut after parity, one kernel at a time in one pool, never interrupted."""
+    replay = rejudge(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
     assert judged(replay.rows) == [
         ("head:decode", "passed", "parity", ("passed", "parity"), "same", ""),
         ("c001", "passed", "parity", ("passed", "parity"), "same", ""),
@@ -219,7 +219,7 @@ def uninterrupted(past, pool, tmp_path_factory):
     return replay
 
 
-def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
+def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
         past, uninterrupted, tmp_path, capsys):
     root = fresh_copy(past, tmp_path)
     before, branches = untouched(root), git(root, "branch", "--list", "replay/*").split()
@@ -240,14 +240,14 @@ def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_unint
     assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
 
     assert main(["--config", str(cfg), "replay", str(root), "--resume", "--until", "compile"]) == 2
-    assert "--until compile: the unfinished replay of" in capsys.readouterr().err     # its flags are the saved ones
+    assert "--until compile: the unfinished re-judging of" in capsys.readouterr().err     # its flags are the saved ones
     assert main(["--config", str(cfg), "replay", str(root), "--resume", "--llm", "recorded"]) == 2
-    assert "are for the verdict replay" in capsys.readouterr().err
+    assert "are for re-judging" in capsys.readouterr().err
 
     done = subprocess.run([*cli, "--resume", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert f"kernel(s) reused from it: {', '.join(kept)}" in done.stderr
-    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("replaying ")] == [
+    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("re-judging ")] == [
         r for r in ("head:decode", "c001", "c002") if r not in kept]               # only the rest evaluated
     resumed = json.loads(done.stdout)
     assert resumed["until"] == "parity" and resumed["kind"] == "verdicts"
@@ -256,14 +256,14 @@ def test_a_replay_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_unint
     assert git(root, "rev-parse", f"{resumed['branch']}~1") == before[1]           # the same kind of commit
     assert git(root, "for-each-ref", PREFIX) == "" and untouched(root) == before
     assert main(["--config", str(cfg), "replay", str(root), "--resume"]) == 2
-    assert "no unfinished verdict replay to resume" in capsys.readouterr().err       # committed: nothing left
+    assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
-def test_a_replay_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
+def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
     root = fresh_copy(past, tmp_path)
     lines = []
-    two = replay_verdicts(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
+    two = rejudge(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
                           until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
     assert judged(two.rows) == judged(uninterrupted.rows)[1:]
-    assert sorted(lines) == ["replaying c001 (1/3)", "replaying c002 (2/3)"]
+    assert sorted(lines) == ["re-judging c001 (1/3)", "re-judging c002 (2/3)"]
     assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came

@@ -21,9 +21,9 @@ from conftest import ROOT, config_with
 from harness.records import StageResult, Verdict
 
 from agent.cli import main
-from agent.conclusion import conclude, outcome_of, speedup_of
-from agent.ledger import Ledger
-from agent.loop import funnel
+from agent.roles.conclusion import conclude, outcome_of, speedup_of
+from agent.ledger.repository import Ledger
+from agent.run.loop import funnel
 from agent.records import (CandidateRecord, Claim, Exchange, Kernel, KillTest, Message, OpEvidence, Profile, Round,
                            RunHeader)
 
@@ -118,7 +118,7 @@ def write_ledger(root, device: str, records: list[CandidateRecord], heads: dict[
                    "input_tokens": sum(h.input_tokens for h in history), "output_tokens": sum(h.output_tokens for h in history),
                    "stopped": ""}
         ledger.commit_candidate(r, [exchange(12.0, r.cost_usd)] if r.cost_usd else [], summary, best)
-        if r.outcome == "accepted":             # the loop moves the head (agent/loop.py Run.record)
+        if r.outcome == "accepted":             # the loop moves the head (agent/run/loop.py Run.record)
             heads[r.op] = Kernel(ref=r.id, op=r.op, path=f"candidates/{r.id}/candidate.py", source=r.source,
                                  speedup=r.speedup, verdict=r.verdict)
             ledger.commit(f"head {r.op} <- {r.id}", [], {f"heads/{r.op}.json": heads[r.op].model_dump_json(
@@ -369,8 +369,8 @@ def test_the_live_view_reports_each_candidate_and_the_best_over_cudnn_first_and_
 
     from rich.console import Console
 
-    from agent.figures import speed
-    from agent.view import RunView
+    from agent.reading.figures import speed
+    from agent.reading.view import RunView
     c005, shapes = gpu_run[1][4], SHAPES["decode"]
     mix = sum(w * a for _, w, _, a in shapes) / sum(w * b / 1.32 for _, w, b, _ in shapes)
     out = io.StringIO()

@@ -1,4 +1,4 @@
-"""The run folder's lock (agent/session.py): held, it refuses a second holder, naming the first; released, its
+"""The run folder's lock (agent/run/session.py): held, it refuses a second holder, naming the first; released, its
 file is gone; a file left by a killed run is taken over; a file removed while another opened it is not
 mistaken for the lock."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from agent.session import LOCK_NAME, RunBusy, RunLock, _same_file, check_free
+from agent.run.session import LOCK_NAME, RunBusy, RunLock, _same_file, check_free
 
 
 def test_a_held_lock_refuses_a_second_holder_and_its_file_is_removed_when_released(tmp_path):

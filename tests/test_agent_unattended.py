@@ -19,11 +19,11 @@ from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM
 from test_ledger import candidate, commit, git, new_ledger
 
-from agent.ledger import Ledger, LedgerError
-from agent.loop import run, settings_from
+from agent.ledger.repository import Ledger, LedgerError
+from agent.run.loop import run, settings_from
 from agent.records import CandidateRecord, Proposal
-from agent.session import LOCK_NAME
-from agent.view import RunView
+from agent.run.session import LOCK_NAME
+from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEY = "sk-test-unattended-0001"

@@ -18,7 +18,7 @@ def test_the_reference_kernels_load_with_their_ops(tmp_path):
         path = tmp_path / f"{op}.py"
         path.write_text(source)
         loaded = load_candidate(path, TARGET)
-        assert loaded.ops == [op] and loaded.problem == "" and callable(getattr(loaded.module, op))
+        assert loaded.ops == (op,) and loaded.error == "" and callable(getattr(loaded.module, op))
         assert callable(served_load(path).__dict__[op])
 
 
@@ -26,7 +26,7 @@ def test_an_op_with_other_parameters_is_refused_by_the_worker_and_by_the_served_
     assert MISNAMED != C.REF_DECODE
     path = tmp_path / "candidate.py"
     path.write_text(MISNAMED)
-    assert load_candidate(path, TARGET).problem == ("decode(q, k_cache, v_cache, block_table, lengths, sm_scale) must be "
+    assert load_candidate(path, TARGET).error == ("decode(q, k_cache, v_cache, block_table, lengths, sm_scale) must be "
                                                     "decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)")
     with pytest.raises(TypeError, match=r"the candidate decode\(q, k_cache, v_cache, block_table, lengths, sm_scale\) must be"):
         served_load(path)
@@ -35,4 +35,4 @@ def test_an_op_with_other_parameters_is_refused_by_the_worker_and_by_the_served_
 def test_a_file_defining_no_op_says_which_it_could_define(tmp_path):
     path = tmp_path / "candidate.py"
     path.write_text("X = 1\n")
-    assert load_candidate(path, TARGET).problem == "defines none of: " + ", ".join(TARGET.ops)
+    assert load_candidate(path, TARGET).error == "defines none of: " + ", ".join(TARGET.ops)

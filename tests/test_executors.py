@@ -16,7 +16,7 @@ from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
 from harness.executors import InOrder, LocalExecutor, core_shares, deal_cores, local_pins
-from harness.slot import Job, Pin
+from harness.slot import Job, Pin, device_health
 
 # Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
 # them makes its slot check its health again before the next job.
@@ -158,3 +158,28 @@ def test_a_gpu_slot_pinned_to_a_missing_gpu_is_taken_out_and_gpu0_evaluates():
         assert set(ex.removed) == {"gpu99"} and "CUDA_VISIBLE_DEVICES=99" in ex.removed["gpu99"]
         done = ex.submit(Job(id="g001", source=REF_DECODE, until="parity")).result(timeout=900)
         assert done.slot == "gpu0" and done.verdict.ok, done.verdict.reason
+
+
+class _PassingDevice:
+    """A device's pool whose health check fails `faults` times (a passing fault: ECC, a throttled clock), then passes."""
+    device = "cpu"
+
+    def __init__(self, faults: int) -> None:
+        self.faults, self.checks = faults, 0
+
+    def check_health(self) -> str:
+        self.checks += 1
+        return "a known kernel came out wrong" if self.checks <= self.faults else ""
+
+
+def test_a_device_failing_its_health_check_once_is_checked_again_after_the_retry_and_passes():
+    waited = []
+    flaky = _PassingDevice(faults=1)
+    assert device_health("cpu", flaky, 7.5, sleep=waited.append) == ""
+    assert (flaky.checks, waited) == (2, [7.5])
+
+
+def test_a_device_failing_its_health_check_twice_is_reported_unwell_with_why():
+    sick = _PassingDevice(faults=2)
+    assert device_health("cpu", sick, 0.0, sleep=lambda s: None) == "a known kernel came out wrong"
+    assert sick.checks == 2

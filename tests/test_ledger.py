@@ -11,7 +11,7 @@ import pytest
 
 from harness.records import StageResult, Verdict
 
-from agent.ledger import SUBJECT_CHARS, Ledger, LedgerError
+from agent.ledger.repository import SUBJECT_CHARS, Ledger, LedgerError
 from agent.records import (CandidateRecord, Claim, Conclusion, Exchange, Kernel, KillTest, Message, OpEvidence,
                            Profile, Proposal, Round, RunHeader)
 
@@ -141,3 +141,29 @@ def test_the_first_commit_holds_config_environment_profile_replay_and_heads(tmp_
     assert files == {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",
                      "README.md", "heads/decode.py", "heads/decode.json"}
     assert json.loads((ledger.root / "environment.json").read_text()) == {"gpu": "NVIDIA H200"}
+
+
+def test_a_pinned_ledger_reads_the_tip_it_was_opened_at_whatever_is_committed_after(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    first = candidate("c001", "rejected", "parity", None)
+    commit(ledger, first)
+    pinned = Ledger(ledger.root, pinned=True)
+    commit(ledger, candidate("c002", "passed", "microbench", 1.5), new_best=True)
+    assert pinned.history() == [first] and pinned.committed("candidates/c002/record.json") is None
+    assert [r.id for r in Ledger(ledger.root).history()] == ["c001", "c002"]
+    assert list(pinned.heads(at_start=True)) == ["decode"] and pinned.first.hexsha == git(
+        ledger.root, "rev-list", "--max-parents=0", "HEAD").strip()
+
+
+def test_a_commit_beside_the_run_moves_no_ref_touches_no_file_and_is_redacted(tmp_path, monkeypatch):
+    monkeypatch.setenv("KEVO_TEST_API_KEY", SECRET)
+    ledger = new_ledger(tmp_path / "r1")
+    commit(ledger, candidate("c001", "rejected", "parity", None))
+    refs, tip = git(ledger.root, "show-ref"), ledger.tip.hexsha
+    side = ledger.commit_beside({"replay/note.md": f"token {SECRET}\n"}, "a note beside the run", f"body {SECRET}",
+                                {"Replay": "verdicts"})
+    assert git(ledger.root, "show-ref") == refs and git(ledger.root, "status", "--porcelain") == ""
+    assert side.parents[0].hexsha == tip and not (ledger.root / "replay").exists()
+    shown = git(ledger.root, "show", side.hexsha)
+    assert SECRET not in shown and "[KEVO_TEST_API_KEY redacted]" in shown and "Replay: verdicts" in shown
+    assert (side.tree / "candidates/c001/record.json").data_stream.read() == (ledger.tip.tree / "candidates/c001/record.json").data_stream.read()

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.ledger import Ledger, folder_state
+from agent.ledger.repository import Ledger, folder_state
 
 TESTS = Path(__file__).resolve().parent
 TRIALS = 16
@@ -25,7 +25,7 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
 from test_ledger import candidate, commit, new_ledger
-from agent.ledger import Ledger, discard_unstarted, folder_state
+from agent.ledger.repository import Ledger, discard_unstarted, folder_state
 root = Path(sys.argv[1])
 state = folder_state(root)                     # what a resumed run does with the folder it finds
 assert state != "foreign", state
@@ -89,13 +89,10 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
 from test_ledger import candidate, commit, new_ledger
-from agent.ledger import open_repo
-from agent.replay_report import store_commit
 ledger = new_ledger(Path(sys.argv[1]))
 for n in (1, 2, 3):
     commit(ledger, candidate(f"c{{n:03d}}", "rejected", "parity", None), new_best=False)
-repo = open_repo(ledger.root)
-store_commit(repo, repo.head.commit, {{"replay/replay.json": "{{}}"}}, "replay", parent=repo.head.commit)
+ledger.commit_beside({{"replay/replay.json": "{{}}"}}, "replay", "")
 """
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import CUDA, ROOT, config_with
 from harness.errors import HarnessError
 from harness.evaluate import device_shapes
-from harness.profile import BUCKETS, attribute_graphs, ceiling, profile_served, summarize
+from harness.amdahl import ceiling
+from harness.profile import BUCKETS, attribute_graphs, profile_served, summarize
 from harness.served.shapes import ShapesError, apply_recorded, load_recorded_shapes
 from harness.targets.attention import served_cases
 
@@ -149,7 +150,7 @@ def test_profile_command_errors_are_one_line_and_exit_2(args, words):
 
 
 def test_a_recorded_profile_gives_the_planner_measured_shares_instead_of_assumptions(report, tmp_path):
-    from agent.profile import run_profile
+    from agent.run.profile import run_profile
     from harness.errors import HarnessError
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(report))
@@ -168,7 +169,7 @@ def test_a_recorded_profile_gives_the_planner_measured_shares_instead_of_assumpt
 
 
 def test_the_shares_of_the_current_heads_follow_their_measured_speedups_over_the_torch_baseline():
-    from agent.profile import head_shares
+    from agent.run.profile import head_shares
     from agent.records import Kernel
 
     def k(op, s):

@@ -20,8 +20,8 @@ from conftest import config_with
 from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM, Step
 
-from agent.asking import ask, retold
-from agent.providers import PROVIDERS, Halted, Meter, ProviderDown, ProviderStop, check_keys
+from agent.llm.asking import ask, retold
+from agent.llm.providers import PROVIDERS, Halted, Meter, ProviderDown, ProviderStop, check_keys
 from agent.records import Message
 
 KEY = "sk-test-faults-0001"

@@ -13,8 +13,8 @@ from conftest import config_with
 from fakes.flaky import FlakyLLM, down_for
 from fakes.llm_server import FakeLLM
 
-from agent.asking import ask
-from agent.providers import PROVIDERS, Meter, ProviderDown, ProviderStop
+from agent.llm.asking import ask
+from agent.llm.providers import PROVIDERS, Meter, ProviderDown, ProviderStop
 from agent.records import Message
 
 KEY = "sk-test-outage-0001"

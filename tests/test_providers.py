@@ -9,8 +9,8 @@ from conftest import config_with
 from fakes.llm_server import FakeLLM, Step
 from harness.config import ConfigError
 
-from agent.asking import ask
-from agent.providers import PROVIDERS, Meter, ProviderStop, check_keys
+from agent.llm.asking import ask
+from agent.llm.providers import PROVIDERS, Meter, ProviderStop, check_keys
 from agent.records import Message
 
 KEY = "sk-test-provider-0001"

@@ -30,7 +30,7 @@ from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS
 from harness.transport import DTYPES, ProtocolError, recv_json, send_json
 
-from agent.ledger import Ledger
+from agent.ledger.repository import Ledger
 
 # Allowlist opened for sys: these candidates reach into the worker itself, past the static check, to forge replies.
 FORGING = {**RUNTIME_ONLY, "stages.compile.allowed_names": {**RUNTIME_ONLY["stages.compile.allowed_names"], "sys": ["*"]}}

@@ -11,8 +11,10 @@ import pytest
 
 import candidates as C
 from conftest import CPU_GATES, CUDA, RUNTIME_ONLY, config_with, runtime_only
+from harness.candidate import load_candidate
 from harness.evaluate import sched_s
 from harness.stages import STAGE_NAMES
+from harness.targets import TARGETS
 
 
 def stage_of(verdict):
@@ -191,6 +193,19 @@ def test_compile_stage_rejects_with_feedback_for_the_coder(evaluate_source, sour
     v = evaluate_source(source)
     assert stage_of(v) == "compile", v.reason
     assert words in v.stages[-1].reason, v.stages[-1].reason
+
+
+@pytest.mark.parametrize("args, error", [
+    ("q, k_cache, v_cache, block_table, seq_lens, sm_scale", ""),
+    ("q, k_cache, v_cache, seq_lens, block_table, sm_scale",
+     "decode(q, k_cache, v_cache, seq_lens, block_table, sm_scale) must be decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)"),
+], ids=["contract", "swapped"])
+def test_the_one_candidate_loader_refuses_an_op_whose_arguments_are_not_the_contracts(tmp_path, monkeypatch, args, error):
+    monkeypatch.setitem(sys.modules, "candidate", None)          # the loader registers the module; put back after
+    path = tmp_path / "candidate.py"
+    path.write_text(f"def decode({args}):\n    return q\n")
+    loaded = load_candidate(path, TARGETS["attention"])
+    assert (loaded.ops, loaded.error) == (("decode",), error)
 
 
 def test_forged_replies_past_the_allowlist_are_a_protocol_failure_at_compile(evaluate_source):

@@ -162,7 +162,7 @@ def test_a_source_judged_again_in_one_evaluate_is_given_its_verdict_from_the_cac
 
 
 def test_a_cached_verdict_costs_no_device_time():
-    from agent.evaluator import device_seconds
+    from agent.roles.evaluator import device_seconds
     from agent.records import CandidateRecord, Round
     from harness.records import CachedFrom
     timed = Verdict.of([StageResult(name="compile", status="passed", seconds=2.0)])

@@ -37,8 +37,8 @@ def load_candidate(path: Path | str) -> ModuleType:
     """The candidate's module (harness/candidate.py, the one loader), refused like the worker refuses it:
     an op whose parameters are not the contract's."""
     loaded = load(path, TARGET)
-    if loaded.problem:
-        raise TypeError(f"the candidate {loaded.problem}")
+    if loaded.error:
+        raise TypeError(f"the candidate {loaded.error}")
     return loaded.module
 
 

@@ -40,7 +40,7 @@ from h200_run import DECODE_STEPS, ROOT, Service, launch, write_config  # noqa: 
 
 import candidates as C  # noqa: E402
 
-from agent.ledger import Ledger  # noqa: E402
+from agent.ledger.repository import Ledger  # noqa: E402
 
 
 def steps() -> list[tuple[str, str, str, float]]:

@@ -43,7 +43,7 @@ import candidates as C  # noqa: E402
 from fakes.flaky import FlakyLLM  # noqa: E402
 from fakes.scripts import claim, code  # noqa: E402
 
-from agent.ledger import Ledger  # noqa: E402
+from agent.ledger.repository import Ledger  # noqa: E402
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 

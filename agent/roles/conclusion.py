@@ -1,0 +1,94 @@
+"""The conclusion role: after the verdict, what was learned — in a sentence or two the next planner
+reads — whether the kill test fired, predicted against observed speedup, and, where the full replay
+scored it, the served gain against the ceiling the profile gave for microbench's speedup.
+
+Written by code from the record, never by a model: a conclusion is a reading of the evidence, and the
+same evidence must always read the same way. Not here: the verdict itself (harness).
+"""
+from __future__ import annotations
+
+from harness.amdahl import ceiling
+from harness.records import Verdict
+
+from agent.records import Claim, Conclusion, Outcome, Round
+
+_SPEED_STAGES = ("microbench", "replay")
+
+
+def outcome_of(verdict: Verdict) -> tuple[Outcome, str]:
+    """(outcome, stage): the failed stage, or the last stage that ran and passed."""
+    if verdict.failed_stage:
+        return "rejected", verdict.failed_stage
+    ran = [s.name for s in verdict.stages if s.status == "passed"]
+    return ("accepted" if verdict.accepted else "passed"), (ran[-1] if ran else "none")
+
+
+def speedup_of(verdict: Verdict | None) -> float | None:
+    """The served-mix speedup over the torch baseline, if microbench measured one."""
+    for s in verdict.stages if verdict else []:
+        if s.name == "microbench" and "speedup" in s.metrics:
+            return s.metrics["speedup"]
+    return None
+
+
+def _kill_fired(claim: Claim, verdict: Verdict, observed: float | None) -> bool | None:
+    stage = next((s for s in verdict.stages if s.name == claim.kill_test.stage), None)
+    if stage is None or stage.status == "skipped":
+        return None                                     # its stage was not reached, or cannot run here
+    if stage.status == "failed":
+        return True
+    if claim.kill_test.stage in _SPEED_STAGES:
+        return None if observed is None else observed <= 1.0
+    return False
+
+
+def _served(claim: Claim | None, verdict: Verdict) -> str:
+    """The replay's paired gain over the head it was served beside (torch's when it had none), set against
+    Amdahl's ceiling for microbench's speedup on the claim's op share: how much of the local gain reached
+    the served step."""
+    replay = next((s for s in verdict.stages if s.name == "replay" and "gain" in s.metrics), None)
+    if replay is None:
+        return ""
+    m = replay.metrics
+    over = "torch" if m.get("head_is_torch") else "its head"
+    text = (f"; served over {over}: {m['gain']:+.1%} (lower bound {m.get('gain_lower', float('nan')):+.1%}), "
+            f"p90 TPOT {m.get('tpot_p90_speedup', float('nan')):.2f}x")
+    local = speedup_of(verdict)
+    if claim is not None and local:
+        text += f" against a ceiling of {ceiling(claim.op_share, local):.2f}x for {local:.2f}x on f {claim.op_share:.2f}"
+    return text
+
+
+def _first(text: str, n: int = 160) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= n else line[: n - 1] + "…"
+
+
+def _why(reason: str) -> str:
+    """The gist of a skip reason: 'skipped: needs CUDA; this machine ...' -> 'needs CUDA'."""
+    return _first(reason.removeprefix("skipped:").strip().split(";")[0].split(". ")[0], 60)
+
+
+def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds: list[Round],
+             parent_ref: str, observed: float | None) -> Conclusion:
+    predicted = claim.expected_speedup if claim else None
+    if not rounds:
+        return Conclusion(learned=_first(reason, 240), kill_test_fired=None, predicted=predicted, observed=None)
+    verdict = rounds[-1].verdict
+    repaired = f" after {len(rounds) - 1} compile repair round(s)" if len(rounds) > 1 else ""
+    if outcome == "rejected":
+        failed = next(s for s in verdict.stages if s.name == verdict.failed_stage)
+        learned = _first(failed.reason) + repaired
+    else:
+        learned = f"correct on every served and boundary shape{repaired}"
+    if observed is not None:
+        learned += f"; measured {observed:.3f}x over {parent_ref}" + (f" (predicted {predicted:.3f}x)" if predicted else "")
+    elif outcome != "rejected":
+        skipped = [f"{s.name} skipped: {_why(s.reason)}" for s in verdict.stages if s.status == "skipped"]
+        learned += "; speed not measured here" + (f" ({', '.join(skipped)})" if skipped else "")
+    learned += _served(claim, verdict)
+    fired = _kill_fired(claim, verdict, observed) if claim else None
+    if fired is not None:
+        learned += f"; kill test ({claim.kill_test.stage}) {'fired' if fired else 'did not fire'}"
+    return Conclusion(learned=learned, kill_test_fired=fired, predicted=predicted, observed=observed)
+

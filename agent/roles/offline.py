@@ -1,0 +1,240 @@
+"""The built-in proposer: claims and candidates from the parametric kernel families in knowledge/.
+
+No keys, no network. Each proposal moves one knob of the current search parent (the kernel of that op
+measured faster than its own parent beyond noise, else the head) one step along the values listed in
+the catalog, or moves the op to another of its families (a structural step: that family's kernel with
+its defaults), and says why, with numbers. The parent's family is the one whose knobs it has. It
+chooses from the ledger's evidence rather than blindly:
+  - a single-knob step that was rejected at compile, dispatch or parity bans that value and everything
+    beyond it in the same direction (moving away from rejected regions);
+  - a step's expected local speedup s is what the same step measured before (momentum), else the
+    inverse of the opposite step (symmetry), else the catalog's prior; a move to another family expects
+    what that family measured in this run over the parent, else the ratio of the two families' measured
+    priors over the reference kernel (`over_reference`), so measured-faster families go first;
+  - steps worth coding go first (end-to-end ceiling 1/(1-f+f/s) at least the configured minimum),
+    single steps before two-step jumps, then the highest ceiling, across ops;
+  - when the best step left is not worth coding it is recorded as such once; asked again with nothing
+    learned since, the proposer says the search has converged (None).
+Not here: evaluating (evaluator), recording (ledger). It is the bar every LLM configuration must beat.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+from harness.amdahl import ceiling
+from harness.stages import STAGE_NAMES
+
+from agent.knowledge import KNOWLEDGE, Catalog, Entry, Family, KnobSpec, read_knobs, with_knobs
+from agent.records import Claim, KillTest, Knob, Proposal
+from agent.run.state import CORRECTNESS_STAGES, ProposalState
+
+_HEADER = "kevo offline proposer:"
+FAMILY = "family"       # the `knob` of a structural move: from one family of the op to another
+
+
+class Move(NamedTuple):
+    knob: str
+    old: Knob | str     # for a family move: the family ids
+    new: Knob | str
+    steps: int          # +1 / -1 one step along the values, +2 / -2 a jump
+    s: float            # expected local speedup
+    basis: str          # the evidence s rests on
+
+
+def _key(knobs: dict[str, Knob]) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in knobs.items()))
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def _single_steps(op: str, state: ProposalState, specs: dict[str, KnobSpec], reference: dict[str, Knob],
+                  keys: set[str]):
+    """(knob, direction, new value, record) for every candidate of the family with knobs `keys` that moved
+    exactly one knob of its parent (the reference kernel, `head:<op>`, is a parent too after an accepted
+    candidate has replaced it as head)."""
+    knobs_of = ({f"head:{op}": reference} | {k.ref: k.knobs for k in state.heads.values()}
+                | {r.id: r.knobs for r in state.history if r.knobs})
+    for r in state.history:
+        parent = knobs_of.get(r.parent)
+        if r.op != op or not r.knobs or parent is None or set(r.knobs) != keys:
+            continue
+        changed = [k for k in r.knobs if r.knobs[k] != parent.get(k) and k in specs]
+        if len(changed) == 1:
+            k = changed[0]
+            values = specs[k].values
+            if parent[k] in values and r.knobs[k] in values:
+                yield k, (1 if values.index(r.knobs[k]) > values.index(parent[k]) else -1), r.knobs[k], r
+
+
+class OfflineProposer:
+    name = "offline"
+    instant = True
+
+    def __init__(self, catalog: Catalog, target: str, ops: list[str]) -> None:
+        for op in ops:
+            catalog.family(target, op)              # an op without a family: CatalogError, one line
+        self.families = {op: catalog.families(target, op) for op in ops}      # the head family first
+        self.defaults = {e.id: read_knobs((KNOWLEDGE / e.files[0]).read_text()) for fams in self.families.values()
+                         for e, _ in fams}
+        # the heads' settings (the reference kernels unless agent.heads says otherwise): measured as the
+        # first heads, so never proposed again
+        self.reference = {op: self.defaults[fams[0][0].id] for op, fams in self.families.items()}
+
+    def family_of(self, op: str, knobs: dict[str, Knob]) -> tuple[Entry, Family] | None:
+        """The family a kernel of `op` belongs to: the one whose file has exactly its knobs (None: an LLM's)."""
+        return next(((e, f) for e, f in self.families[op] if set(self.defaults[e.id]) == set(knobs)), None)
+
+    def propose(self, state: ProposalState) -> Proposal | None:
+        options = []                        # worth coding first, then single steps before jumps, then ceiling
+        for op in state.ops:
+            tried = sum(r.op == op for r in state.history)
+            for move in self._moves(op, state):
+                c = ceiling(state.profile.ops[op].share, move.s)
+                options.append(((c >= state.min_ceiling, -abs(move.steps), c, -tried), op, move))
+        if not options:
+            return None
+        (worth, *_), op, move = max(options, key=lambda o: o[0])
+        last = state.history[-1] if state.history else None
+        if not worth and last is not None and last.outcome == "not-worth-coding" and last.proposer == self.name:
+            return None                     # said once, and nothing was learned since: the search has converged
+        return self._proposal(op, move, state)
+
+    def repair(self, proposal: Proposal, source: str, feedback: str, round_no: int):
+        return None, []                  # a family member that fails to compile is a finding, not a typo
+
+    # -- choosing ---------------------------------------------------------------------------------
+
+    def _moves(self, op: str, state: ProposalState) -> list[Move]:
+        """Every untried, unbanned step (one along the values, or a jump of two) from the search parent, and
+        every move to another family of the op not tried yet."""
+        parent = state.parents[op].knobs
+        found = self.family_of(op, parent)
+        if found is None:
+            return []                       # a kernel no family describes: no knob of it to move
+        entry, family = found
+        specs = family.knobs
+        tried = {_key(r.knobs) for r in state.history if r.op == op and r.knobs}
+        tried |= {_key(p.knobs) for p in state.pending if p.op == op and p.knobs}
+        tried |= {_key(parent), _key(state.heads[op].knobs), _key(self.reference[op])}
+        steps = list(_single_steps(op, state, specs, self.reference[op], set(self.defaults[entry.id])))
+        banned = self._banned(steps, specs)
+        moves = []
+        for size in (1, 2):
+            for name, spec in specs.items():
+                if parent[name] not in spec.values:
+                    continue
+                i = spec.values.index(parent[name])
+                for d in (1, -1):
+                    j = i + d * size
+                    if not 0 <= j < len(spec.values) or (name, j) in banned:
+                        continue
+                    new = spec.values[j]
+                    if _key({**parent, name: new}) in tried:
+                        continue
+                    s, basis = self._predict(name, d, size, spec, steps)
+                    moves.append(Move(name, parent[name], new, d * size, s, basis))
+        for other, theirs in self.families[op]:
+            if other.id != entry.id and _key(self.defaults[other.id]) not in tried:
+                s, basis = self._predict_family(op, state, (entry, family), (other, theirs))
+                moves.append(Move(FAMILY, entry.id, other.id, 1, s, basis))
+        return moves
+
+    def _predict_family(self, op: str, state: ProposalState, mine: tuple[Entry, Family],
+                        theirs: tuple[Entry, Family]) -> tuple[float, str]:
+        """s of a move from the parent's family to another: what the other family measured in this run over
+        the parent, else the ratio of the two families' measured priors over the reference kernel."""
+        parent = state.parents[op]
+        keys = set(self.defaults[theirs[0].id])
+        timed = [r for r in state.history if r.op == op and set(r.knobs) == keys and r.speedup
+                 and r.verdict is not None and r.verdict.failed_stage not in CORRECTNESS_STAGES]
+        if timed and parent.speedup:
+            best = max(timed, key=lambda r: r.speedup)
+            s = best.speedup / parent.speedup
+            basis = (f"family {theirs[0].id} measured {best.speedup:.3f}x over the torch baseline in {best.id}, "
+                     f"the parent {parent.ref} {parent.speedup:.3f}x: {s:.3f}x")
+        else:
+            s = theirs[1].over_reference / mine[1].over_reference
+            basis = (f"no measurement of family {theirs[0].id} in this run yet: the catalog's measured prior is "
+                     f"{theirs[1].over_reference:.2f}x over the reference kernel, {mine[1].over_reference:.2f}x for "
+                     f"{mine[0].id}: {s:.3f}x expected")
+        return min(2.0, max(0.5, s)), basis
+
+    @staticmethod
+    def _banned(steps, specs: dict[str, KnobSpec]) -> set[tuple[str, int]]:
+        banned = set()
+        for name, d, new, r in steps:
+            if r.outcome == "rejected" and r.stage in CORRECTNESS_STAGES:
+                values = specs[name].values
+                j = values.index(new)
+                banned |= {(name, i) for i in (range(j, len(values)) if d > 0 else range(0, j + 1))}
+        return banned
+
+    @staticmethod
+    def _predict(name: str, d: int, size: int, spec: KnobSpec, steps) -> tuple[float, str]:
+        measured = [(dd, r) for n, dd, _, r in steps if n == name and r.local_speedup]
+        same = [r for dd, r in measured if dd == d][-3:]
+        opposite = [r for dd, r in measured if dd == -d][-3:]
+        way = "up" if d > 0 else "down"
+        if same:
+            s = _geomean([r.local_speedup for r in same])
+            basis = (f"the same step ({name} {way}) measured {', '.join(f'{r.local_speedup:.3f}x in {r.id}' for r in same)}"
+                     " over its parent")
+        elif opposite:
+            s = 1 / _geomean([r.local_speedup for r in opposite])
+            basis = (f"the opposite step measured {', '.join(f'{r.local_speedup:.3f}x in {r.id}' for r in opposite)}; "
+                     "assuming the effect is symmetric")
+        else:
+            s = spec.expect.up if d > 0 else spec.expect.down
+            basis = f"no measurement of this step yet: the catalog's prior for one step {way} is {s:.2f}x"
+        if size > 1:                    # a bigger change, not a surer one: the one-step figure stands
+            basis += f"; for a jump of {size} steps"
+        return min(2.0, max(0.5, s)), basis
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def _proposal(self, op: str, move: Move, state: ProposalState) -> Proposal:
+        parent = state.parents[op]
+        entry, family = self.family_of(op, parent.knobs)
+        evidence = list(state.profile.ops[op].lines)
+        if parent.ref != state.heads[op].ref:
+            evidence.append(f"search parent {parent.ref}: {parent.speedup:.3f}x over the torch baseline (the {op} kernel "
+                            f"measured faster than its own parent beyond noise)")
+        evidence.append(move.basis)
+        if move.knob == FAMILY:
+            other = next(e for e, _ in self.families[op] if e.id == move.new)
+            kill, why, risk = ("microbench", other.summary,
+                               f"a structural change: {other.id}'s own boundary cases must hold at parity, and its "
+                               "measured gain over the reference came from other shapes than these")
+            knobs = dict(self.defaults[other.id])
+            source = with_knobs((KNOWLEDGE / other.files[0]).read_text(), {},
+                                f"{_HEADER} {state.next_id} = family {other.id} with its defaults, moved from "
+                                f"{parent.ref} (family {entry.id})")
+            change = f"family {move.old} -> {move.new} for the {op} kernel"
+        else:
+            spec = family.knobs[move.knob]
+            kill, why, risk = (spec.kill if spec.kill in STAGE_NAMES else "parity"), spec.why, spec.risk
+            knobs = {**parent.knobs, move.knob: move.new}
+            source = "\n".join(line for line in parent.source.splitlines() if not line.startswith(f"# {_HEADER}")) + "\n"
+            source = with_knobs(source, {move.knob: move.new},
+                                f"{_HEADER} {state.next_id} = {parent.ref} with {move.knob} {move.old!r} -> {move.new!r} "
+                                f"(family {entry.id})")
+            change = f"{move.knob} {move.old!r} -> {move.new!r} in the {op} kernel"
+        observation = {
+            "compile": "Triton fails to build or launch it (shared memory or registers)",
+            "dispatch": "work leaves the candidate's own kernels",
+            "parity": "a boundary length (1, block_size +/- 1, the longest) differs from float64 beyond tolerance",
+        }.get(kill, f"its served-mix speedup is not above {parent.ref}'s beyond the noise bar "
+                    f"(predicted {move.s:.3f}x over it)")
+        claim = Claim(op=op, hypothesis=f"{change} (from {parent.ref}): {why}",
+                      evidence=evidence, expected_speedup=round(move.s, 4), risks=[risk],
+                      kill_test=KillTest(stage=kill, observation=observation),
+                      op_share=state.profile.ops[op].share, share_source=state.profile.source)
+        worth = claim.ceiling >= state.min_ceiling
+        return Proposal(id=state.next_id, op=op, parent=parent.ref, proposer=self.name,
+                        outcome="ready" if worth else "not-worth-coding", stage="" if worth else "ceiling",
+                        reason="" if worth else (f"ceiling {claim.ceiling:.4f} is under the minimum {state.min_ceiling}: "
+                                                 f"{move.s:.3f}x expected on an op holding {claim.op_share:.0%} of the step"),
+                        claim=claim, knobs=knobs, source=source if worth else None)
