@@ -42,7 +42,7 @@ from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
-from harness.served.ops import STALL_MS
+from harness.served.accounting import fallbacks, graphs, stalls
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, load_trace, requests_for
 from harness.stages.common import EvalContext, Rejected
@@ -203,8 +203,7 @@ def segments(requests: list[TraceRequest], window_s: float, n: int) -> list[list
     width = window_s / n
     out = []
     for j in range(n):
-        seg = [replace(r, arrival_s=r.arrival_s - j * width) for r in requests
-               if j * width <= r.arrival_s < (j + 1) * width or (j == n - 1 and r.arrival_s >= window_s)]
+        seg = [replace(r, arrival_s=r.arrival_s - j * width) for r in requests if j * width <= r.arrival_s < (j + 1) * width]
         if seg:
             out.append(seg)
     return out
@@ -213,48 +212,6 @@ def segments(requests: list[TraceRequest], window_s: float, n: int) -> list[list
 def merged(label: str, runs: list[ReplayRun]) -> ReplayRun:
     return ReplayRun(label, [c for r in runs for c in r.completions], sum(r.duration_s for r in runs),
                      max((r.max_send_lag_s for r in runs), default=0.0), runs[0].server_ready_s if runs else float("nan"))
-
-
-def _fallbacks(stats: dict | None) -> tuple[float, str]:
-    """The share of calls to the candidate's own ops that fell back, and a sentence about all ops."""
-    if not stats or not isinstance(stats.get("ops"), dict):
-        return float("nan"), "the server reports no fallback accounting (GET /kevo/stats)"
-    calls = declined = 0
-    words = []
-    for op, s in stats["ops"].items():
-        n, fell = int(s.get("calls", 0)), int(s.get("unsupported", 0))
-        if not s.get("implemented"):
-            words.append(f"{op} not implemented ({n} calls ran the baseline)")
-            continue
-        calls, declined = calls + n, declined + fell
-        words.append(f"{op}: {fell} of {n} calls fell back" if fell else f"{op}: all {n} calls the candidate's")
-    return (declined / calls if calls else float("nan")), "; ".join(words)
-
-
-def _stalls(stats: dict | None) -> tuple[dict[str, float], str]:
-    """The candidate's calls that held the server's host in the window (compiles inside it, or waits
-    on the GPU): metrics, and a clause for the reason (empty when there were none)."""
-    ops = stats.get("ops") if isinstance(stats, dict) else None
-    rows = [s for s in ops.values() if isinstance(s, dict) and "stalls" in s] if isinstance(ops, dict) else []
-    if not rows:
-        return {}, ""
-    n, total = sum(int(s["stalls"]) for s in rows), sum(float(s["stall_ms"]) for s in rows)
-    worst = max(float(s["worst_stall_ms"]) for s in rows)
-    metrics = {"candidate_stalls": float(n), "candidate_stall_ms": total}
-    if not n:
-        return metrics, ""
-    return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over {STALL_MS:g} ms in the window "
-                     f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
-
-
-def _graphs(stats: dict | None) -> tuple[dict[str, float], str]:
-    """Whether the candidate's server decoded from CUDA graphs (harness/served/graphs.py): a metric, and
-    a clause for the reason when it did not and says why (a decode that cannot be captured)."""
-    g = stats.get("graphs") if isinstance(stats, dict) else None
-    if not isinstance(g, dict) or not isinstance(g.get("on"), bool):
-        return {}, ""
-    words = f"; the candidate's server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
-    return {"candidate_cuda_graphs": float(g["on"])}, (words if g.get("fell_back") is True else "")
 
 
 def _stats(server: ServerHandle) -> dict | None:
@@ -302,9 +259,9 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     head_gate = _gate(cfg, dtype, ref, h_all)
     gate = against_head(_gate(cfg, dtype, ref, c_all), head_gate, r.head_factor, r.gates[dtype].mean_floor)
     speed: Paired = paired(head, cand, r.false_accept)
-    fallback_share, fallback_words = _fallbacks(stats)
-    stall_metrics, stall_words = _stalls(stats)
-    graph_metrics, graph_words = _graphs(stats)
+    fallback_share, fallback_words = fallbacks(stats)
+    stall_metrics, stall_words = stalls(stats)
+    graph_metrics, graph_words = graphs(stats)
     stall_metrics, stall_words = stall_metrics | graph_metrics, stall_words + graph_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
@@ -363,8 +320,8 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
         head_gate = _gate(cfg, dtype, ref, send(cfg, servers.handles[head_label], forced(requests, ref), head_label))
         gate = against_head(gate, head_gate, cfg.stages.replay.head_factor, cfg.stages.replay.gates[dtype].mean_floor)
         head_metrics = _gate_metrics("head_", head_gate)
-    fallback_share, fallback_words = _fallbacks(stats)
-    stall_metrics, stall_words = _stalls(stats)
+    fallback_share, fallback_words = fallbacks(stats)
+    stall_metrics, stall_words = stalls(stats)
     metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), **head_metrics, "fallback_share": fallback_share,
                "stage_s": time.monotonic() - t0} | stall_metrics
     if not gate.passed:

@@ -1,0 +1,52 @@
+"""What a candidate's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
+for the replay's verdict: the share of its own ops' calls that fell back, the calls that held the host
+in the window, whether it decoded from CUDA graphs. Each gives metrics and words for the reason. The
+process the candidate runs in wrote these figures: the replay validates them (harness/replies.py) before
+they get here, and only the fallbacks decide anything (any at all means no acceptance). Not covered:
+fetching the stats (launch.py) or judging tokens and timings (score.py).
+"""
+from __future__ import annotations
+
+from harness.served.ops import STALL_MS
+
+
+def fallbacks(stats: dict | None) -> tuple[float, str]:
+    """The share of calls to the candidate's own ops that fell back, and a sentence about all ops."""
+    if not stats or not isinstance(stats.get("ops"), dict):
+        return float("nan"), "the server reports no fallback accounting (GET /kevo/stats)"
+    calls = declined = 0
+    words = []
+    for op, s in stats["ops"].items():
+        n, fell = int(s.get("calls", 0)), int(s.get("unsupported", 0))
+        if not s.get("implemented"):
+            words.append(f"{op} not implemented ({n} calls ran the baseline)")
+            continue
+        calls, declined = calls + n, declined + fell
+        words.append(f"{op}: {fell} of {n} calls fell back" if fell else f"{op}: all {n} calls the candidate's")
+    return (declined / calls if calls else float("nan")), "; ".join(words)
+
+
+def stalls(stats: dict | None) -> tuple[dict[str, float], str]:
+    """The candidate's calls that held the server's host in the window (compiles inside it, or waits
+    on the GPU): metrics, and a clause for the reason (empty when there were none)."""
+    ops = stats.get("ops") if isinstance(stats, dict) else None
+    rows = [s for s in ops.values() if isinstance(s, dict) and "stalls" in s] if isinstance(ops, dict) else []
+    if not rows:
+        return {}, ""
+    n, total = sum(int(s["stalls"]) for s in rows), sum(float(s["stall_ms"]) for s in rows)
+    worst = max(float(s["worst_stall_ms"]) for s in rows)
+    metrics = {"candidate_stalls": float(n), "candidate_stall_ms": total}
+    if not n:
+        return metrics, ""
+    return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over {STALL_MS:g} ms in the window "
+                     f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
+
+
+def graphs(stats: dict | None) -> tuple[dict[str, float], str]:
+    """Whether the candidate's server decoded from CUDA graphs (harness/served/graphs.py): a metric, and
+    a clause for the reason when it did not and says why (a decode that cannot be captured)."""
+    g = stats.get("graphs") if isinstance(stats, dict) else None
+    if not isinstance(g, dict) or not isinstance(g.get("on"), bool):
+        return {}, ""
+    words = f"; the candidate's server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
+    return {"candidate_cuda_graphs": float(g["on"])}, (words if g.get("fell_back") is True else "")
