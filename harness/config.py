@@ -160,6 +160,7 @@ class ReplayConfig(Strict):
     head_factor: float = Field(ge=1)          # the candidate's mean difference <= this x the head's on the same tokens
     cpu_gates: bool                           # on a CPU the stage runs its gates (true) or is skipped, saying so
     segments: int = Field(ge=2)               # the window cut into this many, each replayed to head and candidate in turn
+    load: Literal["burst", "arrivals"]        # a segment's requests sent at once as one group, or at the trace's arrivals
     false_accept: float = Field(gt=0, lt=0.5)  # the one-sided bound on the paired gain: the stated false-accept rate
     min_margin: float = Field(ge=0)           # the gain's lower bound must beat this
 

@@ -84,13 +84,38 @@ def test_a_forced_streamed_request_gets_the_forced_tokens_scored_by_the_model(se
     ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2, 512, 3]}}, "forced token ids must be in [0, 512)"),
     ({"prompt": [1, 2], "extra_body": {"kevo_forced": "1 2 3 4"}}, "kevo_forced must be a list of token ids"),
     ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2.0, 3, 4]}}, "kevo_forced must be a list of token ids"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_group": {"id": "g", "size": 2, "position": 2}}}, "kevo_group must be"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_group": {"id": "g", "size": 2}}}, "kevo_group must be"),
 ], ids=["text-prompt", "temperature", "too-many-logprobs", "token-outside-vocab", "too-long", "forced-wrong-length",
-        "forced-outside-vocab", "forced-not-a-list", "forced-not-ids"])
+        "forced-outside-vocab", "forced-not-a-list", "forced-not-ids", "group-position-outside", "group-no-position"])
 def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=server.model, **{"max_tokens": 4, **kwargs})
     assert words in str(err.value)
+
+
+def test_a_group_is_held_until_all_its_members_came_in_then_admitted_in_their_positions(server):
+    """Position 1 is sent first and waits for position 0; the two prompts do not fit one prefill step
+    (max_prefill_tokens 512), so the engine admits position 0 first, as it would had they come in order."""
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    seen: dict[int, dict] = {}
+
+    def send(position: int) -> None:
+        seen[position] = {"sent": time.perf_counter()}
+        stream = client.completions.create(model=server.model, prompt=[(3 * position + j) % 512 for j in range(300)],
+                                           max_tokens=3, temperature=0, stream=True,
+                                           extra_body={"kevo_group": {"id": "held-pair", "size": 2, "position": position}})
+        seen[position]["tokens"] = [time.perf_counter() for _ in stream]
+
+    first = threading.Thread(target=send, args=(1,))
+    first.start()
+    time.sleep(0.5)
+    send(0)
+    first.join(timeout=60)
+    assert len(seen[0]["tokens"]) == len(seen[1]["tokens"]) == 3
+    assert seen[1]["tokens"][0] > seen[0]["sent"]            # held: nothing of it ran before its group was complete
+    assert seen[0]["tokens"][0] < seen[1]["tokens"][0]       # then admitted in position order, not in arrival order
 
 
 PROBE = """

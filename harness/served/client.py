@@ -8,14 +8,19 @@ with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo
 the field). A request that errs, breaks off or does not finish within the drain time is recorded
 with its error; nothing is retried. Per-request TTFT (first token minus send time) and TPOT (mean
 gap between later tokens) are read off the stamps.
+A burst (`burst=True`) sends every request at once as one `kevo_group` (a fresh id; each request's
+position its place in the list): kevo's server queues them together once all have come in, so the
+engine admits and batches them alike on every server (harness/served/server.py); arrival times are
+then ignored. Another server ignores the field and takes them as they come.
 Not covered: judging the results (harness/served/score.py does).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.served.traces import TraceRequest
 
@@ -73,10 +78,14 @@ def _one_line(e: BaseException) -> str:
 
 
 async def _replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-                  drain_timeout_s: float, label: str) -> ReplayRun:
+                  drain_timeout_s: float, label: str, burst: bool) -> ReplayRun:
     import openai                                  # the SDK takes a second to import: only when replaying
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=request_timeout_s)
+    if burst:
+        requests = [replace(r, arrival_s=0.0) for r in requests]
     results = {r.index: Completion(r.index, r.arrival_s, r.output_len) for r in requests}
+    group = secrets.token_hex(8)
+    position = {r.index: i for i, r in enumerate(requests)}
     t0 = time.perf_counter()
 
     async def one(r: TraceRequest) -> None:
@@ -87,6 +96,8 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
         extra: dict = {"ignore_eos": True, "return_tokens_as_token_ids": True}
         if r.forced is not None:
             extra["kevo_forced"] = list(r.forced)
+        if burst:
+            extra["kevo_group"] = {"id": group, "size": len(requests), "position": position[r.index]}
         c.sent_s = time.perf_counter() - t0
         try:
             stream = await client.completions.create(
@@ -124,7 +135,7 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
 
 
 def replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-           drain_timeout_s: float, label: str = "") -> ReplayRun:
-    """Send the requests at their arrival times and wait for every stream (at most drain_timeout_s
-    after the last arrival)."""
-    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label))
+           drain_timeout_s: float, label: str = "", burst: bool = False) -> ReplayRun:
+    """Send the requests at their arrival times (a burst: all at once, as one group) and wait for every
+    stream (at most drain_timeout_s after the last arrival)."""
+    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, burst))

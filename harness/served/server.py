@@ -15,7 +15,9 @@ Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids conventio
 `kevo_forced`, a list of max_tokens token ids in [0, vocab), is teacher forcing: the server appends
 those tokens instead of its own choices and reports, for each, the model's logprob of the forced
 token and its own top logprobs (the first is what it would have chosen); null is as if absent,
-anything else is a 400 naming what was wrong.
+anything else is a 400 naming what was wrong. `kevo_group`, {"id", "size", "position"} (kevo's own too),
+holds a request until all `size` members of its group have come in, then queues them in their
+positions between two steps: a burst every server it is sent to schedules alike (EngineLoop).
 The engine runs in its own thread; the HTTP side is aiohttp (asyncio). Not covered: text prompts,
 n > 1, stop sequences, sampling temperatures other than 0.
 """
@@ -63,19 +65,24 @@ def _enter_sandbox(spec: dict, keep_fd: int) -> tuple[Path, list[str]]:
 
 
 class EngineLoop:
-    """Runs engine steps in a thread; requests come in through a queue, tokens go out to sinks."""
+    """Runs engine steps in a thread; requests come in through a queue, tokens go out to sinks.
+    A request of a group (`kevo_group`) is held until every member of its group has come in; then the
+    whole group joins the engine's queue between two steps, in the members' positions, so the engine's
+    own admission (harness/served/engine.py) schedules it alike on every server it is sent to."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, object] = {}
+        self.held: dict[str, tuple[int, dict[int, object]]] = {}   # group id -> (its size, position -> request)
         self.error = ""
         self.thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
-    def submit(self, req, sink) -> None:
+    def submit(self, req, sink, group: tuple[str, int, int] | None = None) -> None:
+        """`group`: (its id, how many members, this one's position among them)."""
         if self.error:
             raise RuntimeError(self.error)
-        self.inbox.put(("add", req, sink))
+        self.inbox.put(("add", (req, group), sink))
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(("abort", request_id, None))
@@ -88,11 +95,35 @@ class EngineLoop:
                 return
             block = False
             if kind == "add":
-                self.sinks[item.id] = sink
-                self.engine.add(item)
+                req, group = item
+                self.sinks[req.id] = sink
+                if group is None:
+                    self.engine.add(req)
+                    continue
+                name, size, position = group
+                known, members = self.held.setdefault(name, (size, {}))
+                if position in members or size != known:     # the group is malformed: this member fails alone
+                    self._fail_request(req.id, f"kevo_group {name!r}: a second member at position {position}, or a size "
+                                               f"other than its first member's {known}")
+                    continue
+                members[position] = req
+                if len(members) == size:
+                    del self.held[name]
+                    for p in sorted(members):
+                        self.engine.add(members[p])
             else:
                 self.sinks.pop(item, None)
+                for name, (_, members) in list(self.held.items()):
+                    for p in [p for p, r in members.items() if r.id == item]:
+                        del members[p]
+                    if not members:
+                        del self.held[name]
                 self.engine.abort(item)
+
+    def _fail_request(self, request_id: str, why: str) -> None:
+        sink = self.sinks.pop(request_id, None)
+        if sink is not None:
+            sink(why)
 
     def _run(self) -> None:
         while True:
@@ -140,8 +171,17 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
         if not (isinstance(forced, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in forced)):
             return {}, "kevo_forced must be a list of token ids, one per generated token"
         forced = tuple(forced)
+    group = body.get("kevo_group")
+    if group is not None:
+        ok = isinstance(group, dict) and set(group) == {"id", "size", "position"} and isinstance(group["id"], str) \
+            and 0 < len(group["id"]) <= 64 and all(isinstance(group[k], int) and not isinstance(group[k], bool)
+                                                   for k in ("size", "position"))
+        if not ok or not 0 <= group["position"] < group["size"] <= 4096:
+            return {}, ("kevo_group must be {\"id\": a string of 1-64 characters, \"size\": 1-4096, \"position\": "
+                        "0..size-1}")
+        group = (group["id"], group["size"], group["position"])
     return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "stream": bool(body.get("stream")),
-            "forced": forced}, ""
+            "forced": forced, "group": group}, ""
 
 
 def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
@@ -180,7 +220,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
         out: asyncio.Queue = asyncio.Queue()
         aio = asyncio.get_running_loop()
         try:
-            loop.submit(req, lambda item: aio.call_soon_threadsafe(out.put_nowait, item))
+            loop.submit(req, lambda item: aio.call_soon_threadsafe(out.put_nowait, item), args["group"])
         except RuntimeError as e:
             return error(500, str(e))
         n, offset = args["logprobs"], 0

@@ -11,7 +11,11 @@ a secret seed, fresh token ids), so nothing a server saw before it was ready ans
   2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
      the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
      both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
-     both do the same work and every generated token can be compared. Only one server is driven at a
+     both do the same work and every generated token can be compared. With `load: burst` a segment's
+     requests go at once as one group (`kevo_group`), queued together in arrival order: both engines
+     admit and batch them alike, step for step, so the pair differs only in the arms' speed (at the
+     trace's arrival times instead, where a request lands between two steps differs from run to run,
+     and a prompt admitted one step later moves every TTFT behind it). Only one server is driven at a
      time, and nothing else of kevo's runs on the GPU meanwhile.
   3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's,
      within fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens.
@@ -100,9 +104,10 @@ def explain(run: ReplayRun, server: ServerHandle) -> str:
     return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
 
 
-def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str) -> ReplayRun:
-    """One replay through the real client; a request that did not complete is a ServerFailure."""
-    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label)
+def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str, burst: bool = False) -> ReplayRun:
+    """One replay through the real client (a burst: at once, one group); a request that did not complete
+    is a ServerFailure."""
+    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label, burst)
     run.server_ready_s = server.ready_s
     if run.failures():
         raise ServerFailure(explain(run, server))
@@ -356,7 +361,7 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "hea
         _time_left(deadline, window / r.segments)
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
             try:
-                runs[label].append(send(cfg, servers.handles[label], seg, label))
+                runs[label].append(send(cfg, servers.handles[label], seg, label, burst=r.load == "burst"))
             except ServerFailure as e:
                 raise _fail(label, e) from None
     stats = _stats(servers.handles[cand_label])

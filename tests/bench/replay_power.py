@@ -123,11 +123,13 @@ def main() -> None:
     p.add_argument("--only-stage", action="store_true", help="run (1) alone (a smoke test)")
     p.add_argument("--window", type=float, help="override served.cuda.window_s")
     p.add_argument("--segments", type=int, help="override stages.replay.segments")
+    p.add_argument("--load", choices=("burst", "arrivals"), help="override stages.replay.load")
     p.add_argument("--errors-only", action="store_true",
                    help="only the gates on the three errors and the head, all from one reference pass, sent at once")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
-    overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments)) if v}
+    overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments),
+                                   ("stages.replay.load", a.load)) if v}
     cfg = config_with(**overrides) if overrides else load_config()
     if a.errors_only:                     # five servers at once: smaller caches for the arms
         presets = dict(cfg.served.presets)
@@ -137,7 +139,7 @@ def main() -> None:
         return errors_only(cfg, a.json)
     head = C.REF_DECODE
     rows = []
-    print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, max_output "
+    print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, load {cfg.stages.replay.load}, max_output "
           f"{cfg.served.cuda.max_output}, false_accept {cfg.stages.replay.false_accept}", flush=True)
     if not a.skip_stage:
         t0 = time.monotonic()
