@@ -11,7 +11,9 @@ gap between later tokens) are read off the stamps.
 A burst (`burst=True`) sends every request at once as one `kevo_group` (a fresh id; each request's
 position its place in the list): kevo's server queues them together once all have come in, so the
 engine admits and batches them alike on every server (harness/served/server.py); arrival times are
-then ignored. Another server ignores the field and takes them as they come.
+then ignored, and TTFT counts from the group's start: the moment the last member was taken in (its
+response began), or the burst's first token if that came sooner. Another server ignores the field
+and takes them as they come.
 Not covered: judging the results (harness/served/score.py does).
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ class Completion:
     logprobs: list[float] = field(default_factory=list)
     top: list[list[tuple[str, float]]] = field(default_factory=list)   # best first
     error: str = ""
+    accepted_s: float = float("nan")   # when the server's response began (its headers: the request was taken in)
+    origin_s: float = float("nan")     # what TTFT counts from: the send, or in a burst the group's last acceptance
 
     @property
     def complete(self) -> bool:
@@ -44,7 +48,7 @@ class Completion:
 
     @property
     def ttft(self) -> float:
-        return self.token_times[0] - self.sent_s
+        return self.token_times[0] - (self.sent_s if self.origin_s != self.origin_s else self.origin_s)
 
     @property
     def tpot(self) -> float | None:
@@ -103,6 +107,7 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
             stream = await client.completions.create(
                 model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=2, stream=True,
                 extra_body=extra)
+            c.accepted_s = time.perf_counter() - t0
             async for chunk in stream:
                 now = time.perf_counter() - t0
                 for choice in chunk.choices:
@@ -127,6 +132,13 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
     await asyncio.gather(*pending, return_exceptions=True)
     await client.close()
     comps = [results[r.index] for r in requests]
+    if burst:                     # the group starts once its last member is in, not at each one's own send
+        accepted = [c.accepted_s for c in comps if c.accepted_s == c.accepted_s]
+        firsts = [c.token_times[0] for c in comps if c.token_times]
+        if accepted and len(accepted) == len(comps):
+            origin = min([max(accepted)] + firsts)
+            for c in comps:
+                c.origin_s = origin
     stamps = [t for c in comps for t in c.token_times]
     sent = [c.sent_s for c in comps if c.sent_s == c.sent_s]
     duration = (max(stamps) - min(sent)) if stamps and sent else 0.0

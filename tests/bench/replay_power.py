@@ -38,7 +38,8 @@ KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed
         "gate_p99_logprob_diff", "gate_mean_logprob_diff", "gate_flips", "gate_flip_lead", "head_gate_passed",
         "head_gate_max_logprob_diff", "head_gate_p99_logprob_diff", "head_gate_mean_logprob_diff", "head_gate_flip_lead",
         "head_tpot_p50_ms", "candidate_tpot_p50_ms", "head_ttft_p50_ms", "candidate_ttft_p50_ms", "stage_s", "reference_done_s", "arms_ready_s",
-        "candidate_stalls", "head_requests")
+        "candidate_stalls", "head_requests", "segment1_log_gain", "segment2_log_gain", "segment3_log_gain",
+        "segment4_log_gain", "segment5_log_gain", "segment6_log_gain", "segment7_log_gain", "segment8_log_gain")
 
 
 def cycles_per_ms() -> float:
@@ -114,6 +115,85 @@ def errors_only(cfg, out: str | None) -> None:
         Path(out).write_text(json.dumps(rows, indent=1))
 
 
+def _log_ratios(head, cand, how: str) -> list[float]:
+    """Per segment, the mean over its requests of log(head / candidate) of: `ttft` (from the group's
+    start), `ttft_sent` (from each request's own send), `tpot`, or `score` (the stage's own mix)."""
+    import dataclasses
+    import math
+
+    from harness.served.score import _ratio
+    out = []
+    for h, c in zip(head, cand):
+        others = {x.index: x for x in c.completions}
+        rs = []
+        for x in h.completions:
+            y = others.get(x.index)
+            if y is None or not (x.token_times and y.token_times):
+                continue
+            if how == "score":
+                rs.append(_ratio(x, y))
+            elif how == "tpot":
+                if x.tpot and y.tpot:
+                    rs.append(math.log(x.tpot / y.tpot))
+            else:
+                if how == "ttft_sent":
+                    x, y = dataclasses.replace(x, origin_s=float("nan")), dataclasses.replace(y, origin_s=float("nan"))
+                rs.append(math.log(max(x.ttft, 1e-9) / max(y.ttft, 1e-9)))
+        out.append(sum(rs) / len(rs))
+    return out
+
+
+def noise(cfg, rounds: int, out: str | None) -> None:
+    """The timed half alone, without a reference: two servers of the head, fresh free-running requests
+    (lengths fixed by max_tokens, so the schedule is fixed too), the window's segments replayed AB BA
+    ... `rounds` times, each round once as the stage does and once with a short untimed request to the
+    arm just before each of its segments (`primed`). Prints, per round, the band of each score."""
+    import math
+    import random
+
+    from harness.served.score import t_quantile
+    from harness.served.traces import TraceRequest
+    from harness.stages.replay import draw, segments, send
+    r = cfg.stages.replay
+    device = "cuda" if torch.cuda.is_available() else "cpu"     # on a CPU: a smoke test of the bench, no figure
+    served = getattr(cfg.served, device)
+    t0 = time.monotonic()
+    rows = []
+    with Servers(cfg, device, {"A": C.REF_DECODE, "B": C.REF_DECODE}, secrets.randbits(31)) as servers:
+        print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
+        for k in range(rounds):
+            requests = draw(cfg, device, random.Random(secrets.randbits(64)))
+            segs = segments(requests, served.window_s, r.segments)
+            for primed in (False, True):
+                t0 = time.monotonic()
+                runs: dict[str, list] = {"A": [], "B": []}
+                for j, seg in enumerate(segs):
+                    for label in (("A", "B") if j % 2 == 0 else ("B", "A")):
+                        if primed:
+                            send(cfg, servers.handles[label], [TraceRequest(10**6, 0.0, [1] * 16, 2)], label)
+                        runs[label].append(send(cfg, servers.handles[label], seg, label, burst=r.load == "burst"))
+                row = {"round": k + 1, "primed": primed, "segments": len(segs), "seconds": round(time.monotonic() - t0, 1)}
+                for how in ("score", "ttft", "ttft_sent", "tpot"):
+                    xs = _log_ratios(runs["A"], runs["B"], how)
+                    mean = sum(xs) / len(xs)
+                    sd = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1))
+                    first = [x if j % 2 == 0 else -x for j, x in enumerate(xs)]   # + : the arm served first was slower
+                    row[how] = {"gain": round(math.expm1(mean), 4), "band": round(t_quantile(1 - r.false_accept, len(xs) - 1)
+                                * sd / math.sqrt(len(xs)), 4), "segments": [round(x, 4) for x in xs],
+                                "first_served_penalty": round(sum(first) / len(first), 4)}
+                for label in ("A", "B"):
+                    comps = [c for run in runs[label] for c in run.completions]
+                    row[f"{label}_mean_ttft_ms"] = round(1e3 * sum(c.ttft for c in comps) / len(comps), 1)
+                    row[f"{label}_mean_tpot_ms"] = round(1e3 * sum(c.tpot for c in comps if c.tpot) / len(comps), 2)
+                    row[f"{label}_segment_s"] = [round(run.duration_s, 2) for run in runs[label]]
+                    row[f"{label}_send_skew_ms"] = max(round(1e3 * (max(c.accepted_s for c in run.completions)
+                                                                     - min(c.sent_s for c in run.completions)), 1) for run in runs[label])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if out:
+        Path(out).write_text(json.dumps(rows, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--aa", type=int, default=3, help="A/A comparisons in all (the first is the stage itself)")
@@ -126,11 +206,15 @@ def main() -> None:
     p.add_argument("--load", choices=("burst", "arrivals"), help="override stages.replay.load")
     p.add_argument("--errors-only", action="store_true",
                    help="only the gates on the three errors and the head, all from one reference pass, sent at once")
+    p.add_argument("--noise", type=int, metavar="ROUNDS",
+                   help="only the timed half's noise: two servers of the head, no reference, ROUNDS rounds")
     p.add_argument("--json", help="write the rows here")
     a = p.parse_args()
     overrides = {k: v for k, v in (("served.cuda.window_s", a.window), ("stages.replay.segments", a.segments),
                                    ("stages.replay.load", a.load)) if v}
     cfg = config_with(**overrides) if overrides else load_config()
+    if a.noise:
+        return noise(cfg, a.noise, a.json)
     if a.errors_only:                     # five servers at once: smaller caches for the arms
         presets = dict(cfg.served.presets)
         presets[cfg.served.cuda.preset] = presets[cfg.served.cuda.preset].model_copy(update={"kv_cache_tokens": 131072})
