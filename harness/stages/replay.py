@@ -8,7 +8,8 @@ requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its le
 a secret seed, fresh token ids), so nothing a server saw before it was ready answers them. Then:
   1. reference: the requests at once, untimed; its greedy tokens and logprobs are what every arm is
      held to. The reference server is stopped before anything is timed.
-  2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
+  2. timed, paired: after a warm round (the first segment to each arm, untimed), the window is cut
+     into `segments` by arrival time and each segment is replayed to
      the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
      both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
      both do the same work and every generated token can be compared. With `load: burst` a segment's
@@ -339,34 +340,56 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     return ReplayOutcome(False, reason, gate, metrics, timed=False, reference=ref)
 
 
-def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "head", cand_label: str = "candidate",
-              deadline: float | None = None, keep_reference: bool = False, head_is_torch: bool = False) -> ReplayOutcome:
-    """The timed comparison on servers already up: fresh requests, the reference pass, then the two arms
-    fed its tokens in alternating segments, judged (see the module's docstring)."""
-    r = cfg.stages.replay
-    dtype = getattr(cfg.targets.attention, device).dtype
-    window = getattr(cfg.served, device).window_s
+def reference_feed(cfg: Config, device: str, servers: Servers) -> tuple[ReplayRun, list[TraceRequest], float]:
+    """Fresh requests drawn once the reference is up, its pass, and the requests with its continuation to
+    feed the arms; the seconds to the reference's last token (its start included)."""
     t0 = time.monotonic()
     servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the arms' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     ref = reference_pass(cfg, servers, requests)
-    ref_s = time.monotonic() - t0
-    servers.wait()
-    arms_s = time.monotonic() - t0
-    if not keep_reference:
-        servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
-    feed = forced(requests, ref)
+    return ref, forced(requests, ref), time.monotonic() - t0
+
+
+def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed: list[TraceRequest],
+               head_label: str = "head", cand_label: str = "candidate", deadline: float | None = None,
+               head_is_torch: bool = False) -> ReplayOutcome:
+    """The timed half on servers up and warm, the reference's feed given: a warm round (the first segment to
+    each arm, untimed: a server's first bursts after its start run slower, docs/BENCHMARKS.md), then the
+    segments to the two arms in the order AB BA ..., judged (see the module's docstring)."""
+    r = cfg.stages.replay
+    dtype = getattr(cfg.targets.attention, device).dtype
+    burst = r.load == "burst"
+    segs = segments(feed, getattr(cfg.served, device).window_s, r.segments)
+    for label in (head_label, cand_label):
+        try:
+            send(cfg, servers.handles[label], segs[0], label, burst=burst)
+        except ServerFailure as e:
+            raise _fail(label, e) from None
     runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
-    for j, seg in enumerate(segments(feed, window, r.segments)):
-        _time_left(deadline, window / r.segments)
+    for j, seg in enumerate(segs):
+        _time_left(deadline, getattr(cfg.served, device).window_s / r.segments)
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
             try:
-                runs[label].append(send(cfg, servers.handles[label], seg, label, burst=r.load == "burst"))
+                runs[label].append(send(cfg, servers.handles[label], seg, label, burst=burst))
             except ServerFailure as e:
                 raise _fail(label, e) from None
     stats = _stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
     outcome.reference = ref
+    return outcome
+
+
+def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "head", cand_label: str = "candidate",
+              deadline: float | None = None, keep_reference: bool = False, head_is_torch: bool = False) -> ReplayOutcome:
+    """The timed comparison on servers already up: fresh requests, the reference pass, then the two arms
+    fed its tokens in alternating segments, judged (see the module's docstring)."""
+    t0 = time.monotonic()
+    ref, feed, ref_s = reference_feed(cfg, device, servers)
+    servers.wait()
+    arms_s = time.monotonic() - t0
+    if not keep_reference:
+        servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
+    outcome = timed_pair(cfg, device, servers, ref, feed, head_label, cand_label, deadline, head_is_torch)
     outcome.metrics.update(reference_done_s=ref_s, arms_ready_s=arms_s)   # from the call, servers' start included
     return outcome
 

@@ -1,17 +1,19 @@
 """What the scored replay (stage 5) can see, measured: its time, its noise band, its power, its gates.
 
-    python tests/bench/replay_power.py [--aa 3] [--shift 0.05] [--errors] [--json OUT]
+    python tests/bench/replay_power.py [--aa 3] [--shift 0.05] [--json OUT]
+    python tests/bench/replay_power.py --errors-only | --noise ROUNDS
 
-On the GPU, with config's defaults (the window, the segments, the bf16 gates), the reference decode
-(knowledge/attention/decode_paged_splitkv.py) as the head:
+On the GPU, with config's defaults (the window, the segments, the load, the bf16 gates), the reference
+decode (knowledge/attention/decode_paged_splitkv.py) as the head:
   1. the stage itself, start to verdict: `run_replay(head, head=head)` - an A/A comparison;
-  2. more A/A comparisons on one set of servers (fresh requests each; the same weights): the gain, its
-     lower bound and the noise band of each, and both arms' gates (the bf16 tolerance is read off these);
-  3. the head made `shift` slower in serving (a delay after every attention call, sized from the A/A's
+  2. more A/A comparisons on one set of servers, all fed one reference pass's requests (the timed half,
+     `timed_pair`, is what they measure): the gain, its lower bound and the noise band of each;
+  3. the head made `shift` slower in its decode (a spin after every decode call, sized from the A/A's
      p50 TPOT: shift x TPOT over the layers' calls) against the head, which must be rejected, and the
-     head against it (the head is then `shift` faster), which must be accepted;
-  4. with --errors, the gates alone on three subtle errors of the head: attending only to the last 4096
-     tokens, dropping keys whose weight is under 1e-3 of the largest, an accumulator rounded to bf16.
+     head against it (its decode then `shift` faster), which must be accepted.
+--errors-only: the gates alone on the head and three subtle errors of it (attending only to the last
+4096 tokens, dropping keys whose weight is under 1e-3 of the largest, an accumulator rounded to bf16).
+--noise: the timed half's band alone, on free-running requests, with three ways of scoring it.
 Prints one line per measurement; --json writes them all. A bench, not a test: it asserts nothing.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import candidates as C  # noqa: E402
 from conftest import config_with  # noqa: E402
 from harness.config import load_config  # noqa: E402
-from harness.stages.replay import Servers, gates_in, paired_in, run_replay  # noqa: E402
+from harness.stages.replay import Servers, reference_feed, run_replay, timed_pair  # noqa: E402
 
 KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
         "gate_p99_logprob_diff", "gate_mean_logprob_diff", "gate_flips", "gate_flip_lead", "head_gate_passed",
@@ -54,20 +56,12 @@ def cycles_per_ms() -> float:
 
 
 def slowed(source: str, cycles: int) -> str:
-    """The head with a spin of `cycles` after each of its decode calls and after each torch prefill."""
+    """The head with a spin of `cycles` after each of its decode calls (its prefill untouched)."""
     return C.wrap_decode(f"""
-from harness.targets.attention import prefill_baseline
-
-
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     out = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
-    torch.cuda._sleep({cycles})
-    return out
-
-
-def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
-    out = prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
-    torch.cuda._sleep({cycles})
+    if {cycles}:
+        torch.cuda._sleep({cycles})
     return out
 """) if source == C.REF_DECODE else source
 
@@ -198,7 +192,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--aa", type=int, default=3, help="A/A comparisons in all (the first is the stage itself)")
     p.add_argument("--shift", type=float, default=0.05, help="how much slower the slowed head is made in serving")
-    p.add_argument("--errors", action="store_true", help="also the gates on three subtle errors")
     p.add_argument("--skip-stage", action="store_true", help="leave out the stage's own run (1)")
     p.add_argument("--only-stage", action="store_true", help="run (1) alone (a smoke test)")
     p.add_argument("--window", type=float, help="override served.cuda.window_s")
@@ -223,41 +216,40 @@ def main() -> None:
         return errors_only(cfg, a.json)
     head = C.REF_DECODE
     rows = []
-    print(f"window {cfg.served.cuda.window_s:g} s, {cfg.stages.replay.segments} segments, load {cfg.stages.replay.load}, max_output "
-          f"{cfg.served.cuda.max_output}, false_accept {cfg.stages.replay.false_accept}", flush=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"     # on a CPU: a smoke test of the bench, no figure
+    served = getattr(cfg.served, device)
+    print(f"window {served.window_s:g} s, {cfg.stages.replay.segments} segments, load {cfg.stages.replay.load}, max_output "
+          f"{served.max_output}, false_accept {cfg.stages.replay.false_accept}", flush=True)
     if not a.skip_stage:
         t0 = time.monotonic()
-        rows.append(row("stage A/A (run_replay, start to verdict)", run_replay(cfg, "cuda", head, head=head), t0))
+        rows.append(row("stage A/A (run_replay, start to verdict)", run_replay(cfg, device, head, head=head), t0))
     if a.only_stage:
         return
     t0 = time.monotonic()
-    with Servers(cfg, "cuda", {"reference": None, "A": head, "B": head}, secrets.randbits(31)) as servers:
-        print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
+    with Servers(cfg, device, {"reference": None, "A": head, "B": head}, secrets.randbits(31), wait=False) as servers:
+        ref, feed, ref_s = reference_feed(cfg, device, servers)
+        servers.wait()
+        servers.stop("reference")
+        print(f"servers up and the reference's pass done in {time.monotonic() - t0:.1f} s (the pass alone {ref_s:.1f} s from "
+              f"the start); every comparison below is fed these requests", flush=True)
         for i in range(a.aa - (0 if a.skip_stage else 1)):
             t0 = time.monotonic()
-            rows.append(row(f"A/A {i + 1}", paired_in(cfg, "cuda", servers, "A", "B", keep_reference=True), t0))
+            pair = ("A", "B") if i % 2 == 0 else ("B", "A")
+            rows.append(row(f"A/A {i + 1} ({pair[0]} as the head)", timed_pair(cfg, device, servers, ref, feed, *pair), t0))
         tpot = [r["head_tpot_p50_ms"] for r in rows if "head_tpot_p50_ms" in r]
         tpot_ms = sorted(tpot)[len(tpot) // 2]
-        layers = cfg.served.presets[cfg.served.cuda.preset].layers
-        cycles = int(a.shift * tpot_ms / layers * cycles_per_ms())
-        print(f"slowed head: {cycles} cycles after each attention call ({a.shift:.0%} of a {tpot_ms:.2f} ms p50 TPOT "
+        layers = cfg.served.presets[served.preset].layers
+        cycles = int(a.shift * tpot_ms / layers * cycles_per_ms()) if device == "cuda" else 0
+        print(f"slowed head: {cycles} cycles after each decode call ({a.shift:.0%} of a {tpot_ms:.2f} ms p50 TPOT "
               f"over {layers} layers)", flush=True)
         servers.stop("B")
         servers.add("S", slowed(head, cycles))
         t0 = time.monotonic()
         rows.append(row(f"slowed {a.shift:.0%} against the head (must be rejected)",
-                        paired_in(cfg, "cuda", servers, "A", "S", keep_reference=True), t0))
+                        timed_pair(cfg, device, servers, ref, feed, "A", "S"), t0))
         t0 = time.monotonic()
-        rows.append(row(f"the head against the slowed (it is {a.shift:.0%} faster: must be accepted)",
-                        paired_in(cfg, "cuda", servers, "S", "A", keep_reference=True), t0))
-        servers.stop("S")
-        if a.errors:
-            for name, source in (("last 4096 tokens only", C.recent_window(4096)), ("drops weights < 1e-3", C.DROPS_SMALL_WEIGHTS),
-                                 ("bf16 accumulator", C.ACCUMULATES_IN_BF16)):
-                t0 = time.monotonic()
-                servers.add("E", source)
-                rows.append(row(f"gates on: {name} (must fail)", gates_in(cfg, "cuda", servers, "E", head_label="A"), t0))
-                servers.stop("E")
+        rows.append(row(f"the head against the slowed (its decode {a.shift:.0%} faster: must be accepted)",
+                        timed_pair(cfg, device, servers, ref, feed, "S", "A"), t0))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 
