@@ -98,14 +98,14 @@ def timed_medians(reply: Timed, impls: list[str], calls: int, label: str) -> tup
         got = getattr(reply, field)
         if not need <= set(got) <= want:
             raise Rejected(f"{label}: malformed reply while timing: field {field} has keys {sorted(got)}, "
-                           f"expected {sorted(want)}", protocol=1.0)
+                           f"expected {sorted(want)}", failure="protocol")
         short = [k for k, v in got.items() if len(v) != calls]
         if short:
             raise Rejected(f"{label}: malformed reply while timing: field {field}.{short[0]} holds "
-                           f"{len(got[short[0]])} times, expected {calls}", protocol=1.0)
+                           f"{len(got[short[0]])} times, expected {calls}", failure="protocol")
     if set(reply.synced_ms) != set(reply.streamed_ms):
         raise Rejected(f"{label}: malformed reply while timing: synced_ms and streamed_ms name different "
-                       "implementations", protocol=1.0)
+                       "implementations", failure="protocol")
     return ({k: _median(v) for k, v in reply.synced_ms.items()}, {k: _median(v) for k, v in reply.streamed_ms.items()})
 
 
@@ -180,7 +180,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     try:
         outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
     except (ProtocolError, OSError, RuntimeError, ValueError) as e:
-        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", protocol=1.0) from None
+        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", failure="protocol") from None
     drop_outputs(ctx, reply)
     for i, t in enumerate(trials):
         d = diff(outs.get(f"set{i}", torch.full((1,), float("nan"))), t.ref)
