@@ -21,19 +21,49 @@ The bar is the noise band (at least `min_margin`) over the torch baseline — or
 parent, when the loop names the parent's served-mix speedup (`beat`): both are ratios to the same torch
 baseline timed here, so a candidate reaches the costly replay only if it is faster than the best kernel
 of its op so far. Passing is not acceptance: only the full scored replay accepts.
+Each served case's figures are recorded as metrics under its shape (`figure_metric`: `<Case.key>.<figure>`,
+`decode_b32_len1024-2048_hq32_hkv8_d128_bs16.candidate_ms`), and read back by `case_figures`, so a record
+says which shape each figure is of whatever the shape list is when it is read. Records an older kevo wrote
+keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too, with no shape to name.
 """
 from __future__ import annotations
 
+import re
 import secrets
 import statistics
 import time
 
 import torch
 
+from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import Timed
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.targets import Case
 from harness.transport import ProtocolError, read_arena
+
+
+def figure_metric(case: Case, figure: str) -> str:
+    """The metric under which this stage records `figure` (candidate_ms, anchor_rate, ...) of `case`."""
+    return f"{case.key}.{figure}"
+
+
+def case_figures(metrics: dict[str, float], op: str) -> list[tuple[str | None, dict[str, float]]]:
+    """Per case of `op` this stage timed, in the order it timed them: the case's key and its figures. From a
+    record keyed by position (an older kevo's `<op><i>_<figure>`) the key is None: such figures name their
+    shape only by their place in the case list of the run that wrote them."""
+    keyed: dict[str, dict[str, float]] = {}
+    for name, value in metrics.items():
+        key, dot, figure = name.rpartition(".")
+        if dot and key.startswith(op + "_"):
+            keyed.setdefault(key, {})[figure] = value
+    if keyed:
+        return list(keyed.items())
+    placed: dict[int, dict[str, float]] = {}
+    for name, value in metrics.items():
+        if m := re.fullmatch(rf"{re.escape(op)}(\d+)_(.+)", name):
+            placed.setdefault(int(m[1]), {})[m[2]] = value
+    return [(None, placed[i]) for i in sorted(placed)]
 
 
 def _median(xs: list[float]) -> float:
@@ -233,6 +263,16 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     return row
 
 
+def timing_plan(ctx: EvalContext) -> list[tuple[str, Case]]:
+    """The served cases to time, op by op; a shape given twice is a HarnessError (its figures would share a key)."""
+    plan = [(op, case) for op in ctx.ops for case in ctx.cases(op, boundary=False)]
+    keys = [case.key for _, case in plan]
+    if twice := sorted({k for k in keys if keys.count(k) > 1}):
+        raise HarnessError(f"the served shapes (targets.{ctx.target.name}.{ctx.device.type}, or served.recorded_shapes) "
+                           f"give one shape twice: {', '.join(twice)}; give it once, its weights summed")
+    return plan
+
+
 def microbench_stage(ctx: EvalContext) -> StageResult:
     if ctx.device.type != "cuda":
         return StageResult.skipped("microbench", "skipped: needs CUDA; this machine has none, and no CPU "
@@ -241,13 +281,13 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     flush = ctx.reserved.flush if ctx.reserved is not None else torch.empty(max(1, m.l2_flush_bytes // 4), dtype=torch.int32, device=ctx.device)
     metrics: dict[str, float] = {}
     lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
-    plan = [(op, i, case) for op in ctx.ops for i, case in enumerate(ctx.cases(op, boundary=False))]
-    drawn = [_draw_sets(ctx, plan[0][2])] if plan else []
-    for k, (op, i, case) in enumerate(plan):
+    plan = timing_plan(ctx)
+    drawn = [_draw_sets(ctx, plan[0][1])] if plan else []
+    for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
-        more = (lambda c=plan[k + 1][2]: drawn.append(_draw_sets(ctx, c))) if k + 1 < len(plan) else (lambda: None)
+        more = (lambda c=plan[k + 1][1]: drawn.append(_draw_sets(ctx, c))) if k + 1 < len(plan) else (lambda: None)
         row = _bench_case(ctx, case, drawn[k], flush, meanwhile=more)
-        metrics.update({f"{op}{i}_{key}": v for key, v in row.items()})
+        metrics.update({figure_metric(case, figure): v for figure, v in row.items()})
         num += case.weight * row["baseline_ms"]
         den += case.weight * row["candidate_ms"]
         worst_noise = max(worst_noise, row["noise"])
