@@ -33,6 +33,7 @@ def test_a_failure_kind_is_committed_typed_and_read_back_and_a_stage_without_one
     stages = json.loads(ledger.committed("candidates/c001/record.json"))["rounds"][0]["verdict"]["stages"]
     assert [s.get("failure") for s in stages] == [None, "timeout"]
     assert "failure" not in stages[0] and "timeout" not in stages[1]["metrics"]
+    assert "| parity | failed (timeout) |" in ledger.committed("candidates/c001/README.md")    # for people too
     verdict = Ledger(tmp_path / "run").history()[0].rounds[0].verdict
     assert verdict.failure == "timeout" and verdict.stages[-1].worker_lost == "hung" and not cacheable(verdict)
 

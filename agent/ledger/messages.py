@@ -104,7 +104,8 @@ def candidate_trailers(record: CandidateRecord) -> dict[str, object]:
 
 
 def readme(r: CandidateRecord) -> str:
-    """candidates/<id>/README.md: the claim, each round's verdict as a table, the conclusion and the cost."""
+    """candidates/<id>/README.md: the claim, each round's verdict as a table (a failure's kind beside its status),
+    the conclusion and the cost."""
     lines = [f"# {r.id}: {r.outcome} at {r.stage}", "", f"op {r.op}, parent {r.parent or 'n/a'}, proposer {r.proposer}", ""]
     if r.claim:
         c = r.claim
@@ -116,7 +117,8 @@ def readme(r: CandidateRecord) -> str:
     for i, rnd in enumerate(r.rounds):
         lines += [f"## Verdict{f' (round {i})' if len(r.rounds) > 1 else ''}", "", "| stage | status | s | reason |",
                   "|---|---|---|---|"]
-        lines += [f"| {s.name} | {s.status} | {s.seconds:.2f} | {' '.join(s.reason.split())[:300]} |"
+        lines += [f"| {s.name} | {s.status}{f' ({s.failure})' if s.failure else ''} | {s.seconds:.2f} | "
+                  f"{' '.join(s.reason.split())[:300]} |"
                   for s in rnd.verdict.stages] + [""]
     if not r.rounds:
         lines += ["## Not evaluated", "", r.reason, ""]

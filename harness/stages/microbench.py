@@ -178,8 +178,8 @@ _ANCHOR_RATE: dict[tuple, float] = {}    # the cuDNN anchor's rate per served ca
 
 def _anchor_key(ctx: EvalContext, case) -> tuple:
     m = ctx.cfg.stages.microbench
-    return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.op, case.label,
-            repr(sorted(case.params.items())), m.reps, m.input_sets, m.l2_flush_bytes, m.cover_cycles)
+    return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.key, m.reps, m.input_sets, m.l2_flush_bytes,
+            m.cover_cycles)
 
 
 def _draw_sets(ctx: EvalContext, case) -> list:
