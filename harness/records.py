@@ -115,11 +115,6 @@ class Verdict(BaseModel):
     stages: list[StageResult]
     cached_from: CachedFrom | None = None      # set when the verdict came from the cache, not from the stages
 
-    @property
-    def failure(self) -> FailureKind | None:
-        """The failing stage's failure kind, if it has one."""
-        return next((s.failure for s in self.stages if s.status == "failed"), None)
-
     @model_serializer(mode="wrap")
     def _no_null_cache(self, handler):
         """A verdict reached by the stages is written as before the cache existed (no `cached_from: null`)."""
