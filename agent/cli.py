@@ -331,7 +331,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage, one of: {stages}")
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object per line, one per file in order: file, ok, accepted, failed_stage, "
-                         "reason, stages (each with name, status, reason, seconds, metrics); a file that could not "
+                         "reason, stages (each with name, status, reason, seconds, metrics, and failure where it "
+                         "failed in a named way: timeout, crashed, ...); a file that could not "
                          "be judged: file, error")
     rn = command("run", "evolve kernels: propose, evaluate, record in a git ledger under runs/")
     rn.add_argument("--target", default=None, help="one of: {targets} (default: attention; a resumed run: its own)")

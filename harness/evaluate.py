@@ -139,9 +139,9 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             try:
                 result = stage(ctx)
             except Rejected as e:
-                result = StageResult.failed(name, str(e), **e.metrics)
+                result = StageResult.failed(name, str(e), e.failure, **e.metrics)
             except WorkerFailure as e:
-                result = StageResult.failed(name, str(e), **{e.kind: 1.0})
+                result = StageResult.failed(name, str(e), e.kind)
             result.seconds = round(time.monotonic() - t0, 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)

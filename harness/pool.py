@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from harness.config import PROJECT_ROOT, WorkerConfig
 from harness.errors import HarnessError
@@ -55,9 +56,9 @@ if got != 1571328.0:
 
 
 class WorkerFailure(Exception):
-    """The worker did not answer properly; `kind` is timeout, crashed, protocol or sandbox."""
+    """The worker did not answer properly; `kind` (a FailureKind, harness/records.py) is timeout, crashed or protocol."""
 
-    def __init__(self, kind: str, message: str) -> None:
+    def __init__(self, kind: Literal["timeout", "crashed", "protocol"], message: str) -> None:
         super().__init__(message)
         self.kind = kind
 

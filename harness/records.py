@@ -7,6 +7,10 @@ ledger or Done message ever carries one. A stored metric of null (how ledgers wr
 kept a NaN) is dropped the same way when read back, so resuming such a run never fails on it.
 A verdict given from the verdict cache (harness/verdicts.py) says so in `cached_from`; a fresh one has none
 and is written exactly as before.
+How a stage failed, where it is more than its reason's words, is the typed `failure` (a `FailureKind`), set by
+the stage or the driver and read by the slots, the verdict cache and the agent. Ledgers written before it kept
+the kind as a metric of 1.0 under the kind's name (`timeout: 1.0`); such a record is read with that `failure`
+and without the metric, so an old run still reads (and re-judges) as it was written.
 """
 from __future__ import annotations
 
@@ -17,6 +21,16 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 Status = Literal["passed", "failed", "skipped"]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
+FailureKind = Literal["timeout", "crashed", "cuda_error", "protocol", "server_failed", "library_ops", "allowlist"]
+FAILURE_KINDS: dict[str, str] = {        # each kind, in words; the keys are FailureKind's values
+    "timeout": "the worker gave no reply in time, or the stage's time ran out",
+    "crashed": "the worker died (a signal, an exit)",
+    "cuda_error": "the candidate raised a CUDA error, and its worker ended on it",
+    "protocol": "a reply from the worker or the candidate's server did not fit its schema",
+    "server_failed": "the candidate's server failed to start or to serve the replay",
+    "library_ops": "the candidate called library compute instead of running its own kernel",
+    "allowlist": "the kernel file names what the allowlisted surface does not hold",
+}
 
 
 class StageResult(BaseModel):
@@ -26,6 +40,15 @@ class StageResult(BaseModel):
     reason: str = ""
     seconds: Finite = 0.0
     metrics: dict[str, Finite] = Field(default_factory=dict)
+    failure: FailureKind | None = None       # how it failed, where the kind matters to a reader; None when it did not
+
+    @model_serializer(mode="wrap")
+    def _no_null_failure(self, handler):
+        """A stage without a failure kind is written as before the field existed (no `failure: null`)."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("failure") is None:
+            data.pop("failure", None)
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -33,14 +56,17 @@ class StageResult(BaseModel):
         if not isinstance(data, dict) or not isinstance(data.get("metrics"), dict):
             return data
         kept, dropped = {}, []
+        legacy = [k for k in FAILURE_KINDS if data["metrics"].get(k)] if data.get("failure") is None else []
         for key, value in data["metrics"].items():
-            if value is None:                       # a NaN stored as null by an older kevo: nothing to keep
+            if value is None or key in legacy:      # null: a NaN stored by an older kevo; nothing to keep
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isfinite(value):
                 dropped.append(f"{key} = {value}")
                 continue
             kept[key] = value
         data = {**data, "metrics": kept}
+        if legacy:                                  # an older kevo's `<kind>: 1.0` metric: the typed field now
+            data["failure"] = legacy[0]
         if dropped:
             note = f"(not finite, so not recorded: {', '.join(dropped)})"
             data["reason"] = f"{data.get('reason', '')} {note}".strip()
@@ -56,8 +82,8 @@ class StageResult(BaseModel):
         return cls(name=name, status="passed", reason=reason, metrics=metrics)
 
     @classmethod
-    def failed(cls, name: str, reason: str, **metrics: float) -> "StageResult":
-        return cls(name=name, status="failed", reason=reason, metrics=metrics)
+    def failed(cls, name: str, reason: str, failure: FailureKind | None = None, **metrics: float) -> "StageResult":
+        return cls(name=name, status="failed", reason=reason, metrics=metrics, failure=failure)
 
     @classmethod
     def skipped(cls, name: str, reason: str) -> "StageResult":
@@ -66,11 +92,9 @@ class StageResult(BaseModel):
     @property
     def worker_lost(self) -> str:
         """How the stage's worker was lost, 'hung' or 'crashed' (harness/evaluate.py records WorkerFailure's
-        kind as a metric) or 'hit a CUDA error' (the candidate raised one, an illegal address say, and its
-        worker ended on it), else the empty string; such a worker may have left the device unwell."""
-        m = self.metrics
-        return ("hung" if m.get("timeout") else "crashed" if m.get("crashed")
-                else "hit a CUDA error" if m.get("cuda_error") else "")
+        kind as the stage's `failure`) or 'hit a CUDA error' (the candidate raised one, an illegal address say,
+        and its worker ended on it), else the empty string; such a worker may have left the device unwell."""
+        return {"timeout": "hung", "crashed": "crashed", "cuda_error": "hit a CUDA error"}.get(self.failure or "", "")
 
 
 class CachedFrom(BaseModel):

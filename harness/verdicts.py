@@ -14,7 +14,7 @@ whatever the head).
 
 Only verdicts the device or the machine's load could have decided are left out: a worker that hung,
 crashed, hit a CUDA error or broke the protocol, a sandbox that failed, a candidate server that failed
-(`UNCACHEABLE`); an evaluation that raised HarnessError leaves no verdict. One JSON file per key under
+(`UNCACHEABLE`, stage failure kinds); an evaluation that raised HarnessError leaves no verdict. One JSON file per key under
 `<agent.runs_dir>/.verdicts/`, written atomically (a temporary file renamed), read only by the trusted
 side: workers and servers are sandboxed and see no runs/ (with `worker.sandbox: best_effort` a worker
 may see the host's files, so the cache is off). An entry is validated as an `Entry` holding a `Verdict`
@@ -41,12 +41,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from harness.config import PROJECT_ROOT, Config
-from harness.records import CachedFrom, Verdict
+from harness.records import CachedFrom, FailureKind, Verdict
 
 FORMAT = 1
 MAX_ENTRY_BYTES = 8 << 20
-# Metrics that mark a verdict the device or the host decided rather than the candidate alone.
-UNCACHEABLE = ("timeout", "crashed", "cuda_error", "protocol", "sandbox", "server_failed")
+# Stage failure kinds that mark a verdict the device or the host decided rather than the candidate alone.
+UNCACHEABLE: tuple[FailureKind, ...] = ("timeout", "crashed", "cuda_error", "protocol", "server_failed")
 
 
 class Entry(BaseModel):
@@ -128,7 +128,7 @@ def machine(device_type: str) -> dict[str, str]:
 
 def cacheable(verdict: Verdict) -> bool:
     """Whether the candidate alone decided this verdict: no stage lost its worker, broke the protocol or timed out."""
-    return verdict.cached_from is None and not any(s.metrics.get(m) for s in verdict.stages for m in UNCACHEABLE)
+    return verdict.cached_from is None and not any(s.failure in UNCACHEABLE for s in verdict.stages)
 
 
 def reached_replay(verdict: Verdict) -> bool:

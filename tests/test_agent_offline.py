@@ -261,13 +261,16 @@ def test_once_a_family_move_measured_faster_the_search_steps_that_familys_knobs(
 def timed(speedup: float, anchor_ms: float, replay: bool = False) -> Verdict:
     """A GPU verdict as microbench writes it for one served decode shape (candidate, torch, cuDNN), and the
     full scored replay's figures when `replay`."""
+    from harness.stages.microbench import figure_metric
+    from harness.targets import Case
     base_ms = 0.060
-    m = {"decode0_candidate_ms": base_ms / speedup, "decode0_baseline_ms": base_ms, "decode0_anchor_ms": anchor_ms,
-         "decode0_weight": 1.0, "decode0_candidate_rate": 3.0 * speedup, "decode0_baseline_rate": 3.0,
-         "decode0_anchor_rate": 3.0 * base_ms / anchor_ms, "speedup": speedup, "noise": 0.005, "bar": 1.03}
+    case = Case("decode", "decode served: batch 8, lengths 1..9", {"batch": 8, "length_range": (1, 9)}, weight=1.0)
+    row = {"candidate_ms": base_ms / speedup, "baseline_ms": base_ms, "anchor_ms": anchor_ms, "weight": 1.0,
+           "candidate_rate": 3.0 * speedup, "baseline_rate": 3.0, "anchor_rate": 3.0 * base_ms / anchor_ms}
+    m = {figure_metric(case, k): v for k, v in row.items()} | {"speedup": speedup, "noise": 0.005, "bar": 1.03}
     stages = [StageResult.passed(n, "ok") for n in ("compile", "dispatch", "parity")]
-    stages.append(StageResult.passed("microbench", f"served mix {speedup:.2f}x (bar 1.03x); decode served: batch 8, "
-                                                   f"lengths 1..9: {speedup:.2f}x (...)", **m))
+    stages.append(StageResult.passed("microbench", f"served mix {speedup:.2f}x (bar 1.03x); {case.label}: "
+                                                   f"{speedup:.2f}x (...)", **m))
     if replay:
         stages.append(StageResult.passed("replay", "accepted", accepted=1.0, tpot_p90_speedup=1.08, throughput_ratio=1.0))
     return Verdict.of(stages)

@@ -51,16 +51,18 @@ def _head(op: str, anchor_rate: float | None):
     from conftest import config_with
     from harness.evaluate import device_shapes
     from harness.records import StageResult, Verdict
+    from harness.stages.microbench import figure_metric
     from harness.targets import TARGETS
 
     from agent.records import Kernel
-    label = next(c.label for c in TARGETS["attention"].served_cases(device_shapes(config_with(), "attention", torch.device("cpu")))
-                 if c.op == op)
+    case = next(c for c in TARGETS["attention"].served_cases(device_shapes(config_with(), "attention", torch.device("cpu")))
+                if c.op == op)
+    label = case.label
     row = {"candidate_ms": 0.05, "baseline_ms": 0.06, "weight": 1.0, "candidate_rate": 2.89, "baseline_rate": 2.41}
     if anchor_rate is not None:
         row.update(anchor_ms=0.05 * 2.89 / anchor_rate, anchor_rate=anchor_rate)
     bench = StageResult.passed("microbench", f"served mix 1.20x (bar 1.03x); {label}: 1.20x (0.05 vs 0.06 ms)",
-                               speedup=1.2, bar=1.03, **{f"{op}0_{k}": v for k, v in row.items()})
+                               speedup=1.2, bar=1.03, **{figure_metric(case, k): v for k, v in row.items()})
     v = Verdict.of([StageResult.passed(n, "ok") for n in ("compile", "dispatch", "parity")] + [bench])
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=f"# the {op} head\n", speedup=1.2, verdict=v), label
 

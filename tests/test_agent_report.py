@@ -19,6 +19,8 @@ import yaml
 
 from conftest import ROOT, config_with
 from harness.records import StageResult, Verdict
+from harness.stages.microbench import figure_metric
+from harness.targets import Case
 
 from agent.cli import main
 from agent.roles.conclusion import conclude, outcome_of, speedup_of
@@ -28,24 +30,33 @@ from agent.records import (CandidateRecord, Claim, Exchange, Kernel, KillTest, M
                            RunHeader)
 
 T0 = datetime(2026, 11, 30, 9, 0, 0).astimezone()
-SHAPES = {"decode": [("decode served: batch 64, lengths 1000..32000, heads 32/8", 0.7, 0.0310, 0.0260),
-                     ("decode served: batch 8, lengths 500..4000, heads 32/8", 0.3, 0.0122, 0.0101)],
-          "prefill": [("prefill served: batch 4, lengths 512..2048, heads 32/8", 1.0, 0.210, 0.180)]}
+def served(op: str, batch: int, lo: int, hi: int, weight: float) -> Case:
+    """A served case as the attention target makes one (harness/targets/attention.py served_cases)."""
+    return Case(op, f"{op} served: batch {batch}, lengths {lo}..{hi}, heads 32/8",
+                {"q_heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16, "batch": batch,
+                 "length_range": (lo, hi), "size": batch * hi * 32}, weight=weight)
+
+
+# Per op: each served case, with its torch baseline's and cuDNN anchor's times (ms).
+SHAPES = {"decode": [(served("decode", 64, 1000, 32000, 0.7), 0.0310, 0.0260),
+                     (served("decode", 8, 500, 4000, 0.3), 0.0122, 0.0101)],
+          "prefill": [(served("prefill", 4, 512, 2048, 1.0), 0.210, 0.180)]}
 CPU_SKIP = "skipped: needs CUDA; this machine has none, and no CPU figure stands in for a GPU speedup"
 
 
 # -- ledgers as runs leave them ----------------------------------------------------------------------
 
 def microbench(op: str, speedup: float) -> StageResult:
-    """The microbench stage's result as harness/stages/microbench.py writes it: `<op><i>_<figure>` metrics."""
+    """The microbench stage's result as harness/stages/microbench.py writes it: each case's figures under
+    `figure_metric(case, figure)`, a line per case in its reason."""
     metrics, lines, num, den = {}, [], 0.0, 0.0
-    for i, (label, weight, base_ms, anchor_ms) in enumerate(SHAPES[op]):
+    for case, base_ms, anchor_ms in SHAPES[op]:
         cand_ms = base_ms / speedup
-        row = {"candidate_ms": cand_ms, "baseline_ms": base_ms, "noise": 0.01, "speedup": speedup, "weight": weight,
+        row = {"candidate_ms": cand_ms, "baseline_ms": base_ms, "noise": 0.01, "speedup": speedup, "weight": case.weight,
                "anchor_ms": anchor_ms, "candidate_rate": 3.0 * speedup, "baseline_rate": 3.0, "anchor_rate": 3.5}
-        metrics.update({f"{op}{i}_{k}": v for k, v in row.items()})
-        num, den = num + weight * base_ms, den + weight * cand_ms
-        lines.append(f"{label}: {speedup:.2f}x ({cand_ms:.4f} vs {base_ms:.4f} ms; {3.0 * speedup:.2f} vs 3.00 TB/s, "
+        metrics.update({figure_metric(case, k): v for k, v in row.items()})
+        num, den = num + case.weight * base_ms, den + case.weight * cand_ms
+        lines.append(f"{case.label}: {speedup:.2f}x ({cand_ms:.4f} vs {base_ms:.4f} ms; {3.0 * speedup:.2f} vs 3.00 TB/s, "
                      "cuDNN 3.50 TB/s)")
     metrics.update(speedup=num / den, noise=0.01, bar=1.03)
     summary = f"served mix {num / den:.2f}x (bar 1.03x); " + "; ".join(lines)
@@ -297,13 +308,13 @@ def test_report_is_one_self_contained_page_with_every_plot_and_the_best_kernel_a
     best = page.sections["best-decode"]
     assert "c005" in best["text"] and "accepted by the full scored replay" in best["text"]
     assert records[4].source in best["text"]
-    for label, _, base_ms, anchor_ms in SHAPES["decode"]:
-        assert label in best["text"] and f"{base_ms:.4f}" in best["text"] and f"{anchor_ms:.4f}" in best["text"]
+    for case, base_ms, anchor_ms in SHAPES["decode"]:
+        assert case.label in best["text"] and f"{base_ms:.4f}" in best["text"] and f"{anchor_ms:.4f}" in best["text"]
     assert "cuDNN" in best["text"] and "svg" in best["tags"]
     shapes = SHAPES["decode"]                          # c005: 1.32x torch; kevo/cuDNN from the anchor's times
-    mix = sum(w * a for _, w, _, a in shapes) / sum(w * b / 1.32 for _, w, b, _ in shapes)
+    mix = sum(c.weight * a for c, _, a in shapes) / sum(c.weight * b / 1.32 for c, b, _ in shapes)
     assert f"served mix {mix:.3f}x cuDNN, 1.320x torch" in best["text"]     # the library first, torch second
-    for _, _, base_ms, anchor_ms in shapes:
+    for _, base_ms, anchor_ms in shapes:
         assert f"{anchor_ms / (base_ms / 1.32):.3f}x" in best["text"]
     rows = text[text.index("<table class='rows'>"):]
     assert "<th>vs cuDNN</th><th>vs torch</th>" in rows and f"<td class='num'>{mix:.3f}x</td>" in rows
@@ -372,13 +383,13 @@ def test_the_live_view_reports_each_candidate_and_the_best_over_cudnn_first_and_
     from agent.reading.figures import speed
     from agent.reading.view import RunView
     c005, shapes = gpu_run[1][4], SHAPES["decode"]
-    mix = sum(w * a for _, w, _, a in shapes) / sum(w * b / 1.32 for _, w, b, _ in shapes)
+    mix = sum(c.weight * a for c, _, a in shapes) / sum(c.weight * b / 1.32 for c, b, _ in shapes)
     out = io.StringIO()
     view = RunView(console=Console(file=out, width=300))
     summary = {"funnel": {"accepted": 1}, "cost_usd": 0.0, "candidates": 5, "untimed": "",
                "best": {"decode": {"ref": "c005", **speed(c005.verdict, "decode").record()}}}
     view.record(c005, summary)
-    per = ", ".join(f"{a / (b / 1.32):.3f}x" for _, _, b, a in shapes)
+    per = ", ".join(f"{a / (b / 1.32):.3f}x" for _, b, a in shapes)
     assert f"c005 [decode] accepted at replay, {mix:.3f}x cuDNN, 1.320x torch (per served shape {per} cuDNN)" in out.getvalue()
     board = io.StringIO()
     Console(file=board, width=300).print(view)

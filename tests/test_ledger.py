@@ -11,7 +11,8 @@ import pytest
 
 from harness.records import StageResult, Verdict
 
-from agent.ledger.repository import SUBJECT_CHARS, Ledger, LedgerError
+from agent.ledger.messages import SUBJECT_CHARS
+from agent.ledger.repository import Ledger, LedgerError
 from agent.records import (CandidateRecord, Claim, Conclusion, Exchange, Kernel, KillTest, Message, OpEvidence,
                            Profile, Proposal, Round, RunHeader)
 

@@ -124,7 +124,7 @@ def test_a_failing_reply_is_accepted_for_any_request_and_well_formed_ones_parse(
 def test_a_reply_forged_by_the_candidate_is_a_rejection_at_compile_naming_what_was_wrong(evaluate_source, edit, words):
     v = evaluate_source(forging(edit), config=config_with(**FORGING))
     assert not v.ok and v.failed_stage == "compile", v.reason
-    assert words in v.stages[-1].reason and v.stages[-1].metrics.get("protocol") == 1.0, v.stages[-1].reason
+    assert words in v.stages[-1].reason and v.stages[-1].failure == "protocol", v.stages[-1].reason
     json.loads(v.model_dump_json(), parse_constant=lambda c: pytest.fail(f"{c} in the verdict"))
 
 

@@ -160,13 +160,13 @@ def test_parity_feedback_names_shape_errors_and_first_mismatches(evaluate_source
 def test_crash_on_a_boundary_shape_is_a_verdict_naming_the_signal(evaluate_source):
     v = evaluate_source(C.CRASH_ON_BOUNDARY, config=runtime_only())
     assert stage_of(v) == "parity", v.reason
-    assert "SIGSEGV" in v.stages[-1].reason and v.stages[-1].metrics.get("crashed") == 1.0
+    assert "SIGSEGV" in v.stages[-1].reason and v.stages[-1].failure == "crashed"
 
 
 def test_hang_is_cut_by_the_stage_timeout(evaluate_source):
     v = evaluate_source(C.HANG_ON_BOUNDARY, config=config_with(**{"stages.parity.timeout_s": 15}))
     assert stage_of(v) == "parity", v.reason
-    assert v.stages[-1].metrics.get("timeout") == 1.0
+    assert v.stages[-1].failure == "timeout"
     assert v.stages[-1].seconds < 30
 
 

@@ -98,11 +98,11 @@ def test_the_key_misses_when_the_device_driver_torch_or_triton_changes(tmp_path,
         SOURCE, "parity", 1.0, None) is None
 
 
-@pytest.mark.parametrize("metric", UNCACHEABLE)
-def test_a_verdict_whose_worker_was_lost_or_that_timed_out_is_never_stored(tmp_path, harness_copies, metric):
+@pytest.mark.parametrize("kind", UNCACHEABLE)
+def test_a_verdict_whose_worker_was_lost_or_that_timed_out_is_never_stored(tmp_path, harness_copies, kind):
     said: list[str] = []
     cache = cache_for(tmp_path, harness_copies[0], said=said)
-    lost = Verdict.of([StageResult.passed("compile"), StageResult.failed("parity", "the worker went away", **{metric: 1.0})])
+    lost = Verdict.of([StageResult.passed("compile"), StageResult.failed("parity", "the worker went away", kind)])
     assert not cache.store(SOURCE, "parity", 1.0, None, lost, job="c1", where="h")
     assert list(tmp_path.iterdir()) == []
     cache.store(SOURCE, "parity", 1.0, None, PARITY_FAIL, job="c1", where="h")     # an entry edited to hold one

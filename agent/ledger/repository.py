@@ -5,10 +5,8 @@ profile.json (the baseline profile), replay.json (the baseline replay, or why th
 heads/ (the kernels the run starts from, with their verdicts). Then one commit per candidate,
 whatever became of it, under candidates/<id>/: record.json (claim, every round's source and
 verdict with all stage metrics, conclusion, cost), candidate.py, README.md (for people) and
-exchanges.jsonl (every LLM call: prompts, replies, tokens, cost). The subject says what was tried and
-what became of it in at most 72 characters, `c007 decode BLOCK_N 64 -> 128: rejected at parity`
-(`subject()`), so `git log --oneline` reads as the run's history; the body holds the claim, the verdict
-and the conclusion; trailers carry the fields for machines (readers use those, never the subject). Tags:
+exchanges.jsonl (every LLM call: prompts, replies, tokens, cost); what each commit says (subject, body,
+trailers, that README) is agent/ledger/messages.py. Tags:
 best-<op> (the best so far; the head until a candidate beats it) and head-<op>. summary.json is
 rewritten in every commit; settings.json holds the settings in force (rewritten by each resume).
 An LLM's proposal is committed before it is evaluated (candidates/<id>/proposal.json, subject
@@ -21,20 +19,18 @@ resumed from its ledger alone; a `pinned` Ledger reads the tip it was opened at 
 `commit_beside()` writes a commit from objects only, on no branch the run moves (re-judging's `replay/` branch
 and its saves, agent/rejudging/): the run's branch, index and working tree are left as they were.
 
-Crash consistency: a commit is the unit of record. Files are written, then committed; objects are written
-by this process to temporary files renamed into place (`open_repo`), refs by git through lock files, so a
-SIGKILL at any moment leaves the last commit whole, plus perhaps stale lock and temporary files,
-unreferenced whole objects and uncommitted files. `recover()` (by the holder of the
+Crash consistency: a commit is the unit of record. Files are written, then committed through the repository
+as agent/ledger/store.py opens it, so a SIGKILL at any moment leaves the last commit whole, plus perhaps stale
+lock and temporary files, unreferenced whole objects and uncommitted files. `recover()` (by the holder of the
 run's lock, agent/run/session.py) removes those and resets the working tree to the last commit; reading is
 always from committed state. A power cut is another matter: nothing here calls fsync.
-Not here: deciding anything (loop), the run folder's lock (session).
+Not here: deciding anything (loop), the run folder's lock (session), the words of a commit (messages).
 """
 from __future__ import annotations
 
 import io
 import json
 import math
-import re
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -42,12 +38,14 @@ from typing import Literal
 import git
 from git.index.typ import BaseIndexEntry, IndexEntry
 from gitdb.base import IStream
-from gitdb.db.loose import LooseObjectDB
 from pydantic import ValidationError
 
 from harness.sandbox import redact
 
-from agent.records import CandidateRecord, Claim, Exchange, Kernel, Profile, Proposal, RunHeader
+from agent.ledger import messages
+from agent.ledger.messages import fit_subject  # noqa: F401  (agent/run/loop.py imports it from here)
+from agent.ledger.store import open_repo
+from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
 from agent.run.session import LOCK_NAME
 
 # What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
@@ -57,82 +55,8 @@ FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "r
 AUTHOR = git.Actor("kevo", "kevo@localhost")
 
 
-class _ObjectsWrittenHere(git.GitCmdObjectDB):
-    """Objects read through git, as gitpython does by default, but written by this process: gitdb's loose
-    store writes each to a temp file and renames it into place. gitpython's own store pipes every object
-    into a `git hash-object -w --stdin --literally` child; a run SIGKILLed mid-pipe leaves that child to
-    write what it had read so far, an empty or truncated object that `git fsck` reports as bogus."""
-
-    def store(self, istream: IStream) -> IStream:
-        return LooseObjectDB.store(self, istream)
-
-
-class _GitOfItsOwn(git.Git):
-    """Every git child (gitpython's long-lived `git cat-file --batch` readers included) in a session of its
-    own: a signal to kevo's whole process group — Ctrl-C in a terminal, `timeout`, a service manager —
-    reaches kevo, which stops in order, and not the processes its orderly stop reads the ledger through
-    (killed, they left a BrokenPipeError traceback and no end commit)."""
-
-    def execute(self, command, *args, **kwargs):
-        kwargs.setdefault("start_new_session", True)
-        return super().execute(command, *args, **kwargs)
-
-
-class _Repo(git.Repo):
-    GitCommandWrapperType = _GitOfItsOwn
-
-
-def open_repo(root: Path) -> git.Repo:
-    """A run's repository, opened for reading and writing by kevo (every writer opens it here)."""
-    return _Repo(root, odbt=_ObjectsWrittenHere)
-
-
 class LedgerError(Exception):
     """The ledger cannot be created or read; one line."""
-
-
-SUBJECT_CHARS = 72                     # git's convention: a subject that `git log --oneline` shows whole
-
-
-def _fit(text: str, n: int) -> str:
-    """`text` on one line, cut to `n` characters with an ellipsis when longer."""
-    line = " ".join(text.split())
-    return line if len(line) <= n else line[: max(n - 1, 0)].rstrip() + "…"
-
-
-def fit_subject(text: str) -> str:
-    """Any commit subject of a run, on one line in SUBJECT_CHARS at most (the candidates' are built to fit)."""
-    return _fit(text, SUBJECT_CHARS)
-
-
-def change_of(claim: Claim | None, op: str) -> str:
-    """What a candidate tried, in a few words: its hypothesis up to the first ': ' or '; ' (the why follows
-    there), without what the subject says already ('in the decode kernel', '(from c003)')."""
-    if claim is None:
-        return "(no claim)"
-    text = " ".join(claim.hypothesis.split())
-    for stop in (": ", "; ", " - ", " — "):
-        text = text.split(stop)[0]
-    text = re.sub(rf"\s+in the {re.escape(op)} kernel\b", "", text)
-    return re.sub(r"\s*\(from [^)]*\)", "", text).strip() or "(no claim)"
-
-
-def subject(record: CandidateRecord) -> str:
-    """A verdict commit's subject: id, op and the change first, the verdict last, in SUBJECT_CHARS at most —
-    `c007 decode BLOCK_N 64 -> 128: rejected at parity`."""
-    head, verdict = f"{record.id} {record.op} ", f": {record.outcome} at {record.stage}"
-    room = SUBJECT_CHARS - len(head) - len(verdict)
-    if room < 8:                                          # an id, op or stage so long the change cannot show
-        return _fit(f"{record.id} {record.op}{verdict}", SUBJECT_CHARS)
-    return head + _fit(change_of(record.claim, record.op), room) + verdict
-
-
-def _trailers(fields: dict[str, object]) -> str:
-    return "\n".join(f"{k}: {v}" for k, v in fields.items())
-
-
-def _num(x: float | None, fmt: str = ".4f") -> str:
-    return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
 
 
 def _finite(obj):
@@ -259,11 +183,8 @@ class Ledger:
         for op, k in heads.items():
             files[f"heads/{op}.py"] = k.source
             files[f"heads/{op}.json"] = k.model_dump_json(indent=1, exclude={"source"})
-        body = [f"target {header.target}, ops {', '.join(header.ops)}, proposer {header.provider}, on {header.device} "
-                f"({header.arch}); budget {header.budget_minutes:g} min", profile.note,
-                f"baseline replay: {replay['note']}"]
-        body += [f"{op} head: {k.verdict.reason if k.verdict else 'not evaluated'}" for op, k in heads.items()]
-        sha = ledger.commit(f"start {header.id}: heads evaluated, baseline profile recorded", body, files,
+        sha = ledger.commit(f"start {header.id}: heads evaluated, baseline profile recorded",
+                            messages.start_body(header, profile, replay, heads), files,
                             {"Run": header.id, "Target": header.target, "Proposer": header.provider})
         for op in heads:
             ledger.tag(f"head-{op}", sha)
@@ -283,7 +204,7 @@ class Ledger:
         for rel, text in files.items():
             self.write(rel, text)
         self.repo.index.add(list(files))
-        message = redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n" + _trailers(trailers) + "\n")
+        message = redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n" + messages.trailers(trailers) + "\n")
         return self.repo.index.commit(message, author=AUTHOR, committer=AUTHOR).hexsha
 
     def commit_beside(self, files: dict[str, str], subject: str, body: str, trailers: dict[str, object] | None = None,
@@ -298,7 +219,7 @@ class Ledger:
             data = redact(text).encode()
             blob = self.repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
             index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
-        message = subject + "\n\n" + body.rstrip("\n") + ("\n\n" + _trailers(trailers) if trailers else "") + "\n"
+        message = subject + "\n\n" + body.rstrip("\n") + ("\n\n" + messages.trailers(trailers) if trailers else "") + "\n"
         return git.Commit.create_from_tree(self.repo, index.write_tree(), redact(message), parent_commits=[parent or base],
                                            head=False, author=AUTHOR, committer=AUTHOR)
 
@@ -311,17 +232,9 @@ class Ledger:
         d = f"candidates/{proposal.id}"
         if self.committed(f"{d}/proposal.json") is not None or self.committed(f"{d}/record.json") is not None:
             raise LedgerError(f"{proposal.id} is already in the ledger; a candidate id is never reused")
-        c = proposal.claim
-        body = [f"claim: {c.hypothesis}\npredicted s {c.expected_speedup:.3f}, ceiling {c.ceiling:.4f}" if c else "",
-                "evaluated next; a run stopped before its verdict evaluates it when resumed" if proposal.outcome == "ready"
-                else f"not to be evaluated ({proposal.outcome} at {proposal.stage}); its verdict commit follows"]
-        head = f"propose {proposal.id} [{proposal.op}]: "
-        change = change_of(c, proposal.op) if c else proposal.outcome
-        return self.commit(head + _fit(change, max(SUBJECT_CHARS - len(head), 8)), body,
-                           {f"{d}/proposal.json": proposal.model_dump_json(indent=1),
-                            "summary.json": _json(summary)},
-                           {"Proposal": proposal.id, "Op": proposal.op, "Parent": proposal.parent or "n/a",
-                            "Cost": f"{sum(e.cost_usd for e in proposal.exchanges):.6f}"})
+        return self.commit(messages.proposal_subject(proposal), messages.proposal_body(proposal),
+                           {f"{d}/proposal.json": proposal.model_dump_json(indent=1), "summary.json": _json(summary)},
+                           messages.proposal_trailers(proposal))
 
     def commit_candidate(self, record: CandidateRecord, exchanges: list[Exchange], summary: dict,
                          new_best: bool, files: dict[str, str] | None = None,
@@ -332,50 +245,20 @@ class Ledger:
         if self.committed(f"{d}/record.json") is not None:
             raise LedgerError(f"{record.id} already has a verdict in the ledger; a candidate is evaluated once")
         files = {**(files or {}), f"{d}/record.json": record.model_dump_json(indent=1),
-                 f"{d}/README.md": self._readme(record), "summary.json": _json(summary)}
+                 f"{d}/README.md": messages.readme(record), "summary.json": _json(summary)}
         if exchanges:
             files[f"{d}/exchanges.jsonl"] = "".join(e.model_dump_json() + "\n" for e in exchanges)
         for i, rnd in enumerate(record.rounds):
             files[f"{d}/candidate.py" if i == len(record.rounds) - 1 else f"{d}/round{i}.py"] = rnd.source
         if new_best:
             files[f"best/{record.op}.py"] = record.source or ""
-        c = record.claim
-        body = [f"claim: {c.hypothesis}\npredicted s {c.expected_speedup:.3f} on f {c.op_share:.2f} "
-                f"({c.share_source}) -> ceiling {c.ceiling:.4f}; kill test at {c.kill_test.stage}: "
-                f"{c.kill_test.observation}" if c else "",
-                f"{'verdict' if record.rounds else 'not evaluated'}: {record.reason[:1200]}",
-                f"conclusion: {record.conclusion.learned}"]
-        sha = self.commit(subject(record), body, files, {
-            "Candidate": record.id, "Parent": record.parent or "n/a", "Op": record.op, "Stage": record.stage,
-            "Verdict": record.outcome, "Speedup": _num(record.speedup), "Local-Speedup": _num(record.local_speedup),
-            "Predicted": _num(c.expected_speedup if c else None), "Ceiling": _num(c.ceiling if c else None),
-            "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}", **(trailers or {})})
+        sha = self.commit(messages.subject(record), messages.candidate_body(record), files,
+                          {**messages.candidate_trailers(record), **(trailers or {})})
         if new_best:
             self.tag(f"best-{record.op}", sha)
         if record.outcome == "accepted":
             self.tag(f"head-{record.op}", sha)
         return sha
-
-    @staticmethod
-    def _readme(r: CandidateRecord) -> str:
-        lines = [f"# {r.id}: {r.outcome} at {r.stage}", "", f"op {r.op}, parent {r.parent or 'n/a'}, proposer {r.proposer}", ""]
-        if r.claim:
-            c = r.claim
-            lines += ["## Claim", "", c.hypothesis, "", "Evidence:", *[f"- {e}" for e in c.evidence], "",
-                      f"Expected local speedup s = {c.expected_speedup:.3f}; op share f = {c.op_share:.2f} "
-                      f"({c.share_source}); ceiling 1/(1-f+f/s) = {c.ceiling:.4f} (computed by kevo).", "",
-                      "Risks:", *[f"- {x}" for x in c.risks], "",
-                      f"Kill test ({c.kill_test.stage}): {c.kill_test.observation}", ""]
-        for i, rnd in enumerate(r.rounds):
-            lines += [f"## Verdict{f' (round {i})' if len(r.rounds) > 1 else ''}", "", "| stage | status | s | reason |",
-                      "|---|---|---|---|"]
-            lines += [f"| {s.name} | {s.status} | {s.seconds:.2f} | {' '.join(s.reason.split())[:300]} |"
-                      for s in rnd.verdict.stages] + [""]
-        if not r.rounds:
-            lines += ["## Not evaluated", "", r.reason, ""]
-        lines += ["## Conclusion", "", r.conclusion.learned, "",
-                  f"Cost: ${r.cost_usd:.4f} ({r.input_tokens} input, {r.output_tokens} output tokens)."]
-        return "\n".join(lines) + "\n"
 
     # -- reading: always the last commit, never the working tree (a live run may be writing it) -----
 

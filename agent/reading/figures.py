@@ -3,8 +3,9 @@ for the served mix, kevo over the cuDNN anchor first (the library a user already
 torch baseline second; and, where nothing was timed (a CPU, or microbench not reached), which stages
 passed and that nothing was timed or accepted.
 
-The figures are read from microbench's metrics (`<op><i>_candidate_ms`, `_baseline_ms`, `_anchor_ms`,
-`_weight`; harness/stages/microbench.py) and the shape labels from its reason. `vs_cudnn` is the one
+The figures are read from microbench's metrics through its own reader (harness/stages/microbench.py
+`case_figures`: each case's `candidate_ms`, `baseline_ms`, `anchor_ms`, `weight`, ... under its shape's key)
+and the shape labels from its reason, both of the one record. `vs_cudnn` is the one
 place the ratio to the anchor is computed. Not here: timing (harness), which kernel is best (state),
 how a view lays the words out (view, report, loop).
 """
@@ -14,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from harness.records import Verdict
+from harness.stages.microbench import case_figures
 from harness.targets import TARGETS
 
 NO_ANCHOR = "no cuDNN anchor timed"
@@ -37,14 +39,15 @@ def vs_cudnn(cases: list[dict]) -> float | None:
 
 
 def microbench_cases(metrics: dict[str, float], reason: str, op: str) -> list[dict]:
-    """Per served shape of `op`, the microbench figures (metrics `<op><i>_<figure>`), with the label the
-    stage's reason gives that shape (`<label>: 1.23x (...)`, in the same order), else `<op> case <i>`."""
+    """Per served shape of `op` that microbench timed, in its order: the figures, the shape's `key` (None in a
+    record an older kevo keyed by position) and the label the same record's reason gives it (`<label>: 1.23x
+    (...)`, in the same order), else the key, else `<op> case <i>`."""
     labels = re.findall(rf"(?:^|; )({re.escape(op)} [^;]*?): \d+\.\d+x \(", reason)
-    cases, i = [], 0
-    while f"{op}{i}_candidate_ms" in metrics:
-        figures = {k.removeprefix(f"{op}{i}_"): v for k, v in metrics.items() if k.startswith(f"{op}{i}_")}
-        cases.append({"label": labels[i] if i < len(labels) else f"{op} case {i}", **figures})
-        i += 1
+    cases = []
+    for i, (key, figures) in enumerate(case_figures(metrics, op)):
+        if "candidate_ms" in figures:
+            cases.append({**figures, "key": key,
+                          "label": labels[i] if i < len(labels) else key or f"{op} case {i}"})
     return cases
 
 
@@ -93,11 +96,11 @@ def speed_words(best: dict) -> str:
 def speed(verdict: Verdict | None, op: str) -> Speed:
     """The speed a verdict measured for `op`'s kernel; `timed` False (with the skip's reason) where none."""
     bench = next((s for s in verdict.stages if s.name == "microbench"), None) if verdict else None
-    if bench is None or not bench.metrics or f"{op}0_candidate_ms" not in bench.metrics:
+    cases = microbench_cases(bench.metrics, bench.reason, op) if bench is not None else []
+    if not cases:
         why = (" ".join(bench.reason.removeprefix("skipped:").split()).split(";")[0] if bench is not None
                else "microbench not reached" if verdict else "not evaluated")
         return Speed(op=op, timed=False, mix_vs_cudnn=None, mix_vs_torch=None, why=why[:80])
-    cases = microbench_cases(bench.metrics, bench.reason, op)
     shapes = tuple((c["label"], vs_cudnn([c]), _over([c], "baseline")) for c in cases)
     return Speed(op=op, timed=True, mix_vs_cudnn=vs_cudnn(cases), mix_vs_torch=_over(cases, "baseline"),
                  shapes=shapes)

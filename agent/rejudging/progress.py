@@ -24,7 +24,8 @@ from pathlib import Path
 import git
 from pydantic import Field, ValidationError
 
-from agent.ledger.repository import Ledger, open_repo
+from agent.ledger.repository import Ledger
+from agent.ledger.store import open_repo
 from agent.records import Record
 from agent.rejudging.report import Rejudging, VerdictRow
 

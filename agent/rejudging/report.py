@@ -14,7 +14,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from agent.ledger.repository import Ledger, fit_subject
+from agent.ledger.messages import fit_subject
+from agent.ledger.repository import Ledger
 from agent.llm.recorded import Divergence
 from agent.records import Record
 

@@ -23,7 +23,7 @@ from harness.errors import HarnessError
 from harness.evaluate import device_shapes
 from harness.targets import TARGETS
 
-from agent.reading.figures import speed
+from agent.reading.figures import microbench_cases, speed, vs_cudnn
 from agent.records import Kernel, OpEvidence, Profile
 
 
@@ -57,7 +57,9 @@ def derivation_lines(op: str, base: dict[str, float], heads: dict[str, Kernel], 
 
 
 def kernel_figures(kernel: Kernel, cfg: Config, target: str, device: torch.device) -> list[str]:
-    """The kernel's measured figures per served case, kevo/cuDNN first, as lines with numbers; or why there are none."""
+    """The kernel's measured figures per served shape its microbench timed, kevo/cuDNN first, as lines with
+    numbers; or why there are none. Each shape is named as the record that timed it names it, and one that is
+    not among the config's served shapes now says so: figures are never paired with today's shapes by place."""
     verdict = kernel.verdict
     bench = next((s for s in verdict.stages if s.name == "microbench"), None) if verdict else None
     if bench is None or not bench.metrics:
@@ -65,18 +67,16 @@ def kernel_figures(kernel: Kernel, cfg: Config, target: str, device: torch.devic
         return [f"{kernel.ref}: no timing ({why.splitlines()[0][:160]})"]
     m, op = bench.metrics, kernel.op
     unit = TARGETS[target].ops[op].unit
-    cases = [c for c in TARGETS[target].served_cases(device_shapes(cfg, target, device)) if c.op == op]
-    fast = speed(verdict, op)
-    lines = [f"{kernel.ref}: served mix {fast.words()} (torch noise bar {m.get('bar', float('nan')):.3f}x)"]
-    for i, case in enumerate(cases):
-        k = f"{op}{i}_"
-        if k + "candidate_ms" not in m:
-            continue
-        lib = fast.shapes[i][1] if i < len(fast.shapes) else None
-        anchor = (f"{lib:.3f}x cuDNN ({m[k + 'anchor_rate']:.2f} {unit}), " if lib is not None and k + "anchor_rate" in m
-                  else "no cuDNN anchor timed, ")
-        lines.append(f"{kernel.ref} on {case.label} (weight {case.weight:.2f}): {anchor}{m[k + 'baseline_ms'] / m[k + 'candidate_ms']:.3f}x torch; "
-                     f"{m[k + 'candidate_ms'] * 1e3:.1f} us, {m[k + 'candidate_rate']:.2f} {unit} vs torch {m[k + 'baseline_rate']:.2f} {unit}")
+    now = {c.key for c in TARGETS[target].served_cases(device_shapes(cfg, target, device)) if c.op == op}
+    lines = [f"{kernel.ref}: served mix {speed(verdict, op).words()} (torch noise bar {m.get('bar', float('nan')):.3f}x)"]
+    for c in microbench_cases(m, bench.reason, op):
+        lib = vs_cudnn([c])
+        anchor = f"{lib:.3f}x cuDNN ({c['anchor_rate']:.2f} {unit}), " if lib is not None and "anchor_rate" in c else "no cuDNN anchor timed, "
+        where = ("" if c["key"] in now else " (not a served shape of the config now)" if c["key"] is not None
+                 else " (an older kevo's record, its figures kept by place: the shape as that record names it)")
+        lines.append(f"{kernel.ref} on {c['label']}{where} (weight {c.get('weight', float('nan')):.2f}): {anchor}"
+                     f"{c['baseline_ms'] / c['candidate_ms']:.3f}x torch; {c['candidate_ms'] * 1e3:.1f} us, "
+                     f"{c['candidate_rate']:.2f} {unit} vs torch {c['baseline_rate']:.2f} {unit}")
     return lines
 
 

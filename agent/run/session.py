@@ -13,7 +13,7 @@ candidate being evaluated, commits it and stops with the end commit. A second on
 at once — unless a commit is being written, then right after it — so the ledger is never left mid-commit by
 kevo itself (a SIGKILL can; the ledger's `recover` repairs that on the next open). A signal to kevo's whole
 process group (Ctrl-C in a terminal, `timeout`, a service manager) is the same signal: the git children
-the orderly stop reads the ledger through run in sessions of their own (agent/ledger/repository.py:open_repo).
+the orderly stop reads the ledger through run in sessions of their own (agent/ledger/store.py:open_repo).
 Not here: what is committed (ledger), when the loop looks (loop).
 """
 from __future__ import annotations

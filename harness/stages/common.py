@@ -18,6 +18,7 @@ import torch
 from harness.config import Config
 from harness import replies
 from harness.gpu_memory import Reserve
+from harness.records import FailureKind
 from harness.pool import Pool, WorkerFailure, WorkerHandle
 from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
@@ -36,11 +37,12 @@ PLUMBING = {
 
 
 class Rejected(Exception):
-    """A stage's verdict on the candidate, raised from deep inside a check; carries metrics."""
+    """A stage's verdict on the candidate, raised from deep inside a check; carries metrics, and the failure
+    kind where a reader needs more than the reason's words (harness/records.py FailureKind)."""
 
-    def __init__(self, reason: str, **metrics: float) -> None:
+    def __init__(self, reason: str, failure: FailureKind | None = None, **metrics: float) -> None:
         super().__init__(reason)
-        self.metrics = metrics
+        self.failure, self.metrics = failure, metrics
 
 
 @dataclass
@@ -86,7 +88,7 @@ class EvalContext:
             return replies.parse(kind, raw, wall_s=raw.pop("_wall_s", 0.0), arenas=raw.pop("_arenas", []))
         except MalformedReply as e:
             self.worker.kill()
-            raise Rejected(f"{self.stage}: malformed reply while {doing}: {e}", protocol=1.0) from None
+            raise Rejected(f"{self.stage}: malformed reply while {doing}: {e}", "protocol") from None
 
     def cases(self, op: str, served: bool = True, boundary: bool = True, limits: bool = False) -> list[Case]:
         """The op's served shapes, boundary shapes and (with `limits`) the served engine's largest calls."""
@@ -178,8 +180,8 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
 
 def candidate_raised(what: str, reply: Reply) -> Rejected:
     """The candidate's exception, from the worker's reply, as a rejection; a CUDA error is marked
-    (`cuda_error`), so that the device is checked before the next candidate gets it."""
-    return Rejected(f"{what}:\n{reply.get('error', '')}", **({"cuda_error": 1.0} if reply.get("cuda_error") else {}))
+    (failure `cuda_error`), so that the device is checked before the next candidate gets it."""
+    return Rejected(f"{what}:\n{reply.get('error', '')}", "cuda_error" if reply.get("cuda_error") else None)
 
 
 def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls: int) -> float:
@@ -206,7 +208,7 @@ def no_library_compute(ctx: EvalContext, where: str, reply: Reply) -> None:
     forbidden = sorted(n for n in op_calls if n in set(ctx.cfg.stages.dispatch.forbidden_ops))
     if forbidden:
         listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
-        raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", library_ops=1.0)
+        raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", "library_ops")
 
 
 def no_launch(where: str) -> Rejected:
@@ -244,7 +246,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1,
     try:
         outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
     except (ProtocolError, OSError, RuntimeError, ValueError) as e:
-        raise Rejected(f"{trial.case.label}: wrong output: {type(e).__name__}: {e}", protocol=1.0) from None
+        raise Rejected(f"{trial.case.label}: wrong output: {type(e).__name__}: {e}", "protocol") from None
     if set(outs) != set(expect):
         raise Rejected(f"{trial.case.label}: the worker returned {sorted(outs)}, expected {sorted(expect)}")
     drop_outputs(ctx, reply)

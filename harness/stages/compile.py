@@ -26,7 +26,7 @@ def static_check(ctx: EvalContext) -> list[str]:
         allowlist.check(tree, allowlist.Rules.from_config(ctx.cfg.stages.compile))
     except allowlist.Refused as e:
         raise Rejected(f"{e} (a kernel file may name only the allowlisted surface: docs/EVALUATOR.md)",
-                       allowlist=1.0) from None
+                       failure="allowlist") from None
     defined = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     ops = []
     for name, op in ctx.target.ops.items():

@@ -21,19 +21,49 @@ The bar is the noise band (at least `min_margin`) over the torch baseline — or
 parent, when the loop names the parent's served-mix speedup (`beat`): both are ratios to the same torch
 baseline timed here, so a candidate reaches the costly replay only if it is faster than the best kernel
 of its op so far. Passing is not acceptance: only the full scored replay accepts.
+Each served case's figures are recorded as metrics under its shape (`figure_metric`: `<Case.key>.<figure>`,
+`decode_b32_len1024-2048_hq32_hkv8_d128_bs16.candidate_ms`), and read back by `case_figures`, so a record
+says which shape each figure is of whatever the shape list is when it is read. Records an older kevo wrote
+keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too, with no shape to name.
 """
 from __future__ import annotations
 
+import re
 import secrets
 import statistics
 import time
 
 import torch
 
+from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import Timed
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.targets import Case
 from harness.transport import ProtocolError, read_arena
+
+
+def figure_metric(case: Case, figure: str) -> str:
+    """The metric under which this stage records `figure` (candidate_ms, anchor_rate, ...) of `case`."""
+    return f"{case.key}.{figure}"
+
+
+def case_figures(metrics: dict[str, float], op: str) -> list[tuple[str | None, dict[str, float]]]:
+    """Per case of `op` this stage timed, in the order it timed them: the case's key and its figures. From a
+    record keyed by position (an older kevo's `<op><i>_<figure>`) the key is None: such figures name their
+    shape only by their place in the case list of the run that wrote them."""
+    keyed: dict[str, dict[str, float]] = {}
+    for name, value in metrics.items():
+        key, dot, figure = name.rpartition(".")
+        if dot and key.startswith(op + "_"):
+            keyed.setdefault(key, {})[figure] = value
+    if keyed:
+        return list(keyed.items())
+    placed: dict[int, dict[str, float]] = {}
+    for name, value in metrics.items():
+        if m := re.fullmatch(rf"{re.escape(op)}(\d+)_(.+)", name):
+            placed.setdefault(int(m[1]), {})[m[2]] = value
+    return [(None, placed[i]) for i in sorted(placed)]
 
 
 def _median(xs: list[float]) -> float:
@@ -98,14 +128,14 @@ def timed_medians(reply: Timed, impls: list[str], calls: int, label: str) -> tup
         got = getattr(reply, field)
         if not need <= set(got) <= want:
             raise Rejected(f"{label}: malformed reply while timing: field {field} has keys {sorted(got)}, "
-                           f"expected {sorted(want)}", protocol=1.0)
+                           f"expected {sorted(want)}", failure="protocol")
         short = [k for k, v in got.items() if len(v) != calls]
         if short:
             raise Rejected(f"{label}: malformed reply while timing: field {field}.{short[0]} holds "
-                           f"{len(got[short[0]])} times, expected {calls}", protocol=1.0)
+                           f"{len(got[short[0]])} times, expected {calls}", failure="protocol")
     if set(reply.synced_ms) != set(reply.streamed_ms):
         raise Rejected(f"{label}: malformed reply while timing: synced_ms and streamed_ms name different "
-                       "implementations", protocol=1.0)
+                       "implementations", failure="protocol")
     return ({k: _median(v) for k, v in reply.synced_ms.items()}, {k: _median(v) for k, v in reply.streamed_ms.items()})
 
 
@@ -148,8 +178,8 @@ _ANCHOR_RATE: dict[tuple, float] = {}    # the cuDNN anchor's rate per served ca
 
 def _anchor_key(ctx: EvalContext, case) -> tuple:
     m = ctx.cfg.stages.microbench
-    return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.op, case.label,
-            repr(sorted(case.params.items())), m.reps, m.input_sets, m.l2_flush_bytes, m.cover_cycles)
+    return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.key, m.reps, m.input_sets, m.l2_flush_bytes,
+            m.cover_cycles)
 
 
 def _draw_sets(ctx: EvalContext, case) -> list:
@@ -180,7 +210,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     try:
         outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
     except (ProtocolError, OSError, RuntimeError, ValueError) as e:
-        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", protocol=1.0) from None
+        raise Rejected(f"{case.label}: outputs of the timed calls: {type(e).__name__}: {e}", failure="protocol") from None
     drop_outputs(ctx, reply)
     for i, t in enumerate(trials):
         d = diff(outs.get(f"set{i}", torch.full((1,), float("nan"))), t.ref)
@@ -233,6 +263,16 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     return row
 
 
+def timing_plan(ctx: EvalContext) -> list[tuple[str, Case]]:
+    """The served cases to time, op by op; a shape given twice is a HarnessError (its figures would share a key)."""
+    plan = [(op, case) for op in ctx.ops for case in ctx.cases(op, boundary=False)]
+    keys = [case.key for _, case in plan]
+    if twice := sorted({k for k in keys if keys.count(k) > 1}):
+        raise HarnessError(f"the served shapes (targets.{ctx.target.name}.{ctx.device.type}, or served.recorded_shapes) "
+                           f"give one shape twice: {', '.join(twice)}; give it once, its weights summed")
+    return plan
+
+
 def microbench_stage(ctx: EvalContext) -> StageResult:
     if ctx.device.type != "cuda":
         return StageResult.skipped("microbench", "skipped: needs CUDA; this machine has none, and no CPU "
@@ -241,13 +281,13 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     flush = ctx.reserved.flush if ctx.reserved is not None else torch.empty(max(1, m.l2_flush_bytes // 4), dtype=torch.int32, device=ctx.device)
     metrics: dict[str, float] = {}
     lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
-    plan = [(op, i, case) for op in ctx.ops for i, case in enumerate(ctx.cases(op, boundary=False))]
-    drawn = [_draw_sets(ctx, plan[0][2])] if plan else []
-    for k, (op, i, case) in enumerate(plan):
+    plan = timing_plan(ctx)
+    drawn = [_draw_sets(ctx, plan[0][1])] if plan else []
+    for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
-        more = (lambda c=plan[k + 1][2]: drawn.append(_draw_sets(ctx, c))) if k + 1 < len(plan) else (lambda: None)
+        more = (lambda c=plan[k + 1][1]: drawn.append(_draw_sets(ctx, c))) if k + 1 < len(plan) else (lambda: None)
         row = _bench_case(ctx, case, drawn[k], flush, meanwhile=more)
-        metrics.update({f"{op}{i}_{key}": v for key, v in row.items()})
+        metrics.update({figure_metric(case, figure): v for figure, v in row.items()})
         num += case.weight * row["baseline_ms"]
         den += case.weight * row["candidate_ms"]
         worst_noise = max(worst_noise, row["noise"])

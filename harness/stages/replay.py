@@ -117,7 +117,7 @@ def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label:
 
 def _fail(label: str, e: ServerFailure) -> Exception:
     if label == "candidate":
-        return Rejected(f"the candidate's server: {e}", server_failed=1.0)
+        return Rejected(f"the candidate's server: {e}", "server_failed")
     return HarnessError(f"the {label} server: {e}")
 
 
@@ -227,7 +227,7 @@ def _stats(server: ServerHandle) -> dict | None:
     try:                                  # the candidate's process wrote it: validated like any reply
         return parse("served_stats", stats).model_dump()
     except MalformedReply as e:
-        raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", protocol=1.0) from None
+        raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", "protocol") from None
 
 
 @dataclass
@@ -300,7 +300,7 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
 
 def _time_left(deadline: float | None, need_s: float) -> None:
     if deadline is not None and deadline - time.monotonic() < need_s:
-        raise Rejected(f"the stage's time (stages.replay.timeout_s) ran out before the next {need_s:g} s of replay", timeout=1.0)
+        raise Rejected(f"the stage's time (stages.replay.timeout_s) ran out before the next {need_s:g} s of replay", "timeout")
 
 
 def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate",

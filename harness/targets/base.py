@@ -15,6 +15,22 @@ import torch
 Inputs = dict[str, Any]  # contract argument name -> Tensor or Python scalar
 
 
+# The params a case's key names first, with their short tags, in this order; any other param follows under its
+# own name, and `size` (derived from these, for ordering cases) is left out.
+_KEY_TAGS = {"batch": "b", "length_range": "len", "lengths": "lens", "q_heads": "hq", "kv_heads": "hkv",
+             "head_dim": "d", "block_size": "bs"}
+
+
+def _key_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "-".join(_key_value(x) for x in v)
+    if isinstance(v, bool):
+        return str(int(v))
+    if isinstance(v, float):
+        return format(v, "g").replace(".", "p")
+    return str(v)
+
+
 @dataclass(frozen=True)
 class Case:
     """One shape to run an op on. `weight` > 0 marks a served shape and its share of the mix."""
@@ -22,6 +38,16 @@ class Case:
     label: str
     params: dict[str, Any]
     weight: float = 0.0
+
+    @property
+    def key(self) -> str:
+        """The case's shape as a stable, readable name, the one place it is made: the op, then each param
+        with its tag (`decode_b32_len1024-2048_hq32_hkv8_d128_bs16`). Two cases of one shape share it; the
+        weight and the label do not enter it. Letters, digits, '_' and '-' only (no '.')."""
+        p = self.params
+        named = [f"{tag}{_key_value(p[name])}" for name, tag in _KEY_TAGS.items() if name in p]
+        named += [f"{name}{_key_value(v)}" for name, v in p.items() if name not in _KEY_TAGS and name != "size"]
+        return "_".join([self.op, *named])
 
 
 @dataclass(frozen=True)

@@ -56,7 +56,7 @@ def main() -> None:
                 parts: dict[str, float] = {}
                 for key, val in s.metrics.items():
                     if key.endswith("_s") and key != "worker_s":
-                        part = key.split("_", 1)[1] if s.name == "microbench" else key   # summed over cases
+                        part = key.rpartition(".")[2] if s.name == "microbench" else key   # summed over cases (<case key>.<figure>)
                         parts[part] = parts.get(part, 0.0) + val
                 if parts:
                     print(f"  {s.name} time: " + ", ".join(f"{k} {x:.2f}" for k, x in parts.items()))
