@@ -89,6 +89,16 @@ class DispatchConfig(Strict):
     forbidden_ops: list[str]
     library_kernel_patterns: list[str]
     min_own_device_share: float = Field(ge=0, le=1)
+    plumbing_ops: list[str] = Field(min_length=1)   # aten ops free in the audit: no arithmetic on memory
+
+    @model_validator(mode="after")
+    def _plumbing(self) -> "DispatchConfig":
+        for name in self.plumbing_ops:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"plumbing_ops: {name!r} is not an aten op name")
+            if name in self.forbidden_ops:
+                raise ValueError(f"plumbing_ops: {name!r} is a forbidden op (forbidden_ops); it cannot also be free")
+        return self
 
 
 class Floor(Strict):
@@ -136,6 +146,8 @@ class MicrobenchConfig(Strict):
     stream_escape_ratio: float = Field(gt=0, le=1)
     trusted_baseline_tolerance: float = Field(gt=0)
     anchor: bool
+    trusted_baseline_reps: int = Field(ge=5)     # the evaluator's own timing of the baseline, calls timed
+    calls_per_graph: int = Field(ge=1, le=1000)  # calls captured in each CUDA graph of the clock check's bursts
 
 
 class GateConfig(Strict):
@@ -199,8 +211,13 @@ class AttentionDeviceConfig(Strict):
 
 
 class AttentionConfig(Strict):
+    decode_baseline: Literal["masked", "clamped", "per_sequence"]   # harness/targets/attention_baselines.py
     cuda: AttentionDeviceConfig
     cpu: AttentionDeviceConfig
+
+    def baselines(self) -> dict[str, str]:
+        """op -> the name of the torch baseline the harness runs for it (harness.targets.configured)."""
+        return {"decode": self.decode_baseline}
 
 
 class TargetsConfig(Strict):
@@ -268,6 +285,27 @@ class ExternalServer(Strict):
         return WorkerConfig._no_secrets(names)
 
 
+class RandomInit(Strict):
+    """The served model's random weights (harness/served/model.py): how clear its greedy choices are, and so
+    how far a kernel's error moves its tokens: the sensitivity of the replay's gates."""
+    logit_std: float = Field(gt=0)                # the logits' std for a unit-RMS final state
+    query_gain: float = Field(gt=0)               # every q_norm weight: how sharply attention picks out keys
+    embed_per_output_gain: float = Field(gt=0)    # attention and MLP output gain = max(1, embedding std / this)
+
+
+class ProfileCycle(Strict):
+    """One cycle of torch.profiler.schedule: steps skipped, warmed, recorded."""
+    wait: int = Field(ge=0)
+    warmup: int = Field(ge=0)
+    active: int = Field(ge=1)
+
+
+class ProfileCycles(Strict):
+    """Per device, the served profile's cycle (harness/profile.py); null: every step recorded."""
+    cuda: ProfileCycle | None
+    cpu: ProfileCycle | None
+
+
 class ServedConfig(Strict):
     """The served scenario (issue 3): models, traces, the server and the replay client."""
     presets: dict[str, ModelPreset] = Field(min_length=1)
@@ -279,6 +317,10 @@ class ServedConfig(Strict):
     external: ExternalServer | None
     cuda_graphs: CudaGraphsConfig
     recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
+    logprobs: int = Field(ge=2, le=20)       # top logprobs the embedded engine serves and the replay client asks for
+    stall_ms: float = Field(gt=0)            # a candidate call holding the server's host this long is counted a stall
+    random_init: RandomInit
+    profile_cycle: ProfileCycles
 
     @model_validator(mode="after")
     def _known_presets(self) -> "ServedConfig":

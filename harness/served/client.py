@@ -73,7 +73,7 @@ def _one_line(e: BaseException) -> str:
 
 
 async def _replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-                  drain_timeout_s: float, label: str) -> ReplayRun:
+                  drain_timeout_s: float, label: str, logprobs: int) -> ReplayRun:
     import openai                                  # the SDK takes a second to import: only when replaying
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=request_timeout_s)
     results = {r.index: Completion(r.index, r.arrival_s, r.output_len) for r in requests}
@@ -90,7 +90,7 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
         c.sent_s = time.perf_counter() - t0
         try:
             stream = await client.completions.create(
-                model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=2, stream=True,
+                model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=logprobs, stream=True,
                 extra_body=extra)
             async for chunk in stream:
                 now = time.perf_counter() - t0
@@ -124,7 +124,7 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
 
 
 def replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-           drain_timeout_s: float, label: str = "") -> ReplayRun:
+           drain_timeout_s: float, label: str = "", logprobs: int = 2) -> ReplayRun:
     """Send the requests at their arrival times and wait for every stream (at most drain_timeout_s
-    after the last arrival)."""
-    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label))
+    after the last arrival). `logprobs`: the top logprobs asked per token (config served.logprobs)."""
+    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, logprobs))
