@@ -70,7 +70,7 @@ def forcing_on(device: str, cfg=CFG, requests: int = 8, tokens: int = 32) -> flo
 
     def run(forcing=None):
         engine = make_engine(preset, section.block_size, DTYPES[section.dtype], torch.device(device), AttentionOps(),
-                             init=CFG.served.random_init, top_k=CFG.served.logprobs)
+                             init=cfg.served.random_init, top_k=cfg.served.logprobs)
         return run_requests(engine, [dataclasses.replace(r, forced=forcing and forcing[r.index]) for r in reqs], realtime=False)
 
     free = run()
