@@ -1,34 +1,28 @@
 """Load and validate config.yaml.
 
 One pydantic model per top-level section; unknown keys are rejected and the errors come back as one
-line (`ConfigError`), every one of them, each naming its key. Covers: the worker pool, the four cheap stages, and the
-targets' served shapes. the agent loop and its LLM providers (issue 4). the served scenario and the
-replay stage (issue 3). where evaluations run: the executor (issue 6). Later sections add their own
-models here.
+line (`ConfigError`), every one of them, each naming its key. Here: the sections a verdict depends on
+(the worker pool, the stages, the targets' served shapes, the served scenario), the top-level `Config`
+with its cross-section checks, and `load_config`. The sections that drive a run (agent, providers,
+executor) are in harness/config_run.py; the base model and the error line in harness/config_base.py;
+every name is importable from here as before.
 """
 from __future__ import annotations
 
-import difflib
-import os
 import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
+from harness.config_base import ConfigError, Strict, message
+from harness.config_run import (AgentConfig, BudgetMinutes, DaskConfig, ExecutorConfig, OutageConfig, Price,  # noqa: F401
+                                ProviderConfig, ProvidersConfig, RetryConfig)
 from harness.sandbox import SECRET_NAME
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "config.yaml"
-
-
-class ConfigError(Exception):
-    """A config file that cannot be used; the message is one line naming the key."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class WorkerConfig(Strict):
@@ -95,6 +89,16 @@ class DispatchConfig(Strict):
     forbidden_ops: list[str]
     library_kernel_patterns: list[str]
     min_own_device_share: float = Field(ge=0, le=1)
+    plumbing_ops: list[str] = Field(min_length=1)   # aten ops free in the audit: no arithmetic on memory
+
+    @model_validator(mode="after")
+    def _plumbing(self) -> "DispatchConfig":
+        for name in self.plumbing_ops:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"plumbing_ops: {name!r} is not an aten op name")
+            if name in self.forbidden_ops:
+                raise ValueError(f"plumbing_ops: {name!r} is a forbidden op (forbidden_ops); it cannot also be free")
+        return self
 
 
 class Floor(Strict):
@@ -142,6 +146,8 @@ class MicrobenchConfig(Strict):
     stream_escape_ratio: float = Field(gt=0, le=1)
     trusted_baseline_tolerance: float = Field(gt=0)
     anchor: bool
+    trusted_baseline_reps: int = Field(ge=5)     # the evaluator's own timing of the baseline, calls timed
+    calls_per_graph: int = Field(ge=1, le=1000)  # calls captured in each CUDA graph of the clock check's bursts
 
 
 class GateConfig(Strict):
@@ -206,116 +212,17 @@ class AttentionDeviceConfig(Strict):
 
 
 class AttentionConfig(Strict):
+    decode_baseline: Literal["masked", "clamped", "per_sequence"]   # harness/targets/attention_baselines.py
     cuda: AttentionDeviceConfig
     cpu: AttentionDeviceConfig
+
+    def baselines(self) -> dict[str, str]:
+        """op -> the name of the torch baseline the harness runs for it (harness.targets.configured)."""
+        return {"decode": self.decode_baseline}
 
 
 class TargetsConfig(Strict):
     attention: AttentionConfig
-
-
-class BudgetMinutes(Strict):
-    """Wall-clock budget of one `kevo-agent run`, per device kind."""
-    cuda: float = Field(gt=0)
-    cpu: float = Field(gt=0)
-
-
-class AgentConfig(Strict):
-    """The agent loop (issue 4): who proposes, how long a run lasts, what is worth coding."""
-    provider: Literal["offline", "openai", "anthropic"]   # offline: the built-in proposer, no keys
-    ops: list[str] = Field(min_length=1)                  # which of the target's ops a run evolves
-    budget_minutes: BudgetMinutes
-    max_candidates: int | None = Field(ge=1)              # null: no limit
-    max_cost_usd: float = Field(ge=0)                     # LLM spend after which a run stops
-    max_device_minutes: float | None = Field(gt=0)        # evaluator stage time (all sessions) after which a run stops; null: none
-    min_ceiling: float = Field(ge=1)                      # claims with a lower end-to-end ceiling are not coded
-    compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
-    history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
-    overlap: bool                                         # propose the next candidate while one is evaluated
-    proposals_in_flight: int | None = Field(default=None, ge=1)   # with overlap: proposals written or waiting at once; null: 3 per slot
-    standin_op_share: dict[str, float]                    # assumed op shares until the served profile exists
-    runs_dir: str                                         # run ledgers, relative to the project root
-    heads: dict[str, str] = Field(default_factory=dict)   # op -> catalog family a run starts from (default: the reference)
-
-    def in_flight(self, slots: int) -> int:
-        """How many proposals a slow proposer may have being written or waiting for the evaluator at once,
-        with `slots` evaluation slots: `proposals_in_flight`, or 3 per slot (an LLM call of ~30 s against
-        ~12 s a candidate through microbench on the H200: docs/BENCHMARKS.md). Used only with `overlap`."""
-        return self.proposals_in_flight or 3 * max(1, slots)
-
-    @model_validator(mode="after")
-    def _shares(self) -> "AgentConfig":
-        for op in self.ops:
-            if op not in self.standin_op_share:
-                raise ValueError(f"standin_op_share has no share for op {op!r} (agent.ops)")
-        for op, share in self.standin_op_share.items():
-            if not 0 < share <= 1:
-                raise ValueError(f"standin_op_share.{op} must be in (0, 1]")
-        for op in self.heads:
-            if op not in self.ops:
-                raise ValueError(f"heads names op {op!r}, which is not in agent.ops")
-        return self
-
-
-class ProviderConfig(Strict):
-    base_url: str | None            # null: the vendor's API; else any compatible server (vLLM, SGLang, ...)
-    api_key_env: str | None         # the environment variable holding the key; null: the server needs none
-    planner_model: str
-    coder_model: str
-
-    def api_key(self, name: str) -> str:
-        """The key from the environment; an error naming the variable when it is needed and unset."""
-        if self.api_key_env is None:
-            return "unused"
-        key = os.environ.get(self.api_key_env, "")
-        if not key:
-            raise ConfigError(f"{self.api_key_env} is not set; providers.{name} needs it "
-                              f"(or set providers.{name}.api_key_env: null for a server without keys)")
-        return key
-
-
-class RetryConfig(Strict):
-    attempts: int = Field(ge=1)     # calls in all, the first included, on rate limits, 5xx, timeouts and malformed replies
-    initial_s: float = Field(ge=0)  # first backoff; doubles each retry, with jitter
-    max_s: float = Field(ge=0)
-    max_retry_after_s: float = Field(ge=0)  # a service's Retry-After / retry-after-ms is honoured up to this
-
-
-class OutageConfig(Strict):
-    """When a provider's retries run out (it is down): wait, then ask again, doubling the wait up to max_wait_s."""
-    wait_s: float = Field(ge=0)             # the first wait after a round of retries ran out
-    max_wait_s: float = Field(ge=0)
-    give_up_s: float | None = Field(ge=0)   # an outage longer than this stops the run; null: wait as long as the budget lasts
-    unreached_s: float | None = Field(ge=0)  # a service never reached since the run started stops it after this; null: wait
-
-
-class Price(Strict):
-    input: float = Field(ge=0)      # USD per million input tokens
-    output: float = Field(ge=0)     # USD per million output tokens
-
-
-class ProvidersConfig(Strict):
-    openai: ProviderConfig
-    anthropic: ProviderConfig
-    timeout_s: float = Field(gt=0)          # one call, whole: the reply streamed to its end
-    connect_timeout_s: float = Field(gt=0)  # reaching the service
-    idle_timeout_s: float = Field(gt=0)     # the longest silence within a call (before its first byte, between chunks)
-    max_output_tokens: int = Field(ge=256)
-    max_reply_chars: int = Field(ge=1000)   # a longer reply is malformed: its size and hash are kept, not its text
-    retry: RetryConfig
-    outage: OutageConfig
-    fallback: Literal["openai", "anthropic"] | None   # asked (with its own models) while the run's provider is down
-    prices: dict[str, Price]
-
-    @model_validator(mode="after")
-    def _priced(self) -> "ProvidersConfig":
-        for name in ("openai", "anthropic"):
-            p = getattr(self, name)
-            for role in ("planner_model", "coder_model"):
-                model = getattr(p, role)
-                if model not in self.prices:
-                    raise ValueError(f"prices has no entry for {model!r} (providers.{name}.{role}); add one (0 for a local server)")
-        return self
 
 
 class ModelPreset(Strict):
@@ -379,6 +286,27 @@ class ExternalServer(Strict):
         return WorkerConfig._no_secrets(names)
 
 
+class RandomInit(Strict):
+    """The served model's random weights (harness/served/model.py): how clear its greedy choices are, and so
+    how far a kernel's error moves its tokens: the sensitivity of the replay's gates."""
+    logit_std: float = Field(gt=0)                # the logits' std for a unit-RMS final state
+    query_gain: float = Field(gt=0)               # every q_norm weight: how sharply attention picks out keys
+    embed_per_output_gain: float = Field(gt=0)    # attention and MLP output gain = max(1, embedding std / this)
+
+
+class ProfileCycle(Strict):
+    """One cycle of torch.profiler.schedule: steps skipped, warmed, recorded."""
+    wait: int = Field(ge=0)
+    warmup: int = Field(ge=0)
+    active: int = Field(ge=1)
+
+
+class ProfileCycles(Strict):
+    """Per device, the served profile's cycle (harness/profile.py); null: every step recorded."""
+    cuda: ProfileCycle | None
+    cpu: ProfileCycle | None
+
+
 class ServedConfig(Strict):
     """The served scenario (issue 3): models, traces, the server and the replay client."""
     presets: dict[str, ModelPreset] = Field(min_length=1)
@@ -390,6 +318,10 @@ class ServedConfig(Strict):
     external: ExternalServer | None
     cuda_graphs: CudaGraphsConfig
     recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
+    logprobs: int = Field(ge=2, le=20)       # top logprobs the embedded engine serves and the replay client asks for
+    stall_ms: float = Field(gt=0)            # a candidate call holding the server's host this long is counted a stall
+    random_init: RandomInit
+    profile_cycle: ProfileCycles
 
     @model_validator(mode="after")
     def _known_presets(self) -> "ServedConfig":
@@ -398,30 +330,6 @@ class ServedConfig(Strict):
             if name not in self.presets:
                 raise ValueError(f"{dev}.preset {name!r} is not one of the presets ({', '.join(self.presets)})")
         return self
-
-
-class DaskConfig(Strict):
-    scheduler: str | None          # a running `dask scheduler` (tcp://host:8786); null: a local cluster, one worker per slot
-    start_timeout_s: float = Field(gt=0)   # connecting, and waiting for the first worker with a GPU slot
-
-
-class ExecutorConfig(Strict):
-    """Where candidates are evaluated (harness/executors.py, harness/cluster.py; docs/CLUSTER.md)."""
-    kind: Literal["local", "dask"]             # local: slot processes on this machine; dask: a Dask cluster
-    gpus: Literal["auto"] | list[int]          # CUDA: the GPUs given a slot each (indices among those visible)
-    cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores
-    slot_cores: Literal["blocks", "interleaved", "none"] = "blocks"   # how the cores are dealt to the slots
-    requeue_limit: int = Field(ge=0)           # a job whose slot process or Dask worker died is re-queued at most this often
-    verdict_cache: bool = True                 # reuse a verdict whose inputs are all unchanged (harness/verdicts.py)
-    health_retry_s: float = Field(default=5.0, ge=0)   # a device failing its health check is checked once more after this
-    dask: DaskConfig
-
-    @field_validator("gpus")
-    @classmethod
-    def _distinct(cls, v):
-        if v != "auto" and (not v or len(set(v)) != len(v) or min(v) < 0):
-            raise ValueError("gpus must be auto or a non-empty list of distinct GPU indices (two slots on one GPU would time each other)")
-        return v
 
 
 class Config(Strict):
@@ -453,25 +361,6 @@ class Config(Strict):
         return self
 
 
-def _message(err: ValidationError, source: str) -> str:
-    """Every error, each naming its key, on one line; unknown keys (typos) first, each with the likeliest
-    missing key beside it as a guess."""
-    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    parts = []
-    for e in errors:
-        loc = tuple(str(p) for p in e["loc"])
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            siblings = [str(m["loc"][-1]) for m in errors if m["type"] == "missing" and m["loc"][:-1] == e["loc"][:-1]]
-            close = difflib.get_close_matches(loc[-1], siblings, n=1) if loc else []
-            msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
-        elif e["type"] == "missing":
-            msg = "missing key"
-        parts.append(f"{'.'.join(loc) or '(top level)'}: {msg}")
-    count = f"{len(parts)} errors: " if len(parts) > 1 else ""
-    return f"{source}: {count}" + "; ".join(" ".join(p.split()) for p in parts)
-
-
 def load_config(path: Path | str | None = None) -> Config:
     path = Path(path) if path else DEFAULT_CONFIG
     try:
@@ -493,4 +382,4 @@ def load_config(path: Path | str | None = None) -> Config:
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(_message(e, str(path))) from None
+        raise ConfigError(message(e, str(path))) from None

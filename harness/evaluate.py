@@ -21,7 +21,7 @@ from harness.records import StageResult, Verdict
 from harness.sandbox import redact
 from harness.stages import STAGE_NAMES, STAGES
 from harness.stages.common import EvalContext, Rejected
-from harness.targets import TARGETS
+from harness.targets import TARGETS, configured
 from harness.transport import DTYPES
 
 _TICKS = os.sysconf("SC_CLK_TCK")                  # /proc/PID/stat's unit of CPU time
@@ -124,7 +124,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
         raise HarnessError(f"unknown stage {until!r}; stages: {', '.join(STAGE_NAMES)}")
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
-    ctx = EvalContext(cfg=cfg, target=TARGETS[target], shapes=shapes, device=device,
+    ctx = EvalContext(cfg=cfg, target=configured(target, cfg), shapes=shapes, device=device,
                       dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head,
                       reserved=reserve(cfg, device))
     results: list[StageResult] = []

@@ -36,6 +36,7 @@ from harness.errors import HarnessError
 from harness.served.engine import make_engine, run_requests, warm_up
 from harness.served.limits import plan_for
 from harness.served.ops import AttentionOps
+from harness.targets import configured
 from harness.transport import DTYPES
 
 BUCKETS = {
@@ -49,9 +50,6 @@ REGIONS = {"kevo.attention.prefill": "attention_prefill", "kevo.attention.decode
            "kevo.graph": "graph"}    # a CUDA graph replay: its kernels are attributed by name (attribute_graphs)
 TARGET_OPS = {"attention": {"decode": "attention_decode", "prefill": "attention_prefill"}}
 SPEEDUPS = (1.25, 1.5, 2.0, 4.0, math.inf)
-# CUDA: (wait, warmup, active) steps of each profiler cycle, so a long replay stays cheap to read;
-# a CPU replay is short: every step is recorded.
-SCHEDULE = {"cuda": (20, 1, 2), "cpu": None}
 _RUNTIME_CALL = re.compile(r"^(cuda|cu[A-Z])")   # CUDA runtime and driver API calls seen by the profiler
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|cublas", re.IGNORECASE)   # a graph kernel's name never met eagerly
 
@@ -247,9 +245,9 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     served = getattr(cfg.served, device.type)
     section = getattr(getattr(cfg.targets, target), device.type)
     requests = served_requests(cfg, device.type, window_s)
-    ops = AttentionOps(None, section.dtype)
+    ops = AttentionOps(None, section.dtype, target=configured(target, cfg), stall_ms=cfg.served.stall_ms)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], device, ops,
-                         annotate=True, root=PROJECT_ROOT, graphs=plan_for(cfg, device.type))
+                         init=cfg.served.random_init, top_k=cfg.served.logprobs, annotate=True, root=PROJECT_ROOT, graphs=plan_for(cfg, device.type))
     warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
     acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0, "graph": 0.0}
     totals = [0.0, 0]
@@ -268,13 +266,13 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
         totals[1] += n
 
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    cycle = SCHEDULE[device.type]
+    cycle = getattr(cfg.served.profile_cycle, device.type)     # null: every step recorded
     if cycle is None:
         with torch.profiler.profile(activities=activities) as prof:
             run_requests(engine, requests, realtime=True)
         collect(prof)
     else:
-        schedule = torch.profiler.schedule(wait=cycle[0], warmup=cycle[1], active=cycle[2])
+        schedule = torch.profiler.schedule(wait=cycle.wait, warmup=cycle.warmup, active=cycle.active)
         with warnings.catch_warnings():    # "events are cleared each cycle": collect() reads every cycle
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle.*")
             with torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=collect) as prof:

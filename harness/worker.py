@@ -79,11 +79,12 @@ class Worker:
             blocks = [torch.full(shape, float("nan"), dtype=dtype, device=self.device) for _ in range(3)]
             del blocks
 
-    def _fn(self, impl: str, op: str, args: dict[str, Any] | None = None):
+    def _fn(self, impl: str, op: str, args: dict[str, Any] | None = None, baseline: str = ""):
+        """`baseline`: the name of the torch way the evaluator runs (config targets.<name>; "": the op's own)."""
         if impl == "candidate":
             return getattr(self.module, op)
         if impl == "baseline":
-            spec = self.target.ops[op]
+            spec = self.target.ops[op].with_baseline(baseline) if baseline else self.target.ops[op]
             return spec.baseline if args is None else spec.prepared_baseline(args)
         raise ValueError(f"unknown implementation {impl!r}")
 
@@ -227,7 +228,8 @@ class Worker:
                     calls.pop(impl, None)
             else:
                 call = self._watched if impl == "candidate" else self._call
-                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a), call=call: call(fn, op, a)) for a in sets]
+                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a, msg.get("baseline", "")), call=call: call(fn, op, a))
+                               for a in sets]
         impls = [i for i in impls if i in calls]
         self.probes.reset()
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
@@ -264,12 +266,13 @@ class Worker:
     def burst(self, msg: dict) -> dict:
         """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
         graph (so launch overhead does not hide device time) where the implementation can be
-        captured; the evaluator clocks the request. `prepare` captures without timing."""
+        captured; the evaluator clocks the request. `prepare` captures without timing, `per_graph` calls in
+        the graph (config stages.microbench.calls_per_graph); a burst of `n` replays it n // per_graph times."""
         op, impl = msg["op"], msg["impl"]
         args = self.timed_sets[op][0]
-        fn = self._fn(impl, op, args)
-        per_graph = 10
+        fn = self._fn(impl, op, args, msg.get("baseline", ""))
         if msg.get("prepare"):
+            per_graph = int(msg["per_graph"])
             call = self._watched if impl == "candidate" else self._call
             self.probes.reset()
             try:
@@ -283,14 +286,14 @@ class Worker:
                 with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
                     for _ in range(per_graph):
                         self._call(fn, op, args)
-                self.graphs[(op, impl)] = graph
+                self.graphs[(op, impl)] = (graph, per_graph)
                 return {"ok": True, "graph": True, "op_calls": dict(self.probes.op_calls)}
             except Exception as e:
                 self.graphs.pop((op, impl), None)
                 torch.cuda.synchronize()
                 return {"ok": True, "graph": False, "error": _trim(f"{type(e).__name__}: {e}", 400),
                         "op_calls": dict(self.probes.op_calls)}
-        graph = self.graphs.get((op, impl))
+        graph, per_graph = self.graphs.get((op, impl), (None, 1))
         n = int(msg["n"])
         if graph is not None:
             for _ in range(max(1, n // per_graph)):

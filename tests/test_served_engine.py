@@ -23,12 +23,14 @@ from harness.targets.attention import decode_baseline, prefill_baseline
 
 CFG = config_with()
 TINY = CFG.served.presets["tiny"]
+INIT = CFG.served.random_init
+SERVED = {"init": INIT, "top_k": CFG.served.logprobs}   # make_engine's served policy, as config.yaml sets it
 BS = CFG.targets.attention.cpu.block_size
 CPU = torch.device("cpu")
 
 
 def engine(ops: AttentionOps | None = None, **preset) -> Engine:
-    return make_engine(TINY.model_copy(update=preset), BS, torch.float32, CPU, ops or AttentionOps())
+    return make_engine(TINY.model_copy(update=preset), BS, torch.float32, CPU, ops or AttentionOps(), **SERVED)
 
 
 def trace(n: int = 8, seed: int = 1) -> list[TraceRequest]:
@@ -149,15 +151,15 @@ def test_greedy_decoding_has_clear_winners_not_a_sea_of_near_ties():
 
 
 def test_random_weights_are_the_same_in_every_build_for_a_seed():
-    a, b = random_weights(TINY, torch.float32, CPU), random_weights(TINY, torch.float32, CPU)
-    c = random_weights(TINY.model_copy(update={"seed": 1}), torch.float32, CPU)
+    a, b = random_weights(TINY, torch.float32, CPU, INIT), random_weights(TINY, torch.float32, CPU, INIT)
+    c = random_weights(TINY.model_copy(update={"seed": 1}), torch.float32, CPU, INIT)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
 
 
 def test_weights_from_a_local_safetensors_folder_serve_the_same_tokens(tmp_path):
     from safetensors.torch import save_file
-    save_file(random_weights(TINY.model_copy(update={"seed": 5}), torch.float32, CPU), str(tmp_path / "model.safetensors"))
+    save_file(random_weights(TINY.model_copy(update={"seed": 5}), torch.float32, CPU, INIT), str(tmp_path / "model.safetensors"))
     reqs = trace(3)
     from_seed = run_requests(engine(seed=5), reqs, realtime=False)
     from_file = run_requests(engine(weights=str(tmp_path), seed=0), reqs, realtime=False)
@@ -170,7 +172,7 @@ def test_unusable_weights_folder_is_one_line_naming_what_is_wrong(tmp_path):
         engine(weights=str(tmp_path / "nope"))
     with pytest.raises(ModelError, match=r"no \*\.safetensors files"):
         engine(weights=str(tmp_path))
-    weights = random_weights(TINY, torch.float32, CPU)
+    weights = random_weights(TINY, torch.float32, CPU, INIT)
     weights.pop("model.layers.1.mlp.up_proj.weight")
     weights["model.norm.weight"] = torch.ones(3)
     save_file(weights, str(tmp_path / "model.safetensors"))

@@ -69,7 +69,8 @@ def forcing_on(device: str, cfg=CFG, requests: int = 8, tokens: int = 32) -> flo
     reqs = [dataclasses.replace(r, output_len=min(r.output_len, tokens)) for r in served_requests(cfg, device)[:requests]]
 
     def run(forcing=None):
-        engine = make_engine(preset, section.block_size, DTYPES[section.dtype], torch.device(device), AttentionOps())
+        engine = make_engine(preset, section.block_size, DTYPES[section.dtype], torch.device(device), AttentionOps(),
+                             init=cfg.served.random_init, top_k=cfg.served.logprobs)
         return run_requests(engine, [dataclasses.replace(r, forced=forcing and forcing[r.index]) for r in reqs], realtime=False)
 
     free = run()
@@ -118,7 +119,8 @@ def _engine(decode, graphs: GraphPlan | None, **preset):
     served, section = CFG.served.cuda, CFG.targets.attention.cuda
     ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype)
     return make_engine(CFG.served.presets[served.preset].model_copy(update=preset), section.block_size,
-                       DTYPES[section.dtype], torch.device("cuda"), ops, root=PROJECT_ROOT, graphs=graphs)
+                       DTYPES[section.dtype], torch.device("cuda"), ops, init=CFG.served.random_init, top_k=CFG.served.logprobs,
+                       root=PROJECT_ROOT, graphs=graphs)
 
 
 def _reference_decode():

@@ -21,6 +21,7 @@ from harness.targets.attention import decode_baseline
 
 CFG = config_with()
 TINY = CFG.served.presets["tiny"]
+SERVED = {"init": CFG.served.random_init, "top_k": CFG.served.logprobs}   # make_engine's served policy
 BS = CFG.targets.attention.cpu.block_size
 CPU = torch.device("cpu")
 BUCKETS = tuple(CFG.served.cuda_graphs.batch_buckets)
@@ -59,7 +60,7 @@ class EagerGraphs:
 
 def engine(ops: AttentionOps | None = None, graphs: bool = True, fail_at: int | None = None, **preset):
     ops = ops or AttentionOps()
-    e = make_engine(TINY.model_copy(update=preset), BS, torch.float32, CPU, ops)
+    e = make_engine(TINY.model_copy(update=preset), BS, torch.float32, CPU, ops, **SERVED)
     if graphs:
         e.graphs = DecodeGraphs(e, PLAN, EagerGraphs(ops, fail_at))
     return e
@@ -168,12 +169,12 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_whole_server_and_says_why
 
 
 def test_on_a_cpu_graphs_are_off_and_the_stats_say_so():
-    e = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=PLAN)
+    e = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=PLAN, **SERVED)
     warm_up(e)
     st = e.graphs.stats()
     assert st["on"] is False and st["fell_back"] is False and "CUDA graphs need a GPU; this engine runs on the cpu" in st["reason"]
     assert e.allocator.num_blocks == e.cache.num_blocks              # no scratch block held where nothing is captured
-    off = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=GraphPlan(False, BUCKETS, 1, 64))
+    off = make_engine(TINY, BS, torch.float32, CPU, AttentionOps(), graphs=GraphPlan(False, BUCKETS, 1, 64), **SERVED)
     assert "served.cuda_graphs.enabled: false" in off.graphs.stats()["reason"]
 
 

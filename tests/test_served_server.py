@@ -35,12 +35,12 @@ def server():
 
 def test_tiny_preset_serves_a_trace_end_to_end_through_the_openai_sdk(server):
     requests = served_requests(CFG, "cpu")
-    run = replay(server.url, server.model, requests, request_timeout_s=60, drain_timeout_s=60)
+    run = replay(server.url, server.model, requests, request_timeout_s=60, drain_timeout_s=60, logprobs=CFG.served.logprobs)
     assert run.failures() == [], run.describe_failures()
     for r, c in zip(requests, run.completions):
         assert len(c.tokens) == r.output_len and all(t.startswith("token_id:") for t in c.tokens)
         assert c.sent_s >= r.arrival_s and c.ttft > 0 and c.token_times == sorted(c.token_times)
-        assert all(len(top) == 2 and top[0][0] == tok and top[0][1] == lp >= top[1][1]
+        assert all(len(top) == CFG.served.logprobs and top[0][0] == tok and top[0][1] == lp >= top[1][1]
                    for top, tok, lp in zip(c.top, c.tokens, c.logprobs))
     s = summarize(run)
     assert s["requests"] == len(requests) and s["tokens"] == sum(r.output_len for r in requests)
@@ -74,10 +74,15 @@ def test_a_forced_streamed_request_gets_the_forced_tokens_scored_by_the_model(se
     assert all(lp <= top[0][1] for lp, top in zip(forced.logprobs, forced.top))
 
 
+def test_the_client_asks_for_as_many_top_logprobs_as_it_is_given(server):
+    one = replay(server.url, server.model, [TraceRequest(0, 0.0, [3, 1, 4], 3)], 60, 60, logprobs=1).completions[0]
+    assert one.error == "" and len(one.tokens) == 3 and all(len(top) == 1 for top in one.top)
+
+
 @pytest.mark.parametrize("kwargs, words", [
     ({"prompt": "hello"}, "list of token ids"),
     ({"prompt": [1, 2], "temperature": 0.7}, "only greedy decoding (temperature 0)"),
-    ({"prompt": [1, 2], "logprobs": 9}, "logprobs must be an integer in 0..5"),
+    ({"prompt": [1, 2], "logprobs": CFG.served.logprobs + 1}, f"logprobs must be an integer in 0..{CFG.served.logprobs}"),
     ({"prompt": [1, 512]}, "prompt token ids must be in [0, 512)"),
     ({"prompt": [1] * 4000, "max_tokens": 200}, "needs 4200 tokens of KV cache; this model holds 4096"),
     ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2, 3]}}, "forced tokens must be one per generated token: 3 given, max_tokens is 4"),
@@ -173,7 +178,7 @@ def test_server_killed_mid_replay_gives_a_clear_failure():
 def test_a_replays_weight_seed_gives_the_served_model_its_weights(tmp_path):
     def embed(seed):       # as the server builds its model from the spec it is handed
         preset = embedded_spec(CFG, "cpu", None, tmp_path, weight_seed=seed)["preset"]
-        return build_model(SimpleNamespace(**preset), torch.float32, torch.device("cpu")).embed
+        return build_model(SimpleNamespace(**preset), torch.float32, torch.device("cpu"), init=CFG.served.random_init).embed
     assert torch.equal(embed(7), embed(7)) and not torch.equal(embed(7), embed(8))
     assert torch.equal(embed(None), embed(CFG.served.presets[CFG.served.cpu.preset].seed))   # none given: the preset's
     assert not torch.equal(embed(None), embed(7))

@@ -7,8 +7,6 @@ fetching the stats (launch.py) or judging tokens and timings (score.py).
 """
 from __future__ import annotations
 
-from harness.served.ops import STALL_MS
-
 
 def fallbacks(stats: dict | None) -> tuple[float, str]:
     """The share of calls to the candidate's own ops that fell back, and a sentence about all ops."""
@@ -38,7 +36,7 @@ def stalls(stats: dict | None) -> tuple[dict[str, float], str]:
     metrics = {"candidate_stalls": float(n), "candidate_stall_ms": total}
     if not n:
         return metrics, ""
-    return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over {STALL_MS:g} ms in the window "
+    return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over served.stall_ms in the window "
                      f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
 
 

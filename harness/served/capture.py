@@ -42,12 +42,12 @@ class _Capture:
 
 
 @functools.lru_cache(maxsize=4)
-def _capture(preset, block_size: int, dtype: torch.dtype, device_type: str) -> tuple[QKV, ...]:
+def _capture(preset, init, block_size: int, dtype: torch.dtype, device_type: str) -> tuple[QKV, ...]:
     device = torch.device(device_type)
     n = min(CAPTURE_TOKENS, preset.max_prefill_tokens, preset.kv_cache_tokens)
     rng = random.Random("kevo-served-qkv")
     prompt = torch.tensor([rng.randrange(preset.vocab) for _ in range(n)], dtype=torch.int64, device=device)
-    model = build_model(preset, dtype, device, root=PROJECT_ROOT)
+    model = build_model(preset, dtype, device, init=init, root=PROJECT_ROOT)
     cache = PagedKVCache(preset.layers, math.ceil(n / block_size), block_size, preset.kv_heads, preset.head_dim,
                          dtype, device)
     batch = StepBatch(tokens=prompt, positions=torch.arange(n, device=device), slots=torch.arange(n, device=device),
@@ -66,6 +66,6 @@ def served_qkv(cfg: Config, device: torch.device, dtype: torch.dtype) -> tuple[Q
     preset = cfg.served.presets[getattr(cfg.served, device.type).preset]
     block_size = getattr(cfg.targets.attention, device.type).block_size
     try:
-        return _capture(preset, block_size, dtype, device.type)
+        return _capture(preset, cfg.served.random_init, block_size, dtype, device.type)
     except ModelError as e:
         raise HarnessError(f"the served distribution needs the served model: {e}") from None

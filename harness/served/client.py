@@ -1,7 +1,7 @@
 """The replay client: the openai SDK against a served endpoint, every token timed on this clock.
 
 Each trace request is sent at its arrival time (asyncio, AsyncOpenAI, streaming completions with
-prompt token ids, temperature 0, the top-2 logprobs, and vLLM's `ignore_eos` and
+prompt token ids, temperature 0, the top `logprobs` logprobs, and vLLM's `ignore_eos` and
 `return_tokens_as_token_ids` so external servers answer alike). Every streamed token is stamped
 with time.perf_counter() when its chunk arrives here. A request that gives `forced` tokens is sent
 with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo's own server knows
@@ -82,7 +82,7 @@ def _one_line(e: BaseException) -> str:
 
 
 async def _replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-                  drain_timeout_s: float, label: str, burst: bool) -> ReplayRun:
+                  drain_timeout_s: float, label: str, burst: bool, logprobs: int) -> ReplayRun:
     import openai                                  # the SDK takes a second to import: only when replaying
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=request_timeout_s)
     if burst:
@@ -105,7 +105,7 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
         c.sent_s = time.perf_counter() - t0
         try:
             stream = await client.completions.create(
-                model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=2, stream=True,
+                model=model, prompt=r.prompt, max_tokens=r.output_len, temperature=0, logprobs=logprobs, stream=True,
                 extra_body=extra)
             c.accepted_s = time.perf_counter() - t0
             async for chunk in stream:
@@ -147,7 +147,8 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
 
 
 def replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
-           drain_timeout_s: float, label: str = "", burst: bool = False) -> ReplayRun:
+           drain_timeout_s: float, label: str = "", burst: bool = False, logprobs: int = 2) -> ReplayRun:
     """Send the requests at their arrival times (a burst: all at once, as one group) and wait for every
-    stream (at most drain_timeout_s after the last arrival)."""
-    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, burst))
+    stream (at most drain_timeout_s after the last arrival). `logprobs`: the top logprobs asked per token
+    (the stage asks for config's served.logprobs)."""
+    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, burst, logprobs))

@@ -4,11 +4,11 @@ Requests join and leave between steps. Each step admits waiting requests in arri
 there is room: running sequences, prefill tokens per step, KV blocks for the whole request), then
 runs ONE forward pass over the new sequences' prompts (varlen prefill) and one new token of every
 running sequence (batched paged decode), and samples greedily: the chosen token, its logprob and
-the TOP_K most likely tokens with theirs (near-ties are judged from the top two). A request ends
+the `top_k` most likely tokens with theirs (config served.logprobs; near-ties are judged from the top two). A request ends
 after exactly max_tokens tokens (there is no end-of-sequence token: traces fix output lengths).
 Teacher forcing: a request may give its `forced` tokens (one per generated token); each step then
 appends the forced token instead of the greedy choice and reports the model's logprob of it, with
-the model's own TOP_K beside it (top[0] is what it would have chosen), so another server's
+the model's own top_k beside it (top[0] is what it would have chosen), so another server's
 continuation can be scored token by token after the two have parted.
 A decode-only step (no prefill in it) replays a CUDA graph where the engine has them (graphs.py).
 Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
@@ -30,9 +30,6 @@ from harness.served.limits import GraphPlan
 from harness.served.model import Qwen3, StepBatch, build_model
 from harness.served.ops import AttentionOps
 
-TOP_K = 5
-
-
 class EngineError(Exception):
     """A request the engine can never serve; one line."""
 
@@ -50,7 +47,7 @@ class TokenEvent:
     request_id: str
     token: int                        # the greedy choice, or the forced token
     logprob: float                    # the model's logprob of `token`
-    top: list[tuple[int, float]]     # the TOP_K most likely tokens and their logprobs, best first
+    top: list[tuple[int, float]]     # the engine's top_k most likely tokens and their logprobs, best first
     finished: bool
 
 
@@ -68,8 +65,8 @@ class _Seq:
 
 class Engine:
     def __init__(self, model: Qwen3, ops: AttentionOps, cache: PagedKVCache, max_running: int,
-                 max_prefill_tokens: int) -> None:
-        self.model, self.ops, self.cache = model, ops, cache
+                 max_prefill_tokens: int, top_k: int) -> None:
+        self.model, self.ops, self.cache, self.top_k = model, ops, cache, top_k
         self.allocator = BlockAllocator(cache.num_blocks)
         self.bs = cache.block_size
         self.max_running, self.max_prefill_tokens = max_running, max_prefill_tokens
@@ -179,7 +176,7 @@ class Engine:
             forced = [-1 if s.req.forced is None else s.req.forced[len(s.generated)] for s in seqs]
             with R("kevo.sampling"):
                 logp = torch.log_softmax(logits.float(), dim=-1)
-                top_lp, top_id = logp.topk(min(TOP_K, logp.shape[-1]), dim=-1)
+                top_lp, top_id = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
                 cols = [top_id.double(), top_lp.double()]
                 if max(forced) >= 0:              # the forced tokens' logprobs, in the same copy to the host
                     ids = torch.tensor([max(f, 0) for f in forced], dtype=torch.int64, device=logp.device)
@@ -204,12 +201,15 @@ class Engine:
 
 
 def make_engine(preset: Any, block_size: int, dtype: torch.dtype, device: torch.device,
-                ops: AttentionOps, annotate: bool = False, root=None, graphs: GraphPlan | None = None) -> Engine:
-    """`graphs`: decode-only steps replay CUDA graphs captured by `warm_up` (off on a CPU, said so)."""
-    model = build_model(preset, dtype, device, annotate=annotate, root=root)
+                ops: AttentionOps, *, init: Any, top_k: int, annotate: bool = False, root=None,
+                graphs: GraphPlan | None = None) -> Engine:
+    """`init`: the random weights' gains (config served.random_init); `top_k`: the logprobs each token
+    reports (served.logprobs); `graphs`: decode-only steps replay CUDA graphs captured by `warm_up` (off on
+    a CPU, said so)."""
+    model = build_model(preset, dtype, device, init=init, annotate=annotate, root=root)
     num_blocks = max(1, preset.kv_cache_tokens // block_size)
     cache = PagedKVCache(preset.layers, num_blocks, block_size, preset.kv_heads, preset.head_dim, dtype, device)
-    engine = Engine(model, ops, cache, preset.max_running, preset.max_prefill_tokens)
+    engine = Engine(model, ops, cache, preset.max_running, preset.max_prefill_tokens, top_k)
     if graphs is not None:
         engine.graphs = DecodeGraphs(engine, graphs)
     return engine

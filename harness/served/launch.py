@@ -184,7 +184,9 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests,
-            "cuda_graphs": dataclasses.asdict(plan_for(cfg, device))}
+            "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
+            "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
+            "random_init": cfg.served.random_init.model_dump(), "logprobs": cfg.served.logprobs}
 
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),

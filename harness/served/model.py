@@ -21,19 +21,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# Random weights. Logits of a unit-RMS final state get INIT_LOGIT_STD, so the top token usually
-# stands clear of the runner-up. Queries get INIT_QUERY_GAIN, so attention picks out some keys (which
-# keys are present matters, as in a trained model) without making the network chaotic: a sharper
-# attention makes bf16 rounding noise grow through the layers until greedy tokens part at clear
-# leads. Attention and MLP outputs are scaled so they outweigh the token's own embedding in the
-# residual stream (a narrow model needs more: its embedding rows are longer); with tied embeddings a
-# dominant own embedding makes greedy decoding repeat the last token forever. Tuned on the tiny
-# and 0.6B shapes (docs/SERVED.md): the median lead of the top token is over 1 logprob, and a decode
-# that drops the newest token moves most requests' tokens.
-INIT_LOGIT_STD = 6.0
-INIT_QUERY_GAIN = 2.0
-EMBED_PER_OUTPUT_GAIN = 0.19   # output gain = max(1, embedding std / this)
-
+# Random weights, scaled by config `served.random_init` (`init` below). Logits of a unit-RMS final state
+# get std logit_std, so the top token usually stands clear of the runner-up. Every q_norm weight is
+# query_gain, so attention picks out some keys (which keys are present matters, as in a trained model)
+# without making the network chaotic: a sharper attention makes bf16 rounding noise grow through the
+# layers until greedy tokens part at clear leads. Attention and MLP outputs get max(1, embedding std /
+# embed_per_output_gain), so they outweigh the token's own embedding in the residual stream (a narrow
+# model needs more: its embedding rows are longer); with tied embeddings a dominant own embedding makes
+# greedy decoding repeat the last token forever. Tuned on the tiny and 0.6B shapes (docs/SERVED.md): the
+# median lead of the top token is over 1 logprob, and a decode that drops the newest token moves most
+# requests' tokens.
 _NULL = contextlib.nullcontext()
 
 
@@ -78,18 +75,19 @@ def hf_shapes(p: Any) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def random_weights(p: Any, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Seeded, drawn on the device in a fixed order: every process gets the same weights."""
+def random_weights(p: Any, dtype: torch.dtype, device: torch.device, init: Any) -> dict[str, torch.Tensor]:
+    """Seeded, drawn on the device in a fixed order: every process gets the same weights. `init`: the
+    gains (config served.random_init: logit_std, query_gain, embed_per_output_gain)."""
     gen = torch.Generator(device=device).manual_seed(p.seed)
-    embed_std = INIT_LOGIT_STD / math.sqrt(p.hidden)
-    out_gain = max(1.0, embed_std / EMBED_PER_OUTPUT_GAIN)
+    embed_std = init.logit_std / math.sqrt(p.hidden)
+    out_gain = max(1.0, embed_std / init.embed_per_output_gain)
     fan_in = {"q_proj": p.hidden, "k_proj": p.hidden, "v_proj": p.hidden, "o_proj": p.q_heads * p.head_dim,
               "gate_proj": p.hidden, "up_proj": p.hidden, "down_proj": p.intermediate}
     out = {}
     for name, shape in hf_shapes(p).items():
         kind = name.split(".")[-2]
         if name.endswith("norm.weight"):
-            gain = INIT_QUERY_GAIN if kind == "q_norm" else 1.0
+            gain = init.query_gain if kind == "q_norm" else 1.0
             out[name] = torch.full(shape, gain, dtype=dtype, device=device)
             continue
         if kind in ("embed_tokens", "lm_head"):
@@ -218,12 +216,12 @@ class Qwen3:
         return logits
 
 
-def build_model(p: Any, dtype: torch.dtype, device: torch.device, annotate: bool = False,
+def build_model(p: Any, dtype: torch.dtype, device: torch.device, *, init: Any, annotate: bool = False,
                 root: Path | None = None) -> Qwen3:
-    """Random weights from the preset's seed, or the preset's local safetensors folder (relative
-    paths are read from `root`, the project root)."""
+    """Random weights from the preset's seed and `init`'s gains (config served.random_init), or the preset's
+    local safetensors folder (relative paths are read from `root`, the project root)."""
     if p.weights is None:
-        weights = random_weights(p, dtype, device)
+        weights = random_weights(p, dtype, device, init)
     else:
         folder = Path(p.weights)
         weights = load_weights(folder if folder.is_absolute() or root is None else root / folder, p, dtype, device)

@@ -1,6 +1,7 @@
 """The served model's attention: a candidate's kernels where it has them, the baselines elsewhere.
 
-`AttentionOps` holds the attention target's baselines and, optionally, a candidate module. Each
+`AttentionOps` holds the attention target's baselines (as config targets.attention chooses them: the
+server passes the configured target) and, optionally, a candidate module. Each
 call goes to the candidate's function unless the candidate does not define that op, or its optional
 module-level `supports(op, **shape) -> bool` declines the shape; then the baseline runs and the
 call is counted as a fallback. The counts, and the shapes served, are what the replay and the
@@ -17,6 +18,7 @@ real lengths served.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -27,10 +29,7 @@ import torch
 from harness.served.shapes import ShapeRecorder
 from harness.candidate import load_candidate as load
 from harness.targets.attention import TARGET
-
-# A candidate call that holds the host this long: it compiled (a shape class the warm-up did not
-# meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
-STALL_MS = 50.0
+from harness.targets.base import Target
 
 
 def load_candidate(path: Path | str) -> ModuleType:
@@ -43,8 +42,12 @@ def load_candidate(path: Path | str) -> ModuleType:
 
 
 class AttentionOps:
-    def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32") -> None:
-        self.dtype = dtype
+    def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32", *, target: Target = TARGET,
+                 stall_ms: float = math.inf) -> None:
+        """`target`: the attention target with its configured baselines (harness.targets.configured); `stall_ms`:
+        a candidate call that holds the host this long (config served.stall_ms; inf: none counted) compiled (a
+        shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds."""
+        self.dtype, self.target, self.stall_ms = dtype, target, stall_ms
         self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
         self.supports = getattr(candidate, "supports", None) if candidate else None
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
@@ -52,17 +55,17 @@ class AttentionOps:
 
     def reset(self) -> None:
         self.calls: dict[str, Counter] = {op: Counter() for op in TARGET.ops}
-        self.stalls: dict[str, list[float]] = {op: [] for op in TARGET.ops}     # ms, calls over STALL_MS
+        self.stalls: dict[str, list[float]] = {op: [] for op in TARGET.ops}     # ms, calls over stall_ms
         self.shapes = ShapeRecorder()
 
     def _route(self, op: str, shape: dict):
         fn = self.impl[op]
         if fn is None:
             self.calls[op]["not_implemented"] += 1
-            return TARGET.ops[op].baseline
+            return self.target.ops[op].baseline
         if self.supports is not None and not self.supports(op, **shape):
             self.calls[op]["unsupported"] += 1
-            return TARGET.ops[op].baseline
+            return self.target.ops[op].baseline
         self.calls[op]["candidate"] += 1
         return fn
 
@@ -70,7 +73,7 @@ class AttentionOps:
         t = time.perf_counter()
         out = fn(*args)
         ms = (time.perf_counter() - t) * 1e3
-        if ms > STALL_MS:
+        if ms > self.stall_ms:
             self.stalls[op].append(ms)
         return out
 
@@ -88,7 +91,7 @@ class AttentionOps:
                  "block_size": k_cache.shape[1], "max_seq_len": max(lens), "dtype": self.dtype}
         self.shapes.record("decode", lens)
         fn = self._route("decode", shape)
-        if fn is TARGET.ops["decode"].baseline:           # the engine's host-side lengths: no device read
+        if fn is self.target.ops["decode"].baseline:           # the engine's host-side lengths: no device read
             return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
         return self._checked("decode", self._timed("decode", fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
 
@@ -98,7 +101,7 @@ class AttentionOps:
                  "total_tokens": T, "max_seqlen": max_seqlen, "dtype": self.dtype}
         self.shapes.record("prefill", lens)
         fn = self._route("prefill", shape)
-        if fn is TARGET.ops["prefill"].baseline:
+        if fn is self.target.ops["prefill"].baseline:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
         return self._checked("prefill", self._timed("prefill", fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
@@ -112,7 +115,7 @@ class AttentionOps:
     def stats(self) -> dict:
         """Per op: calls, how many the candidate served, fell back (declined shapes), or were never
         the candidate's (ops it does not define); and the candidate's calls that held the host over
-        STALL_MS (how many, their total and the worst, in ms)."""
+        stall_ms (how many, their total and the worst, in ms)."""
         out = {}
         for op, c in self.calls.items():
             st = self.stalls[op]

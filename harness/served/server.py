@@ -187,7 +187,7 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
 def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
     from aiohttp import web
 
-    from harness.served.engine import TOP_K, EngineError, Request
+    from harness.served.engine import EngineError, Request
     counter = iter(range(1 << 62))
 
     def error(status: int, message: str):
@@ -208,7 +208,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error(400, "the body is not JSON")
-        args, problem = _parse(body, TOP_K)
+        args, problem = _parse(body, loop.engine.top_k)
         if problem:
             return error(400, problem)
         rid = f"cmpl-{next(counter)}"
@@ -280,13 +280,14 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
 
     from harness.served.engine import make_engine, warm_up
     from harness.served.limits import GraphPlan
-    from harness.served.ops import AttentionOps, load_candidate
+    from harness.served.ops import TARGET, AttentionOps, load_candidate
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
-    ops = AttentionOps(module, spec["dtype"])
+    ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"])
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
+                         init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
                          root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
     loop = EngineLoop(engine)

@@ -24,17 +24,6 @@ from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
 
-# Ops that allocate, reshape, move or select memory without doing arithmetic on it: free in `library_use`.
-PLUMBING = {
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "zeros", "zeros_like", "new_zeros",
-    "ones", "ones_like", "new_ones", "full", "full_like", "new_full", "fill", "fill_", "zero_", "arange",
-    "view", "_unsafe_view", "reshape", "expand", "permute", "transpose", "t", "unsqueeze", "squeeze", "as_strided",
-    "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "alias", "detach", "lift_fresh",
-    "copy_", "_to_copy", "clone", "contiguous", "cat", "stack", "index", "index_select", "gather", "masked_fill",
-    "where", "view_as_real", "view_as_complex", "_local_scalar_dense", "resolve_conj", "resolve_neg", "flatten",
-    "unflatten", "repeat_interleave", "repeat", "_reshape_alias", "set_", "record_stream", "lift_fresh_copy",
-}
-
 
 class Rejected(Exception):
     """A stage's verdict on the candidate, raised from deep inside a check; carries metrics, and the failure
@@ -193,7 +182,8 @@ def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls:
     d = ctx.cfg.stages.dispatch
     no_library_compute(ctx, where, reply)
     elements = reply.get("op_elements") or {}
-    compute = {n: e for n, e in elements.items() if n not in PLUMBING}
+    plumbing = set(d.plumbing_ops)          # config: ops that move or select memory, no arithmetic
+    compute = {n: e for n, e in elements.items() if n not in plumbing}
     work = float(sum(compute.values()))
     if not work <= d.aux_work_fraction * madds * calls:
         top = ", ".join(f"aten::{n} ({e:.0f} elements)" for n, e in sorted(compute.items(), key=lambda x: -x[1])[:5])
@@ -263,5 +253,5 @@ def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_library_compute", "no_launch", "PLUMBING", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

@@ -15,7 +15,7 @@ Three observations on fresh served inputs, each able to reject:
 from __future__ import annotations
 
 from harness.records import StageResult
-from harness.stages.common import PLUMBING, EvalContext, Rejected, candidate_raised, diff, draw, library_use, run_trial
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, library_use, run_trial
 
 
 def _profile(ctx: EvalContext, op: str, trial, launched: set[str]) -> dict[str, float]:
@@ -42,13 +42,14 @@ def _profile(ctx: EvalContext, op: str, trial, launched: set[str]) -> dict[str, 
 
 def dispatch_stage(ctx: EvalContext) -> StageResult:
     metrics: dict[str, float] = {}
+    plumbing = set(ctx.cfg.stages.dispatch.plumbing_ops)
     for op in ctx.ops:
         case = ctx.target.compile_case(ctx.shapes, op)
         audit = draw(ctx, case, "normal")
         _, reply = run_trial(ctx, audit, mode="audit")      # run_trial holds it to library_use
         launched = set(reply.launches)
         metrics[f"{op}_torch_compute_elements"] = float(sum(
-            e for n, e in reply.op_elements.items() if n not in PLUMBING))
+            e for n, e in reply.op_elements.items() if n not in plumbing))
 
         ablated = draw(ctx, case, "normal")
         (out,), _ = run_trial(ctx, ablated, mode="ablate")

@@ -96,7 +96,10 @@ def _clock() -> float:
 def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple[float, bool]:
     """Per-call time by the evaluator's clock, (wall of 2n calls - wall of n calls) / n, and whether
     the calls were replayed from a CUDA graph. The candidate must be capturable; the baseline may not be."""
-    prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True}, f"capturing the {impl}", "capture")
+    m = ctx.cfg.stages.microbench
+    per_graph, baseline = m.calls_per_graph, ctx.target.ops[op].baseline_name
+    prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True, "per_graph": per_graph,
+                        "baseline": baseline}, f"capturing the {impl}", "capture")
     if not prep.ok:
         raise Rejected(f"{op}: the {impl} raised while being captured:\n{prep.get('error', '')}")
     if impl == "candidate":
@@ -104,11 +107,12 @@ def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple
         if not prep.graph:
             raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.error}); "
                            "kevo clocks device time through graph replays, and serving engines replay decode the same way")
-    n = 10 * int(min(500, max(1, ctx.cfg.stages.microbench.clock_check_ms / max(per_call_ms, 1e-3) / 10)))
+    n = per_graph * int(min(500, max(1, m.clock_check_ms / max(per_call_ms, 1e-3) / per_graph)))
     walls = []
     for k in (n, 2 * n):
         t0 = _clock()
-        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k}, f"clock check of the {impl}", "burst")
+        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k, "baseline": baseline},
+                            f"clock check of the {impl}", "burst")
         walls.append(_clock() - t0)
         if not reply.ok:
             raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
@@ -194,7 +198,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     impls = ["candidate", "baseline", "baseline"] + (["anchor"] if m.anchor and spec.anchor and cached_anchor is None else [])
     ctx.send({"cmd": "time", "op": case.op, "impls": impls, "sets": [t.recipe(ctx) for t in trials],
               "warmup": m.warmup_reps, "reps": m.reps, "flush_bytes": m.l2_flush_bytes,
-              "cover_cycles": m.cover_cycles,
+              "cover_cycles": m.cover_cycles, "baseline": spec.baseline_name,
               # whose outputs come back to be checked: drawn here, learnt only with the request, so a kernel
               # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
               "check_rep": secrets.randbelow(m.reps)}, f"timing {case.label}")
@@ -243,7 +247,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
     burst_s = time.perf_counter() - t_burst
     t_here = time.perf_counter()
     trusted = spec.prepared_baseline(trials[0].inputs)
-    here = _time_here(lambda: trusted(**trials[0].inputs), 20, flush, m.cover_cycles)
+    here = _time_here(lambda: trusted(**trials[0].inputs), m.trusted_baseline_reps, flush, m.cover_cycles)
     there = _median(reply.streamed_ms["baseline:1"][0::m.input_sets] + reply.streamed_ms["baseline:2"][0::m.input_sets])
     check_trusted_baseline(case.label, there, here, m.trusted_baseline_tolerance)
 

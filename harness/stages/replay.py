@@ -108,7 +108,8 @@ def explain(run: ReplayRun, server: ServerHandle) -> str:
 def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str, burst: bool = False) -> ReplayRun:
     """One replay through the real client (a burst: at once, one group); a request that did not complete
     is a ServerFailure."""
-    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label, burst)
+    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label, burst,
+                 cfg.served.logprobs)
     run.server_ready_s = server.ready_s
     if run.failures():
         raise ServerFailure(explain(run, server))

@@ -3,9 +3,9 @@
 Everything about the target lives here: the contract text, float64 references, input generators
 (four distributions, one of them the served model's own q, k, v; unused cache slots holding NaN,
 zeros, other sequences' stale values or finite randoms; shuffled block tables; sm_scale drawn per
-check), served, boundary and served-limit cases, the torch baselines a user would run today, the
-cuDNN anchor, and the cost model.
-Not covered here: how inputs travel to a worker, how outputs are compared (harness/stages).
+check), served, boundary and served-limit cases, and the cost model.
+Not covered here: the torch baselines and cuDNN anchors (harness/targets/attention_baselines.py), how
+inputs travel to a worker, how outputs are compared (harness/stages).
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import random
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 
+from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
+                                                 decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
+                                                 prefill_anchor_inputs, prefill_baseline)
 from harness.targets.base import Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -231,121 +233,6 @@ def prefill_reference(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
-# baselines: what a user runs today with torch alone
-# ---------------------------------------------------------------------------------------------
-
-def decode_masked(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
-    """Gather the paged cache through the block table, zero what lies past each length, and make one
-    masked SDPA call in which each KV head's group of query heads stands as that many query rows —
-    so KV is never expanded per query head, and SDPA's fused memory-efficient kernel (float32
-    softmax inside) applies."""
-    B, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    L = block_table.shape[1] * bs
-    valid = torch.arange(L, device=q.device)[None, :] < seq_lens[:, None]                 # [B, L]
-    table = block_table.long()
-    k = k_cache[table].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)
-    v = v_cache[table].reshape(B, L, KVH, D).masked_fill(~valid[:, :, None, None], 0).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
-                                         attn_mask=valid[:, None, None, :], scale=sm_scale)
-    return out.reshape(B, H, D)
-
-
-def decode_clamped(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
-    """As `decode_masked`, but gathered token by token with every position past a sequence's end
-    pointed at its first token (finite, then masked out), so no `masked_fill` pass over the copy."""
-    B, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    L = block_table.shape[1] * bs
-    pos = torch.arange(L, device=q.device)
-    valid = pos[None, :] < seq_lens[:, None]                                              # [B, L]
-    token = block_table.long().repeat_interleave(bs, dim=1) * bs + (pos % bs)[None, :]     # [B, L] flat slot
-    token = torch.where(valid, token, token[:, :1])
-    k = k_cache.reshape(-1, KVH, D)[token].transpose(1, 2)                                 # [B, KVH, L, D]
-    v = v_cache.reshape(-1, KVH, D)[token].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
-                                         attn_mask=valid[:, None, None, :], scale=sm_scale)
-    return out.reshape(B, H, D)
-
-
-def decode_per_sequence(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None) -> torch.Tensor:
-    """One unmasked SDPA call per sequence on exactly its tokens, the group of query heads as query
-    rows; no mask, so SDPA's flash or cuDNN kernels may apply. `lengths` are the lengths as the
-    serving engine holds them on the host (without them, they are read from `seq_lens`)."""
-    B, H, D = q.shape
-    _, bs, KVH, _ = k_cache.shape
-    lengths = lengths if lengths is not None else seq_lens.tolist()
-    out = torch.empty_like(q)
-    for b, n in enumerate(lengths):
-        blocks = block_table[b, :(n + bs - 1) // bs].long()
-        k = k_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]                 # [1, KVH, n, D]
-        v = v_cache[blocks].reshape(-1, KVH, D)[:n].transpose(0, 1)[None]
-        out[b] = F.scaled_dot_product_attention(q[b].reshape(1, KVH, H // KVH, D), k, v, scale=sm_scale).reshape(H, D)
-    return out
-
-
-# Three torch-only ways to the paged decode; tests/bench/decode_baselines.py times them on the served
-# shapes, and the fastest correct one (docs/BENCHMARKS.md) is the baseline the served engine runs.
-DECODE_BASELINES = {"masked": decode_masked, "clamped": decode_clamped, "per_sequence": decode_per_sequence}
-DECODE_BASELINE = "clamped"
-decode_baseline = DECODE_BASELINES[DECODE_BASELINE]    # the function itself: no extra frame per served call
-
-
-def prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds: list[int] | None = None) -> torch.Tensor:
-    """One causal SDPA call per sequence (SDPA has no varlen entry point), 4-D and with the KV heads
-    expanded to the query heads, so that SDPA's fused flash/cuDNN kernels apply. `bounds` are the
-    sequence bounds as the serving engine holds them on the host (the timed stages pass them, so no
-    device-to-host read stalls the launches); without them they are read from `cu_seqlens`."""
-    out = torch.empty_like(q)
-    cu = bounds if bounds is not None else cu_seqlens.tolist()
-    group = q.shape[1] // k.shape[1]
-    for s, e in zip(cu[:-1], cu[1:]):
-        ks = k[s:e].repeat_interleave(group, dim=1) if group > 1 else k[s:e]
-        vs = v[s:e].repeat_interleave(group, dim=1) if group > 1 else v[s:e]
-        out[s:e] = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1)[None], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None],
-            is_causal=True, scale=sm_scale)[0].transpose(0, 1)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# anchors: cuDNN SDPA on equivalent contiguous shapes (same bytes / same FLOPs), CUDA only
-# ---------------------------------------------------------------------------------------------
-
-def _cudnn_sdpa(q, k, v, causal: bool, sm_scale: float) -> torch.Tensor:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
-
-
-def decode_anchor_inputs(inputs: Inputs) -> Inputs:
-    """Contiguous K/V of every sequence's mean length: the bytes the paged call must read."""
-    q, kc = inputs["q"], inputs["k_cache"]
-    B, H, D = q.shape
-    n = max(1, round(inputs["seq_lens"].float().mean().item()))
-    gen = torch.Generator(device=q.device).manual_seed(0)
-    k = torch.randn(B, kc.shape[2], n, D, device=q.device, dtype=q.dtype, generator=gen)
-    return {"q": q[:, :, None, :].contiguous(), "k": k, "v": torch.randn_like(k), "sm_scale": inputs["sm_scale"]}
-
-
-def decode_anchor(q, k, v, sm_scale) -> torch.Tensor:
-    return _cudnn_sdpa(q, k, v, causal=False, sm_scale=sm_scale)
-
-
-def prefill_anchor_inputs(inputs: Inputs) -> Inputs:
-    cu = inputs["cu_seqlens"].tolist()
-    to_bhd = lambda t, s, e: t[s:e].transpose(0, 1)[None].contiguous()   # noqa: E731
-    return {"seqs": [(to_bhd(inputs["q"], s, e), to_bhd(inputs["k"], s, e), to_bhd(inputs["v"], s, e))
-                     for s, e in zip(cu[:-1], cu[1:])], "sm_scale": inputs["sm_scale"]}
-
-
-def prefill_anchor(seqs, sm_scale) -> torch.Tensor:
-    outs = [_cudnn_sdpa(q, k, v, causal=True, sm_scale=sm_scale) for q, k, v in seqs]
-    return outs[-1]
-
-
-# ---------------------------------------------------------------------------------------------
 # cost model
 # ---------------------------------------------------------------------------------------------
 
@@ -462,7 +349,7 @@ def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
 
 
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
-            make_inputs=decode_inputs, reference=decode_reference, baseline=decode_baseline,
+            make_inputs=decode_inputs, reference=decode_reference, baseline=decode_clamped, baselines=DECODE_BASELINES,
             baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()},
             cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape),
             anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
@@ -471,6 +358,10 @@ PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),
              baseline_host=lambda x: {"bounds": x["cu_seqlens"].tolist()},
              cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape),
              anchor=prefill_anchor, anchor_inputs=prefill_anchor_inputs, anchor_name="cuDNN SDPA, one causal call per sequence", unit="TFLOP/s")
+
+# `baseline=decode_clamped` serves where no config is applied (unit tests, benches); the harness runs the way
+# config.yaml's targets.attention.decode_baseline names (harness.targets.configured), by default the same.
+decode_baseline = DECODE.baseline
 
 TARGET = Target(
     name="attention",

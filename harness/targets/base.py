@@ -7,7 +7,8 @@ so the stages stay generic. Nothing here imports candidate code.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -74,6 +75,19 @@ class Op:
     # holds them on the host anyway, e.g. sequence bounds): extra keyword arguments, built outside
     # any timed region, so that a device-to-host sync inside the baseline never inflates its time.
     baseline_host: Callable[[Inputs], dict[str, Any]] | None = None
+    # The torch ways to the op a config may choose among, by name (`with_baseline`); `baseline` is one of them.
+    baselines: Mapping[str, Callable[..., torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def baseline_name(self) -> str:
+        """The name `baselines` gives the baseline ("": an op with one way, unnamed)."""
+        return next((n for n, f in self.baselines.items() if f is self.baseline), "")
+
+    def with_baseline(self, name: str) -> "Op":
+        """This op with the baseline `baselines` names so (the function itself: no extra frame per call)."""
+        if name not in self.baselines:
+            raise ValueError(f"{self.name} has no baseline {name!r}; it has {', '.join(self.baselines) or 'one, unnamed'}")
+        return replace(self, baseline=self.baselines[name])
 
     def prepared_baseline(self, inputs: Inputs) -> Callable[..., torch.Tensor]:
         """The baseline, called with the contract's arguments, its host-side facts already computed."""
@@ -92,6 +106,13 @@ class Target:
     limit_cases: Callable[[Any, Any], list[Case]] | None = None
     # One parity check's draws from its secret seed: (case, distribution, random.Random, EvalContext) -> the case varied.
     vary: Callable[[Case, str, Any, Any], Case] | None = None
+
+    def configured(self, baselines: Mapping[str, str]) -> "Target":
+        """This target with the named ops' baselines chosen by name (op -> a name among its `baselines`)."""
+        unknown = sorted(set(baselines) - set(self.ops))
+        if unknown:
+            raise ValueError(f"target {self.name} has no op {unknown[0]!r}")
+        return replace(self, ops={n: op.with_baseline(baselines[n]) if n in baselines else op for n, op in self.ops.items()})
 
     def compile_case(self, shapes: Any, op: str) -> Case:
         """The smallest served case of an op: cheap to compile and launch."""

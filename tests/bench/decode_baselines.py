@@ -15,8 +15,8 @@ Ways:
     token (finite, then masked), so no masked_fill pass; one masked SDPA call;
   - per_sequence: one unmasked SDPA call per sequence on exactly its tokens (the host knows the
     lengths, as a serving engine does), so SDPA's flash or cuDNN kernels may apply.
-The ways live in harness/targets/attention.py (DECODE_BASELINES); the fastest correct one over the served mix
-is set there as DECODE_BASELINE.
+The ways live in harness/targets/attention_baselines.py (DECODE_BASELINES); the fastest correct one over the
+served mix is chosen in config.yaml as targets.attention.decode_baseline.
 """
 from __future__ import annotations
 

@@ -83,7 +83,8 @@ def one_mode(mode: str, window: float) -> dict:
         ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype)
         plan = GraphPlan(mode == "graphs", tuple(b for b, _ in SHAPES), min(c for _, c in SHAPES), max(c for _, c in SHAPES) + STEPS + 8)
         engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype],
-                             torch.device("cuda"), ops, root=PROJECT_ROOT, graphs=plan)
+                             torch.device("cuda"), ops, init=cfg.served.random_init, top_k=cfg.served.logprobs,
+                             root=PROJECT_ROOT, graphs=plan)
         t = time.perf_counter()
         warm_up(engine)
         out[f"{name}_warm_up_s"] = round(time.perf_counter() - t, 1)

@@ -6,7 +6,7 @@ against the warm-up that also meets the served prompt lengths (harness/served/en
 Each mode runs in a fresh process with an empty Triton cache: the 0.6B-shaped engine on CUDA with
 both reference kernels (knowledge/attention/), the warm-up, then the trace's requests at their arrival
 times, in this process (no HTTP). The served ops count every candidate call that holds the host over
-STALL_MS (harness/served/ops.py; a launch is asynchronous, so such a call compiled, autotuned or waited
+config served.stall_ms (harness/served/ops.py; a launch is asynchronous, so such a call compiled, autotuned or waited
 on the GPU), as the served server does. Prints, per mode: the warm-up's seconds, the stalled calls in
 the window and their total, and the p50 / p99 / max of the time between one step's end and the next's:
 that includes the engine's idle waits for arrivals, the first one among them (2.08 s into the
@@ -40,9 +40,9 @@ def one_mode(mode: str, window: float) -> dict:
     served, section = cfg.served.cuda, cfg.targets.attention.cuda
     dec = load_candidate(ROOT / "knowledge/attention/decode_paged_splitkv.py")
     pre = load_candidate(ROOT / "knowledge/attention/prefill_causal_tiled.py")
-    ops = AttentionOps(SimpleNamespace(decode=dec.decode, prefill=pre.prefill), section.dtype)
+    ops = AttentionOps(SimpleNamespace(decode=dec.decode, prefill=pre.prefill), section.dtype, stall_ms=cfg.served.stall_ms)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], torch.device("cuda"),
-                         ops, root=PROJECT_ROOT)
+                         ops, init=cfg.served.random_init, top_k=cfg.served.logprobs, root=PROJECT_ROOT)
     requests = served_requests(cfg, "cuda", window)
     t = time.perf_counter()
     warm_up(engine, [len(r.prompt) for r in requests] if mode == "served" else (), served.warm_requests)  # ends with ops.reset()
