@@ -20,7 +20,8 @@ from harness.records import Verdict
 from harness.served.client import Completion, ReplayRun
 from harness.served.score import compare_forced, paired
 from harness.stages.common import EvalContext, Rejected
-from harness.stages.replay import Servers, draw, judge, replay_stage, run_gates, run_replay, segments, send, warm_lengths
+from harness.stages.arms import Servers, send, warm_lengths
+from harness.stages.replay import draw, judge, replay_stage, run_gates, run_replay, segments
 from harness.targets.attention import TARGET
 
 CFG = config_with(**CPU_GATES)

@@ -22,7 +22,8 @@ from harness.served.launch import ServerFailure, embedded_spec, start_server
 from harness.served.model import build_model
 from harness.served.score import summarize
 from harness.served.traces import TraceRequest
-from harness.stages.replay import explain, served_requests
+from harness.stages.arms import explain
+from harness.stages.replay import served_requests
 
 CFG = config_with()
 

@@ -6,7 +6,7 @@ prompt token ids, temperature 0, the top `logprobs` logprobs, and vLLM's `ignore
 with time.perf_counter() when its chunk arrives here. A request that gives `forced` tokens is sent
 with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo's own server knows
 the field). A request that errs, breaks off or does not finish within the drain time is recorded
-with its error; nothing is retried. Per-request TTFT (first token minus send time) and TPOT (mean
+with its error; nothing is retried. The garbage collector is held off while a replay runs. Per-request TTFT (first token minus send time) and TPOT (mean
 gap between later tokens) are read off the stamps.
 A burst (`burst=True`) sends every request at once as one `kevo_group` (a fresh id; each request's
 position its place in the list): kevo's server queues them together once all have come in, so the
@@ -19,6 +19,7 @@ Not covered: judging the results (harness/served/score.py does).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import secrets
 import time
@@ -146,9 +147,21 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
     return ReplayRun(label, comps, duration, lag)
 
 
+def _unpaused(fn):
+    """Run `fn` with the cyclic garbage collector held off: a full collection over what the caller holds
+    (a reference pass's tokens, say) pauses this loop, and every token arriving meanwhile is stamped late."""
+    gc.collect()
+    gc.disable()
+    try:
+        return fn()
+    finally:
+        gc.enable()
+
+
 def replay(url: str, model: str, requests: list[TraceRequest], request_timeout_s: float,
            drain_timeout_s: float, label: str = "", burst: bool = False, logprobs: int = 2) -> ReplayRun:
     """Send the requests at their arrival times (a burst: all at once, as one group) and wait for every
     stream (at most drain_timeout_s after the last arrival). `logprobs`: the top logprobs asked per token
     (the stage asks for config's served.logprobs)."""
-    return asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, burst, logprobs))
+    return _unpaused(lambda: asyncio.run(_replay(url, model, requests, request_timeout_s, drain_timeout_s, label, burst,
+                                                 logprobs)))

@@ -24,6 +24,7 @@ n > 1, stop sequences, sampling temperatures other than 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import queue
@@ -290,6 +291,8 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
                          root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
+    gc.collect()
+    gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
     loop = EngineLoop(engine)
     loop.thread.start()
     app = build_app(loop, spec["model_name"], notes)

@@ -3,15 +3,15 @@
 Three servers of the served model (harness/served/), started at once from one weight seed drawn in
 secret for this replay: the reference (torch's baselines in `reference_dtype`, float32: the float
 reference every arm is held to), the head (the current head of the candidate's op; with none given,
-torch's baselines in the served dtype) and the candidate. Once all are up, the trusted side draws the
-requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its length pairs drawn with
-a secret seed, fresh token ids), so nothing a server saw before it was ready answers them. Then:
+torch's baselines in the served dtype) and the candidate. Once the reference is up, the trusted side
+draws the requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its length pairs
+drawn with a secret seed, fresh token ids); the arms see them only when fed. Then:
   1. reference: the requests at once, untimed; its greedy tokens and logprobs are what every arm is
      held to. The reference server is stopped before anything is timed.
-  2. timed, paired: after a warm round (the first segment to each arm, untimed), the window is cut
-     into `segments` by arrival time and each segment is replayed to
-     the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
-     both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
+  2. timed, paired: each arm first serves a window of its own, untimed, beside the reference's pass
+     (`warm_pass`: a draw apart, so nothing served there answers a scored request); then the window is
+     cut into `segments` by arrival time and each segment is replayed to the head and to the candidate
+     in turn, in the order AB BA AB ... (a drift over the stage falls on both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
      both do the same work and every generated token can be compared. With `load: burst` a segment's
      requests go at once as one group (`kevo_group`), queued together in arrival order: both engines
      admit and batch them alike, step for step, so the pair differs only in the arms' speed (at the
@@ -37,29 +37,21 @@ from __future__ import annotations
 
 import random
 import secrets
-import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from harness.config import PROJECT_ROOT, Config
+from harness.config import Config
 from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import MalformedReply, parse
-from harness.served.client import ReplayRun, replay
-from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
+from harness.served.client import ReplayRun
+from harness.served.launch import ServerFailure, ServerHandle
 from harness.served.accounting import fallbacks, graphs, stalls
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, summarize
-from harness.served.traces import TraceError, TraceRequest, draw_requests, load_trace, requests_for
+from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
+from harness.stages.arms import Servers, _fail, send, served_lines
 from harness.stages.common import EvalContext, Rejected
-
-
-def served_lines(cfg: Config, device: str):
-    served = getattr(cfg.served, device)
-    path = PROJECT_ROOT / served.trace
-    try:
-        return load_trace(path), str(path)
-    except TraceError as e:
-        raise HarnessError(str(e)) from None
 
 
 def served_requests(cfg: Config, device: str, window_s: float | None = None) -> list[TraceRequest]:
@@ -85,106 +77,6 @@ def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = 
         raise HarnessError(str(e)) from None
     cap = served.max_output
     return reqs if cap is None else [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
-
-
-def warm_lengths(cfg: Config, device: str) -> list[int]:
-    """The prompt lengths a server's warm-up meets: every length of the window (the draw picks among them)."""
-    served = getattr(cfg.served, device)
-    lines, _ = served_lines(cfg, device)
-    return [ln.length for ln in lines if ln.arrival_s < served.window_s]
-
-
-def explain(run: ReplayRun, server: ServerHandle) -> str:
-    """Why a replay did not complete, in words: the client's first error, how the server ended."""
-    try:
-        server.proc.wait(timeout=2)                      # a dying server: let it finish dying
-    except subprocess.TimeoutExpired:
-        pass
-    died = "" if server.alive() else f"the server {server.how_it_ended()} during the replay; "
-    tail = server.log_tail()
-    return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
-
-
-def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str, burst: bool = False) -> ReplayRun:
-    """One replay through the real client (a burst: at once, one group); a request that did not complete
-    is a ServerFailure."""
-    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label, burst,
-                 cfg.served.logprobs)
-    run.server_ready_s = server.ready_s
-    if run.failures():
-        raise ServerFailure(explain(run, server))
-    return run
-
-
-def _fail(label: str, e: ServerFailure) -> Exception:
-    if label == "candidate":
-        return Rejected(f"the candidate's server: {e}", "server_failed")
-    return HarnessError(f"the {label} server: {e}")
-
-
-class Servers:
-    """The replay's servers, started at once from this thread (a server dies with the thread that started
-    it) and stopped together whatever happens, those still starting too. `wait` waits for some or all of
-    them; a server that failed to start is the failure of its label (the candidate's first)."""
-
-    def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
-                 wait: bool = True) -> None:
-        self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
-        warm = warm_lengths(cfg, device)
-        self.handles: dict[str, ServerHandle] = {}
-        self.starting: dict[str, ServerHandle] = {}
-        failure: tuple[str, ServerFailure] | None = None
-        for label, source in sources.items():
-            try:
-                self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
-                                                    reference=label == "reference")
-            except ServerFailure as e:
-                failure = failure or (label, e)
-        if failure:
-            self.close()
-            raise _fail(*failure)
-        if wait:
-            self.wait()
-
-    def wait(self, labels: list[str] | None = None) -> None:
-        failure: tuple[str, ServerFailure] | None = None
-        for label in list(self.starting if labels is None else labels):
-            h = self.starting.pop(label, None)
-            if h is None:
-                continue
-            try:
-                self.handles[label] = wait_ready(h, ready_timeout(self.cfg))
-            except ServerFailure as e:
-                failure = failure if failure and failure[0] == "candidate" else (label, e)
-        if failure:
-            self.close()
-            raise _fail(*failure)
-
-    def add(self, label: str, source: str | None) -> ServerHandle:
-        """One more server from the same weights (the benches': one arm after another)."""
-        try:
-            h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed)
-        except ServerFailure as e:
-            raise _fail(label, e) from None
-        self.handles[label] = h
-        return h
-
-    def stop(self, label: str) -> None:
-        h = self.handles.pop(label, None)
-        if h is not None:
-            h.stop()
-
-    def close(self) -> None:
-        for label in list(self.handles):
-            self.stop(label)
-        while self.starting:
-            self.starting.popitem()[1].stop()
-
-    def __enter__(self) -> "Servers":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def reference_pass(cfg: Config, servers: Servers, requests: list[TraceRequest]) -> ReplayRun:
@@ -239,6 +131,7 @@ class ReplayOutcome:
     metrics: dict[str, float]
     timed: bool = True
     reference: ReplayRun | None = None    # what every arm was held to (kept for reading, never for judging again)
+    runs: dict[str, list[ReplayRun]] | None = None   # the timed segments per arm (kept for reading)
 
     def stage_result(self) -> StageResult:
         if not self.accepted and (self.timed or not self.gate.passed or self.metrics.get("fallback_share", 0.0) > 0):
@@ -341,33 +234,54 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     return ReplayOutcome(False, reason, gate, metrics, timed=False, reference=ref)
 
 
-def reference_feed(cfg: Config, device: str, servers: Servers) -> tuple[ReplayRun, list[TraceRequest], float]:
+def reference_feed(cfg: Config, device: str, servers: Servers,
+                   warm: tuple[str, ...] = ()) -> tuple[ReplayRun, list[TraceRequest], float]:
     """Fresh requests drawn once the reference is up, its pass, and the requests with its continuation to
-    feed the arms; the seconds to the reference's last token (its start included)."""
+    feed the arms; the seconds to the reference's last token (its start included). While the pass runs,
+    each server in `warm` is sent a warm pass once it is up (`warm_pass`)."""
     t0 = time.monotonic()
     servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the arms' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
-    ref = reference_pass(cfg, servers, requests)
+    with ThreadPoolExecutor(1, thread_name_prefix="reference") as pool:
+        pending = pool.submit(reference_pass, cfg, servers, requests)
+        try:
+            if warm:
+                servers.wait(list(warm))
+                warm_pass(cfg, device, servers, warm)
+        except BaseException:
+            servers.stop("reference")          # an arm failed: its failure is the verdict, not the pass cut short
+            pending.exception()
+            raise
+        ref = pending.result()
     return ref, forced(requests, ref), time.monotonic() - t0
+
+
+def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...]) -> None:
+    """Each arm served a window of its own, untimed: a draw apart from the scored one (so nothing served
+    here answers a scored request), free-running, as the timed segments will come (a burst a segment).
+    A server's first real window after its start runs slower than the next (on the H200 its TTFT about
+    twice: docs/BENCHMARKS.md); the warm-up's filler requests do not take that away."""
+    burst = cfg.stages.replay.load == "burst"
+    segs = segments(draw(cfg, device, random.Random(secrets.randbits(64))), getattr(cfg.served, device).window_s,
+                    cfg.stages.replay.segments)
+    for label in labels:
+        for seg in segs:
+            try:
+                send(cfg, servers.handles[label], seg, label, burst=burst)
+            except ServerFailure as e:
+                raise _fail(label, e) from None
 
 
 def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed: list[TraceRequest],
                head_label: str = "head", cand_label: str = "candidate", deadline: float | None = None,
                head_is_torch: bool = False) -> ReplayOutcome:
-    """The timed half on servers up and warm, the reference's feed given: a warm round (the first segment to
-    each arm, untimed: a server's first bursts after its start run slower, docs/BENCHMARKS.md), then the
-    segments to the two arms in the order AB BA ..., judged (see the module's docstring)."""
+    """The timed half on servers up and warm, the reference's feed given: the segments to the two arms in
+    the order AB BA ..., judged (see the module's docstring)."""
     r = cfg.stages.replay
     dtype = getattr(cfg.targets.attention, device).dtype
     burst = r.load == "burst"
-    segs = segments(feed, getattr(cfg.served, device).window_s, r.segments)
-    for label in (head_label, cand_label):
-        try:
-            send(cfg, servers.handles[label], segs[0], label, burst=burst)
-        except ServerFailure as e:
-            raise _fail(label, e) from None
     runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
-    for j, seg in enumerate(segs):
+    for j, seg in enumerate(segments(feed, getattr(cfg.served, device).window_s, r.segments)):
         _time_left(deadline, getattr(cfg.served, device).window_s / r.segments)
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
             try:
@@ -376,16 +290,16 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
                 raise _fail(label, e) from None
     stats = _stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
-    outcome.reference = ref
+    outcome.reference, outcome.runs = ref, runs
     return outcome
 
 
 def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "head", cand_label: str = "candidate",
               deadline: float | None = None, keep_reference: bool = False, head_is_torch: bool = False) -> ReplayOutcome:
-    """The timed comparison on servers already up: fresh requests, the reference pass, then the two arms
-    fed its tokens in alternating segments, judged (see the module's docstring)."""
+    """The timed comparison on servers already up: fresh requests, the reference pass (the arms' warm pass
+    beside it), then the two arms fed its tokens in alternating segments, judged (see the module's docstring)."""
     t0 = time.monotonic()
-    ref, feed, ref_s = reference_feed(cfg, device, servers)
+    ref, feed, ref_s = reference_feed(cfg, device, servers, warm=(head_label, cand_label))
     servers.wait()
     arms_s = time.monotonic() - t0
     if not keep_reference:

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 import candidates as C  # noqa: E402
 from conftest import config_with  # noqa: E402
 from harness.config import load_config  # noqa: E402
-from harness.stages.replay import Servers, reference_feed, run_replay, timed_pair  # noqa: E402
+from harness.stages.arms import Servers, send  # noqa: E402
+from harness.stages.replay import reference_feed, run_replay, timed_pair, warm_pass  # noqa: E402
 
 KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
         "gate_p99_logprob_diff", "gate_mean_logprob_diff", "gate_flips", "gate_flip_lead", "head_gate_passed",
@@ -71,7 +72,9 @@ def row(name: str, outcome, t0: float) -> dict:
     m["seconds"] = round(time.monotonic() - t0, 1)
     text = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
     print(f"{name}: {text}\n  {outcome.reason[:600]}", flush=True)
-    return {"name": name, **m, "reason": outcome.reason}
+    per_request = {label: [[[c.index, round(1e3 * c.ttft, 2), round(1e3 * (c.tpot or 0), 3)] for c in run.completions]
+                           for run in runs] for label, runs in (outcome.runs or {}).items()}
+    return {"name": name, **m, "reason": outcome.reason, "per_request": per_request}
 
 
 def errors_only(cfg, out: str | None) -> None:
@@ -80,7 +83,7 @@ def errors_only(cfg, out: str | None) -> None:
     import random
 
     from harness.served.score import against_head
-    from harness.stages.replay import _gate, draw, forced, reference_pass, send
+    from harness.stages.replay import _gate, draw, forced, reference_pass
     arms = {"A": C.REF_DECODE, "window4096": C.recent_window(4096), "drops<1e-3": C.DROPS_SMALL_WEIGHTS,
             "bf16acc": C.ACCUMULATES_IN_BF16}
     t0 = time.monotonic()
@@ -147,7 +150,7 @@ def noise(cfg, rounds: int, out: str | None) -> None:
 
     from harness.served.score import t_quantile
     from harness.served.traces import TraceRequest
-    from harness.stages.replay import draw, segments, send
+    from harness.stages.replay import draw, segments
     r = cfg.stages.replay
     device = "cuda" if torch.cuda.is_available() else "cpu"     # on a CPU: a smoke test of the bench, no figure
     served = getattr(cfg.served, device)
@@ -227,11 +230,11 @@ def main() -> None:
         return
     t0 = time.monotonic()
     with Servers(cfg, device, {"reference": None, "A": head, "B": head}, secrets.randbits(31), wait=False) as servers:
-        ref, feed, ref_s = reference_feed(cfg, device, servers)
+        ref, feed, ref_s = reference_feed(cfg, device, servers, warm=("A", "B"))
         servers.wait()
         servers.stop("reference")
-        print(f"servers up and the reference's pass done in {time.monotonic() - t0:.1f} s (the pass alone {ref_s:.1f} s from "
-              f"the start); every comparison below is fed these requests", flush=True)
+        print(f"servers up, the arms' warm pass and the reference's pass done in {time.monotonic() - t0:.1f} s (the reference's "
+              f"{ref_s:.1f} s from the start); every comparison below is fed these requests", flush=True)
         for i in range(a.aa - (0 if a.skip_stage else 1)):
             t0 = time.monotonic()
             pair = ("A", "B") if i % 2 == 0 else ("B", "A")
@@ -244,6 +247,7 @@ def main() -> None:
               f"over {layers} layers)", flush=True)
         servers.stop("B")
         servers.add("S", slowed(head, cycles))
+        warm_pass(cfg, device, servers, ("S",))
         t0 = time.monotonic()
         rows.append(row(f"slowed {a.shift:.0%} against the head (must be rejected)",
                         timed_pair(cfg, device, servers, ref, feed, "A", "S"), t0))

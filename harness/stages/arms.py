@@ -1,0 +1,126 @@
+"""The servers of one replay (stage 5, harness/stages/replay.py): started together from one weight seed,
+from the thread that asks (a server dies with the thread that started it), waited for in any order,
+stopped together whatever happens; a replay sent to one of them through the real client; the trace they are warmed with; and what a
+failure of each means - the candidate's server failing is the candidate's rejection, any other's a
+harness error.
+Not covered: what is sent or how it is judged (replay.py), starting one server (harness/served/launch.py).
+"""
+from __future__ import annotations
+
+import subprocess
+
+from harness.config import PROJECT_ROOT, Config
+from harness.errors import HarnessError
+from harness.served.client import ReplayRun, replay
+from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
+from harness.served.traces import TraceError, TraceRequest, load_trace
+from harness.stages.common import Rejected
+
+
+def served_lines(cfg: Config, device: str):
+    served = getattr(cfg.served, device)
+    path = PROJECT_ROOT / served.trace
+    try:
+        return load_trace(path), str(path)
+    except TraceError as e:
+        raise HarnessError(str(e)) from None
+
+
+def warm_lengths(cfg: Config, device: str) -> list[int]:
+    """The prompt lengths a server's warm-up meets: every length of the window (the draw picks among them)."""
+    served = getattr(cfg.served, device)
+    lines, _ = served_lines(cfg, device)
+    return [ln.length for ln in lines if ln.arrival_s < served.window_s]
+
+
+def explain(run: ReplayRun, server: ServerHandle) -> str:
+    """Why a replay did not complete, in words: the client's first error, how the server ended."""
+    try:
+        server.proc.wait(timeout=2)                      # a dying server: let it finish dying
+    except subprocess.TimeoutExpired:
+        pass
+    died = "" if server.alive() else f"the server {server.how_it_ended()} during the replay; "
+    tail = server.log_tail()
+    return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
+
+
+def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str, burst: bool = False) -> ReplayRun:
+    """One replay through the real client (a burst: at once, one group); a request that did not complete
+    is a ServerFailure."""
+    run = replay(server.url, server.model, requests, cfg.served.request_timeout_s, cfg.served.drain_timeout_s, label, burst,
+                 cfg.served.logprobs)
+    run.server_ready_s = server.ready_s
+    if run.failures():
+        raise ServerFailure(explain(run, server))
+    return run
+
+
+def _fail(label: str, e: ServerFailure) -> Exception:
+    if label == "candidate":
+        return Rejected(f"the candidate's server: {e}", "server_failed")
+    return HarnessError(f"the {label} server: {e}")
+
+
+class Servers:
+    """The replay's servers, started at once from this thread (a server dies with the thread that started
+    it) and stopped together whatever happens, those still starting too. `wait` waits for some or all of
+    them; a server that failed to start is the failure of its label (the candidate's first)."""
+
+    def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
+                 wait: bool = True) -> None:
+        self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
+        warm = warm_lengths(cfg, device)
+        self.handles: dict[str, ServerHandle] = {}
+        self.starting: dict[str, ServerHandle] = {}
+        failure: tuple[str, ServerFailure] | None = None
+        for label, source in sources.items():
+            try:
+                self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
+                                                    reference=label == "reference")
+            except ServerFailure as e:
+                failure = failure or (label, e)
+        if failure:
+            self.close()
+            raise _fail(*failure)
+        if wait:
+            self.wait()
+
+    def wait(self, labels: list[str] | None = None) -> None:
+        failure: tuple[str, ServerFailure] | None = None
+        for label in list(self.starting if labels is None else labels):
+            h = self.starting.pop(label, None)
+            if h is None:
+                continue
+            try:
+                self.handles[label] = wait_ready(h, ready_timeout(self.cfg))
+            except ServerFailure as e:
+                failure = failure if failure and failure[0] == "candidate" else (label, e)
+        if failure:
+            self.close()
+            raise _fail(*failure)
+
+    def add(self, label: str, source: str | None) -> ServerHandle:
+        """One more server from the same weights (the benches': one arm after another)."""
+        try:
+            h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed)
+        except ServerFailure as e:
+            raise _fail(label, e) from None
+        self.handles[label] = h
+        return h
+
+    def stop(self, label: str) -> None:
+        h = self.handles.pop(label, None)
+        if h is not None:
+            h.stop()
+
+    def close(self) -> None:
+        for label in list(self.handles):
+            self.stop(label)
+        while self.starting:
+            self.starting.popitem()[1].stop()
+
+    def __enter__(self) -> "Servers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
