@@ -2,10 +2,10 @@
 turns an error into its exit status.
 
 Exit codes: agent/cli_parser.py's EXIT_CODES is the one list of them, per subcommand, and each
-subcommand's `--help` shows its own. In short: 0 ok, 1 the candidate (or run) was rejected, 2 the command itself could not
-run — always one line on stderr, never a traceback. `evaluate` judges every file it can and exits 2 if
-any could not be judged (each such file is one line on stderr naming it). Output cut short by its
-reader (`| head`) ends the command quietly.
+subcommand's `--help` shows its own. In short: 0 ok, 1 the candidate (or run) was rejected, 2 the command
+itself could not run — always one line on stderr, never a traceback. `evaluate` judges every file it
+can and exits 2 if any could not be judged (each such file is one line on stderr naming it). Output cut
+short by its reader (`| head`) ends the command quietly.
 Not here: the arguments, their help and the exit-status list (agent/cli_parser.py).
 """
 from __future__ import annotations

@@ -2,23 +2,23 @@
 
 Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), take the
 run folder's lock, open the evaluator, evaluate the heads (the reference kernels), build the baseline
-profile, make the ledger's first commit; then the drive — one candidate at a time (agent/run/serial.py) or
-several in flight (agent/run/parallel.py) — and the end commit. Here is what both drives share: the run's
-state and budgets, starting and resuming, and every ledger write. After an accepted kernel the head of
+profile, make the ledger's first commit; then the drive (agent/run/drive.py: as many candidates in flight
+as the evaluator allows, agent/run/evaluators.py) and the end commit. Here is the run's state and budgets,
+starting and resuming, and every ledger write. After an accepted kernel the head of
 its op moves and the profile is rebuilt, in the candidate's own commit. Proposals are committed once
 each, from any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
 candidates, cost, device time: totals over all its sessions), when the proposer has nothing left, on
 SIGINT/SIGTERM (after the current candidate's commit), or when a provider fails in a way retrying and
 waiting cannot fix (`fatal`). Resuming a run first evaluates the proposals it had committed but not
 judged. Everything a run learns is committed before the next step.
-Not here: what to propose (proposers), how to judge (harness), how to show it (view), the settings (settings).
+Not here: what to propose (proposers), how to judge (harness), when a candidate is proposed, judged and
+committed (drive), where it is evaluated (evaluators), how to show it (view), the settings (settings).
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,11 +26,13 @@ from pathlib import Path
 import yaml
 
 from harness.config import Config
-from harness.evaluate import open_pool, resolve_device
+from harness.evaluate import resolve_device
 from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
+from agent.run.drive import drive
 from agent.run.environment import describe
+from agent.run.evaluators import evaluator_for
 from agent.roles.evaluator import device_seconds, evaluate_head, now
 from agent.reading.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
 from agent.knowledge import gpu_arch, load_catalog
@@ -62,21 +64,6 @@ class RunResult:
     untimed: str = ""               # on a machine that timed nothing: what its passes mean (figures.untimed_words)
 
 
-def in_thread(name: str, fn, *args, fut: Future | None = None) -> Future:
-    """`fn(*args)` in a daemon thread, its outcome (or exception) into `fut` (a new one if none is given):
-    a proposal still being written or a candidate still being judged never keeps a stopping run alive."""
-    fut = fut if fut is not None else Future()
-
-    def work() -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:                  # handed to the waiting thread as it is
-                fut.set_exception(e)
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return fut
-
-
 def funnel(history: list[CandidateRecord]) -> dict[str, int]:
     counts = dict.fromkeys(FUNNEL, 0)
     for r in history:
@@ -103,10 +90,14 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[st
 
 
 class Run:
-    def __init__(self, cfg: Config, settings: RunSettings, view) -> None:
+    """One run, from its lock to its end commit. `slots`: evaluate through an executor's slots (True) or the
+    loop's own pool (False); None: as the config asks (agent/run/evaluators.py:in_parallel)."""
+
+    def __init__(self, cfg: Config, settings: RunSettings, view, slots: bool | None = None) -> None:
         self.cfg, self.settings, self.view = cfg, settings, view
         self.t0 = time.monotonic()
         self.device = resolve_device(cfg)
+        self.evaluator = evaluator_for(cfg, settings.target, self.device, lambda text: view.update(activity=text), slots)
         self.arch = gpu_arch(self.device)
         if settings.target not in TARGETS:
             raise RunError(f"unknown target {settings.target!r}; known: {', '.join(TARGETS)}")
@@ -133,7 +124,7 @@ class Run:
             raise RunError(f"{self.root} exists and is not a kevo run; give another --run-id")
         self.history: list[CandidateRecord] = []
         self.elapsed_before, self.last_id, self.head_device_s = 0.0, 0, 0.0
-        self._ledger_lock = threading.Lock()        # commits come from this thread and the proposer's
+        self._ledger_lock = threading.Lock()        # commits come from this thread, paid ones from any
         self._kept: set[str] = set()                # proposals committed (once each)
 
     # -- limits -----------------------------------------------------------------------------------
@@ -205,7 +196,7 @@ class Run:
     def _settings_json(self) -> str:
         return self.settings.model_dump_json(indent=1, exclude={"root"})
 
-    def start(self, pool) -> None:
+    def start(self) -> None:
         state = folder_state(self.root)
         if state == "started":
             self._resume()
@@ -215,7 +206,7 @@ class Run:
             self.heads = {}
             for op in self.cfg.agent.ops:
                 self.view.update(activity=f"evaluating the {op} head (reference kernel)")
-                self.heads[op] = self.head(op, pool)
+                self.heads[op] = self.head(op)
             self.head_device_s = device_seconds(self.heads, [])
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
             s = self.settings
@@ -233,9 +224,12 @@ class Run:
                         for op in self.heads}
         self.view.update(ledger=str(self.root), funnel=funnel(self.history))
 
-    def head(self, op: str, pool) -> Kernel:
-        """One head's kernel and verdict, from the loop's pool (ParallelRun: from its executor)."""
-        return evaluate_head(op, self.cfg, self.settings.target, pool, self.catalog)
+    def head(self, op: str) -> Kernel:
+        """One head's kernel and verdict, from the run's evaluator."""
+        def at(stage: str) -> None:
+            self.view.update(activity=f"evaluating the {op} head (reference kernel): {stage}")
+        return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog,
+                             evaluate_fn=lambda job, src, beat, head: self.evaluator.evaluate(job, src, beat, head, on_stage=at))
 
     def _resume(self) -> None:
         self.ledger = Ledger(self.root)
@@ -331,22 +325,15 @@ class Run:
             self.parents[op] = search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)
         self.view.record(record, self.summary())
 
-    def commit_proposal(self, proposal: Proposal, from_proposer: bool = False) -> None:
-        """Commit a proposal before its evaluation, once. From the proposer's thread a second signal
-        cannot be deferred to it (signals reach the main thread), so that commit is not signal-guarded:
-        a stop in the middle of it is repaired by the ledger's `recover`, as after a SIGKILL."""
+    def commit_proposal(self, proposal: Proposal) -> None:
+        """Commit a proposal before its evaluation, once (from the drive's thread, guarded against signals)."""
         with self._ledger_lock:
             if proposal.id in self._kept:
                 return
-            with nullcontext() if from_proposer else self.stop.writing():
+            with self.stop.writing():
                 self.ledger.commit_proposal(proposal, self.summary())
             self._kept.add(proposal.id)
             self.last_id = max(self.last_id, id_number(proposal.id))
-
-    def drive(self) -> tuple[str, bool]:
-        """Propose and judge until the run must end: (why it ended, whether that is fatal). One drive per
-        subclass: agent/run/serial.py (one candidate at a time), agent/run/parallel.py (several)."""
-        raise NotImplementedError
 
     def finish(self, stop: str, fatal: bool) -> RunResult:
         self.view.update(activity=f"ended: {stop}", claim="")
@@ -377,31 +364,19 @@ class Run:
             lock = RunLock(self.root).acquire()
         except RunBusy as e:
             raise RunError(str(e)) from None
-        own = pool is None
         try:
             with self.stop:
-                self._pool = pool or self.open_evaluator()
+                self.evaluator.open(pool)
                 try:
-                    self.start(self._pool)
-                    stop, fatal = self.drive()
+                    self.start()
+                    stop, fatal = drive(self)
                     return self.finish(stop, fatal)
                 finally:
-                    if own:
-                        self.close_evaluator()
+                    self.evaluator.close()      # the run's own pool or slots; a pool handed in stays open
         finally:
             lock.release()
 
-    def open_evaluator(self):
-        """What evaluates here: the loop's own worker pool (ParallelRun: its executor's slots)."""
-        self.view.update(activity="starting the worker pool")
-        return open_pool(self.cfg, self.settings.target, self.device)
-
-    def close_evaluator(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:
-    from agent.run.parallel import ParallelRun, in_parallel     # subclasses of Run: imported here, not above
-    from agent.run.serial import SerialRun
-    return (ParallelRun if in_parallel(cfg) else SerialRun)(cfg, settings, view)(pool)
+    """A run, evaluated in `pool` where one is given and the config asks for no executor (in_parallel)."""
+    return Run(cfg, settings, view)(pool)
