@@ -128,6 +128,8 @@ class _Drive:
             if not self.stop and (why := run.limit()):
                 self.stop = why
             self.take_proposals()
+            self.commit_verdicts()          # a proposal that is its own verdict (malformed, not worth coding):
+                                            # committed before the next is asked for, which then knows it
             cap = run.evaluator.capacity if not self.stop and (self.waiting or not self.writing or self.overlap) else 0
             self.start(cap)
             self.ask(cap)

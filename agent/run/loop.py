@@ -4,15 +4,16 @@ Order of a run: resolve the proposer (an LLM key missing is an error before anyt
 run folder's lock, open the evaluator, evaluate the heads (the reference kernels), build the baseline
 profile, make the ledger's first commit; then the drive (agent/run/drive.py: as many candidates in flight
 as the evaluator allows, agent/run/evaluators.py) and the end commit. Here is the run's state and budgets,
-starting and resuming, and every ledger write. After an accepted kernel the head of
-its op moves and the profile is rebuilt, in the candidate's own commit. Proposals are committed once
-each, from any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
+starting and resuming, and every ledger write. After an accepted kernel the head of its op moves and the
+profile is rebuilt, in the candidate's own commit. Proposals are committed once each, paid exchanges from
+any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
 candidates, cost, device time: totals over all its sessions), when the proposer has nothing left, on
 SIGINT/SIGTERM (after the current candidate's commit), or when a provider fails in a way retrying and
 waiting cannot fix (`fatal`). Resuming a run first evaluates the proposals it had committed but not
 judged. Everything a run learns is committed before the next step.
 Not here: what to propose (proposers), how to judge (harness), when a candidate is proposed, judged and
-committed (drive), where it is evaluated (evaluators), how to show it (view), the settings (settings).
+committed (drive), where it is evaluated (evaluators), what its end says (ending), how to show it
+(view), the settings (settings).
 """
 from __future__ import annotations
 
@@ -20,21 +21,20 @@ import json
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from harness.config import Config
 from harness.evaluate import resolve_device
-from harness.stages import STAGE_NAMES
 from harness.targets import TARGETS
 
 from agent.run.drive import drive
+from agent.run.ending import RunResult, end_text, funnel, not_run, untimed_note
 from agent.run.environment import describe
 from agent.run.evaluators import evaluator_for
 from agent.roles.evaluator import device_seconds, evaluate_head, now
-from agent.reading.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
+from agent.reading.figures import speed
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.repository import Ledger, discard_unstarted, fit_subject, folder_state, id_number
 from agent.run.profile import baseline_replay_note, run_profile
@@ -44,50 +44,6 @@ from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
 from agent.run.session import Interrupts, RunBusy, RunLock
 from agent.run.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
 from agent.run.state import ProposalState, best_kernel, search_parent
-
-FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
-
-
-@dataclass
-class RunResult:
-    ledger: Path
-    stop: str
-    fatal: bool
-    history: list[CandidateRecord]
-    heads: dict[str, Kernel]
-    best: dict[str, Kernel]
-    cost_usd: float
-    funnel: dict[str, int]
-    not_run: list[str] = field(default_factory=list)
-    signal: int = 0                 # the signal that stopped the run, if one did
-    providers: list[str] = field(default_factory=list)      # how each LLM provider fared, a line each
-    untimed: str = ""               # on a machine that timed nothing: what its passes mean (figures.untimed_words)
-
-
-def funnel(history: list[CandidateRecord]) -> dict[str, int]:
-    counts = dict.fromkeys(FUNNEL, 0)
-    for r in history:
-        key = r.stage if r.outcome == "rejected" else r.outcome
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def untimed_note(heads: dict[str, Kernel], history: list[CandidateRecord]) -> str:
-    """On a machine that timed nothing, what the passes mean (figures.untimed_words); empty otherwise."""
-    if not nothing_timed([k.verdict for k in heads.values()] + [r.verdict for r in history]):
-        return ""
-    return untimed_words(sum(r.outcome == "passed" and untimed_pass(r.verdict) for r in history))
-
-
-def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[str]:
-    """The stages that could not run here, and why (from the verdicts themselves)."""
-    seen: dict[str, str] = {}
-    for v in [k.verdict for k in heads.values()] + [r.verdict for r in history]:
-        for s in v.stages if v else []:
-            if s.status == "skipped":
-                seen.setdefault(s.name, " ".join(s.reason.split()))
-    return [f"{name}: {why}" for name, why in seen.items()]
-
 
 class Run:
     """One run, from its lock to its end commit. `slots`: evaluate through an executor's slots (True) or the
@@ -341,14 +297,7 @@ class Run:
         summary = self.summary(stop)
         pending = [p.id for p in self.ledger.pending()]
         fared = [f.line(name) for name, f in sorted(self.meter.fared.items())]
-        best = [f"- {op}: {b['ref']}, {speed_words(b)}" for op, b in summary["best"].items()]
-        text = "\n".join([f"# {self.settings.run_id}: ended", "", f"Stopped: {stop}", "",
-                          "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
-                          *([summary["untimed"], ""] if summary["untimed"] else []),
-                          *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
-                            if pending else []),
-                          *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),
-                          "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
+        text = end_text(self.settings.run_id, stop, summary, pending, fared, notes)
         with self._ledger_lock, self.stop.writing():     # a proposer thread may still be committing
             self.ledger.commit(fit_subject(f"end {self.settings.run_id}: {stop}"), [text],
                                {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
