@@ -7,8 +7,9 @@ Proposals are asked for in id order, each in its own thread. A slow proposer (an
 `agent.proposals_in_flight` (null: 3 per slot) being written, or written and waiting for the evaluator,
 so the device is not left idle while the next claims are written (`agent.overlap`); the built-in one, which
 answers at once, one at a time and only for a free slot, so it has seen every verdict before it proposes.
-The planner is told every candidate still in flight. A proposal is committed as soon as it is written,
-before its verdict (a kill meanwhile loses no answered proposal), unless its verdict is committed at once.
+The planner is told every candidate still in flight. An LLM's proposal is committed as soon as it is
+written, before its verdict (a kill meanwhile loses no answered proposal), unless its verdict is committed
+at once (malformed, not worth coding); the built-in proposer's never are (it paid nothing).
 Candidates start in the ledger's order, up to the evaluator's `capacity` at once, each judged in a thread
 of its own (its compile repairs too: they ask the LLM from that thread), and their verdicts are committed
 through Run.record strictly in that order (`InOrder`): one that finished early waits for those before it,
@@ -22,7 +23,8 @@ the candidates being judged are finished and committed first, and the proposals 
 for (what they cost is kept) — after a signal those not yet written are abandoned (their threads are
 daemons). A proposal never started: after a signal (or an evaluator that cannot go on) it stays in the
 ledger as a proposal, evaluated first when the run is resumed; after any other end it is recorded
-unevaluated, with what it cost. On resume, ids paid for and never proposed are proposed again first.
+unevaluated, with what it cost. On resume the proposals committed and never judged are judged first,
+and ids paid for and never proposed are proposed again, under their own ids, before any new one.
 Not here: budgets, heads, resume and every ledger write (agent/run/loop.py); where evaluations run
 (agent/run/evaluators.py); what a round is and how records are made (agent/roles/evaluator.py).
 """
