@@ -1,6 +1,7 @@
 """Enough proposals in flight (agent.proposals_in_flight): with a slow LLM, a run has that many proposals
-being written at once, never more, asked for and recorded in id order — on one evaluator (agent/run/serial.py)
-and through an executor (agent/run/parallel.py). Both runs take their head's verdict from the verdict cache."""
+being written at once, never more, asked for and recorded in id order — in the loop's own pool and through an
+executor's slot (agent/run/evaluators.py), one drive (agent/run/drive.py). Both runs take their head's verdict
+from the verdict cache."""
 from __future__ import annotations
 
 import io
@@ -14,9 +15,7 @@ from conftest import config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM, Step
 
-from agent.run.loop import settings_from
-from agent.run.parallel import ParallelRun
-from agent.run.serial import SerialRun
+from agent.run.loop import Run, settings_from
 from agent.reading.view import RunView
 from harness.verdicts import evaluate_cached
 
@@ -75,17 +74,17 @@ def llm_config(fake: FakeLLM, runs):
             f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}})
 
 
-def go(drive, cfg, pool, run_id: str, n: int):
+def go(cfg, pool, run_id: str, n: int, slots: bool = False):
     settings = settings_from(cfg, pool.device, provider="openai", max_candidates=n, run_id=run_id)
-    return drive(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)))(pool)
+    return Run(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)), slots=slots)(pool)
 
 
-@pytest.mark.parametrize("drive", [SerialRun, ParallelRun])
-def test_a_slow_llm_has_the_configured_number_of_proposals_in_flight_and_never_more(pool, runs, monkeypatch, drive):
+@pytest.mark.parametrize("slots", [False, True], ids=["pool", "slots"])
+def test_a_slow_llm_has_the_configured_number_of_proposals_in_flight_and_never_more(pool, runs, monkeypatch, slots):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-in-flight")
     model = SlowModel()
     with FakeLLM({PLANNER: [model.plan] * CANDIDATES, CODER: [model.code] * CANDIDATES}) as fake:
-        result = go(drive, llm_config(fake, runs), pool, drive.__name__, CANDIDATES)
+        result = go(llm_config(fake, runs), pool, f"in-flight-{'slots' if slots else 'pool'}", CANDIDATES, slots)
     assert result.heads["decode"].verdict.cached_from.job == "head-decode"     # the run's head: from the cache
     assert not model.together.broken, "the run never had IN_FLIGHT proposals being written at once"
     assert model.most == IN_FLIGHT and model.calls == CANDIDATES
@@ -100,10 +99,10 @@ def test_proposals_paid_for_and_cut_short_together_are_proposed_again_under_thei
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-in-flight")
     claims = [S.claim(1.3)] * IN_FLIGHT
     with FakeLLM({PLANNER: list(claims), CODER: [Step.error(401, "key revoked")] * IN_FLIGHT}) as fake:
-        first = go(SerialRun, llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
+        first = go(llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
     assert first.fatal and first.history == []
     with FakeLLM({PLANNER: [], CODER: [CHEAP] * IN_FLIGHT}) as fake:        # no claim left to sell
-        again = go(SerialRun, llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
+        again = go(llm_config(fake, runs), pool, "cut-short", IN_FLIGHT)
         asked = [s.model for s in fake.seen]
     assert asked == [CODER] * IN_FLIGHT
     assert not again.fatal and [r.id for r in again.history] == [f"c{i:03d}" for i in range(1, IN_FLIGHT + 1)]

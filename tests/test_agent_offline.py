@@ -278,7 +278,7 @@ def timed(speedup: float, anchor_ms: float, replay: bool = False) -> Verdict:
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):
     from agent.records import RunHeader
-    from agent.run.serial import SerialRun
+    from agent.run.loop import Run
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     settings = settings_from(cfg, "cpu", run_id="accepted")
     ref = head("decode", speedup=1.0).model_copy(update={"verdict": timed(1.0, anchor_ms=0.050)})
@@ -288,8 +288,8 @@ def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_ne
                        budget_minutes=3, max_candidates=None, max_cost_usd=0, started="2026-12-01T10:00:00+00:00",
                        kevo_commit="0" * 12)
     Ledger.create(tmp_path / "accepted", header, "agent: {}\n", {}, profile, {"note": "-"}, {"decode": ref}, {})
-    loop = SerialRun(cfg, settings, RunView(console=Console(file=io.StringIO())))
-    loop.start(None)                                  # resumes from the ledger: no evaluator needed
+    loop = Run(cfg, settings, RunView(console=Console(file=io.StringIO())))
+    loop.start()                                      # resumes from the ledger: no evaluator needed
     first = loop.proposer.propose(loop.state([]))
     assert first.claim.op_share == pytest.approx(f)   # a head at 1.0x torch: the base share stands
     accepted = record(first.id, ref, "decode", first.knobs).model_copy(update={

@@ -1,6 +1,6 @@
-"""Runs with several candidates in flight (agent/run/parallel.py) against a fake OpenAI-compatible service:
-through a real Dask cluster of two worker processes on loopback, one of them SIGKILLed mid-task, the
-ledger holds what a serial run's holds, in the same order; through two local slots, a candidate whose
+"""Runs with several candidates in flight (agent/run/drive.py, through an executor's slots) against a fake
+OpenAI-compatible service: through a real Dask cluster of two worker processes on loopback, one of them
+SIGKILLed mid-task, the ledger holds what a run in the loop's own pool (one at a time) holds, in the same order; through two local slots, a candidate whose
 evaluator is lost for good is recorded as unevaluated, not dropped, and the candidates after it follow."""
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
 
-from agent.run.loop import run, settings_from
-from agent.run.parallel import ParallelRun
+from agent.run.loop import Run, run, settings_from
 from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
@@ -93,12 +92,12 @@ def commits(ledger, trailer: str) -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
-def kill_when_running(prun: ParallelRun, cid: str, killed: list[str]) -> None:
+def kill_when_running(prun: Run, cid: str, killed: list[str]) -> None:
     """SIGKILL the Dask worker process evaluating `cid`, once its compile stage has begun there."""
     from harness.cluster import TOPIC
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
-        ex = prun.executor
+        ex = prun.evaluator.executor
         at = [m["slot"] for _, m in ex.client.get_events(TOPIC) if m["id"] == cid] if ex is not None else []
         if at:
             os.kill(ex.client.run(os.getpid)[at[0]], signal.SIGKILL)
@@ -116,7 +115,7 @@ def test_a_dask_run_with_a_worker_killed_mid_task_commits_what_a_serial_run_comm
         serial = run(cfg, settings(cfg, "serial", 5), view(), pool=pool)
     with scripted(codes, claims) as fake:
         cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"executor.kind": "dask", "executor.cpu_slots": 2})
-        prun, killed = ParallelRun(cfg, settings(cfg, "dask", 5), view()), []
+        prun, killed = Run(cfg, settings(cfg, "dask", 5), view()), []
         killer = threading.Thread(target=kill_when_running, args=(prun, "c003", killed), daemon=True)
         killer.start()
         parallel = prun()
@@ -144,14 +143,14 @@ def test_a_dask_run_with_a_worker_killed_mid_task_commits_what_a_serial_run_comm
     summaries = [json.loads((ledger / "summary.json").read_text()) for ledger in (a, b)]
     assert summaries[0]["funnel"] == summaries[1]["funnel"]
 
-    done = {d.id: d for d in prun.evaluations}
-    assert [d.id for d in prun.evaluations].count("c003") == 1
+    done = {d.id: d for d in prun.evaluator.evaluations}
+    assert [d.id for d in prun.evaluator.evaluations].count("c003") == 1
     assert {job for job in done if job.startswith("c")} == {"c001", "c002", "c002.r1", "c003", "c004"}
     assert killed and done["c003"].slot != killed[0]          # re-run elsewhere after its worker was killed
     assert f"Evaluated-On: {done['c003'].slot}" in git(b, "log", "-1", "--format=%B", "--grep=^c003 .*: passed at ")
-    overlapping = [(x.id, y.id) for x in prun.evaluations for y in prun.evaluations
+    overlapping = [(x.id, y.id) for x in prun.evaluator.evaluations for y in prun.evaluator.evaluations
                    if x.slot != y.slot and x.started < y.ended and y.started < x.ended]
-    assert overlapping, [(d.id, d.slot, d.started, d.ended) for d in prun.evaluations]   # judged at the same time
+    assert overlapping, [(d.id, d.slot, d.started, d.ended) for d in prun.evaluator.evaluations]   # judged at the same time
 
 
 def test_a_candidate_whose_evaluator_is_lost_for_good_is_recorded_unevaluated_and_the_run_goes_on(
@@ -159,11 +158,11 @@ def test_a_candidate_whose_evaluator_is_lost_for_good_is_recorded_unevaluated_an
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-parallel")
     with scripted([SLOW, GOOD], [S.claim(1.3), S.claim(1.2)]) as fake:
         cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"executor.cpu_slots": 2, "executor.requeue_limit": 0})
-        prun = ParallelRun(cfg, settings(cfg, "lost", 2), view())
-        head = prun.head("decode", None)                     # the head through the executor, as Run.start can ask
+        prun = Run(cfg, settings(cfg, "lost", 2), view())
+        head = prun.head("decode")                     # the head through the executor, as Run.start can ask
 
         def kill() -> None:
-            ex, deadline = prun.executor, time.monotonic() + 240
+            ex, deadline = prun.evaluator.executor, time.monotonic() + 240
             while time.monotonic() < deadline:
                 at = [slot for slot, job in ex.running().items() if job == "c001"]
                 if at:

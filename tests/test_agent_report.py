@@ -25,7 +25,7 @@ from harness.targets import Case
 from agent.cli import main
 from agent.roles.conclusion import conclude, outcome_of, speedup_of
 from agent.ledger.repository import Ledger
-from agent.run.loop import funnel
+from agent.run.ending import funnel
 from agent.records import (CandidateRecord, Claim, Exchange, Kernel, KillTest, Message, OpEvidence, Profile, Round,
                            RunHeader)
 

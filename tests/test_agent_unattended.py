@@ -189,6 +189,37 @@ def test_a_hanging_two_crashing_and_a_cuda_error_candidate_get_verdicts_the_devi
                       "c004": f"passed after the worker hit a CUDA error at {cuda.stage}", "c005": ""}
 
 
+class UnwellDevice:
+    """The run's worker pool on a device gone bad after a crash (a fault outside kevo): every health check
+    of it fails; everything else is the pool's own."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+    def check_health(self) -> str:
+        return "a known kernel came out wrong"
+
+
+def test_a_device_failing_its_health_check_twice_ends_the_run_before_another_candidate_is_evaluated(
+        pool, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    scripts = {PLANNER: [S.claim(1.3)] * 2, CODER: [S.code(SEGFAULTS), S.GOOD]}
+    with FakeLLM(scripts) as fake:           # c002 is asked for as c001 starts: written while c001 is judged
+        cfg = llm_config(fake, tmp_path, **RUNTIME_ONLY, **{"agent.compile_repair_rounds": 0,
+                                                            "agent.proposals_in_flight": 1, "executor.health_retry_s": 0})
+        result = go(cfg, UnwellDevice(pool), provider="openai", run_id="unwell", max_candidates=2)
+    segv, good = result.history
+    assert result.fatal and result.stop.startswith(f"the {pool.device} failed its health check after c001's worker "
+                                                   "crashed: a known kernel came out wrong")
+    assert (segv.id, segv.outcome, good.id, good.outcome) == ("c001", "rejected", "c002", "unevaluated")
+    assert not good.rounds and good.reason.startswith(f"the run ended: the {pool.device} failed its health check")
+    health = git(result.ledger, "log", "--format=%(trailers:key=Health,valueonly,separator=)", "--grep=^c001 ")
+    assert health.strip() == f"failed after the worker crashed at {segv.stage}: a known kernel came out wrong"
+
+
 def test_a_run_waits_out_a_provider_outage_longer_than_its_retries_and_goes_on(pool, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FlakyLLM({PLANNER: [S.claim(1.3)], CODER: [S.GOOD]}, down=down_for(1.5)) as fake:

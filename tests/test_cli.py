@@ -11,7 +11,8 @@ import pytest
 import yaml
 
 import candidates as C
-from agent.cli import COMMANDS, EXIT_CODES, UsageError, _read_candidate, main
+from agent.cli import COMMANDS, UsageError, _read_candidate, main
+from agent.cli_parser import EXIT_CODES
 from conftest import ROOT, config_with
 
 NO_CACHE: list[str] = []        # --config: the project's config with the verdict cache off (the fixture below)

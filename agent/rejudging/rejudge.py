@@ -30,7 +30,7 @@ from harness.slot import Job
 from harness.stages import STAGE_NAMES
 
 from agent.roles.conclusion import outcome_of, speedup_of
-from agent.run.parallel import in_parallel
+from agent.run.evaluators import in_parallel
 from agent.records import CandidateRecord
 from agent.ledger.repository import Ledger
 from agent.rejudging.rerun import RejudgeError, config_changes, here, stamp, where
@@ -151,7 +151,7 @@ def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, u
 def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | None,
               tell: Callable[[_Kernel], None]) -> Iterator[tuple[_Kernel, Verdict]]:
     """Each kernel's verdict as it is reached, each against its own microbench bar (`_beat`). With no pool and
-    more than one slot (agent/parallel.in_parallel), every kernel is a job on the executor, which runs one job
+    more than one slot (agent/run/evaluators.py:in_parallel), every kernel is a job on the executor, which runs one job
     per slot at a time, each slot on a GPU of its own (or a share of the cores): a kernel's replay stage never
     shares a GPU with another's microbench. Otherwise one at a time, in the order given, in the pool."""
     if not todo:

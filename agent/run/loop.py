@@ -2,37 +2,39 @@
 
 Order of a run: resolve the proposer (an LLM key missing is an error before anything starts), take the
 run folder's lock, open the evaluator, evaluate the heads (the reference kernels), build the baseline
-profile, make the ledger's first commit; then the drive — one candidate at a time (agent/run/serial.py) or
-several in flight (agent/run/parallel.py) — and the end commit. Here is what both drives share: the run's
-state and budgets, starting and resuming, and every ledger write. After an accepted kernel the head of
-its op moves and the profile is rebuilt, in the candidate's own commit. Proposals are committed once
-each, from any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
+profile, make the ledger's first commit; then the drive (agent/run/drive.py: as many candidates in flight
+as the evaluator allows, agent/run/evaluators.py) and the end commit. Here is the run's state and budgets,
+starting and resuming, and every ledger write. After an accepted kernel the head of its op moves and the
+profile is rebuilt, in the candidate's own commit. Proposals are committed once each, paid exchanges from
+any thread, under the ledger's lock. The run ends at the first budget reached (wall time,
 candidates, cost, device time: totals over all its sessions), when the proposer has nothing left, on
 SIGINT/SIGTERM (after the current candidate's commit), or when a provider fails in a way retrying and
 waiting cannot fix (`fatal`). Resuming a run first evaluates the proposals it had committed but not
 judged. Everything a run learns is committed before the next step.
-Not here: what to propose (proposers), how to judge (harness), how to show it (view), the settings (settings).
+Not here: what to propose (proposers), how to judge (harness), when a candidate is proposed, judged and
+committed (drive), where it is evaluated (evaluators), what its end says (ending), how to show it
+(view), the settings (settings).
 """
 from __future__ import annotations
 
 import json
 import threading
 import time
-from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from harness.config import Config
-from harness.evaluate import open_pool, resolve_device
-from harness.stages import STAGE_NAMES
+from harness.evaluate import resolve_device
 from harness.targets import TARGETS
 
+from agent.run.drive import drive
+from agent.run.ending import RunResult, end_text, funnel, not_run, untimed_note
 from agent.run.environment import describe
+from agent.run.evaluators import evaluator_for
 from agent.roles.evaluator import device_seconds, evaluate_head, now
-from agent.reading.figures import nothing_timed, speed, speed_words, untimed_pass, untimed_words
+from agent.reading.figures import speed
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.repository import Ledger, discard_unstarted, fit_subject, folder_state, id_number
 from agent.run.profile import baseline_replay_note, run_profile
@@ -43,70 +45,15 @@ from agent.run.session import Interrupts, RunBusy, RunLock
 from agent.run.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
 from agent.run.state import ProposalState, best_kernel, search_parent
 
-FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
-
-
-@dataclass
-class RunResult:
-    ledger: Path
-    stop: str
-    fatal: bool
-    history: list[CandidateRecord]
-    heads: dict[str, Kernel]
-    best: dict[str, Kernel]
-    cost_usd: float
-    funnel: dict[str, int]
-    not_run: list[str] = field(default_factory=list)
-    signal: int = 0                 # the signal that stopped the run, if one did
-    providers: list[str] = field(default_factory=list)      # how each LLM provider fared, a line each
-    untimed: str = ""               # on a machine that timed nothing: what its passes mean (figures.untimed_words)
-
-
-def in_thread(name: str, fn, *args, fut: Future | None = None) -> Future:
-    """`fn(*args)` in a daemon thread, its outcome (or exception) into `fut` (a new one if none is given):
-    a proposal still being written or a candidate still being judged never keeps a stopping run alive."""
-    fut = fut if fut is not None else Future()
-
-    def work() -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:                  # handed to the waiting thread as it is
-                fut.set_exception(e)
-    threading.Thread(target=work, name=name, daemon=True).start()
-    return fut
-
-
-def funnel(history: list[CandidateRecord]) -> dict[str, int]:
-    counts = dict.fromkeys(FUNNEL, 0)
-    for r in history:
-        key = r.stage if r.outcome == "rejected" else r.outcome
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def untimed_note(heads: dict[str, Kernel], history: list[CandidateRecord]) -> str:
-    """On a machine that timed nothing, what the passes mean (figures.untimed_words); empty otherwise."""
-    if not nothing_timed([k.verdict for k in heads.values()] + [r.verdict for r in history]):
-        return ""
-    return untimed_words(sum(r.outcome == "passed" and untimed_pass(r.verdict) for r in history))
-
-
-def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[str]:
-    """The stages that could not run here, and why (from the verdicts themselves)."""
-    seen: dict[str, str] = {}
-    for v in [k.verdict for k in heads.values()] + [r.verdict for r in history]:
-        for s in v.stages if v else []:
-            if s.status == "skipped":
-                seen.setdefault(s.name, " ".join(s.reason.split()))
-    return [f"{name}: {why}" for name, why in seen.items()]
-
-
 class Run:
-    def __init__(self, cfg: Config, settings: RunSettings, view) -> None:
+    """One run, from its lock to its end commit. `slots`: evaluate through an executor's slots (True) or the
+    loop's own pool (False); None: as the config asks (agent/run/evaluators.py:in_parallel)."""
+
+    def __init__(self, cfg: Config, settings: RunSettings, view, slots: bool | None = None) -> None:
         self.cfg, self.settings, self.view = cfg, settings, view
         self.t0 = time.monotonic()
         self.device = resolve_device(cfg)
+        self.evaluator = evaluator_for(cfg, settings.target, self.device, lambda text: view.update(activity=text), slots)
         self.arch = gpu_arch(self.device)
         if settings.target not in TARGETS:
             raise RunError(f"unknown target {settings.target!r}; known: {', '.join(TARGETS)}")
@@ -133,7 +80,7 @@ class Run:
             raise RunError(f"{self.root} exists and is not a kevo run; give another --run-id")
         self.history: list[CandidateRecord] = []
         self.elapsed_before, self.last_id, self.head_device_s = 0.0, 0, 0.0
-        self._ledger_lock = threading.Lock()        # commits come from this thread and the proposer's
+        self._ledger_lock = threading.Lock()        # commits come from this thread, paid ones from any
         self._kept: set[str] = set()                # proposals committed (once each)
 
     # -- limits -----------------------------------------------------------------------------------
@@ -205,7 +152,7 @@ class Run:
     def _settings_json(self) -> str:
         return self.settings.model_dump_json(indent=1, exclude={"root"})
 
-    def start(self, pool) -> None:
+    def start(self) -> None:
         state = folder_state(self.root)
         if state == "started":
             self._resume()
@@ -215,7 +162,7 @@ class Run:
             self.heads = {}
             for op in self.cfg.agent.ops:
                 self.view.update(activity=f"evaluating the {op} head (reference kernel)")
-                self.heads[op] = self.head(op, pool)
+                self.heads[op] = self.head(op)
             self.head_device_s = device_seconds(self.heads, [])
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
             s = self.settings
@@ -233,9 +180,12 @@ class Run:
                         for op in self.heads}
         self.view.update(ledger=str(self.root), funnel=funnel(self.history))
 
-    def head(self, op: str, pool) -> Kernel:
-        """One head's kernel and verdict, from the loop's pool (ParallelRun: from its executor)."""
-        return evaluate_head(op, self.cfg, self.settings.target, pool, self.catalog)
+    def head(self, op: str) -> Kernel:
+        """One head's kernel and verdict, from the run's evaluator."""
+        def at(stage: str) -> None:
+            self.view.update(activity=f"evaluating the {op} head (reference kernel): {stage}")
+        return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog,
+                             evaluate_fn=lambda job, src, beat, head: self.evaluator.evaluate(job, src, beat, head, on_stage=at))
 
     def _resume(self) -> None:
         self.ledger = Ledger(self.root)
@@ -331,22 +281,15 @@ class Run:
             self.parents[op] = search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)
         self.view.record(record, self.summary())
 
-    def commit_proposal(self, proposal: Proposal, from_proposer: bool = False) -> None:
-        """Commit a proposal before its evaluation, once. From the proposer's thread a second signal
-        cannot be deferred to it (signals reach the main thread), so that commit is not signal-guarded:
-        a stop in the middle of it is repaired by the ledger's `recover`, as after a SIGKILL."""
+    def commit_proposal(self, proposal: Proposal) -> None:
+        """Commit a proposal before its evaluation, once (from the drive's thread, guarded against signals)."""
         with self._ledger_lock:
             if proposal.id in self._kept:
                 return
-            with nullcontext() if from_proposer else self.stop.writing():
+            with self.stop.writing():
                 self.ledger.commit_proposal(proposal, self.summary())
             self._kept.add(proposal.id)
             self.last_id = max(self.last_id, id_number(proposal.id))
-
-    def drive(self) -> tuple[str, bool]:
-        """Propose and judge until the run must end: (why it ended, whether that is fatal). One drive per
-        subclass: agent/run/serial.py (one candidate at a time), agent/run/parallel.py (several)."""
-        raise NotImplementedError
 
     def finish(self, stop: str, fatal: bool) -> RunResult:
         self.view.update(activity=f"ended: {stop}", claim="")
@@ -354,14 +297,7 @@ class Run:
         summary = self.summary(stop)
         pending = [p.id for p in self.ledger.pending()]
         fared = [f.line(name) for name, f in sorted(self.meter.fared.items())]
-        best = [f"- {op}: {b['ref']}, {speed_words(b)}" for op, b in summary["best"].items()]
-        text = "\n".join([f"# {self.settings.run_id}: ended", "", f"Stopped: {stop}", "",
-                          "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
-                          *([summary["untimed"], ""] if summary["untimed"] else []),
-                          *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
-                            if pending else []),
-                          *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),
-                          "Stages not run here:", *([f"- {n}" for n in notes] or ["- none"]), ""])
+        text = end_text(self.settings.run_id, stop, summary, pending, fared, notes)
         with self._ledger_lock, self.stop.writing():     # a proposer thread may still be committing
             self.ledger.commit(fit_subject(f"end {self.settings.run_id}: {stop}"), [text],
                                {"summary.json": json.dumps(summary, indent=1), "summary.md": text},
@@ -377,31 +313,19 @@ class Run:
             lock = RunLock(self.root).acquire()
         except RunBusy as e:
             raise RunError(str(e)) from None
-        own = pool is None
         try:
             with self.stop:
-                self._pool = pool or self.open_evaluator()
+                self.evaluator.open(pool)
                 try:
-                    self.start(self._pool)
-                    stop, fatal = self.drive()
+                    self.start()
+                    stop, fatal = drive(self)
                     return self.finish(stop, fatal)
                 finally:
-                    if own:
-                        self.close_evaluator()
+                    self.evaluator.close()      # the run's own pool or slots; a pool handed in stays open
         finally:
             lock.release()
 
-    def open_evaluator(self):
-        """What evaluates here: the loop's own worker pool (ParallelRun: its executor's slots)."""
-        self.view.update(activity="starting the worker pool")
-        return open_pool(self.cfg, self.settings.target, self.device)
-
-    def close_evaluator(self) -> None:
-        if self._pool is not None:
-            self._pool.close()
-
 
 def run(cfg: Config, settings: RunSettings, view, pool=None) -> RunResult:
-    from agent.run.parallel import ParallelRun, in_parallel     # subclasses of Run: imported here, not above
-    from agent.run.serial import SerialRun
-    return (ParallelRun if in_parallel(cfg) else SerialRun)(cfg, settings, view)(pool)
+    """A run, evaluated in `pool` where one is given and the config asks for no executor (in_parallel)."""
+    return Run(cfg, settings, view)(pool)
