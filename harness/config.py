@@ -208,6 +208,11 @@ class AttentionDeviceConfig(Strict):
                 raise ValueError(f"heads [{q}, {kv}]: query heads must be a multiple of kv heads")
         if self.head_dim & (self.head_dim - 1) or not 16 <= self.head_dim <= 256:
             raise ValueError("head_dim must be a power of two in 16..256")
+        for op in ("decode", "prefill"):      # a shape twice would give two cases one key (Case.key): give it once
+            shapes = [(g.batch, g.lengths) for g in getattr(self, op)]
+            if twice := sorted({s for s in shapes if shapes.count(s) > 1}):
+                raise ValueError(f"{op}: the shape batch {twice[0][0]}, lengths {list(twice[0][1])} is given twice; give it "
+                                 f"once, its weights summed")
         return self
 
 

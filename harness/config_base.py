@@ -26,7 +26,7 @@ def message(err: ValidationError, source: str) -> str:
     parts = []
     for e in errors:
         loc = tuple(str(p) for p in e["loc"])
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             siblings = [str(m["loc"][-1]) for m in errors if m["type"] == "missing" and m["loc"][:-1] == e["loc"][:-1]]
             close = difflib.get_close_matches(loc[-1], siblings, n=1) if loc else []

@@ -6,7 +6,7 @@ slot runs one job at a time; with one slot per GPU, nothing else runs on a GPU w
 times on it or a replay serves from it (docs/CLUSTER.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
 inherit it. The health check (`device_health`, the one every caller uses: slots, `kevo-agent evaluate`
-and the serial drive of a run) is a known sum computed on the device in the caller's process, then a
+and a run in the loop's own pool) is a known sum computed on the device in the caller's process, then a
 tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`); a device that
 fails it is checked once more after executor.health_retry_s (a fault may be passing).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the

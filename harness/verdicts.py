@@ -1,6 +1,6 @@
 """The verdict cache: a candidate judged before, with everything its verdict depends on unchanged, gets
-that verdict again instead of the stages (`evaluate_cached`, used by every evaluation slot and the
-serial loop: `kevo-agent evaluate`, a run's heads and its candidates; config `executor.verdict_cache`).
+that verdict again instead of the stages (`evaluate_cached`, used by every evaluation slot and a
+run in the loop's own pool: `kevo-agent evaluate`, a run's heads and its candidates; config `executor.verdict_cache`).
 
 A verdict's key is a digest of what it depends on (`VerdictCache.parts`, kept readable in the entry):
 the candidate's source, the `until` stage and the `beat` its microbench must beat; the harness's

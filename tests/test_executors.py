@@ -135,7 +135,7 @@ def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_ki
 
 @pytest.mark.parametrize("old, new, words", [
     ("  cpu_slots: 1", "  cpu_slots: 1\n  cpu_slot: 2", "executor.cpu_slot: unknown key"),
-    ("  gpus: auto", "  gpus: [0, 0]", "executor.gpus: Value error, gpus must be auto or a non-empty list of distinct"),
+    ("  gpus: auto", "  gpus: [0, 0]", "executor.gpus: gpus must be auto or a non-empty list of distinct"),
     ("  kind: local", "  kind: ray", "executor.kind: Input should be 'local' or 'dask'"),
     ("  slot_cores: blocks", "  slot_cores: block", "executor.slot_cores: Input should be 'blocks', 'interleaved' or 'none'"),
     ("CUDA_VISIBLE_DEVICES, ", "", "worker.env_passthrough must include CUDA_VISIBLE_DEVICES"),

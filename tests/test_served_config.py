@@ -17,7 +17,7 @@ def edited(tmp_path, old: str, new: str):
 
 
 @pytest.mark.parametrize("old, new, words", [
-    ("cpu: {preset: tiny,", "cpu: {preset: tinyy,", "served: Value error, cpu.preset 'tinyy' is not one of the presets"),
+    ("cpu: {preset: tiny,", "cpu: {preset: tinyy,", "served: cpu.preset 'tinyy' is not one of the presets"),
     ("tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 2,", "tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 4,",
      "served.cpu.preset 'tiny' has heads [4, 4] and head_dim 16; targets.attention.cpu has heads [[4, 2], [4, 1]]"),
     ("tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 2, head_dim: 16,", "tiny: {layers: 2, hidden: 64, q_heads: 4, kv_heads: 3, head_dim: 16,",
@@ -28,9 +28,9 @@ def edited(tmp_path, old: str, new: str):
     ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
      "HF_TOKEN looks like a secret"),
     ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [1, 4, 2]}",
-     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [1, 4, 2]"),
+     "served.cuda_graphs.batch_buckets: must be positive and strictly increasing, got [1, 4, 2]"),
     ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [0, 2]}",
-     "served.cuda_graphs.batch_buckets: Value error, must be positive and strictly increasing, got [0, 2]"),
+     "served.cuda_graphs.batch_buckets: must be positive and strictly increasing, got [0, 2]"),
     ("cuda_graphs: {enabled: true,", "cuda_graphs: {enabled: true, buckets: [1],", "served.cuda_graphs.buckets: unknown key"),
 ], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external",
         "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key"])

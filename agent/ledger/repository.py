@@ -43,7 +43,6 @@ from pydantic import ValidationError
 from harness.sandbox import redact
 
 from agent.ledger import messages
-from agent.ledger.messages import fit_subject  # noqa: F401  (agent/run/loop.py imports it from here)
 from agent.ledger.store import open_repo
 from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
 from agent.run.session import LOCK_NAME

@@ -21,6 +21,7 @@ from agent.reading import plots
 from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
 from agent.ledger.repository import Ledger
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
+from agent.run.ending import not_run
 from agent.run.state import best_kernel
 from agent.reading.table import Row, row, x
 
@@ -51,16 +52,6 @@ def first_heads(ledger: Ledger) -> dict[str, Kernel]:
         data = json.loads(ledger.repo.git.show(f"{root}:heads/{op}.json"))
         out[op] = Kernel(**data, source=ledger.repo.git.show(f"{root}:{data['path']}"))
     return out
-
-
-def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[str, str]:
-    """The stages skipped on this run's machine, each with its reason as the verdicts give it."""
-    seen: dict[str, str] = {}
-    for v in [k.verdict for k in heads.values()] + [r.verdict for r in history]:
-        for s in v.stages if v else []:
-            if s.status == "skipped":
-                seen.setdefault(s.name, " ".join(s.reason.split()))
-    return seen
 
 
 def _plot(p: plots.Plot, context: str = "") -> str:

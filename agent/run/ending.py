@@ -48,14 +48,15 @@ def untimed_note(heads: dict[str, Kernel], history: list[CandidateRecord]) -> st
     return untimed_words(sum(r.outcome == "passed" and untimed_pass(r.verdict) for r in history))
 
 
-def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[str]:
-    """The stages that could not run here, and why (from the verdicts themselves)."""
+def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[str, str]:
+    """The stages that could not run here, each with why, as the verdicts themselves give it (the end
+    commit and the report both read this)."""
     seen: dict[str, str] = {}
     for v in [k.verdict for k in heads.values()] + [r.verdict for r in history]:
         for s in v.stages if v else []:
             if s.status == "skipped":
                 seen.setdefault(s.name, " ".join(s.reason.split()))
-    return [f"{name}: {why}" for name, why in seen.items()]
+    return seen
 
 
 def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: list[str], notes: list[str]) -> str:

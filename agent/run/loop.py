@@ -36,7 +36,8 @@ from agent.run.evaluators import evaluator_for
 from agent.roles.evaluator import device_seconds, evaluate_head, now
 from agent.reading.figures import speed
 from agent.knowledge import gpu_arch, load_catalog
-from agent.ledger.repository import Ledger, discard_unstarted, fit_subject, folder_state, id_number
+from agent.ledger.messages import fit_subject
+from agent.ledger.repository import Ledger, discard_unstarted, folder_state, id_number
 from agent.run.profile import baseline_replay_note, run_profile
 from agent.roles.proposers import PROPOSERS
 from agent.llm.providers import Halted, Meter
@@ -293,7 +294,7 @@ class Run:
 
     def finish(self, stop: str, fatal: bool) -> RunResult:
         self.view.update(activity=f"ended: {stop}", claim="")
-        notes = not_run(self.heads, self.history)
+        notes = [f"{name}: {why}" for name, why in not_run(self.heads, self.history).items()]
         summary = self.summary(stop)
         pending = [p.id for p in self.ledger.pending()]
         fared = [f.line(name) for name, f in sorted(self.meter.fared.items())]
