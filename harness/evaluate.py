@@ -125,14 +125,14 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=TARGETS[target], shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head,
-                      reserved=reserve(cfg, device))
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head)
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:
             ctx.stage, ctx.worker_s = name, 0.0
             if on_stage is not None:
-                on_stage(name)
+                on_stage(name)                      # a slot's GPU lease is granted there (harness/lease.py)
+            ctx.reserved = ctx.reserved or reserve(cfg, device)    # first taken within a stage, before any worker
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             before = sched_s()
             t0 = time.monotonic()
@@ -148,6 +148,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             if result.status != "skipped" and (now := sched_s()):
                 for i, key in enumerate(("cpu_s", "cpu_wait_s")):
                     result.metrics[key] = round(max(0.0, sum(v[i] - before.get(pid, (0.0, 0.0))[i] for pid, v in now.items())), 3)
+            pool.settle_spare()                     # the spare's warm-up ends within this stage
             result.reason = redact(result.reason)
             results.append(result)
             if result.status == "failed" or name == until:
