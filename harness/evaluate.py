@@ -142,13 +142,13 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
                 result = StageResult.failed(name, str(e), **e.metrics)
             except WorkerFailure as e:
                 result = StageResult.failed(name, str(e), **{e.kind: 1.0})
+            pool.settle_spare()                     # the spare's warm-up ends within this stage (and its time)
             result.seconds = round(time.monotonic() - t0, 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)
             if result.status != "skipped" and (now := sched_s()):
                 for i, key in enumerate(("cpu_s", "cpu_wait_s")):
                     result.metrics[key] = round(max(0.0, sum(v[i] - before.get(pid, (0.0, 0.0))[i] for pid, v in now.items())), 3)
-            pool.settle_spare()                     # the spare's warm-up ends within this stage
             result.reason = redact(result.reason)
             results.append(result)
             if result.status == "failed" or name == until:

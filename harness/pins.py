@@ -51,9 +51,9 @@ def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], 
     return [tuple(sorted(ordered[a:b])) for a, b in zip(cuts, cuts[1:])]
 
 
-def local_pins(cfg: Config) -> list[Pin]:
-    """slots_per_gpu pins per GPU (executor.gpus: indices among the GPUs this process sees), sharing
-    that GPU's lease; or cpu_slots pins, each its own lease.
+def local_pins(cfg: Config, per_gpu: int | None = None) -> list[Pin]:
+    """`per_gpu` pins per GPU (None: executor.slots_per_gpu; executor.gpus: indices among the GPUs this
+    process sees), sharing that GPU's lease; or cpu_slots pins, each its own lease.
     Either way each slot gets its own share of this process's CPU cores: an evaluation is mostly host
     work, and on the 2-GPU H200 host a job took about 10% longer with a second slot free to use every
     core (docs/BENCHMARKS.md, 2026-11-30 fourth session)."""
@@ -65,7 +65,7 @@ def local_pins(cfg: Config) -> list[Pin]:
         # an index past the GPUs seen fails the slot's health check honestly; past a CUDA_VISIBLE_DEVICES
         # list it must not become a physical index (another slot's GPU, maybe): "-1" makes none visible
         missing = "-1" if seen else None
-        n = ex.slots_per_gpu
+        n = ex.slots_per_gpu if per_gpu is None else per_gpu
         slots = [(i, k, names[i] if i < len(names) else (missing or str(i))) for i in indices for k in range(n)]
         return [Pin(name=f"gpu{i}" if n == 1 else f"gpu{i}.{k}", device="cuda", visible=gpu, cpus=cpus, lease=f"gpu:{gpu}")
                 for (i, k, gpu), cpus in zip(slots, core_shares(len(slots), ex.slot_cores))]
