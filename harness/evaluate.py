@@ -131,7 +131,11 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
         for name, stage in STAGES:
             ctx.stage, ctx.worker_s = name, 0.0
             if on_stage is not None:
+                if ctx.worker is not None:          # nothing of the candidate's runs while its slot waits
+                    ctx.worker.hold_still(True)
                 on_stage(name)                      # a slot's GPU lease is granted there (harness/lease.py)
+                if ctx.worker is not None:
+                    ctx.worker.hold_still(False)
             ctx.reserved = ctx.reserved or reserve(cfg, device)    # first taken within a stage, before any worker
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             before = sched_s()

@@ -287,6 +287,17 @@ class WorkerHandle:
         self.send(msg, doing)
         return self.collect(timeout, doing)
 
+    def hold_still(self, still: bool) -> None:
+        """Stop (SIGSTOP) or continue the worker's process group: between its stages, while its slot waits
+        for its GPU's lease, nothing of the candidate's runs (another slot may be timing on that GPU).
+        GPU work it queued before it was stopped still runs: every call is synchronized before its reply,
+        so only code that escaped the allowlist could have left any (docs/EVALUATOR.md)."""
+        if self.alive:
+            try:
+                os.killpg(self.pid, signal.SIGSTOP if still else signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def kill(self, first_wait: bool = False) -> str:
         """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying
         already (its connection closed); let the zygote collect its real exit status first."""

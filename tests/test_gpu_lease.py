@@ -3,7 +3,7 @@ shared holders together, a holder alone with nobody else, writer preference, fir
 closing wakes every waiter. And real CPU slot processes sharing one lease key (as slots_per_gpu slots
 share their GPU's): each stage a slot ran (Done.spans) never overlaps a timed stage of another slot,
 the lease grants two jobs' shared stages at once, and a slot that hangs while holding the lease is killed, which
-releases it, and its job is re-queued. Slot processes are stopped (SIGSTOP) to hold a stage open, so
+releases it, and its job is re-queued; a candidate's worker is stopped while its slot waits. Slot processes are stopped (SIGSTOP) to hold a stage open, so
 the order of events is forced, never waited for by the clock."""
 from __future__ import annotations
 
@@ -176,6 +176,27 @@ def slot_of(ex: LocalExecutor, job_id: str) -> str:
     return next(slot for slot, running in ex.running().items() if running == job_id)
 
 
+def stopped_below(pid: int) -> list[int]:
+    """The processes below `pid` (its pool's zygote, workers) that are stopped, from the host's /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for task in os.listdir(f"/proc/{p}/task")
+                    for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except OSError:
+            continue
+        for c in kids:
+            try:
+                stat = open(f"/proc/{c}/stat").read()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2] == "T":
+                out.append(c)
+            todo.append(c)
+    return out
+
+
 def overlaps(a, b) -> bool:
     return a.start < b.end and b.start < a.end
 
@@ -201,6 +222,7 @@ def test_no_stage_of_another_slot_runs_beside_a_timed_stage_while_shared_stages_
     try:
         until(lambda: lease.state().waiting_alone == (a_slot,), "a's microbench waits for b's compile")
         assert "microbench" not in a_stages.seen and lease.state().shared == {b_slot}
+        assert stopped_below(one_gpu.pid(a_slot))                 # a's candidate is held still while a waits
     finally:
         os.kill(one_gpu.pid(b_slot), signal.SIGCONT)
     done_a, done_b = a.result(timeout=300), b.result(timeout=300)
