@@ -31,7 +31,7 @@ from typing import Callable, Protocol
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.lease import Holding, Lease, mode_of
-from harness.pins import local_pins
+from harness.pins import local_pins, slot_config
 from harness.slot import Done, Job, Pin, needs_check
 
 OnStage = Callable[[str], None]
@@ -148,7 +148,7 @@ class LocalExecutor:
         theirs.close()
         self._procs[pin.name] = proc
         conn = Connection(ours.detach())
-        conn.send((self.cfg.model_dump_json(), self.target, pin.model_dump_json()))
+        conn.send((slot_config(self.cfg, pin, self.pins).model_dump_json(), self.target, pin.model_dump_json()))
         return proc, conn
 
     def _take(self, slot: str) -> _Entry | None:

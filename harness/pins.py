@@ -1,5 +1,6 @@
 """Where each of the local executor's slots runs: its GPU (CUDA_VISIBLE_DEVICES), its share of this
-process's CPU cores, and the key of the GPU lease it shares with the other slots of its GPU.
+process's CPU cores, the key of the GPU lease it shares with the other slots of its GPU, and its share
+of that GPU's memory (`slot_config`).
 Not here: the slots themselves (harness/slot.py), the lease (harness/lease.py), feeding them jobs
 (harness/executors.py).
 """
@@ -70,3 +71,15 @@ def local_pins(cfg: Config, per_gpu: int | None = None) -> list[Pin]:
         return [Pin(name=f"gpu{i}" if n == 1 else f"gpu{i}.{k}", device="cuda", visible=gpu, cpus=cpus, lease=f"gpu:{gpu}")
                 for (i, k, gpu), cpus in zip(slots, core_shares(len(slots), ex.slot_cores))]
     return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots, ex.slot_cores))]
+
+
+def slot_config(cfg: Config, pin: Pin, pins: list[Pin]) -> Config:
+    """The config a slot runs under: on a GPU that n slots share, each worker's allocator may hold
+    worker.gpu_memory_fraction / n of it, so that one candidate cannot take the memory another slot's
+    candidate, references or replay servers need (a slot's own workers, one at a time, keep the whole
+    share). The cap is in the worker section, so it is part of each verdict's cache key."""
+    n = sum(1 for p in pins if p.device == "cuda" and (p.lease or p.name) == (pin.lease or pin.name))
+    if pin.device != "cuda" or n <= 1:
+        return cfg
+    worker = cfg.worker.model_copy(update={"gpu_memory_fraction": cfg.worker.gpu_memory_fraction / n})
+    return cfg.model_copy(update={"worker": worker})

@@ -19,7 +19,7 @@ from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
 from harness.executors import LocalExecutor
 from harness.lease import Holding, Lease, LeaseState, mode_of
-from harness.pins import core_shares
+from harness.pins import core_shares, slot_config
 from harness.slot import Job, Pin
 from harness.stages import STAGE_NAMES, TIMED_STAGES
 
@@ -144,6 +144,17 @@ def test_slots_per_gpu_is_a_positive_count_named_when_wrong(tmp_path):
     path.write_text(src.replace("\n  slots_per_gpu: 2\n", "\n  slots_per_gpu: 0\n", 1))
     with pytest.raises(ConfigError, match="executor.slots_per_gpu: Input should be greater than or equal to 1"):
         load_config(path)
+
+
+def test_slots_sharing_a_gpu_split_its_memory_cap_so_one_candidate_cannot_take_another_slots_memory():
+    cfg = runtime_only()
+    pins = [Pin(name="gpu0.0", device="cuda", visible="0", lease="gpu:0"), Pin(name="gpu0.1", device="cuda", visible="0", lease="gpu:0"),
+            Pin(name="gpu1", device="cuda", visible="1", lease="gpu:1"), Pin(name="cpu0", device="cpu")]
+    share = [slot_config(cfg, p, pins).worker.gpu_memory_fraction for p in pins]
+    whole = cfg.worker.gpu_memory_fraction
+    assert share == [whole / 2, whole / 2, whole, whole]
+    assert slot_config(cfg, pins[0], pins).worker.model_dump(exclude={"gpu_memory_fraction"}) == cfg.worker.model_dump(
+        exclude={"gpu_memory_fraction"}) and cfg.worker.gpu_memory_fraction == whole       # nothing else changed
 
 
 # -- real slots sharing one lease -------------------------------------------------------------------
