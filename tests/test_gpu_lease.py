@@ -2,8 +2,9 @@
 shared holders together, a holder alone with nobody else, writer preference, first asked first served,
 closing wakes every waiter. And real CPU slot processes sharing one lease key (as slots_per_gpu slots
 share their GPU's): each stage a slot ran (Done.spans) never overlaps a timed stage of another slot,
-the lease grants two jobs' shared stages at once, and a slot that hangs while holding the lease is killed, which
-releases it, and its job is re-queued; a candidate's worker is stopped while its slot waits. Slot processes are stopped (SIGSTOP) to hold a stage open, so
+the lease grants two jobs' shared stages at once, and a slot that hangs while holding the lease is
+killed, which releases it, and its job is re-queued; a candidate's worker is stopped while its slot
+waits; slots sharing a GPU split its memory cap. Slot processes are stopped (SIGSTOP) to hold a stage open, so
 the order of events is forced, never waited for by the clock."""
 from __future__ import annotations
 
@@ -148,7 +149,8 @@ def test_slots_per_gpu_is_a_positive_count_named_when_wrong(tmp_path):
 
 def test_slots_sharing_a_gpu_split_its_memory_cap_so_one_candidate_cannot_take_another_slots_memory():
     cfg = runtime_only()
-    pins = [Pin(name="gpu0.0", device="cuda", visible="0", lease="gpu:0"), Pin(name="gpu0.1", device="cuda", visible="0", lease="gpu:0"),
+    pins = [Pin(name="gpu0.0", device="cuda", visible="0", lease="gpu:0"),
+            Pin(name="gpu0.1", device="cuda", visible="0", lease="gpu:0"),
             Pin(name="gpu1", device="cuda", visible="1", lease="gpu:1"), Pin(name="cpu0", device="cpu")]
     share = [slot_config(cfg, p, pins).worker.gpu_memory_fraction for p in pins]
     whole = cfg.worker.gpu_memory_fraction
