@@ -97,9 +97,10 @@ def evaluate_job(job_json: str, cfg_json: str, target: str) -> str:
 
 def local_cluster(cfg: Config):
     """A cluster on this machine: a scheduler on loopback and one worker process per slot (per GPU,
-    pinned by its Nanny's CUDA_VISIBLE_DEVICES; on a CPU, executor.cpu_slots of them)."""
+    pinned by its Nanny's CUDA_VISIBLE_DEVICES; on a CPU, executor.cpu_slots of them). One per GPU whatever
+    executor.slots_per_gpu says: no lease crosses Dask workers, so two on one GPU would time each other."""
     workers = {}
-    for pin in local_pins(cfg):
+    for pin in local_pins(cfg, per_gpu=1):
         env = {"CUDA_VISIBLE_DEVICES": pin.visible} if pin.device == "cuda" else {}
         workers[pin.name] = {"cls": Nanny, "options": {
             "nthreads": 1, "resources": {RESOURCE: 1}, "env": env, "host": "127.0.0.1", "dashboard": False, "silence_logs": logging.ERROR,

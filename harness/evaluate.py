@@ -125,14 +125,18 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=configured(target, cfg), shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head,
-                      reserved=reserve(cfg, device))
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head)
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:
             ctx.stage, ctx.worker_s = name, 0.0
             if on_stage is not None:
-                on_stage(name)
+                if ctx.worker is not None:          # nothing of the candidate's runs while its slot waits
+                    ctx.worker.hold_still(True)
+                on_stage(name)                      # a slot's GPU lease is granted there (harness/lease.py)
+                if ctx.worker is not None:
+                    ctx.worker.hold_still(False)
+            ctx.reserved = ctx.reserved or reserve(cfg, device)    # first taken within a stage, before any worker
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             before = sched_s()
             t0 = time.monotonic()
@@ -142,6 +146,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
                 result = StageResult.failed(name, str(e), e.failure, **e.metrics)
             except WorkerFailure as e:
                 result = StageResult.failed(name, str(e), e.kind)
+            pool.settle_spare()                     # the spare's warm-up ends within this stage (and its time)
             result.seconds = round(time.monotonic() - t0, 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)

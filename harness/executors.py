@@ -1,10 +1,14 @@
-"""Where evaluations run: the `Executor` protocol, the local executor (a slot process per GPU on this
-machine), `InOrder` (verdicts back in submission order, each id once), and `open_executor`.
+"""Where evaluations run: the `Executor` protocol, the local executor (slot processes on this machine's
+GPUs), `InOrder` (verdicts back in submission order, each id once), and `open_executor`.
 
 An executor takes `Job`s (pure data: an id, a source, the last stage to run) and answers each with a
-future `Done` (harness/slot.py). `LocalExecutor` starts one slot process per GPU (pinned with
-CUDA_VISIBLE_DEVICES) or, on a CPU, `executor.cpu_slots` processes; each slot runs on its own share
-of the cores; a slot thread here feeds its process one job at a time, so no two jobs ever share a GPU. A
+future `Done` (harness/slot.py). `LocalExecutor` starts `executor.slots_per_gpu` slot processes per GPU
+(pinned with CUDA_VISIBLE_DEVICES) or, on a CPU, `executor.cpu_slots` processes; each slot runs on its
+own share of the cores; a slot thread here feeds its process one job at a time. The slots of one GPU
+share its lease (harness/lease.py), held here: a slot's process asks for it before each stage and its
+thread grants it, alone for a timed stage, shared for any other and for a health check, so no two
+timed stages and no timed stage and anything else of kevo's ever share a GPU. A slot silent for longer
+than its stage can take while it holds a lease is killed (`silence_limit_s`), which releases it. A
 slot that fails its health check, at start or after a job whose worker crashed, hung or hit a CUDA error, is taken out
 and the rest go on; with none left, submitting is an error. A slot process that dies mid-job is
 restarted and re-checked, and its job re-queued (first in line), at most `executor.requeue_limit`
@@ -13,7 +17,6 @@ Not here: choosing candidates, repairing them, recording them (agent/).
 """
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -23,14 +26,12 @@ from collections import OrderedDict, deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Callable, Protocol
-
-import torch
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
-from harness.evaluate import resolve_device
+from harness.lease import Holding, Lease, mode_of
+from harness.pins import local_pins, slot_config
 from harness.slot import Done, Job, Pin, needs_check
 
 OnStage = Callable[[str], None]
@@ -53,59 +54,6 @@ class Executor(Protocol):
     def close(self) -> None: ...
 
 
-def core_locality(cpu: int) -> tuple[int, int]:
-    """(NUMA node, first core of its last-level cache group) from sysfs; (0, 0) where the host says nothing."""
-    sysfs = Path("/sys/devices/system/cpu") / f"cpu{cpu}"
-    node = next((int(p.name[4:]) for p in sysfs.glob("node[0-9]*")), 0)
-    group = 0
-    for idx in sorted(sysfs.glob("cache/index[0-9]*")):
-        try:
-            if (idx / "level").read_text().strip() == "3":
-                group = int((idx / "shared_cpu_list").read_text().strip().replace("-", ",").split(",")[0])
-        except (OSError, ValueError):
-            pass
-    return node, group
-
-
-def core_shares(n: int, layout: str = "blocks") -> list[tuple[int, ...]]:
-    """This process's CPU cores dealt out to n slots (`deal_cores`)."""
-    return deal_cores(sorted(os.sched_getaffinity(0)), n, layout)
-
-
-def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], tuple] = core_locality) -> list[tuple[int, ...]]:
-    """The cores dealt out to n slots (one core each where there are fewer cores than slots). blocks:
-    contiguous runs of the cores ordered by `locality` (NUMA node and last-level cache), so that a slot
-    shares as little cache with another as the host allows; interleaved: every n-th core to each; none:
-    every slot gets every core."""
-    if layout == "none":
-        return [tuple(cores)] * n
-    if n > len(cores):
-        return [(cores[i % len(cores)],) for i in range(n)]
-    if layout == "interleaved":
-        return [tuple(cores[i::n]) for i in range(n)]
-    ordered = sorted(cores, key=lambda c: (*locality(c), c))
-    cuts = [len(cores) * i // n for i in range(n + 1)]
-    return [tuple(sorted(ordered[a:b])) for a, b in zip(cuts, cuts[1:])]
-
-
-def local_pins(cfg: Config) -> list[Pin]:
-    """One pin per GPU (executor.gpus: indices among the GPUs this process sees), or cpu_slots pins.
-    Either way each slot gets its own share of this process's CPU cores: an evaluation is mostly host
-    work, and on the 2-GPU H200 host a job took about 10% longer with a second slot free to use every
-    core (docs/BENCHMARKS.md, 2026-11-30 fourth session)."""
-    ex = cfg.executor
-    if resolve_device(cfg).type == "cuda":
-        seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-        names = [v.strip() for v in seen.split(",")] if seen else [str(i) for i in range(torch.cuda.device_count())]
-        indices = list(range(len(names)) if ex.gpus == "auto" else ex.gpus)
-        # an index past the GPUs seen fails the slot's health check honestly; past a CUDA_VISIBLE_DEVICES
-        # list it must not become a physical index (another slot's GPU, maybe): "-1" makes none visible
-        missing = "-1" if seen else None
-        return [Pin(name=f"gpu{i}", device="cuda", visible=names[i] if i < len(names) else (missing or str(i)), cpus=cpus)
-                for i, cpus in zip(indices, core_shares(len(indices), ex.slot_cores))]
-    return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots, ex.slot_cores))]
-
-
 @dataclass
 class _Entry:
     job: Job
@@ -115,8 +63,8 @@ class _Entry:
 
 
 class LocalExecutor:
-    def __init__(self, cfg: Config, target: str, pins: list[Pin] | None = None) -> None:
-        self.cfg, self.target = cfg, target
+    def __init__(self, cfg: Config, target: str, pins: list[Pin] | None = None, slack_s: float | None = None) -> None:
+        self.cfg, self.target, self.slack_s = cfg, target, slack_s     # slack_s: `silence_limit_s`'s
         self.pins = local_pins(cfg) if pins is None else pins
         if len({p.name for p in self.pins}) != len(self.pins):
             raise HarnessError("two evaluation slots share a name: " + ", ".join(p.name for p in self.pins))
@@ -130,6 +78,7 @@ class LocalExecutor:
         self._procs: dict[str, subprocess.Popen] = {}
         self._cond = threading.Condition()
         self._closed = False
+        self.leases = {p.lease or p.name: Lease(p.lease or p.name) for p in self.pins}   # GPU -> its lease
         started = [threading.Event() for _ in self.pins]
         self._threads = [threading.Thread(target=self._serve, args=(pin, ev), name=f"kevo-slot-{pin.name}", daemon=True)
                          for pin, ev in zip(self.pins, started)]
@@ -177,6 +126,8 @@ class LocalExecutor:
                 entry.future.cancel()
             self._queue.clear()
             self._cond.notify_all()
+        for lease in self.leases.values():
+            lease.close()
         for proc in list(self._procs.values()):
             proc.terminate()                       # SIGTERM: the slot closes its pool and exits
         for t in self._threads:
@@ -197,7 +148,7 @@ class LocalExecutor:
         theirs.close()
         self._procs[pin.name] = proc
         conn = Connection(ours.detach())
-        conn.send((self.cfg.model_dump_json(), self.target, pin.model_dump_json()))
+        conn.send((slot_config(self.cfg, pin, self.pins).model_dump_json(), self.target, pin.model_dump_json()))
         return proc, conn
 
     def _take(self, slot: str) -> _Entry | None:
@@ -214,11 +165,15 @@ class LocalExecutor:
 
     def _serve(self, pin: Pin, started: threading.Event) -> None:
         proc = conn = None
+        holding = Holding(self.leases[pin.lease or pin.name], pin.name)
         try:
             while True:
                 if proc is None:
+                    if not holding.hold("shared"):  # the check computes on the GPU: never during a timed stage
+                        return
                     proc, conn = self._start(pin)
-                    why = self._health(conn, pin)
+                    why = self._health(conn, pin, proc)
+                    holding.release()
                     if why:
                         return self._take_out(pin, why)
                     with self._cond:
@@ -228,12 +183,12 @@ class LocalExecutor:
                 if entry is None:
                     return
                 try:
-                    outcome = self._run(conn, entry)
+                    outcome = self._run(conn, entry, holding, proc)
                 except Exception as e:              # a bug here must leave no future pending: not this job's,
                     why = f"{pin.name}: the slot thread failed: {type(e).__name__}: {e}"     # nor the queue's
                     settle(entry.future, error=EvaluationLost(f"{entry.job.id}: {why}"))
                     return self._take_out(pin, why)
-                if outcome == "lost":
+                if outcome in ("lost", "hung"):
                     conn.close()
                     proc.wait()
                     if self._closed:                # killed by close(): no new slot process, no requeue
@@ -242,17 +197,22 @@ class LocalExecutor:
                     with self._cond:
                         self._live.discard(pin.name)
                         self._busy.pop(pin.name, None)
-                    self._requeue(entry, f"the {pin.name} slot process {_how(proc.returncode)}")
+                    self._requeue(entry, f"the {pin.name} slot process " + (_how(proc.returncode) if outcome == "lost" else
+                                  "held its GPU's lease silent for longer than its stage may take, and was killed"))
                     scratch = self._scratch.pop(pin.name, "")
                     if scratch:                     # the killed process could not remove its pool's folder
                         shutil.rmtree(scratch, ignore_errors=True)
                     proc = None
                 elif outcome == "check":
+                    if not holding.hold("shared"):
+                        return
                     conn.send(("check",))
-                    why = self._health(conn, pin)
+                    why = self._health(conn, pin, proc)
+                    holding.release()
                     if why:
                         return self._take_out(pin, why)
         finally:
+            holding.release()                       # a slot thread that ends holds nothing
             started.set()
             if conn is not None:
                 conn.close()
@@ -263,26 +223,47 @@ class LocalExecutor:
                     proc.kill()
                     proc.wait()
 
-    def _health(self, conn, pin: Pin) -> str:
+    def _health(self, conn, pin: Pin, proc: subprocess.Popen) -> str:
         try:
+            if not conn.poll(silence_limit_s(self.cfg, None, self.slack_s)):
+                proc.kill()
+                return f"{pin.name}: the slot process hung in its health check (killed)"
             _, why, self._scratch[pin.name] = conn.recv()
         except (EOFError, OSError):
             return f"{pin.name}: the slot process died during its health check"
         return why
 
-    def _run(self, conn, entry: _Entry) -> str:
-        """'done', 'check' (done, but the slot must be checked first) or 'lost'."""
+    def _run(self, conn, entry: _Entry, holding: Holding, proc: subprocess.Popen) -> str:
+        """'done', 'check' (done, but the slot must be checked first), 'lost' or 'hung' (killed). Each stage
+        the slot asks for starts once its GPU's lease is held here as the stage needs; released at the end."""
         try:
             conn.send(("job", entry.job.model_dump_json()))
         except OSError:
             return "lost"
+        try:
+            return self._answer(conn, entry, holding, proc)
+        finally:
+            holding.release()
+
+    def _answer(self, conn, entry: _Entry, holding: Holding, proc: subprocess.Popen) -> str:
         callback_error: Exception | None = None
+        stage = None
         while True:
             try:
+                if stage is not None and not conn.poll(silence_limit_s(self.cfg, stage, self.slack_s)):
+                    proc.kill()
+                    return "hung"
                 kind, payload = conn.recv()
             except (EOFError, OSError):
                 return "lost"
             if kind == "stage":
+                if not holding.hold(mode_of(payload)):
+                    return "lost"                   # the executor is closing
+                stage = payload
+                try:
+                    conn.send(("go", payload))
+                except OSError:
+                    return "lost"
                 if entry.on_stage is not None and callback_error is None:
                     try:
                         entry.on_stage(payload)
@@ -339,6 +320,14 @@ def settle(fut: Future, result: Done | None = None, error: BaseException | None 
         return True
     except InvalidStateError:
         return False
+
+
+def silence_limit_s(cfg: Config, stage: str | None, slack_s: float | None = None) -> float:
+    """How long a slot may stay silent while it holds its GPU's lease before it is taken for hung: the
+    stage's timeout (for a health check: its pool's start, a fresh worker and the retry) and `slack_s` more for
+    the trusted side's work past the deadline (None: as much again, at least a minute)."""
+    limit = 3 * cfg.worker.start_timeout_s + cfg.executor.health_retry_s if stage is None else getattr(cfg.stages, stage).timeout_s
+    return limit + (max(60.0, limit) if slack_s is None else slack_s)
 
 
 def _how(code: int | None) -> str:

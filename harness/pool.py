@@ -154,8 +154,22 @@ class Pool:
         self._spare = self._fork()
         return handle
 
+    def settle_spare(self) -> None:
+        """Wait for the spare's warm-up (its CUDA context, a matmul under the profiler) to end, so that it
+        runs within the stage that forked it and holds that stage's GPU lease, never during another slot's
+        timed stage (harness/lease.py). A spare that fails meanwhile is dropped; the next spawn forks afresh."""
+        if self._spare is not None and not self._spare.warmed:
+            try:
+                self._spare.receive(self.cfg.start_timeout_s, "warming up")
+                self._spare.warmed = True
+            except WorkerFailure:
+                self._spare.close()
+                self._spare = None
+
     def _hand_over(self, handle: "WorkerHandle", source: str) -> None:
-        handle.receive(self.cfg.start_timeout_s, "warming up")
+        if not handle.warmed:
+            handle.receive(self.cfg.start_timeout_s, "warming up")
+            handle.warmed = True
         reply = handle.request({"cmd": "source", "text": source}, 30, "handing over the candidate's source")
         if not reply.get("ok"):
             handle.close()
@@ -174,6 +188,7 @@ class Pool:
             return str(e)
         finally:
             handle.close()
+            self.settle_spare()
         # A module that imported cleanly is answered with the ops it defines (none here); one whose import
         # raised (a wrong sum, a device error), with the error instead.
         return "" if "ops" in reply else str(reply.get("error", reply))[-1000:]
@@ -215,6 +230,7 @@ class WorkerHandle:
         self.workdir = host_folder          # as the worker sees it: its hello says (before any candidate code runs)
         self.alive = True
         self.sandbox = ""
+        self.warmed = False                 # its warm-up answered (Pool.settle_spare, or when handed over)
 
     def log_tail(self) -> str:
         """The end of the worker's stdout and stderr, read from the memory file made for it."""
@@ -271,6 +287,17 @@ class WorkerHandle:
     def request(self, msg: dict, timeout: float, doing: str) -> dict:
         self.send(msg, doing)
         return self.collect(timeout, doing)
+
+    def hold_still(self, still: bool) -> None:
+        """Stop (SIGSTOP) or continue the worker's process group: between its stages, while its slot waits
+        for its GPU's lease, nothing of the candidate's runs (another slot may be timing on that GPU).
+        GPU work it queued before it was stopped still runs: every call is synchronized before its reply,
+        so only code that escaped the allowlist could have left any (docs/EVALUATOR.md)."""
+        if self.alive:
+            try:
+                os.killpg(self.pid, signal.SIGSTOP if still else signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def kill(self, first_wait: bool = False) -> str:
         """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying

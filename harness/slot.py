@@ -2,8 +2,10 @@
 at a time, with its own worker pool and a health check of its device.
 
 Every stage of a job runs in its slot, the microbench and the full scored replay included, and a
-slot runs one job at a time; with one slot per GPU, nothing else runs on a GPU while a microbench
-times on it or a replay serves from it (docs/CLUSTER.md). Pinning is by environment and affinity,
+slot runs one job at a time. Several slots may share a GPU (executor.slots_per_gpu): a slot process
+started by harness/executors.py asks its executor before each stage and waits for the grant of that
+GPU's lease (harness/lease.py), so nothing else of kevo's runs on a GPU while a microbench times on it
+or a replay serves from it (docs/EVALUATOR.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
 inherit it. The health check (`device_health`, the one every caller uses: slots, `kevo-agent evaluate`
 and a run in the loop's own pool) is a known sum computed on the device in the caller's process, then a
@@ -49,6 +51,15 @@ class Job(BaseModel):
     head: str | None = None   # the current head of the candidate's op, which the replay judges it against (None: torch)
 
 
+class Span(BaseModel):
+    """One stage as its slot ran it: from its start (after the slot's lease was granted) to the next
+    stage's request or the verdict; CLOCK_MONOTONIC seconds, one clock for every process on a host."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    stage: str
+    start: float
+    end: float
+
+
 class Done(BaseModel):
     """A job's verdict and where and when it was reached (diagnostics; not part of any ledger)."""
     model_config = ConfigDict(extra="forbid")
@@ -57,6 +68,7 @@ class Done(BaseModel):
     slot: str                 # gpu1, cpu0, or a Dask worker's address
     started: float            # wall clock (time.time) in the slot
     ended: float
+    spans: list[Span] = []    # each stage run, as the slot ran it (none for a verdict from the cache)
 
 
 class Pin(BaseModel):
@@ -66,6 +78,7 @@ class Pin(BaseModel):
     device: Literal["cuda", "cpu"]
     visible: str | None = None        # the CUDA_VISIBLE_DEVICES value (an index or a GPU UUID)
     cpus: tuple[int, ...] = ()        # empty: leave the affinity as it is
+    lease: str = ""                   # the key of the GPU lease the slot shares with the others on its GPU ("": its own)
 
 
 def _health_once(device: torch.device | str, pool: Pool) -> str:
@@ -148,11 +161,24 @@ class Slot:
         return f"{host}/cpu{sorted(os.sched_getaffinity(0))}"
 
     def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
-        started = time.time()
+        """Judge a job; `on_stage(name)` is called before each stage starts, and the stage waits for it
+        to return (a slot process asks for its GPU's lease there)."""
+        started, spans = time.time(), []
+
+        def stage(name: str) -> None:
+            if spans:
+                spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
+            if on_stage is not None:
+                on_stage(name)
+            now = time.monotonic()
+            spans.append(Span(stage=name, start=now, end=now))
+
         verdict = evaluate_cached(job.source, self.target, self.cfg, self._pool(), job=job.id,
-                                  where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=on_stage,
+                                  where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=stage,
                                   beat=job.beat, head=job.head)
-        return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time())
+        if spans:
+            spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
+        return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time(), spans=spans)
 
     def scratch(self) -> str:
         """The pool's scratch folder, for whoever must clean up after this process is killed."""
@@ -167,7 +193,9 @@ class Slot:
 def serve(fd: int) -> None:
     """A slot process (`python -m harness.slot FD`, started by harness/executors.py). The first message
     on FD is (config JSON, target, pin JSON); then it answers ("check",) and ("job", JSON) until FD
-    closes. SIGTERM ends it with its pool closed; SIGINT is left to the process that started it."""
+    closes. Before each stage of a job it sends ("stage", name) and waits for ("go", name): the grant of
+    its GPU's lease, held by the executor. SIGTERM ends it with its pool closed; SIGINT is left to the
+    process that started it."""
     from harness.sandbox import die_with_parent
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -186,8 +214,14 @@ def serve(fd: int) -> None:
                 conn.send(("health", slot.check(), slot.scratch()))
                 continue
             job = Job.model_validate_json(msg[1])
+
+            def granted(name: str) -> None:
+                conn.send(("stage", name))
+                if (reply := conn.recv()) != ("go", name):
+                    raise HarnessError(f"the executor answered {str(reply)[:100]} to a request for the {name} stage")
+
             try:
-                done = slot.run(job, on_stage=lambda name: conn.send(("stage", name)))
+                done = slot.run(job, on_stage=granted)
             except HarnessError as e:
                 conn.send(("error", str(e)))
                 continue

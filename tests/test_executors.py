@@ -15,7 +15,8 @@ from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
-from harness.executors import InOrder, LocalExecutor, core_shares, deal_cores, local_pins
+from harness.executors import InOrder, LocalExecutor
+from harness.pins import core_shares, deal_cores, local_pins
 from harness.slot import Job, Pin, device_health
 
 # Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
@@ -68,6 +69,7 @@ def test_local_slots_evaluate_at_once_and_agree_with_a_serial_run(local, serial)
                    if a.slot != b.slot and a.started < b.ended and b.started < a.ended]
     assert overlapping, [(d.id, d.slot, d.started, d.ended) for d in done]
     assert local.capacity == 2                             # the crash's health re-check kept its slot
+    assert len(local.leases) == 3                          # CPU slots: each its own lease, nothing waits on another
 
 
 def test_each_slot_gets_a_share_of_the_cores_no_other_slot_has():
@@ -153,11 +155,12 @@ def test_an_executor_mistake_is_one_line_naming_the_key(tmp_path, old, new, word
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
 def test_a_gpu_slot_pinned_to_a_missing_gpu_is_taken_out_and_gpu0_evaluates():
-    cfg = config_with(**{"executor.gpus": [0, 99]})
+    cfg = config_with(**{"executor.gpus": [0, 99], "executor.slots_per_gpu": 2})
     with LocalExecutor(cfg, "attention") as ex:
-        assert set(ex.removed) == {"gpu99"} and "CUDA_VISIBLE_DEVICES=99" in ex.removed["gpu99"]
+        assert set(ex.removed) == {"gpu99.0", "gpu99.1"} and "CUDA_VISIBLE_DEVICES=99" in ex.removed["gpu99.0"]
+        assert ex.capacity == 2 and len(ex.leases) == 2                 # two slots on GPU 0, one lease per GPU
         done = ex.submit(Job(id="g001", source=REF_DECODE, until="parity")).result(timeout=900)
-        assert done.slot == "gpu0" and done.verdict.ok, done.verdict.reason
+        assert done.slot in ("gpu0.0", "gpu0.1") and done.verdict.ok, done.verdict.reason
 
 
 class _PassingDevice:

@@ -14,3 +14,6 @@ STAGES = (
     ("replay", replay_stage),
 )
 STAGE_NAMES = tuple(name for name, _ in STAGES)
+# The stages whose figures are timings (the worker's events, the replay's client clock): each holds its GPU
+# alone, with nothing else of kevo's running on it (harness/lease.py); every other stage may share it.
+TIMED_STAGES = frozenset({"microbench", "replay"})

@@ -190,8 +190,8 @@ def _draw_sets(ctx: EvalContext, case) -> list:
     return [draw(ctx, case, "normal") for _ in range(ctx.cfg.stages.microbench.input_sets)]
 
 
-def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanwhile=lambda: None) -> dict[str, float]:
-    """Time one served case; `meanwhile()` runs on this side while the worker times (the next draws)."""
+def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dict[str, float]:
+    """Time one served case; this side waits, computing nothing, while the worker times."""
     m = ctx.cfg.stages.microbench
     spec = ctx.target.ops[case.op]
     cached_anchor = _ANCHOR_RATE.get(_anchor_key(ctx, case))
@@ -203,7 +203,6 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, meanw
               # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
               "check_rep": secrets.randbelow(m.reps)}, f"timing {case.label}")
     t_send = time.perf_counter()
-    meanwhile()
     reply = ctx.collect(f"timing {case.label}", "time")
     timed_s = time.perf_counter() - t_send
     if not reply.ok:
@@ -286,11 +285,10 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     metrics: dict[str, float] = {}
     lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
     plan = timing_plan(ctx)
-    drawn = [_draw_sets(ctx, plan[0][1])] if plan else []
+    drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
-        more = (lambda c=plan[k + 1][1]: drawn.append(_draw_sets(ctx, c))) if k + 1 < len(plan) else (lambda: None)
-        row = _bench_case(ctx, case, drawn[k], flush, meanwhile=more)
+        row = _bench_case(ctx, case, drawn[k], flush)
         metrics.update({figure_metric(case, figure): v for figure, v in row.items()})
         num += case.weight * row["baseline_ms"]
         den += case.weight * row["candidate_ms"]

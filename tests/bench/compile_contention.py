@@ -8,7 +8,7 @@ have separate GPUs and separate core shares and their processes waited no longer
 (`cpu_wait_s`); the seventh session's found none (docs/BENCHMARKS.md). This separates the
 host from kevo: it runs tests/bench/jit_first_calls.py (the reference kernels' first calls on 13 shape
 classes: nearly all compile time) alone on every core and then twice at once, one per GPU, each process
-pinned to its slot's core share (harness.executors.core_shares, as the evaluation slots are) with its
+pinned to its slot's core share (harness.pins.core_shares, as the evaluation slots are) with its
 own empty Triton cache, and prints each process's summed first-call time. With --layouts it also runs
 alone on slot 0's share and on one core, and side by side on halves and on every other core. Each
 round runs every layout once, starting one layout later than the round before, so that a layout's
@@ -28,14 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from harness.executors import core_locality, core_shares  # noqa: E402
+from harness.pins import core_locality, core_shares  # noqa: E402
 
 FIRST_CALLS = ROOT / "tests" / "bench" / "jit_first_calls.py"
 
 
 def topology() -> str:
     """The CPU model, and each (NUMA node, last-level cache group) with its cores as the slots' dealer sees
-    them (harness.executors.core_locality; a VM may hide the groups)."""
+    them (harness.pins.core_locality; a VM may hide the groups)."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), "?")
     groups: dict[tuple[int, int], list[int]] = {}

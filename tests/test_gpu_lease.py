@@ -1,0 +1,287 @@
+"""Several slots on one GPU: only the timed stages hold it alone. The lease itself (harness/lease.py):
+shared holders together, a holder alone with nobody else, writer preference, first asked first served,
+closing wakes every waiter. And real CPU slot processes sharing one lease key (as slots_per_gpu slots
+share their GPU's): each stage a slot ran (Done.spans) never overlaps a timed stage of another slot,
+the lease grants two jobs' shared stages at once, and a slot that hangs while holding the lease is
+killed, which releases it, and its job is re-queued; a candidate's worker is stopped while its slot
+waits; slots sharing a GPU split its memory cap. Slot processes are stopped (SIGSTOP) to hold a stage open, so
+the order of events is forced, never waited for by the clock."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from candidates import REF_DECODE
+from conftest import CUDA, ROOT, config_with, runtime_only
+from harness.config import ConfigError, load_config
+from harness.executors import LocalExecutor
+from harness.lease import Holding, Lease, LeaseState, mode_of
+from harness.pins import core_shares, slot_config
+from harness.slot import Job, Pin
+from harness.stages import STAGE_NAMES, TIMED_STAGES
+
+KEY = "gpu:one"          # the lease both CPU slots share, as two slots of one GPU do
+
+
+def until(condition, what: str, limit_s: float = 120.0) -> None:
+    """Wait for a condition another thread or process brings about (a hang guard, not a measurement)."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def acquiring(lease: Lease, holder: str, mode: str) -> tuple[threading.Thread, list[bool]]:
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(lease.acquire(holder, mode)), daemon=True)
+    t.start()
+    return t, got
+
+
+# -- the lease ----------------------------------------------------------------------------------------
+
+def test_timed_stages_hold_the_gpu_alone_and_every_other_stage_shares_it():
+    assert TIMED_STAGES == {"microbench", "replay"} and TIMED_STAGES < set(STAGE_NAMES)
+    assert [mode_of(s) for s in STAGE_NAMES] == ["shared", "shared", "shared", "alone", "alone"]
+
+
+def test_shared_holders_hold_together_and_a_holder_alone_waits_for_all_of_them():
+    lease = Lease(KEY)
+    assert lease.acquire("a", "shared") and lease.acquire("b", "shared")
+    t, got = acquiring(lease, "w", "alone")
+    until(lambda: lease.state().waiting_alone == ("w",), "w waits")
+    lease.release("a")
+    assert lease.state().alone is None and lease.state().waiting_alone == ("w",)    # b still holds it
+    lease.release("b")
+    t.join(10)
+    assert got == [True] and lease.state().alone == "w" and not lease.state().shared
+
+
+def test_once_a_timed_stage_waits_no_new_shared_holder_starts_before_it():
+    lease = Lease(KEY)
+    assert lease.acquire("a", "shared")
+    tw, got_w = acquiring(lease, "w", "alone")
+    until(lambda: lease.state().waiting_alone == ("w",), "w waits")
+    tb, got_b = acquiring(lease, "b", "shared")                  # a newcomer, or a slot's next shared stage
+    until(lambda: "b" in lease.state().waiting_shared, "b waits")
+    assert lease.state().shared == {"a"}                          # b did not start beside a while w waits
+    lease.release("a")
+    tw.join(10)
+    state = lease.state()
+    assert got_w == [True] and state.alone == "w" and state.waiting_shared == {"b"} and not got_b
+    lease.release("w")
+    tb.join(10)
+    assert got_b == [True] and lease.state().shared == {"b"}
+
+
+def test_two_timed_stages_never_hold_one_gpu_together_and_are_served_first_asked_first():
+    for _ in range(10):                                           # which waiter wakes first is the scheduler's choice
+        lease = Lease(KEY)
+        assert lease.acquire("m1", "alone")
+        t2, got2 = acquiring(lease, "m2", "alone")
+        until(lambda: lease.state().waiting_alone == ("m2",), "m2 waits")
+        t3, got3 = acquiring(lease, "m3", "alone")
+        until(lambda: lease.state().waiting_alone == ("m2", "m3"), "m3 waits behind m2")
+        tb, got_b = acquiring(lease, "b", "shared")
+        until(lambda: "b" in lease.state().waiting_shared, "b waits")
+        lease.release("m1")
+        t2.join(10)
+        assert got2 == [True] and lease.state().alone == "m2" and not got3 and not got_b
+        lease.release("m2")
+        t3.join(10)
+        assert got3 == [True] and lease.state().alone == "m3" and not got_b
+        lease.release("m3")
+        tb.join(10)
+        assert got_b == [True]
+
+
+def test_a_holding_lets_go_before_it_asks_again_so_two_slots_moving_to_timed_stages_cannot_deadlock():
+    lease = Lease(KEY)
+    a, b = Holding(lease, "a"), Holding(lease, "b")
+    assert a.hold("shared") and b.hold("shared")                  # both in parity
+    t, got = [], []
+    t.append(threading.Thread(target=lambda: got.append(a.hold("alone")), daemon=True))
+    t[0].start()                                                  # a's microbench waits for b's parity
+    until(lambda: lease.state().waiting_alone == ("a",), "a waits")
+    assert lease.state().shared == {"b"}                          # a let go of its parity's share
+    t.append(threading.Thread(target=lambda: got.append(b.hold("alone")), daemon=True))
+    t[1].start()                                                  # b's microbench: a goes first, then b
+    t[0].join(10)
+    assert lease.state().alone == "a" and lease.state().waiting_alone == ("b",)
+    a.release()
+    t[1].join(10)
+    assert got == [True, True] and lease.state().alone == "b"
+    b.release()
+    assert lease.state() == Lease(KEY).state()
+
+
+def test_releasing_a_holder_frees_what_it_held_in_either_mode_and_closing_wakes_every_waiter():
+    lease = Lease(KEY)
+    assert lease.acquire("dead", "alone")
+    lease.release("dead")
+    lease.release("never-held")                                   # nothing held: nothing happens
+    assert lease.acquire("x", "shared")
+    with pytest.raises(RuntimeError, match="asked for the gpu:one lease while holding it"):
+        lease.acquire("x", "alone")
+    tw, got_w = acquiring(lease, "w", "alone")
+    until(lambda: lease.state().waiting_alone == ("w",), "w waits")
+    tb, got_b = acquiring(lease, "b", "shared")
+    until(lambda: "b" in lease.state().waiting_shared, "b waits")
+    lease.close()
+    tw.join(10)
+    tb.join(10)
+    assert got_w == [False] and got_b == [False]
+    assert not lease.state().waiting_alone and not lease.state().waiting_shared
+
+
+def test_slots_per_gpu_is_a_positive_count_named_when_wrong(tmp_path):
+    src = (ROOT / "config.yaml").read_text()
+    assert "\n  slots_per_gpu: 1\n" in src
+    path = tmp_path / "config.yaml"
+    path.write_text(src.replace("\n  slots_per_gpu: 1\n", "\n  slots_per_gpu: 0\n", 1))
+    with pytest.raises(ConfigError, match="executor.slots_per_gpu: Input should be greater than or equal to 1"):
+        load_config(path)
+
+
+def test_slots_sharing_a_gpu_split_its_memory_cap_so_one_candidate_cannot_take_another_slots_memory():
+    cfg = runtime_only()
+    pins = [Pin(name="gpu0.0", device="cuda", visible="0", lease="gpu:0"),
+            Pin(name="gpu0.1", device="cuda", visible="0", lease="gpu:0"),
+            Pin(name="gpu1", device="cuda", visible="1", lease="gpu:1"), Pin(name="cpu0", device="cpu")]
+    share = [slot_config(cfg, p, pins).worker.gpu_memory_fraction for p in pins]
+    whole = cfg.worker.gpu_memory_fraction
+    assert share == [whole / 2, whole / 2, whole, whole]
+    assert slot_config(cfg, pins[0], pins).worker.model_dump(exclude={"gpu_memory_fraction"}) == cfg.worker.model_dump(
+        exclude={"gpu_memory_fraction"}) and cfg.worker.gpu_memory_fraction == whole       # nothing else changed
+
+
+# -- real slots sharing one lease -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_gpu():
+    """Two CPU slot processes sharing one lease key; parity's checks cut to one per shape (a job through
+    microbench in seconds); a dispatch stage may take 4 s and a slot silent 1 s past that is hung."""
+    cfg = runtime_only(**{"executor.cpu_slots": 2, "stages.parity.checks_per_shape": 1, "stages.dispatch.timeout_s": 4})
+    pins = [Pin(name=f"cpu{i}", device="cpu", cpus=cpus, lease=KEY) for i, cpus in enumerate(core_shares(2))]
+    with LocalExecutor(cfg, "attention", pins, slack_s=1.0) as ex:
+        assert list(ex.leases) == [KEY] and ex.capacity == 2
+        yield ex
+
+
+class Stages:
+    """The executor's on_stage calls of a job (each made once its stage was granted), and a hook per stage."""
+
+    def __init__(self, hooks: dict | None = None) -> None:
+        self.seen: list[str] = []
+        self.hooks = hooks or {}
+
+    def __call__(self, name: str) -> None:
+        self.seen.append(name)
+        if name in self.hooks:
+            self.hooks[name]()
+
+
+def slot_of(ex: LocalExecutor, job_id: str) -> str:
+    return next(slot for slot, running in ex.running().items() if running == job_id)
+
+
+def stopped_below(pid: int) -> list[int]:
+    """The processes below `pid` (its pool's zygote, workers) that are stopped, from the host's /proc."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(c) for task in os.listdir(f"/proc/{p}/task")
+                    for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+        except OSError:
+            continue
+        for c in kids:
+            try:
+                stat = open(f"/proc/{c}/stat").read()
+            except OSError:
+                continue
+            if stat[stat.rindex(")") + 2] == "T":
+                out.append(c)
+            todo.append(c)
+    return out
+
+
+def overlaps(a, b) -> bool:
+    return a.start < b.end and b.start < a.end
+
+
+def test_no_stage_of_another_slot_runs_beside_a_timed_stage_while_shared_stages_of_two_jobs_overlap(one_gpu):
+    lease = one_gpu.leases[KEY]
+    a_job, b_job = Job(id="a1", source=REF_DECODE, until="microbench"), Job(id="b1", source=REF_DECODE, until="compile")
+    in_parity = threading.Event()
+    a_stages = Stages({"parity": in_parity.set})
+    a = one_gpu.submit(a_job, on_stage=a_stages)
+    assert in_parity.wait(120)
+    a_slot = slot_of(one_gpu, "a1")
+    os.kill(one_gpu.pid(a_slot), signal.SIGSTOP)                  # a's parity held open ...
+    try:
+        in_compile, beside = threading.Event(), []
+        b_stages = Stages({"compile": lambda: (beside.append(lease.state().shared), in_compile.set())})
+        b = one_gpu.submit(b_job, on_stage=b_stages)
+        assert in_compile.wait(120)                               # ... while b's compile starts beside it
+        b_slot = slot_of(one_gpu, "b1")
+        os.kill(one_gpu.pid(b_slot), signal.SIGSTOP)              # b's compile held open
+    finally:
+        os.kill(one_gpu.pid(a_slot), signal.SIGCONT)
+    try:
+        until(lambda: lease.state().waiting_alone == (a_slot,), "a's microbench waits for b's compile")
+        assert "microbench" not in a_stages.seen and lease.state().shared == {b_slot}
+        assert stopped_below(one_gpu.pid(a_slot))                 # a's candidate is held still while a waits
+    finally:
+        os.kill(one_gpu.pid(b_slot), signal.SIGCONT)
+    done_a, done_b = a.result(timeout=300), b.result(timeout=300)
+    assert done_a.verdict.ok and done_b.verdict.ok, (done_a.verdict.reason, done_b.verdict.reason)
+    assert [s.stage for s in done_a.spans] == a_stages.seen == ["compile", "dispatch", "parity", "microbench"]
+    assert [s.stage for s in done_b.spans] == b_stages.seen == ["compile"]
+    spans = [(d.slot, s) for d in (done_a, done_b) for s in d.spans]
+    beside_timed = [(x.stage, y.stage) for sx, x in spans for sy, y in spans
+                    if sx != sy and (x.stage in TIMED_STAGES or y.stage in TIMED_STAGES) and overlaps(x, y)]
+    assert not beside_timed, spans
+    assert beside == [{a_slot, b_slot}]                           # two jobs' shared stages granted at once
+    parity, micro, compile_b = done_a.spans[2], done_a.spans[3], done_b.spans[0]
+    assert parity.end < compile_b.end <= micro.start              # a's microbench waited for b's compile
+    assert lease.state() == LeaseState(None, frozenset(), (), frozenset())       # each job let go at its end
+
+
+def test_a_slot_that_hangs_holding_the_lease_is_killed_which_releases_it_and_its_job_is_requeued(one_gpu):
+    lease = one_gpu.leases[KEY]
+    stopped: list[str] = []
+
+    def stop_its_slot() -> None:                                  # the slot hangs at its dispatch stage
+        if not stopped:
+            stopped.append(slot_of(one_gpu, "h1"))
+            os.kill(one_gpu.pid(stopped[0]), signal.SIGSTOP)
+
+    hung = one_gpu.submit(Job(id="h1", source=REF_DECODE, until="dispatch"), on_stage=Stages({"dispatch": stop_its_slot}))
+    until(lambda: bool(stopped), "h1 reaches dispatch")
+    assert stopped[0] in lease.state().shared
+    timed = one_gpu.submit(Job(id="t1", source=REF_DECODE, until="microbench"))
+    done_t, done_h = timed.result(timeout=180), hung.result(timeout=180)     # no deadlock on the dead share
+    assert done_t.verdict.ok and [s.stage for s in done_t.spans][-1] == "microbench"
+    assert done_h.verdict.ok and one_gpu.requeued["h1"] == 1
+    assert lease.state().alone is None and not lease.state().waiting_alone
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_on_a_gpu_two_slots_overlap_cheap_stages_and_no_stage_runs_beside_a_microbench():
+    cfg = config_with(**{"executor.gpus": [0], "executor.slots_per_gpu": 2})
+    jobs = [Job(id=f"g{i}", source=REF_DECODE, until="microbench" if i % 2 else "parity") for i in range(4)]
+    with LocalExecutor(cfg, "attention") as ex:
+        assert ex.capacity == 2 and len(ex.leases) == 1
+        done = [f.result(timeout=900) for f in [ex.submit(j) for j in jobs]]
+    assert all(d.verdict.failed_stage in (None, "microbench") for d in done), [d.verdict.reason for d in done]
+    assert [s.stage for s in done[1].spans][-1] == "microbench" and done[1].verdict.stages[-1].status != "skipped"
+    spans = [(d.slot, s) for d in done for s in d.spans]
+    pairs = [(x, y) for sx, x in spans for sy, y in spans if sx != sy and overlaps(x, y)]
+    assert not [(x.stage, y.stage) for x, y in pairs if x.stage in TIMED_STAGES or y.stage in TIMED_STAGES], spans
+    assert pairs                                                  # the cheap stages did run side by side
