@@ -305,5 +305,6 @@ def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_ne
     assert nxt.parent == accepted.id and nxt.claim.op_share == pytest.approx(new_f)
     message = Ledger(loop.root).repo.head.commit.message
     assert f"Vs-cuDNN: {0.050 / (0.060 / 1.4):.4f}" in message                          # kevo/cuDNN, per candidate
+    assert message.index("Vs-cuDNN:") < message.index("\nSpeedup:")                   # the library first, torch second
     best = json.loads(Ledger(loop.root).committed("summary.json"))["best"]["decode"]
     assert best["vs_cudnn"] == pytest.approx(0.050 / (0.060 / 1.4)) and best["vs_torch"] == pytest.approx(1.4)

@@ -230,12 +230,16 @@ def test_ledger_lists_one_row_per_candidate_with_claim_stage_verdict_speedups_an
     assert rows["c004"]["observed"] == pytest.approx(1.02 / 1.10) and rows["c004"]["stage"] == "microbench"
     assert rows["c006"]["stage"] == "replay" and rows["c006"]["verdict"] == "rejected"
     assert rows["c001"]["stage"] == "compile" and rows["c001"]["rounds"] == 2
+    shapes = SHAPES["decode"]                          # c005 at 1.32x torch: against cuDNN from the anchor's times
+    mix = sum(c.weight * a for c, _, a in shapes) / sum(c.weight * b / 1.32 for c, b, _ in shapes)
+    assert rows["c005"]["vs_cudnn"] == pytest.approx(mix) and rows["c001"]["vs_cudnn"] is None
 
     code, out, _ = kevo(capsys, "ledger", str(ledger.root))
     assert code == 0
     text = " ".join(out.split())
     assert all(r.id in text for r in records) and "rejected" in text and "not-worth-coding" in text
     assert "0.927x" in text and "$0.0140" in text                # c004's observed local speedup; c005's cost
+    assert "pred s obs s cuDNN torch cost" in text and f"{mix:.3f}x 1.320x" in text   # the library first, then torch
 
 
 def test_ledger_piped_keeps_every_claim_and_conclusion_whole_on_its_line(gpu_run, capsys, monkeypatch):

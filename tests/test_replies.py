@@ -20,6 +20,7 @@ from conftest import RUNTIME_ONLY, config_with
 from test_ledger import candidate, commit, new_ledger
 
 from harness.evaluate import device_shapes
+from harness.lease import Holding, Lease
 from harness.executors import EvaluationLost, LocalExecutor, _Entry
 from harness.pool import WorkerFailure
 from harness.records import StageResult, Verdict
@@ -246,7 +247,10 @@ def test_a_slot_answer_that_does_not_validate_settles_the_job_s_future_instead_o
     bad = '{"id": "c001", "verdict": {"ok": true}, "slot": "cpu0", "started": 0, "ended": 1}'
     feeder = threading.Thread(target=lambda: (theirs.recv(), theirs.send(("done", bad))), daemon=True)
     feeder.start()
-    outcome = LocalExecutor._run(None, ours, entry)          # the slot thread's reading of one job's answer
+    holding = Holding(Lease("cpu:test"), "cpu0")
+    executor = object.__new__(LocalExecutor)                 # no slot processes: only its reading of one job's answer
+    executor.cfg, executor.slack_s = config_with(), None
+    outcome = executor._run(ours, entry, holding, None)
     assert outcome == "check"
     with pytest.raises(EvaluationLost, match="c001: the slot's answer does not validate"):
         entry.future.result(timeout=5)

@@ -95,12 +95,16 @@ def candidate_body(record: CandidateRecord) -> list[str]:
             f"conclusion: {record.conclusion.learned}"]
 
 
-def candidate_trailers(record: CandidateRecord) -> dict[str, object]:
+def candidate_trailers(record: CandidateRecord, extra: dict[str, object] | None = None) -> dict[str, object]:
+    """The verdict's trailers, the speed against the library (`Vs-cuDNN`, in `extra` when timed) first among
+    the figures, before the speed over torch; the rest of `extra` after them."""
     c = record.claim
+    extra = dict(extra or {})
+    library = {"Vs-cuDNN": extra.pop("Vs-cuDNN")} if "Vs-cuDNN" in extra else {}
     return {"Candidate": record.id, "Parent": record.parent or "n/a", "Op": record.op, "Stage": record.stage,
-            "Verdict": record.outcome, "Speedup": num(record.speedup), "Local-Speedup": num(record.local_speedup),
+            "Verdict": record.outcome, **library, "Speedup": num(record.speedup), "Local-Speedup": num(record.local_speedup),
             "Predicted": num(c.expected_speedup if c else None), "Ceiling": num(c.ceiling if c else None),
-            "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}"}
+            "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}", **extra}
 
 
 def readme(r: CandidateRecord) -> str:

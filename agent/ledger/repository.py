@@ -252,7 +252,7 @@ class Ledger:
         if new_best:
             files[f"best/{record.op}.py"] = record.source or ""
         sha = self.commit(messages.subject(record), messages.candidate_body(record), files,
-                          {**messages.candidate_trailers(record), **(trailers or {})})
+                          messages.candidate_trailers(record, trailers))
         if new_best:
             self.tag(f"best-{record.op}", sha)
         if record.outcome == "accepted":

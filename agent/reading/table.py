@@ -1,5 +1,5 @@
 """The ledger as rows: one per candidate — claim, stage reached, verdict, predicted against observed
-speedup, conclusion, cost — read from a run's committed files, and shown as a terminal table (rich,
+speedup, the served mix against cuDNN (first) and against torch, conclusion, cost — read from a run's committed files, and shown as a terminal table (rich,
 like agent/reading/view.py) or as JSON.
 
 Also finds a run's ledger from what a person types: a path, or a bare run id under the configured
@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from agent.ledger.repository import Ledger, LedgerError
+from agent.reading.figures import speed
 from agent.records import CandidateRecord, RunHeader
 
 _STYLE = {"accepted": "bold green", "passed": "green", "rejected": "red", "not-worth-coding": "yellow",
@@ -36,6 +37,7 @@ class Row(BaseModel):
     verdict: str                    # the outcome: accepted, passed, rejected, not-worth-coding, malformed, unevaluated
     predicted: float | None         # the claim's expected local speedup s over its parent
     observed: float | None          # measured local speedup over the parent, when both were timed
+    vs_cudnn: float | None          # served-mix speed against cuDNN SDPA on equal shapes (microbench), when timed
     speedup: float | None           # served-mix speedup over the torch baseline (microbench), when timed
     kill_test_fired: bool | None
     conclusion: str
@@ -49,7 +51,7 @@ def row(r: CandidateRecord) -> Row:
     return Row(id=r.id, op=r.op, parent=r.parent, proposer=r.proposer,
                claim=r.claim.hypothesis if r.claim else f"(no claim) {r.reason}".strip(), stage=r.stage,
                verdict=r.outcome, predicted=r.claim.expected_speedup if r.claim else None, observed=r.local_speedup,
-               speedup=r.speedup, kill_test_fired=r.conclusion.kill_test_fired, conclusion=r.conclusion.learned,
+               vs_cudnn=speed(r.verdict, r.op).mix_vs_cudnn if r.verdict else None, speedup=r.speedup, kill_test_fired=r.conclusion.kill_test_fired, conclusion=r.conclusion.learned,
                rounds=len(r.rounds), cost_usd=r.cost_usd, seconds=r.seconds, started=r.started)
 
 
@@ -83,17 +85,17 @@ def _table(header: RunHeader, items: list[Row]) -> list:
     t = Table(title=escape(f"run {header.id}: {header.target} ({', '.join(header.ops)}), {header.provider} on "
                            f"{header.device} ({header.arch}); {len(items)} candidates"),
               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, padding=(0, 1))
-    for col in ("id", "stage", "verdict", "pred s", "obs s", "torch", "cost"):
+    for col in ("id", "stage", "verdict", "pred s", "obs s", "cuDNN", "torch", "cost"):
         t.add_column(col, no_wrap=True, justify="left" if col in ("id", "stage", "verdict") else "right")
     t.add_column("claim / conclusion", overflow="fold", min_width=20)
     for r in items:
         t.add_row(f"{r.id}\n[dim]{r.op}[/]", r.stage, f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", x(r.predicted),
-                  x(r.observed), x(r.speedup), f"${r.cost_usd:.4f}",
+                  x(r.observed), x(r.vs_cudnn), x(r.speedup), f"${r.cost_usd:.4f}",
                   f"{escape(r.claim)}\n[dim]» {escape(r.conclusion)}[/]", end_section=True)
     if not items:
         return [t, "no candidates yet"]
     if all(r.speedup is None for r in items):
-        return [t, escape(f"no candidate was timed on {header.device}: 'obs s' and 'torch' stay empty")]
+        return [t, escape(f"no candidate was timed on {header.device}: 'obs s', 'cuDNN' and 'torch' stay empty")]
     return [t]
 
 
