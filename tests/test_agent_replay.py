@@ -118,21 +118,21 @@ def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, 
         rejudge(root, small(), pool, only=["c009"])
 
 
-def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
+def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path, capsys):
     root = past.ledger
     before = untouched(root)
     allowed = {m: names for m, names in small().stages.compile.allowed_names.items() if m != "math"}
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(small(**{"stages.compile.allowed_names": allowed}).model_dump(mode="json")))
-    done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root), "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 1, done.stderr
-    replay = json.loads(done.stdout)
+    code = main(["--config", str(cfg), "replay", str(root), "--json"])     # in this process: no interpreter to start
+    done = capsys.readouterr()
+    assert code == 1, done.err
+    replay = json.loads(done.out)
     changes = {r["ref"]: (r["change"], r["now"] and r["now"]["stage"]) for r in replay["rows"]}
     assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
                        "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
     assert any(c.startswith("stages.compile.allowed_names") for c in replay["config_changes"])
-    assert "re-judging c002 (3/4)" in done.stderr
+    assert "re-judging c002 (3/4)" in done.err
     assert untouched(root) == before
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
 
@@ -225,9 +225,11 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     before, branches = untouched(root), git(root, "branch", "--list", "replay/*").split()
     cfg = tmp_path / "config.yaml"
     cfg.write_text(yaml.safe_dump(small().model_dump(mode="json")))
-    cli = [sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root)]
+    cli = ["--config", str(cfg), "replay", str(root)]
+    two = ("c001", "c002")                                      # the head's re-judging is the first test's
 
-    killed = subprocess.Popen([*cli, "--until", "parity"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed = subprocess.Popen([sys.executable, "-m", "agent.cli", *cli, "--until", "parity", "--only", ",".join(two)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while (saved := newest(root)) is None or not saved.state.rows:                 # the first kernel saved: kill it
         assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()
@@ -236,26 +238,27 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     killed.wait()
     killed.stderr.close()
     kept = [r.ref for r in newest(root).state.rows]
-    assert killed.returncode == -9 and kept and len(kept) < 3                      # killed mid-way, for real
+    assert killed.returncode == -9 and kept and len(kept) < len(two)               # killed mid-way, for real
     assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
 
-    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--until", "compile"]) == 2
+    assert main([*cli, "--resume", "--until", "compile"]) == 2
     assert "--until compile: the unfinished re-judging of" in capsys.readouterr().err     # its flags are the saved ones
-    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--llm", "recorded"]) == 2
+    assert main([*cli, "--resume", "--llm", "recorded"]) == 2
     assert "are for re-judging" in capsys.readouterr().err
 
-    done = subprocess.run([*cli, "--resume", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert f"kernel(s) reused from it: {', '.join(kept)}" in done.stderr
-    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("re-judging ")] == [
-        r for r in ("head:decode", "c001", "c002") if r not in kept]               # only the rest evaluated
-    resumed = json.loads(done.stdout)
+    code = main([*cli, "--resume", "--json"])                   # in this process: its own pool, as the command's
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    assert f"kernel(s) reused from it: {', '.join(kept)}" in done.err
+    assert [line.split()[1] for line in done.err.splitlines() if line.startswith("re-judging ")] == [
+        r for r in two if r not in kept]                                            # only the rest evaluated
+    resumed = json.loads(done.out)
     assert resumed["until"] == "parity" and resumed["kind"] == "verdicts"
-    assert judged(VerdictRow.model_validate(r) for r in resumed["rows"]) == UNCUT
+    assert judged(VerdictRow.model_validate(r) for r in resumed["rows"]) == UNCUT[1:3]     # the saved --only too
     assert git(root, "branch", "--list", "replay/*").split() == sorted([*branches, resumed["branch"]])
     assert git(root, "rev-parse", f"{resumed['branch']}~1") == before[1]           # the same kind of commit
     assert git(root, "for-each-ref", PREFIX) == "" and untouched(root) == before
-    assert main(["--config", str(cfg), "replay", str(root), "--resume"]) == 2
+    assert main([*cli, "--resume"]) == 2
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
