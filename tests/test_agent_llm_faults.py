@@ -135,7 +135,7 @@ def test_a_service_never_reached_ends_the_run_with_one_line_naming_it(pool, runs
 def test_the_command_exits_2_within_a_minute_when_the_service_was_never_reached(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     cfg = config_with(**{"agent.runs_dir": str(tmp_path / "runs"), "providers.openai.base_url": url,
-                         "providers.outage.unreached_s": 3.0})
+                         "providers.outage.unreached_s": 1.0})
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(tmp_path / "config.yaml"), "run",

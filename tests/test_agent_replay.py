@@ -195,10 +195,13 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
 
 
 def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(pool, tmp_path):
-    cfg = small(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
+    """The verdict cache on, in this test's own runs folder: the run again takes the head's and c001's verdicts
+    from it (the decisions are what this compares; a re-run's verdicts by the stages are the tests' above)."""
+    cached = {"executor.verdict_cache": True}
+    cfg = small(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"], **cached})
     past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
     assert len(past.history) == 1
-    replay = rerun(past.ledger, small(), quiet(), pool=pool)
+    replay = rerun(past.ledger, small(**cached), quiet(), pool=pool)            # runs_dir: the run's folder
     assert replay.proposer.startswith("the built-in proposer, run again")
     assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]
     assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
