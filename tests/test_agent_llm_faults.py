@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import yaml
 
 from conftest import ROOT, config_with
@@ -34,16 +35,28 @@ def exchanges(root, cid: str) -> list[dict]:
     return [json.loads(line) for line in (root / f"candidates/{cid}/exchanges.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One runs folder for the module's runs in this process (each its own run id), its verdict cache on and
+    empty at first: the head is judged once, not once a run; what these tests prove is the providers'
+    faults, the same whether a verdict came from the stages or from the cache."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def faulty(fake: FakeLLM, runs, **more):
+    return llm_config(fake, runs, **{"executor.verdict_cache": True, **more})
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def test_pages_and_invalid_json_mid_run_cost_a_retry_and_the_summary_accounts_for_them(pool, tmp_path, monkeypatch):
+def test_pages_and_invalid_json_mid_run_cost_a_retry_and_the_summary_accounts_for_them(pool, runs, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeLLM({PLANNER: [Step.odd("html"), S.claim(1.3)], CODER: [Step.odd("bad-json"), S.GOOD]}) as fake:
-        result = go(llm_config(fake, tmp_path), pool, provider="openai", run_id="pages", max_candidates=1)
+        result = go(faulty(fake, runs), pool, provider="openai", run_id="pages", max_candidates=1)
     assert not result.fatal and [r.outcome for r in result.history] == ["passed"]
     claim, code = exchanges(result.ledger, "c001")
     assert claim["attempts"] == code["attempts"] == 2
@@ -55,22 +68,22 @@ def test_pages_and_invalid_json_mid_run_cost_a_retry_and_the_summary_accounts_fo
     assert git(result.ledger, "log", "-1", "--format=%(trailers:key=Providers,valueonly)").strip() == line
 
 
-def test_a_hung_call_does_not_hold_the_run_past_its_time_budget(pool, tmp_path, monkeypatch):
+def test_a_hung_call_does_not_hold_the_run_past_its_time_budget(pool, runs, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeLLM({PLANNER: [Step.odd("hang", 300)] + [S.claim(1.3)] * 3, CODER: [S.GOOD] * 3}) as fake:
-        cfg = llm_config(fake, tmp_path, **{"providers.idle_timeout_s": 120})
-        result = go(cfg, pool, provider="openai", run_id="hung", budget_minutes=0.3)
+        cfg = faulty(fake, runs, **{"providers.idle_timeout_s": 120})
+        result = go(cfg, pool, provider="openai", run_id="hung", budget_minutes=0.2)
         asked = len(fake.seen)
     summary = json.loads((result.ledger / "summary.json").read_text())
-    assert not result.fatal and result.stop == "time budget of 0.3 min spent"
-    assert summary["elapsed_s"] < 0.3 * 60 + 3, summary["elapsed_s"]        # not the hang's 300 s
+    assert not result.fatal and result.stop == "time budget of 0.2 min spent"
+    assert summary["elapsed_s"] < 0.2 * 60 + 3, summary["elapsed_s"]        # not the hang's 300 s
     assert asked == 1 and summary["providers"]["openai"]["cut"] == 1        # nothing bought after the budget
 
 
-def test_an_answered_claim_outlives_a_fatal_coder_failure_and_is_not_bought_again(pool, tmp_path, monkeypatch):
+def test_an_answered_claim_outlives_a_fatal_coder_failure_and_is_not_bought_again(pool, runs, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeLLM({PLANNER: [S.claim(1.3)], CODER: [Step.error(401, "key revoked")]}) as fake:
-        first = go(llm_config(fake, tmp_path), pool, provider="openai", run_id="paid", max_candidates=1)
+        first = go(faulty(fake, runs), pool, provider="openai", run_id="paid", max_candidates=1)
     assert first.fatal and first.history == []
     assert [e["purpose"] for e in exchanges(first.ledger, "c001")] == ["claim"]           # committed, not lost
     assert "paid c001 planner claim" in git(first.ledger, "log", "--format=%s")
@@ -79,7 +92,7 @@ def test_an_answered_claim_outlives_a_fatal_coder_failure_and_is_not_bought_agai
 
     cut = "Here is the file.\n```python\ndef decode(q, k_cache,"
     with FakeLLM({PLANNER: [], CODER: [Step.cut(cut), S.GOOD]}) as fake:      # no planner reply to give
-        again = go(llm_config(fake, tmp_path), pool, provider="openai", run_id="paid", max_candidates=1)
+        again = go(faulty(fake, runs), pool, provider="openai", run_id="paid", max_candidates=1)
         asked = [s.model for s in fake.seen]
         repair = fake.seen[-1].body["messages"][-1]["content"]
     assert not again.fatal and [(r.id, r.outcome) for r in again.history] == [("c001", "passed")]
@@ -95,21 +108,22 @@ def test_an_answered_claim_outlives_a_fatal_coder_failure_and_is_not_bought_agai
                                                                             "--grep=^resume")
 
 
-def test_a_call_whose_worst_case_passes_the_cost_limit_ends_the_run_before_it_is_made(pool, tmp_path, monkeypatch):
+def test_a_call_whose_worst_case_passes_the_cost_limit_ends_the_run_before_it_is_made(pool, runs, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     with FakeLLM({PLANNER: [S.claim(1.3)], CODER: [S.GOOD]}) as fake:
-        result = go(llm_config(fake, tmp_path), pool, provider="openai", run_id="cost", max_cost_usd=0.01)
+        result = go(faulty(fake, runs), pool, provider="openai", run_id="cost", max_cost_usd=0.01)
         assert fake.seen == []
     assert not result.fatal and result.cost_usd == 0
     assert re.fullmatch(r"cost limit of \$0.01 reached: the next call \(fake-planner\) could cost up to \$0\.1\d+, "
                         r"\$0\.0100 is left", result.stop), result.stop
 
 
-def test_a_service_never_reached_ends_the_run_with_one_line_naming_it(pool, tmp_path, monkeypatch):
+def test_a_service_never_reached_ends_the_run_with_one_line_naming_it(pool, runs, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
     url = f"http://127.0.0.1:{closed_port()}/v1"
-    cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"], "providers.openai.base_url": url,
-                         "providers.retry.initial_s": 0.2, "providers.outage.unreached_s": 2.0, **SMALL})
+    cfg = config_with(**{"agent.runs_dir": str(runs), "executor.verdict_cache": True, "agent.ops": ["decode"],
+                         "providers.openai.base_url": url, "providers.retry.initial_s": 0.2,
+                         "providers.outage.unreached_s": 2.0, **SMALL})
     t0 = time.monotonic()
     result = go(cfg, pool, provider="openai", run_id="nowhere")
     assert result.fatal and time.monotonic() - t0 < 30 and "\n" not in result.stop
@@ -121,7 +135,7 @@ def test_a_service_never_reached_ends_the_run_with_one_line_naming_it(pool, tmp_
 def test_the_command_exits_2_within_a_minute_when_the_service_was_never_reached(tmp_path):
     url = f"http://127.0.0.1:{closed_port()}/v1"
     cfg = config_with(**{"agent.runs_dir": str(tmp_path / "runs"), "providers.openai.base_url": url,
-                         "providers.outage.unreached_s": 3.0})
+                         "providers.outage.unreached_s": 1.0})
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(tmp_path / "config.yaml"), "run",
@@ -141,8 +155,8 @@ def _run_then_signal_the_group(tmp_path, signum: int) -> tuple[subprocess.Comple
                                  "--run-id", "g"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
                                 start_new_session=True)         # its own process group, as a terminal's job
     t0 = time.monotonic()
-    while len(subprocess.run(["git", "log", "--format=%s"], cwd=root if root.exists() else tmp_path,
-                             capture_output=True, text=True).stdout.splitlines()) < 2:
+    while not subprocess.run(["git", "log", "--format=%s"], cwd=root if root.exists() else tmp_path,
+                             capture_output=True, text=True).stdout:   # the start committed: the loop is running
         assert proc.poll() is None and time.monotonic() - t0 < 180, (tmp_path / "err").read_text()[-2000:]
         time.sleep(0.1)
     os.killpg(proc.pid, signum)                 # kevo, its worker pool and its git children, as Ctrl-C does

@@ -19,6 +19,7 @@ from rich.console import Console
 from conftest import ROOT, config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM
+from test_agent_unattended import SMALL
 from test_ledger import git
 
 from agent.run.loop import run, settings_from
@@ -31,6 +32,16 @@ from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEYS = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")
+UNCUT = [("head:decode", "passed", "parity", ("passed", "parity"), "same", ""),    # every kernel re-judged on a CPU,
+         ("c001", "passed", "parity", ("passed", "parity"), "same", ""),           # in one pool, never interrupted:
+         ("c002", "rejected", "parity", ("rejected", "parity"), "same", ""),       # the stages after parity need CUDA
+         ("c003", "not-worth-coding", "ceiling", None, "not evaluated then", "")]
+
+
+def small(**overrides):
+    """The project's config on the loop tests' small CPU shapes: what each kernel's re-judging does is the same
+    on any shapes, and the past run and every re-judging or re-run of it use the same ones."""
+    return config_with(**SMALL, **overrides)
 
 
 def quiet() -> RunView:
@@ -57,7 +68,7 @@ def past(pool, tmp_path_factory):
     runs = tmp_path_factory.mktemp("runs")
     with pytest.MonkeyPatch.context() as mp, FakeLLM(scripts) as fake:
         mp.setenv("OPENAI_API_KEY", "sk-test-REPLAY-4242")
-        cfg = config_with(**{
+        cfg = small(**{
             "agent.runs_dir": str(runs), "agent.ops": ["decode"], "providers.openai.base_url": fake.openai_url,
             "providers.openai.planner_model": PLANNER, "providers.openai.coder_model": CODER,
             f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},
@@ -72,7 +83,7 @@ def past(pool, tmp_path_factory):
 def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, pool):
     root = past.ledger
     before = untouched(root)
-    replay = rejudge(root, config_with(), pool)
+    replay = rejudge(root, small(), pool)
 
     rows = {r.ref: r for r in replay.rows}
     assert list(rows) == ["head:decode", "c001", "c002", "c003"]
@@ -85,6 +96,7 @@ def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, 
             assert row.now is None and row.change == "not evaluated then"
     assert rows["head:decode"].change == "same" and rows["head:decode"].now.outcome == "passed"
     assert replay.failures == [] and replay.config_changes == []
+    assert judged(replay.rows) == UNCUT                 # what a re-judging killed mid-way must end as (below)
 
     assert newest(root).state.at == replay.at and len(newest(root).state.rows) == 3     # saved as it went
     done = commit_rejudging(root, replay)
@@ -99,28 +111,28 @@ def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, 
     readme = git(root, "show", f"{done.branch}:replay/README.md")
     assert "| c002 | decode | rejected at parity | rejected at parity | same |" in readme
 
-    only = rejudge(root, config_with(), pool, only=["c002"], until="compile")
+    only = rejudge(root, small(), pool, only=["c002"], until="compile")
     assert [(r.ref, r.then.outcome, r.then.stage, r.now.outcome, r.now.stage) for r in only.rows] == [
         ("c002", "passed", "compile", "passed", "compile")]            # both verdicts cut after compile
     with pytest.raises(RejudgeError, match="'c009' is not a kernel of past"):
-        rejudge(root, config_with(), pool, only=["c009"])
+        rejudge(root, small(), pool, only=["c009"])
 
 
-def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path):
+def test_a_stricter_harness_is_flagged_and_fails_the_command(past, tmp_path, capsys):
     root = past.ledger
     before = untouched(root)
-    allowed = {m: names for m, names in config_with().stages.compile.allowed_names.items() if m != "math"}
+    allowed = {m: names for m, names in small().stages.compile.allowed_names.items() if m != "math"}
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config_with(**{"stages.compile.allowed_names": allowed}).model_dump(mode="json")))
-    done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root), "--json"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 1, done.stderr
-    replay = json.loads(done.stdout)
+    cfg.write_text(yaml.safe_dump(small(**{"stages.compile.allowed_names": allowed}).model_dump(mode="json")))
+    code = main(["--config", str(cfg), "replay", str(root), "--json"])     # in this process: no interpreter to start
+    done = capsys.readouterr()
+    assert code == 1, done.err
+    replay = json.loads(done.out)
     changes = {r["ref"]: (r["change"], r["now"] and r["now"]["stage"]) for r in replay["rows"]}
     assert changes == {"head:decode": ("regressed", "compile"), "c001": ("regressed", "compile"),
                        "c002": ("changed", "compile"), "c003": ("not evaluated then", None)}
     assert any(c.startswith("stages.compile.allowed_names") for c in replay["config_changes"])
-    assert "re-judging c002 (3/4)" in done.stderr
+    assert "re-judging c002 (3/4)" in done.err
     assert untouched(root) == before
     assert replay["branch"] in git(root, "branch", "--list", "replay/*").split()
 
@@ -130,7 +142,7 @@ def test_rerunning_on_the_recorded_llm_reproduces_the_decisions_with_no_key_and_
         monkeypatch.delenv(key, raising=False)
     root = past.ledger
     before = untouched(root)
-    replay = rerun(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, small(), quiet(), pool=pool)
 
     assert [(d.id, d.differs) for d in replay.decisions] == [("c001", []), ("c002", []), ("c003", [])]
     for d, r in zip(replay.decisions, past.history, strict=True):
@@ -170,7 +182,7 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
     tamper(root, "c001", '"expected_speedup": 1.3', '"expected_speedup": 1.001')    # now not worth coding
     tamper(root, "c003", '"expected_speedup": 1.001', '"expected_speedup": 1.3')    # now worth coding: no code recorded
 
-    replay = rerun(root, config_with(), quiet(), pool=pool)
+    replay = rerun(root, small(), quiet(), pool=pool)
     differs = {d.id: d.differs for d in replay.decisions}
     assert differs == {"c001": ["expected_speedup", "outcome", "stage"], "c002": [], "c003": ["not made now"]}
     assert replay.failures == ["c001", "c003"]
@@ -183,10 +195,13 @@ def test_a_tampered_reply_is_reported_as_a_diverging_decision(past, pool, tmp_pa
 
 
 def test_a_run_of_the_built_in_proposer_is_run_again_and_compared_the_same_way(pool, tmp_path):
-    cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
+    """The verdict cache on, in this test's own runs folder: the run again takes the head's and c001's verdicts
+    from it (the decisions are what this compares; a re-run's verdicts by the stages are the tests' above)."""
+    cached = {"executor.verdict_cache": True}
+    cfg = small(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"], **cached})
     past = run(cfg, settings_from(cfg, pool.device, max_candidates=1, run_id="offline"), quiet(), pool=pool)
     assert len(past.history) == 1
-    replay = rerun(past.ledger, config_with(), quiet(), pool=pool)
+    replay = rerun(past.ledger, small(**cached), quiet(), pool=pool)            # runs_dir: the run's folder
     assert replay.proposer.startswith("the built-in proposer, run again")
     assert [(d.id, d.differs) for d in replay.decisions] == [(r.id, []) for r in past.history]
     assert [(d.now.hypothesis, d.now.expected_speedup) for d in replay.decisions] == [
@@ -207,27 +222,17 @@ def judged(rows) -> list[tuple]:
     return [(r.ref, r.then.outcome, r.then.stage, r.now and (r.now.outcome, r.now.stage), r.change, r.note) for r in rows]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(past, pool, tmp_path_factory):
-    """Re-judging cut after parity, one kernel at a time in one pool, never interrupted."""
-    replay = rejudge(fresh_copy(past, tmp_path_factory.mktemp("whole")), config_with(), pool, until="parity")
-    assert judged(replay.rows) == [
-        ("head:decode", "passed", "parity", ("passed", "parity"), "same", ""),
-        ("c001", "passed", "parity", ("passed", "parity"), "same", ""),
-        ("c002", "rejected", "parity", ("rejected", "parity"), "same", ""),
-        ("c003", "not-worth-coding", "ceiling", None, "not evaluated then", "")]
-    return replay
-
-
 def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_uninterrupted_one(
-        past, uninterrupted, tmp_path, capsys):
+        past, tmp_path, capsys):
     root = fresh_copy(past, tmp_path)
     before, branches = untouched(root), git(root, "branch", "--list", "replay/*").split()
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(yaml.safe_dump(config_with().model_dump(mode="json")))
-    cli = [sys.executable, "-m", "agent.cli", "--config", str(cfg), "replay", str(root)]
+    cfg.write_text(yaml.safe_dump(small().model_dump(mode="json")))
+    cli = ["--config", str(cfg), "replay", str(root)]
+    two = ("c001", "c002")                                      # the head's re-judging is the first test's
 
-    killed = subprocess.Popen([*cli, "--until", "parity"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    killed = subprocess.Popen([sys.executable, "-m", "agent.cli", *cli, "--until", "parity", "--only", ",".join(two)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while (saved := newest(root)) is None or not saved.state.rows:                 # the first kernel saved: kill it
         assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()
@@ -236,34 +241,35 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     killed.wait()
     killed.stderr.close()
     kept = [r.ref for r in newest(root).state.rows]
-    assert killed.returncode == -9 and kept and len(kept) < 3                      # killed mid-way, for real
+    assert killed.returncode == -9 and kept and len(kept) < len(two)               # killed mid-way, for real
     assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
 
-    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--until", "compile"]) == 2
+    assert main([*cli, "--resume", "--until", "compile"]) == 2
     assert "--until compile: the unfinished re-judging of" in capsys.readouterr().err     # its flags are the saved ones
-    assert main(["--config", str(cfg), "replay", str(root), "--resume", "--llm", "recorded"]) == 2
+    assert main([*cli, "--resume", "--llm", "recorded"]) == 2
     assert "are for re-judging" in capsys.readouterr().err
 
-    done = subprocess.run([*cli, "--resume", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert f"kernel(s) reused from it: {', '.join(kept)}" in done.stderr
-    assert [line.split()[1] for line in done.stderr.splitlines() if line.startswith("re-judging ")] == [
-        r for r in ("head:decode", "c001", "c002") if r not in kept]               # only the rest evaluated
-    resumed = json.loads(done.stdout)
+    code = main([*cli, "--resume", "--json"])                   # in this process: its own pool, as the command's
+    done = capsys.readouterr()
+    assert code == 0, done.err
+    assert f"kernel(s) reused from it: {', '.join(kept)}" in done.err
+    assert [line.split()[1] for line in done.err.splitlines() if line.startswith("re-judging ")] == [
+        r for r in two if r not in kept]                                            # only the rest evaluated
+    resumed = json.loads(done.out)
     assert resumed["until"] == "parity" and resumed["kind"] == "verdicts"
-    assert judged(VerdictRow.model_validate(r) for r in resumed["rows"]) == judged(uninterrupted.rows)
+    assert judged(VerdictRow.model_validate(r) for r in resumed["rows"]) == UNCUT[1:3]     # the saved --only too
     assert git(root, "branch", "--list", "replay/*").split() == sorted([*branches, resumed["branch"]])
     assert git(root, "rev-parse", f"{resumed['branch']}~1") == before[1]           # the same kind of commit
     assert git(root, "for-each-ref", PREFIX) == "" and untouched(root) == before
-    assert main(["--config", str(cfg), "replay", str(root), "--resume"]) == 2
+    assert main([*cli, "--resume"]) == 2
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
-def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, uninterrupted, tmp_path):
+def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, tmp_path):
     root = fresh_copy(past, tmp_path)
     lines = []
-    two = rejudge(root, config_with(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
+    two = rejudge(root, small(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
                           until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
-    assert judged(two.rows) == judged(uninterrupted.rows)[1:]
+    assert judged(two.rows) == UNCUT[1:]
     assert sorted(lines) == ["re-judging c001 (1/3)", "re-judging c002 (2/3)"]
     assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came

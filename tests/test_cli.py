@@ -1,5 +1,8 @@
 """`kevo-agent evaluate FILE [FILE ...]`: one JSON object per file with --json, exit 0/1/2, one-line
-errors naming the file, several files judged in order in one worker pool."""
+errors naming the file, several files judged in order in one worker pool.
+
+Each `evaluate` process costs an interpreter, torch and a worker pool: one run of several files (the
+`several` fixture) and one without --json (`tables`) are read by several tests each."""
 from __future__ import annotations
 
 import json
@@ -14,15 +17,20 @@ import candidates as C
 from agent.cli import COMMANDS, UsageError, _read_candidate, main
 from agent.cli_parser import EXIT_CODES
 from conftest import ROOT, config_with
+from harness.stages import STAGE_NAMES
+from test_agent_unattended import SMALL
 
 NO_CACHE: list[str] = []        # --config: the project's config with the verdict cache off (the fixture below)
+GOOD = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
+FIELDS = {"file", "ok", "accepted", "failed_stage", "reason", "stages"}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _judged_afresh(tmp_path_factory):
-    """Each file is judged by the stages, never given a verdict an earlier run left in runs/.verdicts."""
+    """Each file is judged by the stages, never given a verdict an earlier run left in runs/.verdicts; on
+    the loop tests' small CPU shapes (what the command prints does not depend on them)."""
     path = tmp_path_factory.mktemp("cli") / "config.yaml"
-    path.write_text(yaml.safe_dump(config_with().model_dump(mode="json"), sort_keys=False))
+    path.write_text(yaml.safe_dump(config_with(**SMALL).model_dump(mode="json"), sort_keys=False))
     NO_CACHE[:] = ["--config", str(path)]
 
 
@@ -32,64 +40,82 @@ def kevo(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
                           timeout=300, cwd=cwd)
 
 
-def test_json_output_is_exactly_one_object_with_the_documented_fields_and_exit_0(tmp_path):
-    done = kevo("evaluate", "--json", "--until", "dispatch", str(ROOT / "knowledge/attention/decode_paged_splitkv.py"))
-    assert done.returncode == 0, done.stderr
-    verdict = json.loads(done.stdout)               # fails if anything else is on stdout
-    assert set(verdict) == {"file", "ok", "accepted", "failed_stage", "reason", "stages"}
-    assert verdict["file"].endswith("decode_paged_splitkv.py")
-    assert verdict["ok"] is True and verdict["accepted"] is False and verdict["failed_stage"] is None
-    for stage in verdict["stages"]:
-        assert set(stage) == {"name", "status", "reason", "seconds", "metrics"}
-        assert all(isinstance(v, float) for v in stage["metrics"].values())
+@pytest.fixture(scope="module")
+def several(tmp_path_factory) -> tuple[list[str], subprocess.CompletedProcess]:
+    """`evaluate --json --until parity` of a good kernel, a missing file, a kernel that fails parity, a
+    folder and a file that fails compile, in that order: the files given, and the finished process."""
+    folder = tmp_path_factory.mktemp("several")
+    (folder / "bad.py").write_text(C.DROPS_NEWEST_TOKEN)
+    (folder / "empty.py").write_text("import torch\n")
+    files = [GOOD, str(folder / "missing.py"), str(folder / "bad.py"), str(folder), str(folder / "empty.py")]
+    return files, kevo("evaluate", "--json", "--until", "parity", *files)
 
 
-def test_rejected_candidate_exits_1_and_names_the_stage(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text(C.DROPS_NEWEST_TOKEN)
-    done = kevo("evaluate", "--json", str(bad))
-    assert done.returncode == 1
-    assert json.loads(done.stdout)["failed_stage"] == "parity"
-
-
-def test_readable_table_without_json(tmp_path):
-    bad = tmp_path / "bad.py"
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`evaluate --until compile` without --json of a file that fails compile, then a good kernel."""
+    bad = tmp_path_factory.mktemp("tables") / "bad.py"
     bad.write_text("import torch\n")
-    done = kevo("evaluate", str(bad))
-    assert done.returncode == 1
-    assert "compile" in done.stdout and "failed" in done.stdout and "REJECTED" in done.stdout
+    return kevo("evaluate", "--until", "compile", str(bad), GOOD)
 
 
-def test_command_errors_are_one_line_and_exit_2(tmp_path):
-    ok = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
+def test_json_output_is_one_object_per_file_with_the_documented_fields(several):
+    files, done = several
+    lines = [json.loads(line) for line in done.stdout.splitlines()]      # fails if anything else is on stdout
+    assert len(lines) == len(files), done.stdout
+    for verdict in (lines[0], lines[2], lines[4]):
+        assert set(verdict) == FIELDS
+        for stage in verdict["stages"]:
+            assert set(stage) == {"name", "status", "reason", "seconds", "metrics"}
+            assert all(isinstance(v, float) for v in stage["metrics"].values())
+    assert lines[0]["ok"] is True and lines[0]["accepted"] is False and lines[0]["failed_stage"] is None
+    assert set(lines[1]) == set(lines[3]) == {"file", "error"}
+
+
+def test_a_file_that_passes_every_stage_that_ran_exits_0_with_exactly_one_object(capfd):
+    assert main([*NO_CACHE, "evaluate", "--json", "--until", "dispatch", GOOD]) == 0
+    out = capfd.readouterr().out                    # the worker pool's output too: its processes share the fd
+    verdict = json.loads(out)                       # fails if anything else is on stdout
+    assert verdict["file"] == GOOD and verdict["ok"] is True and verdict["failed_stage"] is None
+    assert [s["name"] for s in verdict["stages"]] == ["compile", "dispatch"]
+
+
+def test_rejected_candidate_exits_1_and_names_the_stage(several, tables):
+    assert tables.returncode == 1, tables.stderr
+    assert json.loads(several[1].stdout.splitlines()[2])["failed_stage"] == "parity"
+
+
+def test_readable_table_without_json(tables):
+    assert "compile" in tables.stdout and "failed" in tables.stdout and "REJECTED" in tables.stdout
+
+
+def test_command_errors_are_one_line_and_exit_2(tmp_path, capfd):
     bad_config = tmp_path / "config.yaml"
     bad_config.write_text((ROOT / "config.yaml").read_text().replace("tolerance_factor:", "tolerence_factor:"))
     cases = {
         ("evaluate", str(tmp_path / "missing.py")): "no such file",
-        ("evaluate", "--target", "rmsnorm", ok): "unknown target 'rmsnorm'",
-        ("evaluate", "--until", "benchmark", ok): "unknown stage 'benchmark'",
-        ("--config", str(bad_config), "evaluate", ok): "stages.parity.tolerence_factor: unknown key (did you mean tolerance_factor?)",
+        ("evaluate", "--target", "rmsnorm", GOOD): "unknown target 'rmsnorm'",
+        ("evaluate", "--until", "benchmark", GOOD): "unknown stage 'benchmark'",
+        ("--config", str(bad_config), "evaluate", GOOD): "stages.parity.tolerence_factor: unknown key (did you mean tolerance_factor?)",
     }
-    for args, words in cases.items():
-        done = kevo(*args)
-        assert done.returncode == 2, (args, done.stderr)
-        assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1, done.stderr
-        assert words in done.stderr and "Traceback" not in done.stderr
+    for args, words in cases.items():              # in this process: none of them opens a worker pool
+        config = [] if args[0] == "--config" else NO_CACHE
+        assert main([*config, *args]) == 2, args
+        out, err = capfd.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1, err
+        assert words in err and "Traceback" not in err
+    done = kevo("evaluate", "--until", "benchmark", GOOD)             # and as a process, torch imported
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.strip().splitlines() == [
+        f"kevo-agent: unknown stage 'benchmark'; stages: {', '.join(STAGE_NAMES)}"], done.stderr
 
 
-def test_several_files_are_judged_in_order_and_a_missing_one_or_a_folder_costs_only_its_own_line(tmp_path):
+def test_several_files_are_judged_in_order_and_a_missing_one_or_a_folder_costs_only_its_own_line(several):
     """A folder and a missing file among candidates: each is one line on stderr naming it, the JSON
     stream keeps one object per file in the order given, and every other file is still judged."""
-    bad = tmp_path / "bad.py"
-    bad.write_text(C.DROPS_NEWEST_TOKEN)
-    empty = tmp_path / "empty.py"
-    empty.write_text("import torch\n")
-    good = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
-    missing, folder = str(tmp_path / "missing.py"), str(tmp_path)
-    done = kevo("evaluate", "--json", "--until", "parity", good, missing, str(bad), folder, str(empty))
+    (good, missing, bad, folder, empty), done = several
     assert done.returncode == 2, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines()]
-    assert [x["file"] for x in lines] == [good, missing, str(bad), folder, str(empty)]
+    assert [x["file"] for x in lines] == [good, missing, bad, folder, empty]
     assert lines[0]["ok"] is True and [s["name"] for s in lines[0]["stages"]] == ["compile", "dispatch", "parity"]
     assert lines[2]["failed_stage"] == "parity" and "max abs error" in lines[2]["reason"]
     assert lines[4]["failed_stage"] == "compile"
@@ -99,13 +125,9 @@ def test_several_files_are_judged_in_order_and_a_missing_one_or_a_folder_costs_o
     assert folder in errors[1] and "is a folder" in errors[1] and "Traceback" not in done.stderr
 
 
-def test_several_files_without_json_print_a_block_each_and_exit_1_when_one_is_rejected(tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("import torch\n")
-    good = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
-    done = kevo("evaluate", "--until", "compile", str(bad), good)
-    assert done.returncode == 1, done.stderr
-    out = done.stdout                                   # a block each (a table may wrap a long name), in order
+def test_several_files_without_json_print_a_block_each_and_exit_1_when_one_is_rejected(tables):
+    assert tables.returncode == 1, tables.stderr
+    out = tables.stdout                                 # a block each (a table may wrap a long name), in order
     assert out.count("┏") == 2 and out.index("rejected at compile") < out.index("passed every stage that ran")
 
 
@@ -116,10 +138,8 @@ def help_of(capsys, *args: str) -> str:
     return " ".join(capsys.readouterr().out.split())
 
 
-def test_help_documents_the_exit_codes():
-    done = kevo("evaluate", "--help")
-    assert done.returncode == 0
-    text = " ".join(done.stdout.split())
+def test_help_documents_the_exit_codes(capsys):
+    text = help_of(capsys, "evaluate")
     assert "exit status: 0 every file passed every stage that ran" in text and "1 at least one was rejected" in text
     assert "2 a file could not be judged" in text
 
@@ -134,7 +154,6 @@ def test_every_subcommand_help_lists_its_exit_codes_and_takes_config(capsys, com
 
 
 def test_evaluate_and_replay_help_list_the_targets_and_stages(capsys):
-    from harness.stages import STAGE_NAMES
     from harness.targets import TARGETS
     evaluate = help_of(capsys, "evaluate")
     assert f"--target TARGET one of: {', '.join(TARGETS)}" in evaluate
