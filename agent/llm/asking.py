@@ -8,7 +8,8 @@ capped, with a live count of the time down since the first failed call) and is m
 reached stops it. Each outage's calls and seconds are counted in `Meter.fared`; the failed calls and
 their causes go into the exchange (`Exchange.faults`). An answered exchange is handed to `Meter.paid`
 at once (the loop commits it); one an earlier session paid for is taken from `Meter.prepaid` instead of
-asked again. `retold` is what a repair round sends back of a reply that could not be used.
+asked again. `retold` is what a repair round sends back of a reply that could not be used;
+`ask_until_usable` is the round itself, the planner's and the coder's alike.
 Not here: one call (providers), what is asked or what a reply means (planner, coder).
 """
 from __future__ import annotations
@@ -118,3 +119,24 @@ def retold(ex: Exchange, common: ProvidersConfig) -> tuple[str, str]:
                 render("reply_over", chars=str(ex.reply_chars), cap=str(common.max_reply_chars)))
     cut = ex.finish in ("length", "max_tokens") or "cut at the output-token limit" in ex.note
     return ex.reply or "(empty)", render("reply_cut", limit=str(common.max_output_tokens)) if cut else ""
+
+
+def ask_until_usable(llm: LLM, meter: Meter, model: str, role: str, purposes: tuple[str, ...], system: str,
+                     prompt: str, read, repair: str, common: ProvidersConfig) -> tuple[object, list[Exchange], str]:
+    """Ask once per purpose until `read(exchange)` -> (value or None, what was wrong, a note for the exchange)
+    gives a value; after a reply it cannot use, the next ask carries that reply (`retold`) and the role's
+    repair prompt (`repair`, a prompt file with `notice` and `error`). Returns (the value or None, the
+    exchanges, the last error)."""
+    messages = [Message(role="user", content=prompt)]
+    exchanges: list[Exchange] = []
+    error = ""
+    for purpose in purposes:
+        ex = ask(llm, meter, model, role, purpose, system, messages)
+        value, error, note = read(ex)
+        exchanges.append(ex.model_copy(update={"note": "; ".join(n for n in (ex.note, note) if n)}) if note else ex)
+        if value is not None:
+            return value, exchanges, ""
+        said, notice = retold(ex, common)
+        messages = messages + [Message(role="assistant", content=said),
+                               Message(role="user", content=render(repair, notice=notice and notice + "\n", error=error))]
+    return None, exchanges, error

@@ -16,9 +16,9 @@ from harness.targets import TARGETS
 
 from agent.knowledge import Catalog, prompt_text
 from agent.llm.prompts import render
-from agent.llm.asking import ask, retold
+from agent.llm.asking import ask_until_usable
 from agent.llm.providers import LLM, Meter
-from agent.records import Claim, Exchange, Kernel, Message
+from agent.records import Claim, Exchange, Kernel
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -53,19 +53,10 @@ class Coder:
         self.system = render("coder_system", allowed_imports=allowlist_words(cfg))
 
     def _ask(self, purpose: str, prompt: str) -> tuple[str | None, list[Exchange], str]:
-        messages = [Message(role="user", content=prompt)]
-        exchanges: list[Exchange] = []
-        for attempt in (purpose, f"{purpose}-format-repair"):
-            ex = ask(self.llm, self.meter, self.model, "coder", attempt, self.system, messages)
-            exchanges.append(ex)
-            code, error = extract_code(ex.reply)
-            if code is not None:
-                return code, exchanges, ""
-            said, notice = retold(ex, self.cfg.providers)
-            messages = messages + [Message(role="assistant", content=said),
-                                   Message(role="user", content=render("coder_repair", notice=notice and notice + "\n",
-                                                                       error=error))]
-        return None, exchanges, f"no usable code after one repair round: {error}"
+        code, exchanges, error = ask_until_usable(self.llm, self.meter, self.model, "coder", (purpose, f"{purpose}-format-repair"),
+                                                  self.system, prompt, lambda ex: (*extract_code(ex.reply), ""),
+                                                  "coder_repair", self.cfg.providers)
+        return code, exchanges, "" if code is not None else f"no usable code after one repair round: {error}"
 
     def prompt(self, claim: Claim, parent: Kernel, anchors: str) -> str:
         """The request for `claim` from `parent`; `anchors`: the measured cuDNN figures (figures.anchors_text)."""

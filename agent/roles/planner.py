@@ -23,9 +23,9 @@ from agent.reading.figures import anchors_text
 from agent.knowledge import Catalog, prompt_text
 from agent.run.profile import kernel_figures
 from agent.llm.prompts import render
-from agent.llm.asking import ask, retold
+from agent.llm.asking import ask_until_usable
 from agent.llm.providers import LLM, Meter
-from agent.records import CandidateRecord, Claim, ClaimDraft, Exchange, Message
+from agent.records import CandidateRecord, Claim, ClaimDraft, Exchange
 from agent.run.state import ProposalState
 
 _JSON_BLOCK = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL)
@@ -101,16 +101,7 @@ class Planner:
         """The claim (or None), the exchanges that produced it, and why there is none."""
         system = render("planner_system", claim_schema=json.dumps(ClaimDraft.model_json_schema(), indent=1),
                         stages=", ".join(STAGE_NAMES))
-        messages = [Message(role="user", content=self._prompt(state))]
-        exchanges: list[Exchange] = []
-        for purpose in ("claim", "claim-repair"):
-            ex = ask(self.llm, self.meter, self.model, "planner", purpose, system, messages)
-            claim, error, note = parse_claim(ex.reply, state, state.profile.source)
-            exchanges.append(ex.model_copy(update={"note": "; ".join(n for n in (ex.note, note) if n)}))
-            if claim is not None:
-                return claim, exchanges, ""
-            said, notice = retold(ex, self.cfg.providers)
-            messages = messages + [Message(role="assistant", content=said),
-                                   Message(role="user", content=render("planner_repair", notice=notice and notice + "\n",
-                                                                       error=error))]
-        return None, exchanges, f"no valid claim after one repair round: {error}"
+        claim, exchanges, error = ask_until_usable(
+            self.llm, self.meter, self.model, "planner", ("claim", "claim-repair"), system, self._prompt(state),
+            lambda ex: parse_claim(ex.reply, state, state.profile.source), "planner_repair", self.cfg.providers)
+        return claim, exchanges, "" if claim is not None else f"no valid claim after one repair round: {error}"

@@ -6,8 +6,9 @@ prompt token ids, temperature 0, the top `logprobs` logprobs, and vLLM's `ignore
 with time.perf_counter() when its chunk arrives here. A request that gives `forced` tokens is sent
 with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo's own server knows
 the field). A request that errs, breaks off or does not finish within the drain time is recorded
-with its error; nothing is retried. The garbage collector is held off while a replay runs. Per-request TTFT (first token minus send time) and TPOT (mean
-gap between later tokens) are read off the stamps.
+with its error; nothing is retried; the garbage collector is held off while a replay runs.
+Per-request TTFT (first token minus send time) and TPOT (mean gap between later tokens) are read off
+the stamps.
 A burst (`burst=True`) sends every request at once as one `kevo_group` (a fresh id; each request's
 position its place in the list): kevo's server queues them together once all have come in, so the
 engine admits and batches them alike on every server (harness/served/server.py); arrival times are
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import secrets
 import time
 from dataclasses import dataclass, field, replace
@@ -41,7 +43,7 @@ class Completion:
     top: list[list[tuple[str, float]]] = field(default_factory=list)   # best first
     error: str = ""
     accepted_s: float = float("nan")   # when the server's response began (its headers: the request was taken in)
-    origin_s: float = float("nan")     # what TTFT counts from: the send, or in a burst the group's last acceptance
+    origin_s: float | None = None      # what TTFT counts from, when not its send: in a burst, the group's start
 
     @property
     def complete(self) -> bool:
@@ -49,7 +51,7 @@ class Completion:
 
     @property
     def ttft(self) -> float:
-        return self.token_times[0] - (self.sent_s if self.origin_s != self.origin_s else self.origin_s)
+        return self.token_times[0] - (self.sent_s if self.origin_s is None else self.origin_s)
 
     @property
     def tpot(self) -> float | None:
@@ -134,10 +136,9 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
     await client.close()
     comps = [results[r.index] for r in requests]
     if burst:                     # the group starts once its last member is in, not at each one's own send
-        accepted = [c.accepted_s for c in comps if c.accepted_s == c.accepted_s]
-        firsts = [c.token_times[0] for c in comps if c.token_times]
-        if accepted and len(accepted) == len(comps):
-            origin = min([max(accepted)] + firsts)
+        accepted = [c.accepted_s for c in comps]
+        if comps and not any(math.isnan(t) for t in accepted):     # else some were never taken in: failures
+            origin = min([max(accepted)] + [c.token_times[0] for c in comps if c.token_times])
             for c in comps:
                 c.origin_s = origin
     stamps = [t for c in comps for t in c.token_times]

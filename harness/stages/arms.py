@@ -108,6 +108,13 @@ class Servers:
         self.handles[label] = h
         return h
 
+    def send(self, label: str, requests: list[TraceRequest], burst: bool = False) -> ReplayRun:
+        """`send` to the server of `label`; a request that did not complete is that label's failure (`_fail`)."""
+        try:
+            return send(self.cfg, self.handles[label], requests, label, burst)
+        except ServerFailure as e:
+            raise _fail(label, e) from None
+
     def stop(self, label: str) -> None:
         h = self.handles.pop(label, None)
         if h is not None:

@@ -11,8 +11,9 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
   2. timed, paired: each arm first serves a window of its own, untimed, beside the reference's pass
      (`warm_pass`: a draw apart, so nothing served there answers a scored request); then the window is
      cut into `segments` by arrival time and each segment is replayed to the head and to the candidate
-     in turn, in the order AB BA AB ... (a drift over the stage falls on both arms alike), each arm fed the reference's continuation (teacher forcing: `kevo_forced`), so
-     both do the same work and every generated token can be compared. With `load: burst` a segment's
+     in turn, in the order AB BA AB ... (a drift over the stage falls on both arms alike), each arm
+     fed the reference's continuation (teacher forcing: `kevo_forced`), so both do the same work and
+     every generated token can be compared. With `load: burst` a segment's
      requests go at once as one group (`kevo_group`), queued together in arrival order: both engines
      admit and batch them alike, step for step, so the pair differs only in the arms' speed (at the
      trace's arrival times instead, where a request lands between two steps differs from run to run,
@@ -46,11 +47,11 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
-from harness.served.launch import ServerFailure, ServerHandle
+from harness.served.launch import ServerHandle
 from harness.served.accounting import fallbacks, graphs, stalls
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
-from harness.stages.arms import Servers, _fail, send, served_lines
+from harness.stages.arms import Servers, served_lines
 from harness.stages.common import EvalContext, Rejected
 
 
@@ -81,7 +82,7 @@ def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = 
 
 def reference_pass(cfg: Config, servers: Servers, requests: list[TraceRequest]) -> ReplayRun:
     """The reference's greedy tokens for the requests, all sent at once (untimed: no need to wait for arrivals)."""
-    return send(cfg, servers.handles["reference"], [replace(r, arrival_s=0.0) for r in requests], "reference")
+    return servers.send("reference", [replace(r, arrival_s=0.0) for r in requests])
 
 
 def forced(requests: list[TraceRequest], ref: ReplayRun) -> list[TraceRequest]:
@@ -209,15 +210,13 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     ref = reference_pass(cfg, servers, requests)
     servers.wait()
     _time_left(deadline, 0)
-    try:
-        cand = send(cfg, servers.handles[label], forced(requests, ref), label)
-    except ServerFailure as e:
-        raise _fail(label, e) from None
+    feed = forced(requests, ref)
+    cand = servers.send(label, feed)
     stats = _stats(servers.handles[label])
     gate = _gate(cfg, dtype, ref, cand)
     head_metrics = {}
     if head_label is not None:
-        head_gate = _gate(cfg, dtype, ref, send(cfg, servers.handles[head_label], forced(requests, ref), head_label))
+        head_gate = _gate(cfg, dtype, ref, servers.send(head_label, feed))
         gate = against_head(gate, head_gate, cfg.stages.replay.head_factor, cfg.stages.replay.gates[dtype].mean_floor)
         head_metrics = _gate_metrics("head_", head_gate)
     fallback_share, fallback_words = fallbacks(stats)
@@ -266,10 +265,7 @@ def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...
                     cfg.stages.replay.segments)
     for label in labels:
         for seg in segs:
-            try:
-                send(cfg, servers.handles[label], seg, label, burst=burst)
-            except ServerFailure as e:
-                raise _fail(label, e) from None
+            servers.send(label, seg, burst)
 
 
 def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed: list[TraceRequest],
@@ -279,15 +275,12 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
     the order AB BA ..., judged (see the module's docstring)."""
     r = cfg.stages.replay
     dtype = getattr(cfg.targets.attention, device).dtype
-    burst = r.load == "burst"
+    window = getattr(cfg.served, device).window_s
     runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
-    for j, seg in enumerate(segments(feed, getattr(cfg.served, device).window_s, r.segments)):
-        _time_left(deadline, getattr(cfg.served, device).window_s / r.segments)
+    for j, seg in enumerate(segments(feed, window, r.segments)):
+        _time_left(deadline, window / r.segments)
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
-            try:
-                runs[label].append(send(cfg, servers.handles[label], seg, label, burst=burst))
-            except ServerFailure as e:
-                raise _fail(label, e) from None
+            runs[label].append(servers.send(label, seg, r.load == "burst"))
     stats = _stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
     outcome.reference, outcome.runs = ref, runs

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import candidates as C  # noqa: E402
 from conftest import config_with  # noqa: E402
 from harness.config import load_config  # noqa: E402
-from harness.stages.arms import Servers, send  # noqa: E402
+from harness.stages.arms import Servers  # noqa: E402
 from harness.stages.replay import reference_feed, run_replay, timed_pair, warm_pass  # noqa: E402
 
 KEYS = ("accepted", "gain", "gain_lower", "noise_band", "segments", "gate_passed", "gate_coverage", "gate_max_logprob_diff",
@@ -98,7 +98,7 @@ def errors_only(cfg, out: str | None) -> None:
         gates = {}
         for label in arms:
             t0 = time.monotonic()
-            gates[label] = _gate(cfg, "bfloat16", ref, send(cfg, servers.handles[label], feed, label))
+            gates[label] = _gate(cfg, "bfloat16", ref, servers.send(label, feed))
             print(f"{label} fed in {time.monotonic() - t0:.1f} s", flush=True)
     r = cfg.stages.replay
     for label, g in gates.items():
@@ -134,7 +134,7 @@ def _log_ratios(head, cand, how: str) -> list[float]:
                     rs.append(math.log(x.tpot / y.tpot))
             else:
                 if how == "ttft_sent":
-                    x, y = dataclasses.replace(x, origin_s=float("nan")), dataclasses.replace(y, origin_s=float("nan"))
+                    x, y = dataclasses.replace(x, origin_s=None), dataclasses.replace(y, origin_s=None)
                 rs.append(math.log(max(x.ttft, 1e-9) / max(y.ttft, 1e-9)))
         out.append(sum(rs) / len(rs))
     return out
@@ -167,8 +167,8 @@ def noise(cfg, rounds: int, out: str | None) -> None:
                 for j, seg in enumerate(segs):
                     for label in (("A", "B") if j % 2 == 0 else ("B", "A")):
                         if primed:
-                            send(cfg, servers.handles[label], [TraceRequest(10**6, 0.0, [1] * 16, 2)], label)
-                        runs[label].append(send(cfg, servers.handles[label], seg, label, burst=r.load == "burst"))
+                            servers.send(label, [TraceRequest(10**6, 0.0, [1] * 16, 2)])
+                        runs[label].append(servers.send(label, seg, r.load == "burst"))
                 row = {"round": k + 1, "primed": primed, "segments": len(segs), "seconds": round(time.monotonic() - t0, 1)}
                 for how in ("score", "ttft", "ttft_sent", "tpot"):
                     xs = _log_ratios(runs["A"], runs["B"], how)
