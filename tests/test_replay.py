@@ -233,6 +233,18 @@ def test_gates_compare_every_forced_token_and_tolerate_another_choice_only_at_a_
     assert not drift.passed and "token 3: logprob -0.95000 where the reference has -0.90000" in drift.detail
 
 
+def test_on_the_heads_continuation_an_arm_is_held_to_the_references_own_choice_not_the_heads():
+    # the reference scored a continuation the head chose: at token 3 the head took c where the reference's own
+    # top choice was q, by a clear lead of 3.0
+    scored = _tokens("reference", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "b", "q", "d"], [2.0, 0.004, 3.0, 1.0])
+    as_reference = compare_forced(scored, _tokens("c", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "b", "q", "d"],
+                                                  [1] * 4), 1e-3, 1e-3, 1e-2)
+    assert as_reference.passed and as_reference.flips == 0
+    as_head = compare_forced(scored, _tokens("head", ["a", "b", "c", "d"], [-0.5, -0.2, -0.9, -0.1], ["a", "b", "c", "d"], [1] * 4),
+                             1e-3, 1e-3, 1e-2)
+    assert not as_head.passed and "token 3: would choose c where the reference chose q" in as_head.detail
+
+
 def test_gates_fail_a_small_drift_on_every_token_through_its_mean():
     small = compare_forced(REF, _tokens("c", ["a", "b", "c", "d"], [-0.51, -0.21, -0.91, -0.11], ["a", "b", "c", "d"], [1] * 4),
                            0.05, 0.005, 1e-2)

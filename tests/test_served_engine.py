@@ -1,6 +1,7 @@
 """The served model and engine in this process (tiny preset, CPU, float32): continuous batching gives
 each request what it gets alone, decoding from the paged cache matches recomputing the sequence,
-teacher forcing appends the forced tokens with the model's own logprobs of them, blocks are reserved
+teacher forcing appends the forced tokens with the model's own logprobs of them (scored in one prefill,
+the same as decoding them), blocks are reserved
 and reused, weights load from safetensors, and attention goes through `AttentionOps` with fallbacks
 counted."""
 from __future__ import annotations
@@ -116,6 +117,33 @@ def test_forced_tokens_are_appended_with_the_models_logprob_of_each_and_its_own_
     assert differ > 0.8 * sum(len(f) for f in forcing.values())    # the forced tokens are not the model's choices
     for r in reqs[3:]:                                  # unforced requests in the same batches: as in a free run
         assert out[r.index] == free[r.index]
+
+
+def test_scoring_forced_tokens_in_the_prefill_gives_what_decoding_them_gives_in_one_step_each():
+    reqs = trace(8, seed=6)
+    vocab = TINY.vocab
+    free = run_requests(engine(), reqs, realtime=False)
+    forcing = {r.index: tuple((5 * ev.token + 1) % vocab if j % 3 == 2 else ev.token for j, ev in enumerate(free[r.index]))
+               for r in reqs}                            # the model's own tokens, every third one not
+    decoded = run_requests(engine(), [dataclasses.replace(r, forced=forcing[r.index]) for r in reqs], realtime=False)
+    e = engine(max_running=3)                            # scored requests beside a running one, admitted a few a step
+    steps = []
+    mixed = [dataclasses.replace(r, forced=forcing[r.index], scored=r.index % 2 == 0) for r in reqs]
+    scored = run_requests(e, mixed, realtime=False, on_step=lambda evs: steps.append([ev.request_id for ev in evs]))
+    for r in reqs:
+        assert [ev.token for ev in scored[r.index]] == list(forcing[r.index])
+        assert [ev.finished for ev in scored[r.index]] == [ev.finished for ev in decoded[r.index]]
+        for a, b in zip(scored[r.index], decoded[r.index]):
+            assert abs(a.logprob - b.logprob) < 1e-4 and a.top[0][0] == b.top[0][0] and abs(a.top[0][1] - b.top[0][1]) < 1e-4
+    for r in reqs[::2]:                                  # a scored request: every token in the step that admitted it
+        firsts = [i for i, ids in enumerate(steps) if str(r.index) in ids]
+        assert len(firsts) == 1 and steps[firsts[0]].count(str(r.index)) == r.output_len
+    assert e.allocator.available() == e.cache.num_blocks and not e.has_work()
+
+
+def test_a_scored_request_without_forced_tokens_is_refused():
+    with pytest.raises(EngineError, match="a scored request needs its forced tokens"):
+        engine().add(Request("a", [1, 2, 3], 3, None, scored=True))
 
 
 @pytest.mark.parametrize("forced, words", [

@@ -90,6 +90,33 @@ def test_teacher_forcing_serves_the_forced_tokens_on_gpu():
     assert gap < 1e-3
 
 
+def test_the_float32_reference_scores_a_continuation_in_its_prefill_as_decoding_it_would_on_gpu():
+    """The replay's reference path: the 0.6B preset in float32, a continuation (the model's own tokens, every
+    third one not) scored in the prefill (`scored`) against the same tokens forced one a step."""
+    import dataclasses
+    served, section = CFG.served.cuda, CFG.targets.attention.cuda
+    preset = CFG.served.presets[served.preset].model_copy(update={"kv_cache_tokens": 65536})
+    reqs = [dataclasses.replace(r, output_len=min(r.output_len, 48)) for r in served_requests(CFG, "cuda")[:6]]
+
+    def run(reqs):
+        engine = make_engine(preset, section.block_size, torch.float32, torch.device("cuda"), AttentionOps(),
+                             init=CFG.served.random_init, top_k=CFG.served.logprobs)
+        return run_requests(engine, reqs, realtime=False)
+
+    free = run(reqs)
+    cont = {i: tuple((5 * e.token + 1) % preset.vocab if j % 3 == 2 else e.token for j, e in enumerate(evs))
+            for i, evs in free.items()}
+    decoded = run([dataclasses.replace(r, forced=cont[r.index]) for r in reqs])
+    scored = run([dataclasses.replace(r, forced=cont[r.index], scored=True) for r in reqs])
+    gap = max(abs(a.logprob - b.logprob) for i in cont for a, b in zip(decoded[i], scored[i]))
+    same_top = sum(a.top[0][0] == b.top[0][0] for i in cont for a, b in zip(decoded[i], scored[i]))
+    n = sum(len(c) for c in cont.values())
+    print(f"\nscored in the prefill vs decoded, float32: largest logprob difference {gap:.2e}; top choice equal "
+          f"at {same_top} of {n}")
+    assert all(tuple(e.token for e in scored[i]) == cont[i] for i in cont)
+    assert gap < 1e-3 and same_top >= 0.99 * n          # an exact float32 tie may fall either way
+
+
 def test_profile_attributes_device_time_to_the_models_parts():
     report = profile_served(CFG, "attention", device=torch.device("cuda"), window_s=WINDOW)
     print("\n" + render(report))

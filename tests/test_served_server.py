@@ -75,6 +75,22 @@ def test_a_forced_streamed_request_gets_the_forced_tokens_scored_by_the_model(se
     assert all(lp <= top[0][1] for lp, top in zip(forced.logprobs, forced.top))
 
 
+def test_a_scored_request_gets_in_one_response_what_forcing_its_tokens_one_a_step_gets(server):
+    prompt = [4, 8, 15, 16, 23]
+    cont = tuple((11 * j + 5) % 512 for j in range(7))
+    forced, scored = replay(server.url, server.model, [TraceRequest(0, 0.0, prompt, 7, cont),
+                                                       TraceRequest(1, 0.0, prompt, 7, cont, scored=True)], 60, 60).completions
+    assert forced.complete and scored.complete, (forced.error, scored.error)
+    assert scored.tokens == forced.tokens == [f"token_id:{t}" for t in cont]
+    assert max(abs(a - b) for a, b in zip(scored.logprobs, forced.logprobs)) < 1e-4
+    assert [t[0][0] for t in scored.top] == [t[0][0] for t in forced.top]
+    before = server.stats()["ops"]
+    alone = replay(server.url, server.model, [TraceRequest(2, 0.0, prompt, 7, cont, scored=True)], 60, 60).completions[0]
+    after = server.stats()["ops"]
+    assert alone.tokens == scored.tokens and after["prefill"]["calls"] > before["prefill"]["calls"]
+    assert after["decode"]["calls"] == before["decode"]["calls"]              # scored in its prefill: no decode step
+
+
 def test_the_client_asks_for_as_many_top_logprobs_as_it_is_given(server):
     one = replay(server.url, server.model, [TraceRequest(0, 0.0, [3, 1, 4], 3)], 60, 60, logprobs=1).completions[0]
     assert one.error == "" and len(one.tokens) == 3 and all(len(top) == 1 for top in one.top)
@@ -92,8 +108,11 @@ def test_the_client_asks_for_as_many_top_logprobs_as_it_is_given(server):
     ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2.0, 3, 4]}}, "kevo_forced must be a list of token ids"),
     ({"prompt": [1, 2], "extra_body": {"kevo_group": {"id": "g", "size": 2, "position": 2}}}, "kevo_group must be"),
     ({"prompt": [1, 2], "extra_body": {"kevo_group": {"id": "g", "size": 2}}}, "kevo_group must be"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_score": True}}, "kevo_score needs kevo_forced"),
+    ({"prompt": [1, 2], "extra_body": {"kevo_forced": [1, 2, 3, 4], "kevo_score": "yes"}}, "kevo_score must be true or false"),
 ], ids=["text-prompt", "temperature", "too-many-logprobs", "token-outside-vocab", "too-long", "forced-wrong-length",
-        "forced-outside-vocab", "forced-not-a-list", "forced-not-ids", "group-position-outside", "group-no-position"])
+        "forced-outside-vocab", "forced-not-a-list", "forced-not-ids", "group-position-outside", "group-no-position",
+        "score-without-forced", "score-not-a-bool"])
 def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as err:

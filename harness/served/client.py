@@ -5,7 +5,7 @@ prompt token ids, temperature 0, the top `logprobs` logprobs, and vLLM's `ignore
 `return_tokens_as_token_ids` so external servers answer alike). Every streamed token is stamped
 with time.perf_counter() when its chunk arrives here. A request that gives `forced` tokens is sent
 with them as `kevo_forced` (teacher forcing, harness/served/server.py; only kevo's own server knows
-the field). A request that errs, breaks off or does not finish within the drain time is recorded
+the field), and with `kevo_score` when they are to be scored in the prompt's prefill. A request that errs, breaks off or does not finish within the drain time is recorded
 with its error; nothing is retried; the garbage collector is held off while a replay runs.
 Per-request TTFT (first token minus send time) and TPOT (mean gap between later tokens) are read off
 the stamps.
@@ -103,6 +103,8 @@ async def _replay(url: str, model: str, requests: list[TraceRequest], request_ti
         extra: dict = {"ignore_eos": True, "return_tokens_as_token_ids": True}
         if r.forced is not None:
             extra["kevo_forced"] = list(r.forced)
+            if r.scored:
+                extra["kevo_score"] = True
         if burst:
             extra["kevo_group"] = {"id": group, "size": len(requests), "position": position[r.index]}
         c.sent_s = time.perf_counter() - t0

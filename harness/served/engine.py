@@ -9,7 +9,10 @@ after exactly max_tokens tokens (there is no end-of-sequence token: traces fix o
 Teacher forcing: a request may give its `forced` tokens (one per generated token); each step then
 appends the forced token instead of the greedy choice and reports the model's logprob of it, with
 the model's own top_k beside it (top[0] is what it would have chosen), so another server's
-continuation can be scored token by token after the two have parted.
+continuation can be scored token by token after the two have parted. A forced request may also be
+`scored`: its forced tokens then join its prompt's prefill (all but the last) and every one is scored
+in that one forward pass, with no decode step - the same logprobs the model gives decoding them one a
+step, at a prefill's cost (how the replay's float32 reference scores a continuation it did not choose).
 A decode-only step (no prefill in it) replays a CUDA graph where the engine has them (graphs.py).
 Not covered: sampling temperatures other than 0, chunked prefill, preemption, prefix caching.
 """
@@ -40,6 +43,22 @@ class Request:
     prompt: list[int]
     max_tokens: int
     forced: tuple[int, ...] | None = None   # teacher forcing: the tokens to append, max_tokens of them
+    scored: bool = False                    # the forced tokens scored in the prefill, not decoded one a step
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill runs over: the prompt, and for a scored request its forced tokens but the last."""
+        return self.prompt + list(self.forced[:-1]) if self.scored and self.forced else self.prompt
+
+    @property
+    def prefill_rows(self) -> int:
+        """The rows of its prefill whose next token is sampled: its last, or one per forced token when scored."""
+        return self.max_tokens if self.scored else 1
+
+
+# At most this many sampled rows in one step: each is a row of float32 logits over the vocabulary (0.6 GB
+# for 1024 rows of Qwen3's 151,936); a scored request needing more is admitted alone.
+MAX_SAMPLED_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -91,6 +110,8 @@ class Engine:
                                   f"max_tokens is {req.max_tokens}")
             if min(req.forced) < 0 or max(req.forced) >= vocab:
                 raise EngineError(f"forced token ids must be in [0, {vocab})")
+        elif req.scored:
+            raise EngineError("a scored request needs its forced tokens (kevo_forced) to score")
         capacity = self.allocator.num_blocks * self.bs
         if len(req.prompt) + req.max_tokens > capacity:
             raise EngineError(f"the request needs {len(req.prompt) + req.max_tokens} tokens of KV cache; "
@@ -118,38 +139,42 @@ class Engine:
             s.blocks.append(self.allocator.take())
 
     def _admit(self) -> list[_Seq]:
-        new, tokens = [], 0
+        new, tokens, rows = [], 0, len(self.running)
         while self.waiting and len(self.running) + len(new) < self.max_running:
             req = self.waiting[0]
-            if new and tokens + len(req.prompt) > self.max_prefill_tokens:
+            n = len(req.prefill_ids)
+            if new and (tokens + n > self.max_prefill_tokens or rows + req.prefill_rows > MAX_SAMPLED_ROWS):
                 break
             budget = math.ceil((len(req.prompt) + req.max_tokens) / self.bs)
             if not self.allocator.reserve(budget):
                 break
             self.waiting.popleft()
             s = _Seq(req, budget)
-            self._grow(s, len(req.prompt))
+            self._grow(s, n)
             new.append(s)
-            tokens += len(req.prompt)
+            tokens += n
+            rows += req.prefill_rows
         return new
 
     def _batch(self, new: list[_Seq], decode: list[_Seq]) -> StepBatch:
         bs, dev = self.bs, self.device
         tokens, positions, slots = [], [], []
         for s in new:
-            n = len(s.req.prompt)
-            tokens.append(torch.tensor(s.req.prompt, dtype=torch.int64))
+            ids = s.req.prefill_ids
+            n = len(ids)
+            tokens.append(torch.tensor(ids, dtype=torch.int64))
             positions.append(torch.arange(n))
             slots.append((torch.tensor(s.blocks)[:, None] * bs + torch.arange(bs)).flatten()[:n])
         dec_tokens, dec_pos, dec_slots = decode_rows(decode, bs)
         tokens.append(torch.tensor(dec_tokens, dtype=torch.int64))
         positions.append(torch.tensor(dec_pos, dtype=torch.int64))
         slots.append(torch.tensor(dec_slots, dtype=torch.int64))
-        prefill_lens = [len(s.req.prompt) for s in new]
+        prefill_lens = [len(s.req.prefill_ids) for s in new]
         cu = torch.tensor([0] + prefill_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         width = max((len(s.blocks) for s in decode), default=0)
         table = [s.blocks + [0] * (width - len(s.blocks)) for s in decode]
-        sample = [int(c) - 1 for c in cu[1:]] + [sum(prefill_lens) + i for i in range(len(decode))]
+        sample = [int(c) - k for s, c in zip(new, cu[1:]) for k in range(s.req.prefill_rows, 0, -1)] \
+            + [sum(prefill_lens) + i for i in range(len(decode))]
         return StepBatch(
             tokens=torch.cat(tokens).to(dev), positions=torch.cat(positions).to(dev), slots=torch.cat(slots).to(dev),
             prefill_lens=prefill_lens, cu_seqlens=cu.to(dev) if new else None,
@@ -172,8 +197,10 @@ class Engine:
                 with R("kevo.copies"):
                     batch = self._batch(new, decode)
                 logits = self.model.forward(batch, self.cache, self.ops)
-            seqs = new + decode                   # the order of the batch: prefill rows first
-            forced = [-1 if s.req.forced is None else s.req.forced[len(s.generated)] for s in seqs]
+            # the sampled rows in the batch's order (prefill sequences first, a scored one's rows in order);
+            # row j of a sequence produces its token number len(generated) + j
+            rows_of = [(s, j) for s in new for j in range(s.req.prefill_rows)] + [(s, 0) for s in decode]
+            forced = [-1 if s.req.forced is None else s.req.forced[len(s.generated) + j] for s, j in rows_of]
             with R("kevo.sampling"):
                 logp = torch.log_softmax(logits.float(), dim=-1)
                 top_lp, top_id = logp.topk(min(self.top_k, logp.shape[-1]), dim=-1)
@@ -183,8 +210,8 @@ class Engine:
                     cols.append(logp.gather(1, ids[:, None]).double())
                 rows = torch.cat(cols, dim=1).cpu().tolist()
         k = top_id.shape[1]
-        events, still = [], []
-        for s, f, row in zip(seqs, forced, rows):
+        events = []
+        for (s, _), f, row in zip(rows_of, forced, rows):
             top = [(int(row[j]), row[k + j]) for j in range(k)]
             token, logprob = top[0] if f < 0 else (f, row[2 * k])
             s.generated.append(token)
@@ -192,9 +219,7 @@ class Engine:
             events.append(TokenEvent(s.req.id, token, logprob, top, done))
             if done:
                 self._release(s)
-            else:
-                still.append(s)
-        self.running = still
+        self.running = [s for s in new + decode if len(s.generated) < s.req.max_tokens]
         self.steps += 1
         self.tokens_out += len(events)
         return events
@@ -227,7 +252,7 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
         now = time.perf_counter() - t0 if realtime else math.inf
         while pending and pending[0].arrival_s <= now:
             r = pending.popleft()
-            engine.add(Request(str(r.index), r.prompt, r.output_len, r.forced))
+            engine.add(Request(str(r.index), r.prompt, r.output_len, r.forced, r.scored))
         if not engine.has_work():
             time.sleep(max(0.0, pending[0].arrival_s - now))
             continue

@@ -11,11 +11,12 @@ nearly so, each starting from an idle server). Over the segments: the mean, its 
 one-sided lower bound at `false_accept` (Student's t with segments - 1 degrees of freedom). The band is
 the stage's own noise estimate, measured on every replay.
 
-`compare_forced` is the correctness gate, on every generated token: the arm was fed the reference's own
-greedy continuation (teacher forcing, `kevo_forced`), so at each position both saw the same context. The
-arm's logprob of the reference's token must be finite and within `max_abs` of the reference's, the mean
-of those differences within `mean_abs`, and where the arm's own top choice differs from the reference's
-token the reference's lead over its runner-up must have been a near-tie (within `near_tie_margin`).
+`compare_forced` is the correctness gate, on every generated token: the arm and the reference were fed
+one continuation (teacher forcing, `kevo_forced`: the reference's own greedy tokens, or the head's that
+the reference scored), so at each position both saw the same context. The arm's logprob of each token
+must be finite and within `max_abs` of the reference's, the mean of those differences within `mean_abs`,
+and where the arm's own top choice differs from the reference's (its top one there) the reference's lead
+over its runner-up must have been a near-tie (within `near_tie_margin`).
 Not covered: running the replays (harness/stages/replay.py) or timing tokens (client.py).
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ class Gate:
     passed: bool
     compared: int              # tokens whose logprobs were compared
     generated: int             # tokens the reference generated
-    flips: int                 # positions where the arm's own choice differed from the reference's token (near-ties)
+    flips: int                 # positions where the arm's own choice differed from the reference's (near-ties)
     max_abs: float             # the largest |logprob difference| (inf: a non-finite logprob)
     mean_abs: float
     p99_abs: float             # the 99th percentile of them
@@ -157,15 +158,16 @@ def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: f
             if d > max_abs and not failure:
                 failure = (f"request {r.index + 1}, token {i + 1}: logprob {o.logprobs[i]:.5f} where the reference has "
                            f"{r.logprobs[i]:.5f} (difference {d:.3g} > max_abs {max_abs:.3g})")
+            choice = r.top[i][0][0] if i < len(r.top) and r.top[i] else tok      # the reference's own there
             own = o.top[i][0][0] if i < len(o.top) and o.top[i] else tok
-            if own != tok:
+            if own != choice:
                 lead = _lead(r.top[i]) if i < len(r.top) else math.inf
                 flip_lead = max(flip_lead, lead)
                 if lead <= margin:
                     flips += 1
                 elif not failure:
-                    failure = (f"request {r.index + 1}, token {i + 1}: would choose {own} where the reference chose {tok}, "
-                               f"whose lead over its runner-up was {lead:.3g} (a near-tie is within {margin:.3g})")
+                    failure = (f"request {r.index + 1}, token {i + 1}: would choose {own} where the reference chose "
+                               f"{choice}, whose lead over its runner-up was {lead:.3g} (a near-tie is within {margin:.3g})")
     mean = total / compared if compared else math.inf
     if not failure and mean > mean_abs:
         failure = (f"the mean logprob difference over {compared} tokens is {mean:.3g} > mean_abs {mean_abs:.3g} "

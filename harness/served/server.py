@@ -9,13 +9,15 @@ namespaces, in a root of its own holding the interpreter, the libraries, harness
 weights and its own folder (to which it copies the candidate's file, read before it went in), with
 no capabilities, rlimits and seccomp. It then builds the engine, warms it up, and serves:
   POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream,
-                         kevo_forced (optional, kevo's own extension: no other server has it)
+                         kevo_forced, kevo_score, kevo_group (optional, kevo's own extensions: no
+                         other server has them)
   GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error, CUDA graphs)
 Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
 `kevo_forced`, a list of max_tokens token ids in [0, vocab), is teacher forcing: the server appends
 those tokens instead of its own choices and reports, for each, the model's logprob of the forced
 token and its own top logprobs (the first is what it would have chosen); null is as if absent,
-anything else is a 400 naming what was wrong. `kevo_group`, {"id", "size", "position"} (kevo's own too),
+anything else is a 400 naming what was wrong. `kevo_score: true` beside it scores those tokens in
+the prompt's prefill, all in one forward pass (no decode step; harness/served/engine.py). `kevo_group`, {"id", "size", "position"} (kevo's own too),
 holds a request until all `size` members of its group have come in, then queues them in their
 positions between two steps: a burst every server it is sent to schedules alike (EngineLoop).
 The engine runs in its own thread; the HTTP side is aiohttp (asyncio). Not covered: text prompts,
@@ -172,6 +174,11 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
         if not (isinstance(forced, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in forced)):
             return {}, "kevo_forced must be a list of token ids, one per generated token"
         forced = tuple(forced)
+    scored = body.get("kevo_score", False)
+    if not isinstance(scored, bool):
+        return {}, "kevo_score must be true or false"
+    if scored and forced is None:
+        return {}, "kevo_score needs kevo_forced: the tokens to score"
     group = body.get("kevo_group")
     if group is not None:
         ok = isinstance(group, dict) and set(group) == {"id", "size", "position"} and isinstance(group["id"], str) \
@@ -182,7 +189,7 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
                         "0..size-1}")
         group = (group["id"], group["size"], group["position"])
     return {"prompt": prompt, "max_tokens": max_tokens, "logprobs": logprobs, "stream": bool(body.get("stream")),
-            "forced": forced, "group": group}, ""
+            "forced": forced, "scored": scored, "group": group}, ""
 
 
 def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
@@ -213,7 +220,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
         if problem:
             return error(400, problem)
         rid = f"cmpl-{next(counter)}"
-        req = Request(rid, args["prompt"], args["max_tokens"], args["forced"])
+        req = Request(rid, args["prompt"], args["max_tokens"], args["forced"], args["scored"])
         try:
             loop.engine.check(req)
         except EngineError as e:

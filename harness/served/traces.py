@@ -52,12 +52,14 @@ class TraceLine(BaseModel):
 @dataclass(frozen=True)
 class TraceRequest:
     """A request as it is sent: its index in the trace, when, which tokens, how many to generate, and
-    (teacher forcing) the tokens the server is to append instead of its own, output_len of them."""
+    (teacher forcing) the tokens the server is to append instead of its own, output_len of them; `scored`:
+    those scored in the prompt's prefill instead of decoded one a step (`kevo_score`, harness/served/engine.py)."""
     index: int
     arrival_s: float
     prompt: list[int]
     output_len: int
     forced: tuple[int, ...] | None = None
+    scored: bool = False
 
 
 def _explain(err: ValidationError) -> str:

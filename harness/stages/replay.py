@@ -6,21 +6,23 @@ reference every arm is held to), the head (the current head of the candidate's o
 torch's baselines in the served dtype) and the candidate. Once the reference is up, the trusted side
 draws the requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its length pairs
 drawn with a secret seed, fresh token ids); the arms see them only when fed. Then:
-  1. reference: the requests at once, untimed; its greedy tokens and logprobs are what every arm is
-     held to. The reference server is stopped before anything is timed.
-  2. timed, paired: each arm first serves a window of its own, untimed, beside the reference's pass
-     (`warm_pass`: a draw apart, so nothing served there answers a scored request); then the window is
-     cut into `segments` by arrival time and each segment is replayed to the head and to the candidate
-     in turn, in the order AB BA AB ... (a drift over the stage falls on both arms alike), each arm
-     fed the reference's continuation (teacher forcing: `kevo_forced`), so both do the same work and
-     every generated token can be compared. With `load: burst` a segment's
-     requests go at once as one group (`kevo_group`), queued together in arrival order: both engines
-     admit and batch them alike, step for step, so the pair differs only in the arms' speed (at the
-     trace's arrival times instead, where a request lands between two steps differs from run to run,
-     and a prompt admitted one step later moves every TTFT behind it). Only one server is driven at a
-     time, and nothing else of kevo's runs on the GPU meanwhile.
+  1. the continuation: the head serves the requests free-running, untimed, as the timed segments will
+     come (a burst a segment): its greedy tokens are the continuation every arm is fed. As each
+     segment's tokens come in, the reference scores them (`kevo_score`: the prompt and the tokens in one
+     float32 prefill, no decode step): its logprobs of every token and its own top choices are what
+     every arm is held to. The head's tokens need no trust: at every position the arms are compared
+     with the reference on the same context, and where the head's choice is not the reference's at a
+     clear lead the head fails its own gates (reported beside the verdict). Meanwhile the candidate
+     serves a window of its own (`warm_pass`: a draw apart, so nothing served there answers a scored
+     request): both arms have served one window before they are timed (a server's first runs slower).
+     The reference server is stopped before anything is timed.
+  2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
+     the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
+     both arms alike), each arm fed the continuation (teacher forcing: `kevo_forced`), so both do the
+     same work and every generated token can be compared. With `load: burst` a segment's
   3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's,
-     within fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens.
+     within fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens; where an
+     arm's own choice is not the reference's, the reference's lead must have been a near-tie.
   4. fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on an
      op the candidate implements means no acceptance.
   5. speed (score.py `paired`): per request the head-over-candidate ratio of TTFT and of TPOT, per
@@ -30,7 +32,8 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
 dies or errs is rejected, saying how; a reference or head that cannot be served is a harness error.
 
 On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter):
-reference and candidate, every token compared, nothing timed and nothing accepted - so a kernel wrong
+reference and candidate, the reference's own greedy tokens the continuation, every token compared,
+nothing timed and nothing accepted - so a kernel wrong
 only in serving is rejected on any machine. Not covered: what a candidate does to its server process
 beyond attention (its accounting is self-reported; its tokens and the client's clock are not).
 """
@@ -80,20 +83,33 @@ def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = 
     return reqs if cap is None else [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
 
 
-def reference_pass(cfg: Config, servers: Servers, requests: list[TraceRequest]) -> ReplayRun:
-    """The reference's greedy tokens for the requests, all sent at once (untimed: no need to wait for arrivals)."""
-    return servers.send("reference", [replace(r, arrival_s=0.0) for r in requests])
+def continuation_pass(cfg: Config, device: str, servers: Servers, requests: list[TraceRequest],
+                      source: str | None = None) -> ReplayRun:
+    """The reference's run on a continuation of the requests (untimed). `source` None: the reference's own
+    greedy tokens, all sent at once. Else the server of `source` serves them free-running, a burst a segment
+    as the timed segments come (its warm pass), and the reference scores each segment's tokens in one
+    prefill (`scored`) while the next segment is served: the same logprobs as decoding them, at a prefill's
+    cost - its float32 decode was most of the stage's time (docs/BENCHMARKS.md)."""
+    if source is None:
+        return servers.send("reference", [replace(r, arrival_s=0.0) for r in requests])
+    r = cfg.stages.replay
+    with ThreadPoolExecutor(1, thread_name_prefix="scoring") as pool:
+        pending = []
+        for seg in segments(requests, getattr(cfg.served, device).window_s, r.segments):
+            feed = forced(seg, servers.send(source, seg, r.load == "burst"))
+            pending.append(pool.submit(servers.send, "reference", [replace(x, arrival_s=0.0, scored=True) for x in feed]))
+        return merged("reference", [p.result() for p in pending])
 
 
-def forced(requests: list[TraceRequest], ref: ReplayRun) -> list[TraceRequest]:
-    """The requests with the reference's own continuation to feed back (teacher forcing)."""
-    tokens = {c.index: c.tokens for c in ref.completions}
+def forced(requests: list[TraceRequest], run: ReplayRun) -> list[TraceRequest]:
+    """The requests with `run`'s tokens, the continuation, to feed back (teacher forcing)."""
+    tokens = {c.index: c.tokens for c in run.completions}
     out = []
     for r in requests:
         try:
             ids = tuple(int(t.removeprefix("token_id:")) for t in tokens[r.index])
         except (KeyError, ValueError):
-            raise HarnessError(f"the reference server's tokens for request {r.index + 1} are not token ids") from None
+            raise HarnessError(f"the {run.label} server's tokens for request {r.index + 1} are not token ids") from None
         out.append(replace(r, forced=ids))
     return out
 
@@ -200,14 +216,14 @@ def _time_left(deadline: float | None, need_s: float) -> None:
 
 def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate",
              deadline: float | None = None, head_label: str | None = None) -> ReplayOutcome:
-    """Gates only, on servers already up: fresh requests, the reference pass, `label` fed its tokens (at
-    the requests' arrival times), every token compared; nothing timed or accepted. With `head_label`,
-    that server is fed them too and the candidate's mean is also held to `head_factor` x the head's."""
+    """Gates only, on servers already up: fresh requests, the reference's own greedy pass, `label` fed its
+    tokens (at the requests' arrival times), every token compared; nothing timed or accepted. With
+    `head_label`, that server is fed them too and the candidate's mean is also held to `head_factor` x the head's."""
     dtype = getattr(cfg.targets.attention, device).dtype
     t0 = time.monotonic()
     servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the others' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
-    ref = reference_pass(cfg, servers, requests)
+    ref = continuation_pass(cfg, device, servers, requests)
     servers.wait()
     _time_left(deadline, 0)
     feed = forced(requests, ref)
@@ -233,22 +249,25 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     return ReplayOutcome(False, reason, gate, metrics, timed=False, reference=ref)
 
 
-def reference_feed(cfg: Config, device: str, servers: Servers,
+def reference_feed(cfg: Config, device: str, servers: Servers, source: str | None = None,
                    warm: tuple[str, ...] = ()) -> tuple[ReplayRun, list[TraceRequest], float]:
-    """Fresh requests drawn once the reference is up, its pass, and the requests with its continuation to
-    feed the arms; the seconds to the reference's last token (its start included). While the pass runs,
-    each server in `warm` is sent a warm pass once it is up (`warm_pass`)."""
+    """Fresh requests drawn once the reference (and `source`) is up, the reference's run on their
+    continuation (`continuation_pass`), and the requests with the continuation to feed the arms; the
+    seconds to the reference's last logprob (the servers' start included). Meanwhile each server in `warm`
+    is sent a warm pass once it is up (`warm_pass`)."""
     t0 = time.monotonic()
-    servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the arms' warm-up
+    servers.wait(["reference"] + ([source] if source else []))
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     with ThreadPoolExecutor(1, thread_name_prefix="reference") as pool:
-        pending = pool.submit(reference_pass, cfg, servers, requests)
+        pending = pool.submit(continuation_pass, cfg, device, servers, requests, source)
         try:
             if warm:
                 servers.wait(list(warm))
                 warm_pass(cfg, device, servers, warm)
         except BaseException:
-            servers.stop("reference")          # an arm failed: its failure is the verdict, not the pass cut short
+            for label in ("reference", source):  # an arm failed: its failure is the verdict, not the pass cut short
+                if label:
+                    servers.stop(label)
             pending.exception()
             raise
         ref = pending.result()
@@ -256,8 +275,8 @@ def reference_feed(cfg: Config, device: str, servers: Servers,
 
 
 def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...]) -> None:
-    """Each arm served a window of its own, untimed: a draw apart from the scored one (so nothing served
-    here answers a scored request), free-running, as the timed segments will come (a burst a segment).
+    """Each server of `labels` served a window of its own, untimed: a draw apart from the scored one (so nothing
+    served here answers a scored request), free-running, as the timed segments will come (a burst a segment).
     A server's first real window after its start runs slower than the next (on the H200 its TTFT about
     twice: docs/BENCHMARKS.md); the warm-up's filler requests do not take that away."""
     burst = cfg.stages.replay.load == "burst"
@@ -289,10 +308,11 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
 
 def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "head", cand_label: str = "candidate",
               deadline: float | None = None, keep_reference: bool = False, head_is_torch: bool = False) -> ReplayOutcome:
-    """The timed comparison on servers already up: fresh requests, the reference pass (the arms' warm pass
-    beside it), then the two arms fed its tokens in alternating segments, judged (see the module's docstring)."""
+    """The timed comparison on servers already up: fresh requests, the head's continuation scored by the
+    reference (the candidate's warm pass beside them), then the two arms fed it in alternating segments,
+    judged (see the module's docstring)."""
     t0 = time.monotonic()
-    ref, feed, ref_s = reference_feed(cfg, device, servers, warm=(head_label, cand_label))
+    ref, feed, ref_s = reference_feed(cfg, device, servers, source=head_label, warm=(cand_label,))
     servers.wait()
     arms_s = time.monotonic() - t0
     if not keep_reference:

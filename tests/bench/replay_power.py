@@ -6,7 +6,7 @@
 On the GPU, with config's defaults (the window, the segments, the load, the bf16 gates), the reference
 decode (knowledge/attention/decode_paged_splitkv.py) as the head:
   1. the stage itself, start to verdict: `run_replay(head, head=head)` - an A/A comparison;
-  2. more A/A comparisons on one set of servers, all fed one reference pass's requests (the timed half,
+  2. more A/A comparisons on one set of servers, all fed one continuation the reference scored (the timed half,
      `timed_pair`, is what they measure): the gain, its lower bound and the noise band of each;
   3. the head made `shift` slower in its decode (a spin after every decode call, sized from the A/A's
      p50 TPOT: shift x TPOT over the layers' calls) against the head, which must be rejected, and the
@@ -78,12 +78,13 @@ def row(name: str, outcome, t0: float) -> dict:
 
 
 def errors_only(cfg, out: str | None) -> None:
-    """The head and the three errors fed one reference pass's tokens, all requests at once (untimed)."""
+    """The head and the three errors fed one continuation (the head's, scored by the reference, as the stage
+    does), all requests at once (untimed)."""
     import dataclasses
     import random
 
     from harness.served.score import against_head
-    from harness.stages.replay import _gate, draw, forced, reference_pass
+    from harness.stages.replay import _gate, continuation_pass, draw, forced
     arms = {"A": C.REF_DECODE, "window4096": C.recent_window(4096), "drops<1e-3": C.DROPS_SMALL_WEIGHTS,
             "bf16acc": C.ACCUMULATES_IN_BF16}
     t0 = time.monotonic()
@@ -92,8 +93,8 @@ def errors_only(cfg, out: str | None) -> None:
         print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
         requests = draw(cfg, "cuda", random.Random(secrets.randbits(64)))
         t0 = time.monotonic()
-        ref = reference_pass(cfg, servers, requests)
-        print(f"reference pass {time.monotonic() - t0:.1f} s, {sum(len(c.tokens) for c in ref.completions)} tokens", flush=True)
+        ref = continuation_pass(cfg, "cuda", servers, requests, source="A")
+        print(f"the head's continuation scored by the reference in {time.monotonic() - t0:.1f} s, {sum(len(c.tokens) for c in ref.completions)} tokens", flush=True)
         feed = [dataclasses.replace(r, arrival_s=0.0) for r in forced(requests, ref)]
         gates = {}
         for label in arms:
@@ -230,11 +231,11 @@ def main() -> None:
         return
     t0 = time.monotonic()
     with Servers(cfg, device, {"reference": None, "A": head, "B": head}, secrets.randbits(31), wait=False) as servers:
-        ref, feed, ref_s = reference_feed(cfg, device, servers, warm=("A", "B"))
+        ref, feed, ref_s = reference_feed(cfg, device, servers, source="A", warm=("B",))
         servers.wait()
         servers.stop("reference")
-        print(f"servers up, the arms' warm pass and the reference's pass done in {time.monotonic() - t0:.1f} s (the reference's "
-              f"{ref_s:.1f} s from the start); every comparison below is fed these requests", flush=True)
+        print(f"servers up, A's continuation scored and B's warm pass done in {time.monotonic() - t0:.1f} s (the reference's "
+              f"last {ref_s:.1f} s from the start); every comparison below is fed these requests", flush=True)
         for i in range(a.aa - (0 if a.skip_stage else 1)):
             t0 = time.monotonic()
             pair = ("A", "B") if i % 2 == 0 else ("B", "A")
