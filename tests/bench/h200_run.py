@@ -2,6 +2,7 @@
 
     python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH]
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
+    python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
 
 Writes the run's config to runs/<id>.config.yaml (config.yaml, plus `served.recorded_shapes` when a
 profile is given, and the served window when one is given) and runs the real command line
@@ -15,6 +16,11 @@ The service goes down (503) for S seconds once it has answered K claims (`--outa
 itself is SIGKILLed `--kill-at` seconds after its first claim was answered and resumed with
 `--resume`, as a person would after a reboot. Nothing is patched: the faults reach the run only through its provider
 and its candidates.
+
+`--heads` drives a decode-only run (`agent.ops: [decode]`) through the same fake service with no fault,
+outage or kill: its decode knob steps, the split count that measured fastest in microbench (1.18x the
+reference decode) first, so that an accepted kernel becomes the head and the later candidates are judged
+against it in the replay.
 
 Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
 faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
@@ -70,6 +76,13 @@ FAULTS = {0: ("decode", C.GPU_HANG_ON_BOUNDARY, "Skip the split merge for single
               "Inline the split heuristic (injected fault: a syntax error, then two repair rounds)")}
 
 
+def decode_script(n: int = 200) -> list[tuple[str, str, str, float]]:
+    """`--heads`: the decode knob steps only, SPLITS_PER_SM_TARGET 4 first, over and over."""
+    order = sorted(DECODE_STEPS, key=lambda step: step[0] != {"SPLITS_PER_SM_TARGET": 4})
+    return [("decode", C.with_knobs(C.REF_DECODE, **knobs), text, s)
+            for knobs, text, s in (order[i % len(order)] for i in range(n))]
+
+
 def script(n: int = 600) -> list[tuple[str, str, str, float]]:
     """The candidates the fake service proposes, in order: knob steps of the reference kernels, over and
     over, with the faults first; (op, source, hypothesis, expected speedup)."""
@@ -122,8 +135,11 @@ class Service:
         return code(self.steps[hits[-1] if hits else self.current][1])
 
 
-def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None) -> Path:
+def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None,
+                 ops: list[str] | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    if ops:
+        cfg["agent"]["ops"] = ops
     if profile:
         cfg["served"]["recorded_shapes"] = profile
     if window:
@@ -174,6 +190,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--profile", default=None, help="a recorded served profile (served.recorded_shapes)")
     ap.add_argument("--faults", action="store_true")
+    ap.add_argument("--heads", action="store_true", help="a decode-only scripted run, no faults (see above)")
     ap.add_argument("--window", type=float, default=None, help="served.cuda.window_s (default: config's)")
     ap.add_argument("--outage", default="2:150", help="K:S, down for S seconds once K claims are answered (--faults)")
     ap.add_argument("--kill-at", type=float, default=240.0,
@@ -182,13 +199,15 @@ def main() -> None:
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
     service = None
-    if args.faults:
+    if args.faults or args.heads:
         k, secs = args.outage.split(":")
-        service = Service(script(), (int(k), float(secs)))
+        service = Service(decode_script() if args.heads else script(), None if args.heads else (int(k), float(secs)))
         service.fake.__enter__()
         env["OPENAI_API_KEY"] = "sk-fake-local-service"
+    if args.heads:
+        args.kill_at = 0
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
-                          args.window)
+                          args.window, ["decode"] if args.heads else None)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
     t0 = time.monotonic()
     proc = launch(config, ["--target", "attention", *provider, "--run-id", args.run_id], env)
