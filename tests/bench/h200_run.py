@@ -148,8 +148,8 @@ def write_config(run_id: str, profile: str | None, url: str | None, minutes: flo
     if url:
         cfg["providers"]["openai"].update(base_url=url, planner_model=PLANNER, coder_model=CODER)
         cfg["providers"]["prices"][PLANNER] = cfg["providers"]["prices"][CODER] = {"input": 0.0, "output": 0.0}
-        cfg["providers"]["retry"] = {"attempts": 3, "initial_s": 1.0, "max_s": 4.0}
-        cfg["providers"]["outage"] = {"wait_s": 15.0, "max_wait_s": 60.0, "give_up_s": 3600.0}
+        cfg["providers"]["retry"].update(attempts=3, initial_s=1.0, max_s=4.0)
+        cfg["providers"]["outage"].update(wait_s=15.0, max_wait_s=60.0, give_up_s=3600.0)
         cfg["stages"]["parity"]["timeout_s"] = 120      # a hung candidate costs this much of the run
     path = ROOT / "runs" / f"{run_id}.config.yaml"
     path.parent.mkdir(exist_ok=True)

@@ -214,7 +214,7 @@ def main() -> None:
         return noise(cfg, a.noise, a.json)
     if a.errors_only:                     # five servers at once: smaller caches for the arms
         presets = dict(cfg.served.presets)
-        presets[cfg.served.cuda.preset] = presets[cfg.served.cuda.preset].model_copy(update={"kv_cache_tokens": 131072})
+        presets[cfg.served.cuda.preset] = presets[cfg.served.cuda.preset].model_copy(update={"kv_cache_tokens": 65536})
         cfg = cfg.model_copy(update={"served": cfg.served.model_copy(update={"presets": presets}), "stages": cfg.stages.model_copy(
             update={"replay": cfg.stages.replay.model_copy(update={"reference_kv_cache_tokens": 131072})})})
         return errors_only(cfg, a.json)

@@ -109,7 +109,7 @@ def main() -> None:
         return
     for mode in a.modes.split(","):
         t = time.perf_counter()
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
         res = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--mode", mode, "--window", str(a.window)], cwd=ROOT, env=env,
                              capture_output=True, text=True)
         if res.returncode:
