@@ -97,6 +97,22 @@ class StageResult(BaseModel):
         return {"timeout": "hung", "crashed": "crashed", "cuda_error": "hit a CUDA error"}.get(self.failure or "", "")
 
 
+class Span(BaseModel):
+    """A stretch of an evaluation's wall time; CLOCK_MONOTONIC seconds, one clock for every process on a host.
+    A stage as its slot ran it (named for the stage: harness/slot.py `Done.spans`), or a step of a slot's
+    or a command's start-up (`Done.startup`, `kevo-agent evaluate --json`'s `spans`): a plain name is a step
+    on the caller's own path, one after another; a dotted name (`zygote.imports`, `worker.warmup`,
+    `health.here`) ran in another process or thread, beside or within them. Diagnostics only."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    start: Finite
+    end: Finite
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
 class CachedFrom(BaseModel):
     """Where a verdict given from the verdict cache (harness/verdicts.py) was first reached."""
     model_config = ConfigDict(extra="forbid", frozen=True)
