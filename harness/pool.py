@@ -193,7 +193,8 @@ class Pool:
     def spawn(self, source: str) -> "WorkerHandle":
         """A fresh sandboxed worker holding `source` as its candidate.py. Workers are used once; the
         next one is forked and warmed (CUDA context, profiler) while this one works, so a candidate
-        never waits for that and never shares a process with another candidate."""
+        never waits for that and never shares a process with another candidate. With no spare to take (the
+        first worker, or a spare that died), the next is forked at once beside this one, so their warm-ups overlap."""
         handle, self._spare = self._spare, None
         if handle is not None:
             try:
@@ -201,14 +202,16 @@ class Pool:
             except WorkerFailure:
                 handle.close()                            # a spare that died waiting: make a fresh one
                 handle = None
-        if handle is None:
+        if handle is None:                                # no spare (the pool's first worker): both warm up at once
             handle = self._fork()
             try:
+                self._spare = self._fork()
                 self._hand_over(handle, source)
-            except WorkerFailure:
+            except (WorkerFailure, HarnessError):
                 handle.close()
                 raise
-        self._spare = self._fork()
+        if self._spare is None:
+            self._spare = self._fork()
         return handle
 
     def settle_spare(self) -> None:
