@@ -96,6 +96,10 @@ class Pool:
         self.launched = 0.0                                # when the zygote was started (time.monotonic)
         self.spans: list[Span] = []                        # start-ups seen since the slot last took them (take_spans)
 
+    def _note(self, span: Span) -> None:
+        """Keep a start-up's span; the last 64 only, for a pool whose spans nobody takes (a run's own pool)."""
+        self.spans = self.spans[-63:] + [span]
+
     def take_spans(self) -> list[Span]:
         spans, self.spans = self.spans, []
         return spans
@@ -145,8 +149,8 @@ class Pool:
         for name, value in dict(self.info.pop("spans", {})).items():     # the zygote's own: its imports, its preload
             if (span := _reported_span(f"zygote.{name}", value)) is not None:
                 if name == "imports":                                     # before them: the interpreter's start
-                    self.spans.append(Span(name="zygote.python", start=self.launched, end=max(self.launched, span.start)))
-                self.spans.append(span)
+                    self._note(Span(name="zygote.python", start=self.launched, end=max(self.launched, span.start)))
+                self._note(span)
         return self
 
     def _control(self, cmd: dict, fds: list[int] = ()) -> dict:
@@ -178,7 +182,7 @@ class Pool:
             raise HarnessError(str(hello.get("error", "the worker did not start")))
         handle.sandbox = str(hello.get("sandbox", ""))
         handle.workdir = Path(str(hello.get("workdir", workdir)))
-        self.spans.append(Span(name="worker.start", start=t0, end=time.monotonic()))    # fork, namespaces, lock-down
+        self._note(Span(name="worker.start", start=t0, end=time.monotonic()))    # fork, namespaces, lock-down
         from harness.transport import send_pickle
         send_pickle(handle.sock, {"cmd": "warmup"})       # CUDA context, profiler, ...: answered later
         return handle
@@ -188,7 +192,7 @@ class Pool:
         reply = handle.receive(self.cfg.start_timeout_s, "warming up")
         handle.warmed = True
         if (span := _reported_span("worker.warmup", reply.get("span"))) is not None:
-            self.spans.append(span)
+            self._note(span)
 
     def spawn(self, source: str) -> "WorkerHandle":
         """A fresh sandboxed worker holding `source` as its candidate.py. Workers are used once; the

@@ -1,4 +1,5 @@
-"""The typed records that flow through the evaluator: one stage's result and the whole verdict.
+"""The typed records that flow through the evaluator: one stage's result, the whole verdict, and a span of
+wall time (a stage or a start-up step, for the breakdown of where an evaluation's time went).
 
 Metrics are finite numbers, reasons are strings; a bad candidate is a failing record, never an exception.
 A metric that is not finite (NaN or ±Inf: a replay without fallback accounting, a ratio over zero) is not

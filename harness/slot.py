@@ -8,9 +8,11 @@ GPU's lease (harness/lease.py), so nothing else of kevo's runs on a GPU while a 
 or a replay serves from it (docs/EVALUATOR.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
 inherit it. The health check (`device_health`, the one every caller uses: slots, `kevo-agent evaluate`
-and a run in the loop's own pool) is a known sum computed on the device in the caller's process, then a
-tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`); a device that
-fails it is checked once more after executor.health_retry_s (a fault may be passing).
+and a run in the loop's own pool) is a known sum computed on the device in the caller's process (in a
+thread: on a GPU it starts the caller's CUDA context) while a tiny Triton kernel with a known answer runs
+in a fresh sandboxed worker (`Pool.check_health`); both must come out right, and a device that fails
+either is checked once more after executor.health_retry_s (a fault may be passing).
+A slot records what its start-ups took (its pool's, its health checks': `Done.startup`, Span records).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
 same inputs comes back marked `cached_from`, with no stage run.
 Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
