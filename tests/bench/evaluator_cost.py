@@ -3,17 +3,18 @@
     python tests/bench/evaluator_cost.py [--json PATH]
     python tests/bench/evaluator_cost.py --cold N [--file PATH] [--until STAGE] [--json PATH]
 
+Without --cold: starts one warm worker pool, then evaluates the reference kernels and one candidate rejected at each
+stage, through microbench (the replay has its own script: `kevo-agent profile` and
+tests/test_served_gpu.py), printing seconds per stage and the microbench summary. On a CPU-only machine microbench is
+skipped and no speed figure is printed. Results go to docs/BENCHMARKS.md by hand, with the date.
+
 `--cold N`: N cold `kevo-agent evaluate` processes one after another (the real command line, `python -m
-agent.cli evaluate --until STAGE --json FILE`, the verdict cache off so every run is judged by the stages;
+agent.cli evaluate --until STAGE --json FILE`, each with a fresh, empty verdict cache (config
+`agent.runs_dir` in a temporary folder), so every run is judged by the stages and pays the cache's look-up;
 default: the split-KV decode kernel through microbench), each printed as its breakdown (the `spans` its
 --json gives: the steps one after another from the interpreter's start, then what ran beside them) with the
 wall time seen from outside (which adds the pool's close and the interpreter's exit), then the median of
 each step over the N. The first run on a fresh machine also pays a cold page cache; the later ones do not.
-
-Starts one warm worker pool, then evaluates the reference kernels and one candidate rejected at each
-stage, through microbench (the replay has its own script: `kevo-agent profile` and
-tests/test_served_gpu.py), printing seconds per stage and the microbench summary. On a CPU-only machine microbench is
-skipped and no speed figure is printed. Results go to docs/BENCHMARKS.md by hand, with the date.
 """
 from __future__ import annotations
 
@@ -50,12 +51,12 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 
 def cold(n: int, file: str, until: str, out: str | None) -> None:
     cfg = load_config()
-    cfg = cfg.model_copy(update={"executor": cfg.executor.model_copy(update={"verdict_cache": False})})
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-        for i in range(n):
+        for i in range(n):              # each run with a fresh, empty verdict cache: looked up and written, never a hit
+            agent = cfg.agent.model_copy(update={"runs_dir": str(Path(tmp) / f"runs{i + 1}")})
+            path.write_text(yaml.safe_dump(cfg.model_copy(update={"agent": agent}).model_dump(mode="json"), sort_keys=False))
             t0 = time.perf_counter()
             done = subprocess.run([sys.executable, "-m", "agent.cli", "--config", str(path), "evaluate", "--until", until,
                                    "--json", file], cwd=ROOT, capture_output=True, text=True, timeout=600)
