@@ -62,7 +62,7 @@ class Done(BaseModel):
     slot: str                 # gpu1, cpu0, or a Dask worker's address
     started: float            # wall clock (time.time) in the slot
     ended: float
-    spans: list[Span] = []    # each stage run, as the slot ran it, from after its lease's grant (none for a verdict from the cache)
+    spans: list[Span] = []    # each stage run, as the slot ran it, from its lease's grant (none for a cached verdict)
     # What the slot spent on start-ups since its last job, before this one: its pool's start (`pool`: waiting for
     # its zygote), each health check (`health`), the verdict cache's look-up and the stages' set-up (`prepare`),
     # and their parts beside them (`zygote.*`, `worker.*`, `health.*`); a worker forked within a stage is not here.
@@ -92,11 +92,14 @@ def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], sp
     """The known sum here, in a thread (on a GPU it starts this process's CUDA context), while the known kernel
     runs in a fresh worker; `pool` may be a function that gives it, called meanwhile (a slot's zygote may still
     be starting). The sum's failure is said first. An error starting the pool is raised, as the pool raises it."""
-    here: list[str] = []
+    here: list[str | BaseException] = []
     t0 = time.monotonic()
 
     def known_sum() -> None:
-        here.append(_known_sum(device))
+        try:
+            here.append(_known_sum(device))
+        except BaseException as e:                 # a harness bug: raised here, in the caller's thread
+            here.append(e)
         spans.append(Span(name="health.here", start=t0, end=time.monotonic()))
 
     beside = threading.Thread(target=known_sum, name="kevo-known-sum", daemon=True)
@@ -114,6 +117,8 @@ def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], sp
         spans.append(Span(name="health.worker", start=t1, end=time.monotonic()))
     finally:
         beside.join()
+    if isinstance(here[0], BaseException):
+        raise here[0]
     return here[0] or why
 
 
