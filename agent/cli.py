@@ -6,20 +6,27 @@ subcommand's `--help` shows its own. In short: 0 ok, 1 the candidate (or run) wa
 itself could not run — always one line on stderr, never a traceback. `evaluate` judges every file it
 can and exits 2 if any could not be judged (each such file is one line on stderr naming it). Output cut
 short by its reader (`| head`) ends the command quietly.
+`evaluate` says where its wall time went (`spans`, `wall_s` with --json; a `time:` line without), from
+the interpreter's start: `_breakdown`.
 Not here: the arguments, their help and the exit-status list (agent/cli_parser.py).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
-from pathlib import Path
+import time
 
-from harness.config import ConfigError, load_config
-from harness.errors import HarnessError
+_LOADED = time.monotonic()             # this module's first line: the interpreter's start-up lies behind it
 
-from agent.cli_parser import parser as cli_parser
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from harness.config import ConfigError, load_config  # noqa: E402
+from harness.errors import HarnessError  # noqa: E402
+from harness.records import Span  # noqa: E402
+
+from agent.cli_parser import parser as cli_parser  # noqa: E402
 
 
 class UsageError(Exception):
@@ -43,40 +50,85 @@ def _read_candidate(path: Path) -> str:
         raise UsageError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _evaluate(args: argparse.Namespace) -> int:
+def _process_start() -> float:
+    """When this process started, on time.monotonic's clock (Linux /proc, to a clock tick); this module's
+    first line where that cannot be read."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])          # starttime: clock ticks since boot
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return min(_LOADED, time.monotonic() - age)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return _LOADED
+
+
+def _breakdown(spans: list[Span], origin: float) -> dict:
+    """`spans` in seconds from `origin` (the process's start), and the wall time from it to now."""
+    return {"spans": [{"name": s.name, "start": round(s.start - origin, 3), "end": round(s.end - origin, 3)}
+                      for s in sorted(spans, key=lambda s: s.start)],
+            "wall_s": round(time.monotonic() - origin, 3)}
+
+
+def _time_line(times: dict) -> str:
+    """The breakdown in one line: the steps one after another (plain names) and what they leave unaccounted
+    since the first of them began (a later file's: since its own first step)."""
+    steps = [(s["name"], s["end"] - s["start"]) for s in times["spans"] if "." not in s["name"]]
+    since = min((s["start"] for s in times["spans"] if "." not in s["name"]), default=0.0)
+    other = times["wall_s"] - since - sum(x for _, x in steps)
+    return (f"time: {times['wall_s']:.2f} s since the process started: "
+            + ", ".join(f"{n} {x:.2f}" for n, x in steps) + f", other {other:.2f}")
+
+
+def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list[Span] | None = None) -> int:
+    """`origin`: when the command started (the process's start, from the command line; else now); `spans`: what
+    it did before this (the interpreter's start-up, the CLI's imports)."""
+    t0 = time.monotonic()
+    origin, spans = t0 if origin is None else origin, [] if spans is None else spans
     cfg = load_config(args.config)
-    from harness.evaluate import evaluate_each            # imports torch: after the cheap checks
-    from harness.stages import STAGE_NAMES
-    from harness.targets import TARGETS
-    if args.target not in TARGETS:
-        raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
-    if args.until and args.until not in STAGE_NAMES:
-        raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
-    files: list[tuple[str, str | None, str]] = []      # (name, source or None, why not)
-    for name in args.candidates:
-        try:
-            files.append((name, _read_candidate(Path(name)), ""))
-        except UsageError as e:
-            files.append((name, None, str(e)))
-    judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until) \
-        if any(src is not None for _, src, _ in files) else iter(())
-    worst = 0
-    for name, source, why in files:
-        outcome = next(judged) if source is not None else why
-        if isinstance(outcome, str):                    # unreadable, or the slot judges nothing more
-            why = outcome if source is None else f"{name}: {outcome}"
-            print(f"kevo-agent: {why}".splitlines()[0], file=sys.stderr)
+    spans.append(Span(name="config", start=t0, end=(t0 := time.monotonic())))
+    from harness.pool import Pool, likely_device
+    pool = Pool(cfg.worker, likely_device(cfg.device), args.target).launch()   # its imports beside ours
+    spans.append(Span(name="launch", start=t0, end=(t0 := time.monotonic())))
+    try:
+        from harness.evaluate import evaluate_each            # imports torch: after the cheap checks
+        from harness.stages import STAGE_NAMES
+        from harness.targets import TARGETS
+        spans.append(Span(name="torch", start=t0, end=(t0 := time.monotonic())))
+        if args.target not in TARGETS:
+            raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
+        if args.until and args.until not in STAGE_NAMES:
+            raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
+        files: list[tuple[str, str | None, str]] = []      # (name, source or None, why not)
+        for name in args.candidates:
+            try:
+                files.append((name, _read_candidate(Path(name)), ""))
+            except UsageError as e:
+                files.append((name, None, str(e)))
+        spans.append(Span(name="read", start=t0, end=time.monotonic()))
+        judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
+                               pool=pool) if any(src is not None for _, src, _ in files) else iter(())
+        worst = 0
+        for name, source, why in files:
+            outcome = next(judged) if source is not None else why
+            if isinstance(outcome, str):                    # unreadable, or the slot judges nothing more
+                why = outcome if source is None else f"{name}: {outcome}"
+                print(f"kevo-agent: {why}".splitlines()[0], file=sys.stderr)
+                if args.json:
+                    print(json.dumps({"file": name, "error": why}), flush=True)
+                worst = 2
+                continue
+            times = _breakdown(spans + outcome.startup + outcome.spans, origin)
+            spans = []                                      # the next file's: its own start-ups and stages
             if args.json:
-                print(json.dumps({"file": name, "error": why}), flush=True)
-            worst = 2
-            continue
-        if args.json:
-            print(json.dumps({"file": name, **outcome.model_dump()}), flush=True)
-        else:
-            from agent.reading.view import print_verdict
-            print_verdict(outcome, name)
-        worst = max(worst, 0 if outcome.ok else 1)
-    return worst
+                print(json.dumps({"file": name, **outcome.verdict.model_dump(), **times}), flush=True)
+            else:
+                from agent.reading.view import print_verdict
+                print_verdict(outcome.verdict, name)
+                print(_time_line(times))
+            worst = max(worst, 0 if outcome.verdict.ok else 1)
+        return worst
+    finally:
+        pool.close()                                        # closed by its slot already, unless none was made
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -268,10 +320,24 @@ def _cut_short() -> None:
     os.close(devnull)
 
 
+def _exit_now(code: int) -> None:
+    """End an `evaluate` process once its verdicts are out and its pool is closed, without the interpreter's
+    teardown of torch (0.6 s on the CPU machine, for nothing: every worker is gone and every output written)."""
+    sys.stdout.flush()                                    # a closed pipe is found here, as for the other commands
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`argv` None: the command line, and this process is the command (its start is evaluate's origin)."""
     parser = cli_parser()
     args = parser.parse_args(argv)
     try:
+        if args.command == "evaluate" and argv is None:      # the breakdown from the interpreter's start
+            origin = _process_start()
+            code = _evaluate(args, origin, [Span(name="python", start=origin, end=_LOADED),
+                                            Span(name="imports", start=_LOADED, end=time.monotonic())])
+            _exit_now(code)
         code = COMMANDS[args.command](args)
         sys.stdout.flush()                                # a closed pipe is found here, not at exit
         return code

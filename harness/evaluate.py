@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -23,6 +23,9 @@ from harness.stages import STAGE_NAMES, STAGES
 from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS, configured
 from harness.transport import DTYPES
+
+if TYPE_CHECKING:
+    from harness.slot import Done
 
 _TICKS = os.sysconf("SC_CLK_TCK")                  # /proc/PID/stat's unit of CPU time
 
@@ -90,22 +93,24 @@ def sched_s() -> dict[int, tuple[float, float]]:
     return out
 
 
-def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None) -> Iterator[Verdict | str]:
+def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None,
+                  pool: Pool | None = None) -> Iterator["Done | str"]:
     """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
     the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
-    check again before the next one. Yields a verdict per source, or, once the slot has failed its check
-    (it judges nothing more, as a run takes it out), the one-line reason for each source left."""
+    check again before the next one. Yields a Done per source (its verdict, its stages' spans and the start-ups
+    before it), or, once the slot has failed its check (it judges nothing more, as a run takes it out), the
+    one-line reason for each source left. `pool`: one launched early for the slot (used if its device is right)."""
     from harness.slot import Job, Slot, needs_check        # the slot imports this module
-    slot = Slot(cfg, target, name=resolve_device(cfg).type)
+    slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
     try:
         why = slot.check()
         for i, source in enumerate(sources):
             if why:
                 yield f"not judged: {why}"
                 continue
-            verdict = slot.run(Job(id=f"file{i + 1}", source=source, until=until)).verdict
-            yield verdict
-            if needs_check(verdict):
+            done = slot.run(Job(id=f"file{i + 1}", source=source, until=until))
+            yield done
+            if needs_check(done.verdict):
                 why = slot.check()
     finally:
         slot.close()

@@ -8,6 +8,10 @@ opens a path a candidate could have made: the candidate's source goes to the wor
 files passed with the reply; the worker's stdout and stderr go to a memory file made here, of
 which only the tail is read. `Pool.check_health` runs a known computation in a fresh worker
 (after a crash or a hang, before the next candidate).
+Importing this module does not import torch (harness/transport.py, which does, is imported where a worker
+is talked to), so `kevo-agent evaluate` can `launch` the zygote before it imports torch itself, and the two
+imports run at once. The pool keeps the start-up spans it sees (`spans`: the zygote's, each worker's sandbox
+and warm-up, as they reported them) for its slot's breakdown (harness/slot.py `Span`).
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from typing import Literal
 from harness.config import PROJECT_ROOT, WorkerConfig
 from harness.errors import HarnessError
 from harness.isolation import sandbox_spec
+from harness.records import Span
 from harness.sandbox import clean_env, redact
-from harness.transport import Arena, ProtocolError, recv_json, send_pickle
 
 MAX_OUTPUT_FILES = 4          # descriptors accepted with one reply
 
@@ -63,6 +67,24 @@ class WorkerFailure(Exception):
         self.kind = kind
 
 
+def _reported_span(name: str, value: object) -> Span | None:
+    """A [start, end] pair a worker or the zygote sent (before any candidate ran in it) as a Span; None if it is not one."""
+    if (isinstance(value, list) and len(value) == 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                                           for x in value) and 0 <= value[0] <= value[1] < 1e12):
+        return Span(name=name, start=float(value[0]), end=float(value[1]))
+    return None
+
+
+def likely_device(device: str) -> str:
+    """The device config's `device` most likely resolves to, without importing torch: "cuda" where an NVIDIA
+    device node is visible and CUDA_VISIBLE_DEVICES does not hide every GPU. Only a guess, for a pool launched
+    early: harness/slot.py starts another when the device torch resolves differs."""
+    if device != "auto":
+        return device
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1")
+    return "cuda" if not hidden and any(Path("/dev").glob("nvidia[0-9]*")) else "cpu"
+
+
 class Pool:
     def __init__(self, cfg: WorkerConfig, device: str, target: str) -> None:
         self.cfg, self.device, self.target = cfg, device, target
@@ -71,8 +93,25 @@ class Pool:
         self.ctl: socket.socket | None = None
         self.info: dict = {}
         self._spare: WorkerHandle | None = None
+        self.launched = 0.0                                # when the zygote was started (time.monotonic)
+        self.spans: list[Span] = []                        # start-ups seen since the slot last took them (take_spans)
+
+    def _note(self, span: Span) -> None:
+        """Keep a start-up's span; the last 64 only, for a pool whose spans nobody takes (a run's own pool)."""
+        self.spans = self.spans[-63:] + [span]
+
+    def take_spans(self) -> list[Span]:
+        spans, self.spans = self.spans, []
+        return spans
 
     def start(self) -> "Pool":
+        """Launch the zygote (unless `launch` did) and wait until it is ready to fork workers."""
+        if self.proc is None:
+            self.launch()
+        return self.ready()
+
+    def launch(self) -> "Pool":
+        """Start the zygote without waiting for it (its imports take seconds); `ready` waits."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pythonpath = os.pathsep.join([str(PROJECT_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
         extra = {"PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1",
@@ -92,14 +131,26 @@ class Pool:
         finally:
             theirs.close()
             log.close()
-        self.ctl = ours
-        ready, _, _ = select.select([ours], [], [], self.cfg.start_timeout_s)
-        data = ours.recv(1 << 16) if ready else b""
+        self.ctl, self.launched = ours, time.monotonic()
+        return self
+
+    def ready(self) -> "Pool":
+        """Wait for the launched zygote's ready message (within worker.start_timeout_s of its launch)."""
+        if self.info:
+            return self
+        wait = max(0.0, self.launched + self.cfg.start_timeout_s - time.monotonic())
+        ready, _, _ = select.select([self.ctl], [], [], wait)
+        data = self.ctl.recv(1 << 16) if ready else b""
         if not data:
             tail = (self.root / "zygote.log").read_text(errors="replace")[-2000:]
             self.close()
             raise HarnessError(f"the worker pool did not start within {self.cfg.start_timeout_s:.0f} s: {tail.strip()}")
         self.info = json.loads(data)
+        for name, value in dict(self.info.pop("spans", {})).items():     # the zygote's own: its imports, its preload
+            if (span := _reported_span(f"zygote.{name}", value)) is not None:
+                if name == "imports":                                     # before them: the interpreter's start
+                    self._note(Span(name="zygote.python", start=self.launched, end=max(self.launched, span.start)))
+                self._note(span)
         return self
 
     def _control(self, cmd: dict, fds: list[int] = ()) -> dict:
@@ -115,6 +166,7 @@ class Pool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log = os.memfd_create("kevo-worker-log", os.MFD_CLOEXEC)
         spec = sandbox_spec(self.cfg, workdir, self.device, self.root)
+        t0 = time.monotonic()
         try:
             reply = self._control({"cmd": "fork", "spec": spec, "target": self.target, "device": self.device,
                                    "log_limit": self.cfg.log_tail_chars}, [theirs.fileno(), log])
@@ -130,13 +182,23 @@ class Pool:
             raise HarnessError(str(hello.get("error", "the worker did not start")))
         handle.sandbox = str(hello.get("sandbox", ""))
         handle.workdir = Path(str(hello.get("workdir", workdir)))
+        self._note(Span(name="worker.start", start=t0, end=time.monotonic()))    # fork, namespaces, lock-down
+        from harness.transport import send_pickle
         send_pickle(handle.sock, {"cmd": "warmup"})       # CUDA context, profiler, ...: answered later
         return handle
+
+    def _warmed(self, handle: "WorkerHandle") -> None:
+        """Wait for a worker's warm-up reply (no candidate has run in it yet) and keep the span it reports."""
+        reply = handle.receive(self.cfg.start_timeout_s, "warming up")
+        handle.warmed = True
+        if (span := _reported_span("worker.warmup", reply.get("span"))) is not None:
+            self._note(span)
 
     def spawn(self, source: str) -> "WorkerHandle":
         """A fresh sandboxed worker holding `source` as its candidate.py. Workers are used once; the
         next one is forked and warmed (CUDA context, profiler) while this one works, so a candidate
-        never waits for that and never shares a process with another candidate."""
+        never waits for that and never shares a process with another candidate. With no spare to take (the
+        first worker, or a spare that died), the next is forked at once beside this one, so their warm-ups overlap."""
         handle, self._spare = self._spare, None
         if handle is not None:
             try:
@@ -144,14 +206,16 @@ class Pool:
             except WorkerFailure:
                 handle.close()                            # a spare that died waiting: make a fresh one
                 handle = None
-        if handle is None:
+        if handle is None:                                # no spare (the pool's first worker): both warm up at once
             handle = self._fork()
             try:
+                self._spare = self._fork()
                 self._hand_over(handle, source)
-            except WorkerFailure:
+            except (WorkerFailure, HarnessError):
                 handle.close()
                 raise
-        self._spare = self._fork()
+        if self._spare is None:
+            self._spare = self._fork()
         return handle
 
     def settle_spare(self) -> None:
@@ -160,16 +224,14 @@ class Pool:
         timed stage (harness/lease.py). A spare that fails meanwhile is dropped; the next spawn forks afresh."""
         if self._spare is not None and not self._spare.warmed:
             try:
-                self._spare.receive(self.cfg.start_timeout_s, "warming up")
-                self._spare.warmed = True
+                self._warmed(self._spare)
             except WorkerFailure:
                 self._spare.close()
                 self._spare = None
 
     def _hand_over(self, handle: "WorkerHandle", source: str) -> None:
         if not handle.warmed:
-            handle.receive(self.cfg.start_timeout_s, "warming up")
-            handle.warmed = True
+            self._warmed(handle)
         reply = handle.request({"cmd": "source", "text": source}, 30, "handing over the candidate's source")
         if not reply.get("ok"):
             handle.close()
@@ -216,9 +278,7 @@ class Pool:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "Pool":
-        if self.proc is None:                  # open_pool hands over a started pool: start only once
-            self.start()
-        return self
+        return self.start()                    # open_pool hands over a started pool: start and ready wait once
 
     def __exit__(self, *exc) -> None:
         self.close()
@@ -245,6 +305,7 @@ class WorkerHandle:
         return redact(data.decode(errors="replace")[-limit:].strip())
 
     def receive(self, timeout: float, doing: str) -> dict:
+        from harness.transport import Arena, ProtocolError, recv_json
         self.sock.settimeout(max(0.01, timeout))
         try:
             reply, fds = recv_json(self.sock, self.pool.cfg.reply_limit_bytes, MAX_OUTPUT_FILES)
@@ -266,6 +327,7 @@ class WorkerHandle:
         """Send a request without waiting; replies come back in order (see `collect`)."""
         if not self.alive:
             raise WorkerFailure("crashed", "the worker is no longer running")
+        from harness.transport import send_pickle
         try:
             send_pickle(self.sock, msg)
         except OSError:

@@ -1,4 +1,5 @@
-"""The typed records that flow through the evaluator: one stage's result and the whole verdict.
+"""The typed records that flow through the evaluator: one stage's result, the whole verdict, and a span of
+wall time (a stage or a start-up step, for the breakdown of where an evaluation's time went).
 
 Metrics are finite numbers, reasons are strings; a bad candidate is a failing record, never an exception.
 A metric that is not finite (NaN or ±Inf: a replay without fallback accounting, a ratio over zero) is not
@@ -95,6 +96,22 @@ class StageResult(BaseModel):
         kind as the stage's `failure`) or 'hit a CUDA error' (the candidate raised one, an illegal address say,
         and its worker ended on it), else the empty string; such a worker may have left the device unwell."""
         return {"timeout": "hung", "crashed": "crashed", "cuda_error": "hit a CUDA error"}.get(self.failure or "", "")
+
+
+class Span(BaseModel):
+    """A stretch of an evaluation's wall time; CLOCK_MONOTONIC seconds, one clock for every process on a host.
+    A stage as its slot ran it (named for the stage: harness/slot.py `Done.spans`), or a step of a slot's
+    or a command's start-up (`Done.startup`, `kevo-agent evaluate --json`'s `spans`): a plain name is a step
+    on the caller's own path, one after another; a dotted name (`zygote.imports`, `worker.warmup`,
+    `health.here`) ran in another process or thread, beside or within them. Diagnostics only."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    start: Finite
+    end: Finite
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
 
 
 class CachedFrom(BaseModel):

@@ -8,9 +8,11 @@ GPU's lease (harness/lease.py), so nothing else of kevo's runs on a GPU while a 
 or a replay serves from it (docs/EVALUATOR.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
 inherit it. The health check (`device_health`, the one every caller uses: slots, `kevo-agent evaluate`
-and a run in the loop's own pool) is a known sum computed on the device in the caller's process, then a
-tiny Triton kernel with a known answer in a fresh sandboxed worker (`Pool.check_health`); a device that
-fails it is checked once more after executor.health_retry_s (a fault may be passing).
+and a run in the loop's own pool) is a known sum computed on the device in the caller's process (in a
+thread: on a GPU it starts the caller's CUDA context) while a tiny Triton kernel with a known answer runs
+in a fresh sandboxed worker (`Pool.check_health`); both must come out right, and a device that fails
+either is checked once more after executor.health_retry_s (a fault may be passing).
+A slot records what its start-ups took (its pool's, its health checks': `Done.startup`, Span records).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
 same inputs comes back marked `cached_from`, with no stage run.
 Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
@@ -23,6 +25,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Callable, Literal
@@ -34,7 +37,7 @@ from harness.config import Config
 from harness.errors import HarnessError
 from harness.evaluate import resolve_device
 from harness.pool import Pool
-from harness.records import Verdict
+from harness.records import Span, Verdict
 from harness.verdicts import evaluate_cached
 
 _KNOWN = 4096
@@ -51,15 +54,6 @@ class Job(BaseModel):
     head: str | None = None   # the current head of the candidate's op, which the replay judges it against (None: torch)
 
 
-class Span(BaseModel):
-    """One stage as its slot ran it: from its start (after the slot's lease was granted) to the next
-    stage's request or the verdict; CLOCK_MONOTONIC seconds, one clock for every process on a host."""
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    stage: str
-    start: float
-    end: float
-
-
 class Done(BaseModel):
     """A job's verdict and where and when it was reached (diagnostics; not part of any ledger)."""
     model_config = ConfigDict(extra="forbid")
@@ -68,7 +62,11 @@ class Done(BaseModel):
     slot: str                 # gpu1, cpu0, or a Dask worker's address
     started: float            # wall clock (time.time) in the slot
     ended: float
-    spans: list[Span] = []    # each stage run, as the slot ran it (none for a verdict from the cache)
+    spans: list[Span] = []    # each stage run, as the slot ran it, from its lease's grant (none for a cached verdict)
+    # What the slot spent on start-ups since its last job, before this one: its pool's start (`pool`: waiting for
+    # its zygote), each health check (`health`), the verdict cache's look-up and the stages' set-up (`prepare`),
+    # and their parts beside them (`zygote.*`, `worker.*`, `health.*`); a worker forked within a stage is not here.
+    startup: list[Span] = []
 
 
 class Pin(BaseModel):
@@ -81,24 +79,59 @@ class Pin(BaseModel):
     lease: str = ""                   # the key of the GPU lease the slot shares with the others on its GPU ("": its own)
 
 
-def _health_once(device: torch.device | str, pool: Pool) -> str:
+def _known_sum(device: torch.device | str) -> str:
     try:
         x = torch.arange(_KNOWN, dtype=torch.float32, device=device)
         got = float((x * 2).sum().item())
-        if got != _KNOWN_SUM:
-            return f"a known sum on {torch.device(device).type} came out {got}, not {_KNOWN_SUM}"
-        return pool.check_health()
+        return "" if got == _KNOWN_SUM else f"a known sum on {torch.device(device).type} came out {got}, not {_KNOWN_SUM}"
     except (OSError, RuntimeError, HarnessError) as e:
         return f"{type(e).__name__}: {e}"
 
 
-def device_health(device: torch.device | str, pool: Pool, retry_s: float, sleep: Callable[[float], None] = time.sleep) -> str:
-    """'' when the device computes a known sum here and a known kernel in a fresh worker of `pool`; else one
-    line saying why not. A device that fails is checked once more after `retry_s` seconds."""
-    why = _health_once(device, pool)
+def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], spans: list[Span]) -> str:
+    """The known sum here, in a thread (on a GPU it starts this process's CUDA context), while the known kernel
+    runs in a fresh worker; `pool` may be a function that gives it, called meanwhile (a slot's zygote may still
+    be starting). The sum's failure is said first. An error starting the pool is raised, as the pool raises it."""
+    here: list[str | BaseException] = []
+    t0 = time.monotonic()
+
+    def known_sum() -> None:
+        try:
+            here.append(_known_sum(device))
+        except BaseException as e:                 # a harness bug: raised here, in the caller's thread
+            here.append(e)
+        spans.append(Span(name="health.here", start=t0, end=time.monotonic()))
+
+    beside = threading.Thread(target=known_sum, name="kevo-known-sum", daemon=True)
+    beside.start()
+    try:
+        if callable(pool):
+            t1 = time.monotonic()
+            pool = pool()
+            spans.append(Span(name="pool", start=t1, end=time.monotonic()))
+        t1 = time.monotonic()
+        try:
+            why = pool.check_health()
+        except (OSError, RuntimeError, HarnessError) as e:
+            why = f"{type(e).__name__}: {e}"
+        spans.append(Span(name="health.worker", start=t1, end=time.monotonic()))
+    finally:
+        beside.join()
+    if isinstance(here[0], BaseException):
+        raise here[0]
+    return here[0] or why
+
+
+def device_health(device: torch.device | str, pool: Pool | Callable[[], Pool], retry_s: float,
+                  sleep: Callable[[float], None] = time.sleep, spans: list[Span] | None = None) -> str:
+    """'' when the device computes a known sum here and a known kernel in a fresh worker of `pool` (or of the
+    pool that `pool()` gives); else one line saying why not. A device that fails is checked once more after
+    `retry_s` seconds. Appends to `spans` what each part took (`pool`, `health.here`, `health.worker`)."""
+    spans = [] if spans is None else spans
+    why = _health_once(device, pool, spans)
     if why:
         sleep(retry_s)
-        why = _health_once(device, pool)
+        why = _health_once(device, pool, spans)
     return " ".join(why.split())
 
 
@@ -108,11 +141,14 @@ def needs_check(verdict: Verdict) -> bool:
 
 
 class Slot:
-    def __init__(self, cfg: Config, target: str, pin: Pin | None = None, name: str = "") -> None:
+    def __init__(self, cfg: Config, target: str, pin: Pin | None = None, name: str = "", pool: Pool | None = None) -> None:
+        """`pool`: one launched already for this slot (`kevo-agent evaluate` starts its zygote before it imports
+        torch); used when it is for the device the slot resolves, else closed and another started."""
         self.cfg, self.target, self.pin = cfg, target, pin
         self.name = pin.name if pin else name
-        self.pool: Pool | None = None
+        self.pool: Pool | None = pool
         self._pinned = pin is None
+        self.startup: list[Span] = []         # since the last job: the next Done's `startup`
 
     def _apply_pin(self) -> None:
         if self._pinned:
@@ -135,21 +171,27 @@ class Slot:
         return torch.device(self.pin.device)
 
     def _pool(self) -> Pool:
-        if self.pool is not None and self.pool.proc is not None and self.pool.proc.poll() is None:
-            return self.pool
-        if self.pool is not None:                  # its zygote died: start another
+        device = self.device().type
+        if (self.pool is not None and self.pool.device == device and self.pool.proc is not None
+                and self.pool.proc.poll() is None):
+            return self.pool.ready()
+        if self.pool is not None:                  # its zygote died, or was launched for another device: start another
             self.pool.close()
         self.pool = None
-        self.pool = Pool(self.cfg.worker, self.device().type, self.target).start()
+        self.pool = Pool(self.cfg.worker, device, self.target).start()
         return self.pool
 
     def check(self) -> str:
         """'' when the slot can evaluate; otherwise one line saying why not."""
+        t0, spans = time.monotonic(), []
         try:
             self._apply_pin()
-            why = device_health(self.device(), self._pool(), self.cfg.executor.health_retry_s)
+            why = device_health(self.device(), self._pool, self.cfg.executor.health_retry_s, spans=spans)
         except (OSError, RuntimeError, HarnessError) as e:
             why = f"{type(e).__name__}: {e}"
+        pool = [s for s in spans if s.name == "pool"][:1]      # the health check is what follows the pool's start
+        self.startup += pool + [Span(name="health", start=pool[0].end if pool else t0, end=time.monotonic())]
+        self.startup += [s for s in spans if s.name != "pool"] + (self.pool.take_spans() if self.pool is not None else [])
         return f"{self.name}: " + " ".join(why.split())[:500] if why else ""
 
     def identity(self) -> str:
@@ -163,22 +205,31 @@ class Slot:
     def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
         """Judge a job; `on_stage(name)` is called before each stage starts, and the stage waits for it
         to return (a slot process asks for its GPU's lease there)."""
-        started, spans = time.time(), []
+        started, spans, t0 = time.time(), [], time.monotonic()
+        startup, self.startup = self.startup, []
+        pool = self._pool()
+        startup += pool.take_spans()               # a pool started afresh here, say
 
         def stage(name: str) -> None:
             if spans:
                 spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
+            else:                                  # the verdict cache's look-up, the shapes, the context
+                startup.append(Span(name="prepare", start=t0, end=time.monotonic()))
             if on_stage is not None:
                 on_stage(name)
             now = time.monotonic()
-            spans.append(Span(stage=name, start=now, end=now))
+            spans.append(Span(name=name, start=now, end=now))
 
-        verdict = evaluate_cached(job.source, self.target, self.cfg, self._pool(), job=job.id,
+        verdict = evaluate_cached(job.source, self.target, self.cfg, pool, job=job.id,
                                   where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=stage,
                                   beat=job.beat, head=job.head)
         if spans:
             spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
-        return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time(), spans=spans)
+        else:                                      # the verdict cache answered
+            startup.append(Span(name="cache", start=t0, end=time.monotonic()))
+        pool.take_spans()                          # workers forked within the stages: their time is the stages'
+        return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time(), spans=spans,
+                    startup=startup)
 
     def scratch(self) -> str:
         """The pool's scratch folder, for whoever must clean up after this process is killed."""

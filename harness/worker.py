@@ -309,14 +309,16 @@ class Worker:
 
     def warmup(self, msg: dict) -> dict:
         """Pay the per-process start-up costs before any candidate is loaded: the CUDA context, the
-        profiler's first start, cuBLAS. Touches nothing a candidate could later read."""
+        profiler's first start, cuBLAS. Touches nothing a candidate could later read. Its reply says when it
+        ran (`span`, monotonic seconds: the pool's start-up breakdown)."""
+        t0 = time.monotonic()
         if self.device.type == "cuda":
             from torch.profiler import ProfilerActivity, profile
             x = torch.randn(64, 64, device=self.device)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
                 (x @ x).sum().item()
             torch.cuda.synchronize()
-        return {"ok": True}
+        return {"ok": True, "span": [t0, time.monotonic()]}
 
 
 def preload() -> None:

@@ -10,16 +10,21 @@ everything the candidate started), builds its own root and locks itself down
 report it. Sandboxing in the forked process, not by exec'ing a sandbox tool, keeps the warm import
 (docs/EVALUATOR.md says why). Control messages are JSON over a SOCK_SEQPACKET pair.
 
+Its ready message says how long its own start took (`spans`: its imports, its preload, monotonic seconds).
+
 Usage (by harness/pool.py only): python -m harness.zygote CONTROL_FD DEVICE
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import sys
 import time
+
+_STARTED = time.monotonic()          # the interpreter's start is behind this; its imports ahead
+
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import sys  # noqa: E402
 
 from harness.isolation import isolate_namespaces, mirror_child, settle_inside
 from harness.sandbox import SandboxError
@@ -125,9 +130,11 @@ def main() -> None:
     import triton  # noqa: F401
     import triton.language  # noqa: F401
     from harness import worker
+    imported = time.monotonic()
     worker.preload()
     info = {"ready": True, "torch": torch.__version__, "triton": triton.__version__,
-            "python": sys.version.split()[0], "device": device}
+            "python": sys.version.split()[0], "device": device,
+            "spans": {"imports": [_STARTED, imported], "preload": [imported, time.monotonic()]}}
     ctl.send(json.dumps(info).encode())
     while True:
         try:

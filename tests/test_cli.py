@@ -22,7 +22,7 @@ from test_agent_unattended import SMALL
 
 NO_CACHE: list[str] = []        # --config: the project's config with the verdict cache off (the fixture below)
 GOOD = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
-FIELDS = {"file", "ok", "accepted", "failed_stage", "reason", "stages"}
+FIELDS = {"file", "ok", "accepted", "failed_stage", "reason", "stages", "spans", "wall_s"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,6 +70,28 @@ def test_json_output_is_one_object_per_file_with_the_documented_fields(several):
             assert all(isinstance(v, float) for v in stage["metrics"].values())
     assert lines[0]["ok"] is True and lines[0]["accepted"] is False and lines[0]["failed_stage"] is None
     assert set(lines[1]) == set(lines[3]) == {"file", "error"}
+
+
+def test_each_verdict_says_where_the_wall_time_went_since_the_process_started(several, tables):
+    """The first file's spans run from the interpreter's start through the start-ups to its last stage, one
+    step after another within the wall time, with the zygote's, the workers' and the health check's parts
+    beside them; a later file's, only its own (after the first's, on the same clock); and the table says it too."""
+    first, later = json.loads(several[1].stdout.splitlines()[0]), json.loads(several[1].stdout.splitlines()[2])
+    steps = [s for s in first["spans"] if "." not in s["name"]]
+    assert [s["name"] for s in steps] == ["python", "imports", "config", "launch", "torch", "read", "pool", "health",
+                                          "prepare", "compile", "dispatch", "parity"]
+    assert steps[0]["start"] == 0.0 and all(s["start"] <= s["end"] for s in first["spans"])
+    assert all(a["end"] <= b["start"] for a, b in zip(steps, steps[1:])), steps           # one after another
+    assert steps[-1]["end"] <= first["wall_s"] and sum(s["end"] - s["start"] for s in steps) <= first["wall_s"]
+    ran = {s["name"]: s for s in steps}
+    for stage in first["stages"]:                   # each stage's own seconds lie within its span (ms rounding)
+        assert ran[stage["name"]]["end"] - ran[stage["name"]]["start"] >= stage["seconds"] - 0.002, (stage, ran)
+    beside = {s["name"] for s in first["spans"]} - set(ran)
+    assert {"zygote.python", "zygote.imports", "zygote.preload", "health.here", "health.worker", "worker.start",
+            "worker.warmup"} <= beside
+    assert [s["name"] for s in later["spans"]] == ["prepare", "compile", "dispatch", "parity"]
+    assert later["spans"][0]["start"] >= steps[-1]["end"] and later["wall_s"] >= later["spans"][-1]["end"]
+    assert "time: " in tables.stdout and " since the process started: python " in tables.stdout
 
 
 def test_a_file_that_passes_every_stage_that_ran_exits_0_with_exactly_one_object(capfd):

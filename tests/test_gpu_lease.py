@@ -240,11 +240,11 @@ def test_no_stage_of_another_slot_runs_beside_a_timed_stage_while_shared_stages_
         os.kill(one_gpu.pid(b_slot), signal.SIGCONT)
     done_a, done_b = a.result(timeout=300), b.result(timeout=300)
     assert done_a.verdict.ok and done_b.verdict.ok, (done_a.verdict.reason, done_b.verdict.reason)
-    assert [s.stage for s in done_a.spans] == a_stages.seen == ["compile", "dispatch", "parity", "microbench"]
-    assert [s.stage for s in done_b.spans] == b_stages.seen == ["compile"]
+    assert [s.name for s in done_a.spans] == a_stages.seen == ["compile", "dispatch", "parity", "microbench"]
+    assert [s.name for s in done_b.spans] == b_stages.seen == ["compile"]
     spans = [(d.slot, s) for d in (done_a, done_b) for s in d.spans]
-    beside_timed = [(x.stage, y.stage) for sx, x in spans for sy, y in spans
-                    if sx != sy and (x.stage in TIMED_STAGES or y.stage in TIMED_STAGES) and overlaps(x, y)]
+    beside_timed = [(x.name, y.name) for sx, x in spans for sy, y in spans
+                    if sx != sy and (x.name in TIMED_STAGES or y.name in TIMED_STAGES) and overlaps(x, y)]
     assert not beside_timed, spans
     assert beside == [{a_slot, b_slot}]                           # two jobs' shared stages granted at once
     parity, micro, compile_b = done_a.spans[2], done_a.spans[3], done_b.spans[0]
@@ -266,7 +266,7 @@ def test_a_slot_that_hangs_holding_the_lease_is_killed_which_releases_it_and_its
     assert stopped[0] in lease.state().shared
     timed = one_gpu.submit(Job(id="t1", source=REF_DECODE, until="microbench"))
     done_t, done_h = timed.result(timeout=180), hung.result(timeout=180)     # no deadlock on the dead share
-    assert done_t.verdict.ok and [s.stage for s in done_t.spans][-1] == "microbench"
+    assert done_t.verdict.ok and [s.name for s in done_t.spans][-1] == "microbench"
     assert done_h.verdict.ok and one_gpu.requeued["h1"] == 1
     assert lease.state().alone is None and not lease.state().waiting_alone
 
@@ -280,8 +280,8 @@ def test_on_a_gpu_two_slots_overlap_cheap_stages_and_no_stage_runs_beside_a_micr
         assert ex.capacity == 2 and len(ex.leases) == 1
         done = [f.result(timeout=900) for f in [ex.submit(j) for j in jobs]]
     assert all(d.verdict.failed_stage in (None, "microbench") for d in done), [d.verdict.reason for d in done]
-    assert [s.stage for s in done[1].spans][-1] == "microbench" and done[1].verdict.stages[-1].status != "skipped"
+    assert [s.name for s in done[1].spans][-1] == "microbench" and done[1].verdict.stages[-1].status != "skipped"
     spans = [(d.slot, s) for d in done for s in d.spans]
     pairs = [(x, y) for sx, x in spans for sy, y in spans if sx != sy and overlaps(x, y)]
-    assert not [(x.stage, y.stage) for x, y in pairs if x.stage in TIMED_STAGES or y.stage in TIMED_STAGES], spans
+    assert not [(x.name, y.name) for x, y in pairs if x.name in TIMED_STAGES or y.name in TIMED_STAGES], spans
     assert pairs                                                  # the cheap stages did run side by side

@@ -154,7 +154,7 @@ def test_a_source_judged_again_in_one_evaluate_is_given_its_verdict_from_the_cac
     marked; another file is judged by the stages."""
     cfg = config_with(**{"executor.verdict_cache": True, "agent.runs_dir": str(tmp_path)})
     one, two = "import torch\n", "import torch\nimport triton\n"          # rejected at compile, before any worker
-    first, again, other = list(evaluate_each([one, one, two], "attention", cfg, until="compile"))
+    first, again, other = [done.verdict for done in evaluate_each([one, one, two], "attention", cfg, until="compile")]
     assert first.cached_from is None and other.cached_from is None
     assert again.cached_from.job == "file1" and again.cached_from.where.endswith("/cpu")
     assert again.model_dump(exclude={"cached_from"}) == first.model_dump()

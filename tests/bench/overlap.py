@@ -37,7 +37,7 @@ def beside_timed(done: list) -> int:
     """Pairs of stages of different slots that ran at once, one of them timed (must be 0)."""
     spans = [(d.slot, s) for d in done for s in d.spans]
     return sum(1 for i, (sa, a) in enumerate(spans) for sb, b in spans[i + 1:]
-               if sa != sb and (a.stage in TIMED_STAGES or b.stage in TIMED_STAGES) and a.start < b.end and b.start < a.end)
+               if sa != sb and (a.name in TIMED_STAGES or b.name in TIMED_STAGES) and a.start < b.end and b.start < a.end)
 
 
 def run(cfg, slots: int, gpu: int, kernel: str, rounds: int, fillers: int) -> dict:
