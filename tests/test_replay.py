@@ -18,10 +18,10 @@ from conftest import CPU_GATES, CUDA, ROOT, config_with
 from harness.errors import HarnessError
 from harness.records import Verdict
 from harness.served.client import Completion, ReplayRun
-from harness.served.score import compare_forced, paired
+from harness.served.score import compare_forced, paired, parting
 from harness.stages.common import EvalContext, Rejected
 from harness.stages.arms import Servers, send, warm_lengths
-from harness.stages.replay import draw, judge, replay_stage, run_gates, run_replay, segments
+from harness.stages.replay import continuation_pass, draw, judge, replay_stage, run_gates, run_replay, segments
 from harness.targets.attention import TARGET
 
 CFG = config_with(**CPU_GATES)
@@ -144,7 +144,30 @@ def test_the_head_is_served_beside_the_candidate_and_judged_by_the_same_gates():
     m = outcome.metrics
     assert m["gate_passed"] == 1.0 and m["head_gate_passed"] == 0.0 and m["head_is_torch"] == 0.0
     assert "the head FAILS its gates" in outcome.reason and m["segments"] >= 2
+    assert m["continuation_from_head"] == 0.0 and "the head's continuation parted: request" in outcome.reason
     assert m["gate_coverage"] == 1.0 and m["stage_s"] >= m["arms_ready_s"] >= m["reference_done_s"] > 0
+
+
+def test_a_heads_continuation_is_scored_by_the_reference_and_used_only_where_it_is_the_references_own_path():
+    with Servers(CFG, "cpu", {"reference": None, "good": None, "broken": C.DROPS_NEWEST_TOKEN}, 7) as servers:
+        requests = draw(CFG, "cpu", random.Random(5))
+        own = continuation_pass(CFG, "cpu", servers, requests)                 # the reference's own greedy tokens
+        good = continuation_pass(CFG, "cpu", servers, requests, source="good")
+        broken = continuation_pass(CFG, "cpu", servers, requests, source="broken")
+    assert (own.source, good.source, good.parted) == ("reference", "good", "")
+    by_index = {c.index: c for c in own.ref.completions}
+    for c in good.ref.completions:                # torch's float32 baselines both: the same path, the same logprobs
+        assert c.tokens == by_index[c.index].tokens
+        assert max(abs(a - b) for a, b in zip(c.logprobs, by_index[c.index].logprobs)) < 1e-4
+    assert broken.source == "reference" and broken.parted.startswith("the broken's continuation parted: request")
+    assert [c.tokens for c in broken.ref.completions] == [c.tokens for c in own.ref.completions]
+
+
+def test_a_continuation_parts_where_it_leaves_the_references_choice_beyond_a_near_tie():
+    near = _tokens("reference", ["a", "b", "c"], [-0.5, -0.2, -0.9], ["a", "x", "c"], [1.0, 0.3, 1.0])
+    clear = _tokens("reference", ["a", "b", "c"], [-0.5, -0.2, -0.9], ["a", "b", "y"], [1.0, 0.3, 2.5])
+    assert parting(near, 0.5) == ""
+    assert parting(clear, 0.5) == "request 1, token 3: c where the reference would choose y by a lead of 2.5 (a near-tie is within 0.5)"
 
 
 def test_a_head_that_cannot_be_served_is_a_harness_error_not_the_candidates():

@@ -132,6 +132,18 @@ def _lead(top: list[tuple[str, float]]) -> float:
     return top[0][1] - top[1][1] if len(top) >= 2 else math.inf
 
 
+def parting(ref: ReplayRun, margin: float) -> str:
+    """Where a continuation the reference scored leaves the reference's own choice by more than `margin` (its
+    lead over the continuation's token), in words; "" where it never does: then it is the reference's own greedy
+    path up to near-ties, and may stand for it."""
+    for r in ref.completions:
+        for i, tok in enumerate(r.tokens):
+            if i < len(r.top) and r.top[i] and r.top[i][0][0] != tok and r.top[i][0][1] - r.logprobs[i] > margin:
+                return (f"request {r.index + 1}, token {i + 1}: {tok} where the reference would choose {r.top[i][0][0]} "
+                        f"by a lead of {r.top[i][0][1] - r.logprobs[i]:.3g} (a near-tie is within {margin:.3g})")
+    return ""
+
+
 def compare_forced(ref: ReplayRun, other: ReplayRun, max_abs: float, mean_abs: float, margin: float) -> Gate:
     """`other` was fed `ref`'s tokens; compare every position (see the module's docstring)."""
     compared = generated = flips = 0

@@ -10,9 +10,9 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
      come (a burst a segment): its greedy tokens are the continuation every arm is fed. As each
      segment's tokens come in, the reference scores them (`kevo_score`: the prompt and the tokens in one
      float32 prefill, no decode step): its logprobs of every token and its own top choices are what
-     every arm is held to. The head's tokens need no trust: at every position the arms are compared
-     with the reference on the same context, and where the head's choice is not the reference's at a
-     clear lead the head fails its own gates (reported beside the verdict). Meanwhile the candidate
+     every arm is held to. The head was a candidate once: its tokens are used only if they are the
+     reference's own greedy path up to near-ties (score.py `parting`); else the reference decodes its
+     own (the slow way) and the reason says why. Meanwhile the candidate
      serves a window of its own (`warm_pass`: a draw apart, so nothing served there answers a scored
      request): both arms have served one window before they are timed (a server's first runs slower).
      The reference server is stopped before anything is timed.
@@ -52,7 +52,7 @@ from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
 from harness.served.launch import ServerHandle
 from harness.served.accounting import fallbacks, graphs, stalls
-from harness.served.score import Gate, Paired, against_head, compare_forced, paired, summarize
+from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
 from harness.stages.arms import Servers, served_lines
 from harness.stages.common import EvalContext, Rejected
@@ -83,22 +83,40 @@ def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = 
     return reqs if cap is None else [replace(r, output_len=min(r.output_len, cap)) for r in reqs]
 
 
+@dataclass
+class Continuation:
+    """The reference's run on the tokens every arm is fed: their logprobs and its own top choices. `source`:
+    whose greedy tokens they are; `parted`: why a source's were not used (they left the reference's choice at
+    a clear lead), in words."""
+    ref: ReplayRun
+    source: str
+    parted: str = ""
+
+
 def continuation_pass(cfg: Config, device: str, servers: Servers, requests: list[TraceRequest],
-                      source: str | None = None) -> ReplayRun:
+                      source: str | None = None) -> Continuation:
     """The reference's run on a continuation of the requests (untimed). `source` None: the reference's own
     greedy tokens, all sent at once. Else the server of `source` serves them free-running, a burst a segment
     as the timed segments come (its warm pass), and the reference scores each segment's tokens in one
     prefill (`scored`) while the next segment is served: the same logprobs as decoding them, at a prefill's
-    cost - its float32 decode was most of the stage's time (docs/BENCHMARKS.md)."""
+    cost - its float32 decode was most of the stage's time (docs/BENCHMARKS.md). A source's tokens are used
+    only if they are the reference's own greedy path up to near-ties (`parting`): the source is a kernel
+    that was a candidate once, and no path it made is followed where the reference would not have gone;
+    else the reference decodes its own (the slow way)."""
+    greedy = [replace(r, arrival_s=0.0) for r in requests]
     if source is None:
-        return servers.send("reference", [replace(r, arrival_s=0.0) for r in requests])
+        return Continuation(servers.send("reference", greedy), "reference")
     r = cfg.stages.replay
     with ThreadPoolExecutor(1, thread_name_prefix="scoring") as pool:
         pending = []
         for seg in segments(requests, getattr(cfg.served, device).window_s, r.segments):
             feed = forced(seg, servers.send(source, seg, r.load == "burst"))
             pending.append(pool.submit(servers.send, "reference", [replace(x, arrival_s=0.0, scored=True) for x in feed]))
-        return merged("reference", [p.result() for p in pending])
+        ref = merged("reference", [p.result() for p in pending])
+    parted = parting(ref, r.gates[getattr(cfg.targets.attention, device).dtype].near_tie_margin)
+    if parted:
+        return Continuation(servers.send("reference", greedy), "reference", f"the {source}'s continuation parted: {parted}")
+    return Continuation(ref, source)
 
 
 def forced(requests: list[TraceRequest], run: ReplayRun) -> list[TraceRequest]:
@@ -223,7 +241,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     t0 = time.monotonic()
     servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the others' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
-    ref = continuation_pass(cfg, device, servers, requests)
+    ref = continuation_pass(cfg, device, servers, requests).ref
     servers.wait()
     _time_left(deadline, 0)
     feed = forced(requests, ref)
@@ -250,7 +268,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
 
 
 def reference_feed(cfg: Config, device: str, servers: Servers, source: str | None = None,
-                   warm: tuple[str, ...] = ()) -> tuple[ReplayRun, list[TraceRequest], float]:
+                   warm: tuple[str, ...] = ()) -> tuple[Continuation, list[TraceRequest], float]:
     """Fresh requests drawn once the reference (and `source`) is up, the reference's run on their
     continuation (`continuation_pass`), and the requests with the continuation to feed the arms; the
     seconds to the reference's last logprob (the servers' start included). Meanwhile each server in `warm`
@@ -270,8 +288,8 @@ def reference_feed(cfg: Config, device: str, servers: Servers, source: str | Non
                     servers.stop(label)
             pending.exception()
             raise
-        ref = pending.result()
-    return ref, forced(requests, ref), time.monotonic() - t0
+        cont = pending.result()
+    return cont, forced(requests, cont.ref), time.monotonic() - t0
 
 
 def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...]) -> None:
@@ -312,13 +330,16 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "hea
     reference (the candidate's warm pass beside them), then the two arms fed it in alternating segments,
     judged (see the module's docstring)."""
     t0 = time.monotonic()
-    ref, feed, ref_s = reference_feed(cfg, device, servers, source=head_label, warm=(cand_label,))
+    cont, feed, ref_s = reference_feed(cfg, device, servers, source=head_label, warm=(cand_label,))
     servers.wait()
     arms_s = time.monotonic() - t0
     if not keep_reference:
         servers.stop("reference")            # nothing but the two arms on the GPU while they are timed
-    outcome = timed_pair(cfg, device, servers, ref, feed, head_label, cand_label, deadline, head_is_torch)
-    outcome.metrics.update(reference_done_s=ref_s, arms_ready_s=arms_s)   # from the call, servers' start included
+    outcome = timed_pair(cfg, device, servers, cont.ref, feed, head_label, cand_label, deadline, head_is_torch)
+    outcome.metrics.update(reference_done_s=ref_s, arms_ready_s=arms_s,   # from the call, servers' start included
+                           continuation_from_head=float(cont.source == head_label))
+    if cont.parted:
+        outcome.reason += f"; {cont.parted}, so the reference's own greedy tokens were fed"
     return outcome
 
 

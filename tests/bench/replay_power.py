@@ -93,8 +93,10 @@ def errors_only(cfg, out: str | None) -> None:
         print(f"servers up in {time.monotonic() - t0:.1f} s", flush=True)
         requests = draw(cfg, "cuda", random.Random(secrets.randbits(64)))
         t0 = time.monotonic()
-        ref = continuation_pass(cfg, "cuda", servers, requests, source="A")
-        print(f"the head's continuation scored by the reference in {time.monotonic() - t0:.1f} s, {sum(len(c.tokens) for c in ref.completions)} tokens", flush=True)
+        cont = continuation_pass(cfg, "cuda", servers, requests, source="A")
+        ref = cont.ref
+        print(f"{cont.source}'s continuation {cont.parted and '(' + cont.parted + ') '}from the reference in "
+              f"{time.monotonic() - t0:.1f} s, {sum(len(c.tokens) for c in ref.completions)} tokens", flush=True)
         feed = [dataclasses.replace(r, arrival_s=0.0) for r in forced(requests, ref)]
         gates = {}
         for label in arms:
@@ -231,7 +233,8 @@ def main() -> None:
         return
     t0 = time.monotonic()
     with Servers(cfg, device, {"reference": None, "A": head, "B": head}, secrets.randbits(31), wait=False) as servers:
-        ref, feed, ref_s = reference_feed(cfg, device, servers, source="A", warm=("B",))
+        cont, feed, ref_s = reference_feed(cfg, device, servers, source="A", warm=("B",))
+        ref = cont.ref
         servers.wait()
         servers.stop("reference")
         print(f"servers up, A's continuation scored and B's warm pass done in {time.monotonic() - t0:.1f} s (the reference's "
