@@ -62,6 +62,7 @@ MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this 
 MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
 PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
 FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
+PERSISTENT = 0  # 0: one program per work item; k > 0: min(items, SMs x k) programs loop over the items
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
@@ -119,26 +120,18 @@ def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b
 
 
 @triton.jit
-def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-    qk_scale, max_splits, min_tokens, num_kv_heads,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+def _split_item(
+    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    pid_kvh = tl.program_id(1)
-    pid_b = tl.program_id(2)
-
-    seq_len = tl.load(seqlens_ptr + pid_b)
-    n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
-    if pid_s >= n_split:
-        return
+    """One work item: split pid_s (< n_split) of kv head pid_kvh of sequence pid_b, then its partial
+    (or, with one split, its output; with FUSED, the merge if it is the item's last split to finish)."""
     start = pid_s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -210,6 +203,56 @@ def _split_kernel(
 
 
 @triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, max_splits, min_tokens, num_kv_heads, batch, n_items,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head, taken
+        # with a plain stride of the grid: the first batch x kv heads items (every sequence's first
+        # split) all hold work, later layers only the longer sequences' splits; a stride over a
+        # split-fastest order would hand programs p = s (mod splits) nothing but split s.
+        per_layer = batch * num_kv_heads
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            pid_s = item // per_layer
+            rest = item - pid_s * per_layer
+            pid_b = rest // num_kv_heads
+            pid_kvh = rest - pid_b * num_kv_heads
+            seq_len = tl.load(seqlens_ptr + pid_b)
+            n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+            if pid_s < n_split:
+                _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+                            qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+                            stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            stride_btb, stride_ob, stride_oh,
+                            GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
+                            SPLIT_CHUNK, CG, DOT_PRECISION)
+    else:
+        pid_s = tl.program_id(0)
+        pid_kvh = tl.program_id(1)
+        pid_b = tl.program_id(2)
+        seq_len = tl.load(seqlens_ptr + pid_b)
+        n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+        if pid_s >= n_split:
+            return
+        _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+                    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+                    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_btb, stride_ob, stride_oh,
+                    GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
+                    SPLIT_CHUNK, CG, DOT_PRECISION)
+
+
+@triton.jit
 def _combine_kernel(
     seqlens_ptr, out_ptr, po_ptr, pm_ptr,
     max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
@@ -267,6 +310,16 @@ def grid_splits(batch, num_kv_heads, table_tokens, device):
     return best
 
 
+def launch_plan(batch, num_kv_heads, splits, device):
+    """(work items, programs launched): items = splits x kv heads x batch (from shapes; the items past a
+    sequence's real splits retire on the device). PERSISTENT 0 launches one program per item;
+    PERSISTENT k > 0 at most SMs x k programs, each looping over the items with the grid's stride."""
+    items = splits * num_kv_heads * batch
+    if not PERSISTENT:
+        return items, items
+    return items, max(1, min(items, _sm_count(device) * int(PERSISTENT)))
+
+
 def _tickets(device, n):
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
@@ -304,9 +357,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
-    _split_kernel[(splits, num_kv_heads, batch)](
+    items, programs = launch_plan(batch, num_kv_heads, splits, q.device)
+    grid = (programs,) if PERSISTENT else (splits, num_kv_heads, batch)
+    _split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
-        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
+        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -314,7 +369,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
         PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
         SPLIT_CHUNK=split_chunk,
-        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision,
+        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT),
         num_warps=NUM_WARPS, num_stages=stages,
     )
     if not single and not fused:
