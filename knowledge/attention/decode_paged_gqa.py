@@ -19,10 +19,18 @@ What it does
     found with an atomic ticket, merge them in the same launch (no second kernel);
     otherwise a small second kernel merges them. A sequence with one split writes
     its output directly.
+    PERSISTENT k > 0: the same work items (split, kv head, sequence) and the same
+    device-side split sizing, but a 1-D grid of min(items, SMs x k) programs, each
+    taking items p, p + grid, p + 2 grid, ... (a plain stride; no order computed on
+    the host, which would need the lengths there). The items run split-major (all
+    first splits, then all second splits, ...), so a program's first item always
+    holds work and the items past a short sequence's splits spread over the grid;
+    the fused combine's ticket does not care which program ran which split. The
+    grid, the item count and every buffer come from shapes, as before (capturable).
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
-    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, CPU_SM_COUNT.
+    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, PERSISTENT, CPU_SM_COUNT.
 
 What bounds it
     Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V
@@ -38,7 +46,14 @@ What bounds it
     4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
     16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
     ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
-    that pattern, not profiled).
+    that pattern, not profiled). At the default knobs those four rows plan 512
+    items for 528 slots (132 SMs x 4), one program per slot for the whole launch,
+    so a start or drain cost there is per launch, and PERSISTENT 4 launches the
+    same 512 programs; 128 x 1k plans 1024 items (one split each), which
+    PERSISTENT 4 runs on 528 looping programs. PERSISTENT is not measured yet.
+    An sm90 compile on the CPU (bundled ptxas, strides taken as multiples of 16)
+    gives 104 registers and 38 KB shared memory per program (4 resident per SM),
+    128 registers with PERSISTENT (still 4); the default build's code is unchanged.
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
@@ -47,6 +62,12 @@ Known limits
       (sequence, kv head) resets to zero; a launch killed mid-way would leave
       tickets behind (the next call would then mis-merge). Kernels that fault kill
       the process on CUDA anyway.
+    * PERSISTENT: the stride hands out items by index, not by cost: a ragged batch
+      of more (kv head, sequence) pairs than programs is not balanced longest first
+      (a device-side sort of the lengths would be the next step), and each item
+      past a sequence's splits still costs its program one seq_lens load. A k
+      above the programs really resident per SM leaves the extra programs waiting
+      for a slot, then running their whole share late.
 """
 import torch
 import triton
