@@ -51,9 +51,10 @@ What bounds it
     so a start or drain cost there is per launch, and PERSISTENT 4 launches the
     same 512 programs; 128 x 1k plans 1024 items (one split each), which
     PERSISTENT 4 runs on 528 looping programs. PERSISTENT is not measured yet.
-    An sm90 compile on the CPU (bundled ptxas, strides taken as multiples of 16)
-    gives 104 registers and 38 KB shared memory per program (4 resident per SM),
-    128 registers with PERSISTENT (still 4); the default build's code is unchanged.
+    An sm90 compile on the CPU (tests/bench/sm90_compile.py: bundled ptxas, the
+    bench shape) gives 104 registers and 38 KB shared memory per program (at most
+    4 resident per SM), 121-128 registers with PERSISTENT (still 4); the default
+    build's instructions are the same as before the option.
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
