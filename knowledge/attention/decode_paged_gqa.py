@@ -46,11 +46,13 @@ What bounds it
     4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
     16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
     ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
-    that pattern, not profiled). At the default knobs those four rows plan 512
-    items for 528 slots (132 SMs x 4), one program per slot for the whole launch,
-    so a start or drain cost there is per launch, and PERSISTENT 4 launches the
-    same 512 programs; 128 x 1k plans 1024 items (one split each), which
-    PERSISTENT 4 runs on 528 looping programs. PERSISTENT is not measured yet.
+    that pattern, not profiled). At the default knobs all rows but 128 x 1k plan
+    512 items for 528 slots (132 SMs x 4), one program per slot for the whole
+    launch, so a start or drain cost there is per launch (537 MB in 139 us at
+    32 x 4k, 1074 MB in 252 us at 64 x 4k: ~26 us a launch plus 4.75 TB/s,
+    inferred from two rows), and PERSISTENT 4 launches the same 512 programs;
+    128 x 1k plans 1024 items (one split each), which PERSISTENT 4 runs on 528
+    looping programs. PERSISTENT is not measured yet.
     An sm90 compile on the CPU (tests/bench/sm90_compile.py: bundled ptxas, the
     bench shape) gives 104 registers and 38 KB shared memory per program (at most
     4 resident per SM), 121-128 registers with PERSISTENT (still 4); the default
