@@ -16,7 +16,7 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 from test_reference_kernels_standalone import (  # noqa: E402
-    _load, make_decode_inputs, run_decode, run_prefill,
+    TOL, _load, decode_reference, make_decode_inputs, run_decode, run_prefill,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -95,6 +95,48 @@ def test_decode_grid_splits_come_from_shapes_and_fill_the_last_wave(knob_dir):
     assert mod.grid_splits(8, 8, 256, cpu) == 1                # a table of one split's tokens
     policy0 = _load(DECODE, {"SPLIT_POLICY": 0, "PROGRAMS_PER_SM": 4, "CPU_SM_COUNT": 132}, knob_dir)
     assert policy0.grid_splits(16, 8, 32768, cpu) == 5         # cdiv(528, 128)
+
+
+# a persistent grid on a pretend 1-SM device: 2 programs loop over every (split, kv head, sequence) item
+PERSISTENT_KNOBS = {**MANY_SPLITS, "CPU_SM_COUNT": 1, "PERSISTENT": 2}
+# ragged lengths in a table far wider than most of them: length 1 twice, a page either side, one long
+RAGGED = [1, 9, 1, 70, 7, 16]
+
+
+def _persistent_against_per_item(knob_dir, knobs, seq_lens, hq, hkv, seed):
+    """The persistent grid's output, checked against float64 and equal to one program per item's; the
+    launch has fewer programs than items, so each program loops over several."""
+    persistent = _load(DECODE, {**PERSISTENT_KNOBS, **knobs}, knob_dir)
+    per_item = _load(DECODE, {**PERSISTENT_KNOBS, **knobs, "PERSISTENT": 0}, knob_dir)
+    q, kc, vc, bt, sl = make_decode_inputs(seq_lens, hq, hkv, 16, 8, extra_pages=6, q_scale=3.0, seed=seed)
+    splits = persistent.grid_splits(len(seq_lens), hkv, bt.shape[1] * 8, q.device)
+    items, programs = persistent.launch_plan(len(seq_lens), hkv, splits, q.device)
+    assert programs == 2 and items >= 3 * programs
+    assert per_item.launch_plan(len(seq_lens), hkv, splits, q.device) == (items, items)
+    out = persistent.decode(q, kc, vc, bt, sl, 0.25)
+    assert (out.double() - decode_reference(q, kc, vc, bt, sl, 0.25)).abs().max().item() < TOL
+    assert torch.equal(out, per_item.decode(q, kc, vc, bt, sl, 0.25))
+    return persistent, q
+
+
+@pytest.mark.parametrize("hq,hkv,fused", [(4, 4, True), (4, 2, False), (4, 1, True), (4, 1, False)],
+                         ids=["gqa1_fused", "gqa2_combine_kernel", "gqa4_fused", "gqa4_combine_kernel"])
+def test_decode_persistent_grid_loops_over_every_item_of_ragged_lengths(knob_dir, hq, hkv, fused):
+    mod, q = _persistent_against_per_item(knob_dir, {"FUSED_COMBINE": fused}, RAGGED, hq, hkv, seed=61 + hkv)
+    if fused:
+        assert int(mod._TICKETS[q.device].abs().sum()) == 0     # every item's split arrived at its ticket
+
+
+def test_decode_persistent_grid_with_one_split_writes_every_output(knob_dir):
+    _persistent_against_per_item(knob_dir, {"MAX_SPLITS": 1}, RAGGED, 4, 2, seed=67)
+
+
+def test_decode_launch_plan_caps_the_persistent_grid_at_sms_times_its_knob(knob_dir):
+    cpu = torch.device("cpu")
+    h200 = _load(DECODE, {"CPU_SM_COUNT": 132, "PERSISTENT": 4}, knob_dir)
+    assert h200.launch_plan(128, 8, 1, cpu) == (1024, 528)     # 128 x 1k: two items for most programs
+    assert h200.launch_plan(32, 8, 2, cpu) == (512, 512)       # fewer items than slots: one each
+    assert _load(DECODE, {"CPU_SM_COUNT": 132}, knob_dir).launch_plan(128, 8, 1, cpu) == (1024, 1024)
 
 
 # ------------------------------------------------------------------ prefill

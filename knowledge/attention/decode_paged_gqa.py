@@ -19,10 +19,18 @@ What it does
     found with an atomic ticket, merge them in the same launch (no second kernel);
     otherwise a small second kernel merges them. A sequence with one split writes
     its output directly.
+    PERSISTENT k > 0: the same work items (split, kv head, sequence) and the same
+    device-side split sizing, but a 1-D grid of min(items, SMs x k) programs, each
+    taking items p, p + grid, p + 2 grid, ... (a plain stride; no order computed on
+    the host, which would need the lengths there). The items run split-major (all
+    first splits, then all second splits, ...), so a program's first item always
+    holds work and the items past a short sequence's splits spread over the grid;
+    the fused combine's ticket does not care which program ran which split. The
+    grid, the item count and every buffer come from shapes, as before (capturable).
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
-    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, CPU_SM_COUNT.
+    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, PERSISTENT, CPU_SM_COUNT.
 
 What bounds it
     Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V
@@ -38,7 +46,17 @@ What bounds it
     4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
     16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
     ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
-    that pattern, not profiled).
+    that pattern, not profiled). At the default knobs all rows but 128 x 1k plan
+    512 items for 528 slots (132 SMs x 4), one program per slot for the whole
+    launch, so a start or drain cost there is per launch (537 MB in 139 us at
+    32 x 4k, 1074 MB in 252 us at 64 x 4k: ~26 us a launch plus 4.75 TB/s,
+    inferred from two rows), and PERSISTENT 4 launches the same 512 programs;
+    128 x 1k plans 1024 items (one split each), which PERSISTENT 4 runs on 528
+    looping programs. PERSISTENT is not measured yet.
+    An sm90 compile on the CPU (tests/bench/sm90_compile.py: bundled ptxas, the
+    bench shape) gives 104 registers and 38 KB shared memory per program (at most
+    4 resident per SM), 121-128 registers with PERSISTENT (still 4); the default
+    build's instructions are the same as before the option.
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
@@ -47,6 +65,12 @@ Known limits
       (sequence, kv head) resets to zero; a launch killed mid-way would leave
       tickets behind (the next call would then mis-merge). Kernels that fault kill
       the process on CUDA anyway.
+    * PERSISTENT: the stride hands out items by index, not by cost: a ragged batch
+      of more (kv head, sequence) pairs than programs is not balanced longest first
+      (a device-side sort of the lengths would be the next step), and each item
+      past a sequence's splits still costs its program one seq_lens load. A k
+      above the programs really resident per SM leaves the extra programs waiting
+      for a slot, then running their whole share late.
 """
 import torch
 import triton
@@ -62,6 +86,7 @@ MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this 
 MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
 PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
 FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
+PERSISTENT = 0  # 0: one program per work item; k > 0: min(items, SMs x k) programs loop over the items
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
@@ -119,26 +144,18 @@ def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b
 
 
 @triton.jit
-def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-    qk_scale, max_splits, min_tokens, num_kv_heads,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+def _split_item(
+    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    pid_kvh = tl.program_id(1)
-    pid_b = tl.program_id(2)
-
-    seq_len = tl.load(seqlens_ptr + pid_b)
-    n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
-    if pid_s >= n_split:
-        return
+    """One work item: split pid_s (< n_split) of kv head pid_kvh of sequence pid_b, then its partial
+    (or, with one split, its output; with FUSED, the merge if it is the item's last split to finish)."""
     start = pid_s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
@@ -210,6 +227,56 @@ def _split_kernel(
 
 
 @triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, max_splits, min_tokens, num_kv_heads, batch, n_items,
+    stride_qb, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+):
+    if PERSISTENT:
+        # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head, taken
+        # with a plain stride of the grid: the first batch x kv heads items (every sequence's first
+        # split) all hold work, later layers only the longer sequences' splits; a stride over a
+        # split-fastest order would hand programs p = s (mod splits) nothing but split s.
+        per_layer = batch * num_kv_heads
+        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
+            pid_s = item // per_layer
+            rest = item - pid_s * per_layer
+            pid_b = rest // num_kv_heads
+            pid_kvh = rest - pid_b * num_kv_heads
+            seq_len = tl.load(seqlens_ptr + pid_b)
+            n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+            if pid_s < n_split:
+                _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+                            qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+                            stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                            stride_btb, stride_ob, stride_oh,
+                            GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
+                            SPLIT_CHUNK, CG, DOT_PRECISION)
+    else:
+        pid_s = tl.program_id(0)
+        pid_kvh = tl.program_id(1)
+        pid_b = tl.program_id(2)
+        seq_len = tl.load(seqlens_ptr + pid_b)
+        n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
+        if pid_s >= n_split:
+            return
+        _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+                    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+                    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_btb, stride_ob, stride_oh,
+                    GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
+                    SPLIT_CHUNK, CG, DOT_PRECISION)
+
+
+@triton.jit
 def _combine_kernel(
     seqlens_ptr, out_ptr, po_ptr, pm_ptr,
     max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
@@ -267,6 +334,16 @@ def grid_splits(batch, num_kv_heads, table_tokens, device):
     return best
 
 
+def launch_plan(batch, num_kv_heads, splits, device):
+    """(work items, programs launched): items = splits x kv heads x batch (from shapes; the items past a
+    sequence's real splits retire on the device). PERSISTENT 0 launches one program per item;
+    PERSISTENT k > 0 at most SMs x k programs, each looping over the items with the grid's stride."""
+    items = splits * num_kv_heads * batch
+    if not PERSISTENT:
+        return items, items
+    return items, max(1, min(items, _sm_count(device) * int(PERSISTENT)))
+
+
 def _tickets(device, n):
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
@@ -304,9 +381,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
-    _split_kernel[(splits, num_kv_heads, batch)](
+    items, programs = launch_plan(batch, num_kv_heads, splits, q.device)
+    grid = (programs,) if PERSISTENT else (splits, num_kv_heads, batch)
+    _split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
-        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
+        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -314,7 +393,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
         PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
         SPLIT_CHUNK=split_chunk,
-        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision,
+        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT),
         num_warps=NUM_WARPS, num_stages=stages,
     )
     if not single and not fused:

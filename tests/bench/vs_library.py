@@ -1,6 +1,6 @@
 """Benchmark (not a test): kevo's attention kernels side by side with the library (issue 16's table).
 
-    python tests/bench/vs_library.py [SPEC ...] [--json PATH] [--only decode|prefill] [--rows 32x4096,...]
+    python tests/bench/vs_library.py [SPEC ...] [--json PATH] [--only decode|prefill] [--rows 32x4096,...] [--graphs]
     SPEC = path/to/kernel.py[:KNOB=VALUE,KNOB=VALUE...]   (repeatable; knob lines rewritten in a temp copy)
 
 With no SPEC it times the two reference kernels (knowledge/attention/decode_paged_splitkv.py,
@@ -14,6 +14,9 @@ lengths, kevo packed (cu_seqlens), the library one batched [B, H, N, D] call. Fi
 correctness column, rel L2 against an fp32 reference (decode all heads; prefill heads 0-3 and 28-31),
 the worse of the first call and one after the timed calls. The library is timed before and after
 the row's kernels and counted at its faster time (clock or thermal drift never favours kevo).
+--graphs times every call (kevo's and the library's) as the replay of one CUDA graph captured from it,
+so the host's Python and launch cost leave the figure (one graph launch stays), as in the served
+engine's decode; a call that cannot be captured is an error in its cell, not an eager figure.
 It prints numbers and asserts nothing. Needs only torch and triton (runs on the H200 image as is).
 """
 from __future__ import annotations
@@ -46,6 +49,7 @@ PREFILL_ROWS = [(1, 1024), (4, 2048), (1, 8192), (8, 4096)]
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 REF_HEADS = [0, 1, 2, 3, 28, 29, 30, 31]
 DEV, DT = "cuda", torch.bfloat16
+GRAPHS = False                       # --graphs: time the replay of a CUDA graph of each call
 
 
 def load_spec(spec: str, tmp: pathlib.Path):
@@ -79,7 +83,24 @@ def bench(fn, rep):
         t = time.perf_counter()
         fn()
         return (time.perf_counter() - t) * 1e3
+    if GRAPHS:
+        fn = graphed(fn)
     return triton.testing.do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median")
+
+
+def graphed(fn):
+    """The replay of a CUDA graph captured from one call of fn (warmed first on a side stream, so that
+    compiles, library plan choices and first-call buffers happen outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def sync():
@@ -110,12 +131,12 @@ def library(name, fn, lib, causal, scale, rep):
     """(output, ms, note): the call on the given K/V; if it refuses GQA, on K/V expanded beforehand."""
     try:
         out = fn(*lib, causal, scale)
-        return out, bench(lambda: fn(*lib, causal, scale), rep), ""
     except RuntimeError:
         q, k, v = lib
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         out = fn(q, k, v, causal, scale)
         return out, bench(lambda: fn(q, k, v, causal, scale), rep), "K/V expanded to the q heads before timing"
+    return out, bench(lambda: fn(*lib, causal, scale), rep), ""
 
 
 def time_library(row, lib, causal, scale, rep, err_of, work, unit):
@@ -303,7 +324,7 @@ def copy_ceiling():
 
 
 def main(argv=None):
-    global DEV, DT, DECODE_ROWS, PREFILL_ROWS
+    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
     ap.add_argument("--json", type=pathlib.Path)
@@ -313,9 +334,12 @@ def main(argv=None):
                     help="decode block-table width in tokens (at least each row's length)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--no-refs", action="store_true", help="do not add the two reference kernels")
+    ap.add_argument("--graphs", action="store_true",
+                    help="time each call as a CUDA graph replay (no host Python or launch cost in the figure)")
     ap.add_argument("--dry-run", action="store_true",
                     help="check this script on the CPU: Triton's interpreter, float32, tiny rows, no timing")
     args = ap.parse_args(argv)
+    GRAPHS = args.graphs
     if args.dry_run:
         DEV, DT = "cpu", torch.float32
         DECODE_ROWS, PREFILL_ROWS = [(2, 48)], [(2, 40)]
@@ -332,9 +356,10 @@ def main(argv=None):
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "triton": triton.__version__,
-            "specs": specs, "argv": sys.argv[1:]}
+            "specs": specs, "argv": sys.argv[1:], "timing": "cuda-graph replay" if GRAPHS else "eager calls"}
     info["copy_TBps"] = copy_ceiling()
-    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s")
+    print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s  "
+          f"timing: {info['timing']}")
     decode = [] if args.only == "prefill" else run_decode(kernels, pick(DECODE_ROWS), args.table_tokens,
                                                           args.rep, gen)
     prefill = [] if args.only == "decode" else run_prefill(kernels, pick(PREFILL_ROWS), args.rep, gen)

@@ -1,0 +1,74 @@
+"""Compile check (not a test): build decode_paged_gqa.py's split kernel for sm90 on a machine without a
+GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared memory per program.
+
+    python tests/bench/sm90_compile.py [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
+
+It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128, page 16,
+several splits (partials), every stride a multiple of 16 as on those tensors. The figures are the
+compiler's, not a measurement: how many programs fit per SM follows from them (65,536 registers and
+228 KB of shared memory per SM on the H200). Needs only torch and triton.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)          # the real compiler, not the interpreter
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from vs_library import load_spec  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
+POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
+            "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "ticket_ptr": "*i32"}
+CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_split_kernel(mod):
+    """(registers, stack bytes, shared bytes) of mod._split_kernel at the bench shape and mod's knobs."""
+    fn = mod._split_kernel
+    names = fn.arg_names
+    page, block_n = 16, mod.BLOCK_N
+    consts = dict(GROUP=4, BLOCK_G=16, GP=4, HEAD_DIM=128, BLOCK_N=block_n, PAGE_SIZE=page,
+                  PAGES=max(1, block_n // page), PAGE_LOADS=bool(mod.PAGE_LOADS) and block_n % page == 0,
+                  SINGLE=mod.MAX_SPLITS == 1, FUSED=bool(mod.FUSED_COMBINE) and mod.MAX_SPLITS != 1,
+                  SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(getattr(mod, "PERSISTENT", 0)))
+    consts = {k: v for k, v in consts.items() if k in names}
+    sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
+                           if n in POINTERS or n.startswith("stride_")})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line for tok in line.split())
+    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared
+
+
+def main(argv=None):
+    specs = (argv if argv is not None else sys.argv[1:]) or [str(DEFAULT)]
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
+    for spec in specs:
+        label, mod = load_spec(spec, tmp)
+        regs, stack, shared = compile_split_kernel(mod)
+        per_sm = min(65536 // (regs * 32 * mod.NUM_WARPS), 233472 // (shared + 1024))
+        print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
+              f"-> at most {per_sm} programs per SM")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
