@@ -23,6 +23,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -87,6 +88,19 @@ def _ahead_bytes(ctx: EvalContext) -> int:
     return AHEAD_HOST_BYTES
 
 
+def _draw_ahead(checks: int, drawn: Callable[[int], Trial], budget: int, replied: Callable[[], bool]) -> deque[Trial]:
+    """The first checks, drawn (`drawn(i)`: check i of the plan) while the worker compiles: each is kept here
+    until its turn (the worker sees nothing of a check before it is sent). Drawn until all `checks` are, the
+    ones drawn hold `budget` bytes or more, or, past the first (needed at once either way), the warm's reply
+    waits to be read (`replied`): from then on running the checks is what overlaps the draws."""
+    ahead: deque[Trial] = deque()
+    held = 0
+    while len(ahead) < checks and held < budget and not (ahead and replied()):
+        ahead.append(drawn(len(ahead)))
+        held += ahead[-1].nbytes()
+    return ahead
+
+
 @dataclass
 class Warming:
     """A warm request sent and not yet collected."""
@@ -139,17 +153,12 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         drawing["draw_s"] += time.monotonic() - t0
         return trial
 
-    # While the worker compiles, the first checks are drawn here (each kept here until its turn: the worker
-    # sees nothing of a check before it is sent), until all are, their memory reaches the bound, or the
-    # reply waits (then running the checks is what is left to overlap). What the worker is sent and when is
-    # unchanged: the warm, its reply collected, then the checks one at a time.
+    # What the worker is sent and when is as without the warm's overlap: the warm, its reply collected, then
+    # the checks one at a time; only the draws of the first checks move into the warm.
     ahead: deque[Trial] = deque()
     warmed: dict[str, float] = {}
     if (warming := send_warm(ctx, plan)) is not None:
-        budget, held = _ahead_bytes(ctx), 0
-        while len(ahead) < len(plan) and held < budget and not (ahead and ctx.replied()):
-            ahead.append(drawn(len(ahead)))
-            held += ahead[-1].nbytes()
+        ahead = _draw_ahead(len(plan), drawn, _ahead_bytes(ctx), ctx.replied)
         drawing.update(draw_during_warm_s=drawing["draw_s"], drawn_during_warm=float(len(ahead)))
         warmed = collect_warm(ctx, warming)
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
