@@ -79,7 +79,7 @@ def _ahead_bytes(ctx: EvalContext) -> int:
     float64 reference, until its turn and its judgment. On CUDA, AHEAD_SHARE of the evaluator's reserved working
     memory (worker.trusted_gpu_bytes, harness/gpu_memory.py): the rest stays for what each check takes while
     it runs (the float64 reference's intermediates, a GiB or two at the served limits; the outputs read back;
-    the three earlier checks kept for their rechecks). The served plan holds about 11 GiB in all (the
+    the three earlier checks kept for their rechecks). The served plan holds up to about 11 GiB in all (the
     served-limit decode checks 1.3 GiB each), so the default 16 GiB reserve lets most of it be drawn during
     the warm; the checks past the bound are drawn in the loop as before, one ahead. A CPU reserves nothing:
     AHEAD_HOST_BYTES of host memory (its plan holds a few MiB)."""
