@@ -78,11 +78,12 @@ def _ahead_bytes(ctx: EvalContext) -> int:
     """How much memory the checks drawn while the worker compiles may hold at once: each waits, inputs and
     float64 reference, until its turn and its judgment. On CUDA, AHEAD_SHARE of the evaluator's reserved working
     memory (worker.trusted_gpu_bytes, harness/gpu_memory.py): the rest stays for what each check takes while
-    it runs (the float64 reference's intermediates, a GiB or two at the served limits; the outputs read back;
-    the three earlier checks kept for their rechecks). The served plan holds up to about 11 GiB in all (the
-    served-limit decode checks 1.3 GiB each), so the default 16 GiB reserve lets most of it be drawn during
-    the warm; the checks past the bound are drawn in the loop as before, one ahead. A CPU reserves nothing:
-    AHEAD_HOST_BYTES of host memory (its plan holds a few MiB)."""
+    it runs (the float64 reference's intermediates, a GiB or two at the served limits; the outputs read back).
+    The last check drawn may pass the bound by its own size (1.3 GiB at most, a served-limit decode); once the
+    checks run, a check drawn ahead is let go of as in the loop (after its last recheck), so what they hold only
+    shrinks. The served plan holds up to about 11 GiB in all, so the default 16 GiB reserve lets most of it be
+    drawn during the warm; the checks past the bound are drawn in the loop as before, one ahead. A CPU
+    reserves nothing: AHEAD_HOST_BYTES of host memory (its plan holds a few MiB)."""
     if ctx.device.type == "cuda":
         return int(AHEAD_SHARE * ctx.reserved.working_bytes) if ctx.reserved is not None else 0
     return AHEAD_HOST_BYTES
