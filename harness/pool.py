@@ -346,6 +346,13 @@ class WorkerHandle:
             self.kill()
         return reply
 
+    def replied(self) -> bool:
+        """Whether `collect` would find something to read at once: a reply, or the connection's end (or the
+        worker is stopped already). Nothing is read: what it is, `collect` says."""
+        if not self.alive:
+            return True
+        return bool(select.select([self.sock], [], [], 0)[0])
+
     def request(self, msg: dict, timeout: float, doing: str) -> dict:
         self.send(msg, doing)
         return self.collect(timeout, doing)

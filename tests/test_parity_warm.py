@@ -2,14 +2,19 @@
 are compiled for every shape class of its plan at once in its own worker, with nothing launched. On the CPU
 the interpreter compiles nothing, so this proves what holds everywhere: the warm leaves the verdict as it
 was, covers each shape class once, and its calls are watched like every call (library compute there is a
-rejection). Its speed shows on a GPU only: tests/bench/parity_warm.py."""
+rejection). While the worker compiles, the trusted side draws the first checks (within a memory bound); the
+worker is still sent the same requests in the same order, and a warm that hangs or kills its worker is reported as
+it was. Its speed shows on a GPU only: tests/bench/parity_warm.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with
-from harness.stages.parity import _plan
+from harness.gpu_memory import Reserve
+from harness.stages.common import draw
+from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, _plan
 from test_parity import _ctx
 
 WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.checks_per_shape": 1}
@@ -47,3 +52,103 @@ def test_on_a_gpu_the_reference_kernels_compile_for_every_class_without_a_failur
         assert verdict.ok, verdict.reason
         m = verdict.stages[-1].metrics
         assert m["warm_classes"] > 0 and m["warm_failed"] == 0, m
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """What parity draws and what the worker that gets the warm is sent, and when its replies are read, in the
+    order they happen: recorded by wrappers that hand every call on unchanged."""
+    import harness.stages.parity as parity
+    from harness.pool import WorkerHandle
+    events: list[tuple] = []
+    send, collect, draw = WorkerHandle.send, WorkerHandle.collect, parity.draw
+
+    def spy_send(self, msg, doing):
+        events.append(("send", self, msg))
+        return send(self, msg, doing)
+
+    def spy_collect(self, timeout, doing):
+        events.append(("collect", self, doing))           # before it waits: what was drawn by then came first
+        return collect(self, timeout, doing)
+
+    def spy_draw(*args, **kwargs):
+        trial = draw(*args, **kwargs)
+        events.append(("draw", None, trial))
+        return trial
+
+    monkeypatch.setattr(WorkerHandle, "send", spy_send)
+    monkeypatch.setattr(WorkerHandle, "collect", spy_collect)
+    monkeypatch.setattr(parity, "draw", spy_draw)
+
+    def from_the_warm() -> tuple[list[tuple], list]:
+        """The events from the warm request on: the draws and the warmed worker's sends and collects."""
+        start = next(i for i, (what, _, msg) in enumerate(events) if what == "send" and msg["cmd"] == "warm")
+        worker = events[start][1]
+        later = [e for e in events[start:] if e[1] is worker or e[0] == "draw"]
+        return later, [e[2] for e in later if e[0] == "draw"]
+    return from_the_warm
+
+
+def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(evaluate_source, seen, monkeypatch):
+    """The first check is drawn while the worker compiles (the memory bound set to one byte: only it), the rest in
+    the loop as before; the worker gets the warm, then, after its reply is read, each check in plan order with its
+    own seed, one request at a time, keeping, rechecking and dropping outputs as the loop always did."""
+    import harness.stages.parity as parity
+    monkeypatch.setattr(parity, "AHEAD_HOST_BYTES", 1)
+    cfg = config_with(**WARM)
+    verdict = evaluate_source(C.REF_DECODE, until="parity", config=cfg)
+    assert verdict.ok, verdict.reason
+    events, trials = seen()
+    n = len(_plan(_ctx(cfg, ops=("decode",))))
+    assert len(trials) == n
+    first_collect = next(i for i, e in enumerate(events) if e[0] == "collect")
+    assert [e[0] for e in events[:first_collect]] == ["send", "draw"]          # drawn before the warm's reply is read
+    to_worker = [e for e in events if e[0] != "draw"]
+    assert [(what, msg["cmd"] if what == "send" else msg) for what, _, msg in to_worker] == \
+        [("send", "warm"), ("collect", "compiling the shape classes")] + \
+        [e for t in trials for e in (("send", "call"), ("collect", f"running {t.case.label}"))]
+    calls = [msg for what, _, msg in to_worker if what == "send" and msg["cmd"] == "call"]
+    assert [c["inputs"]["seed"] for c in calls] == [t.seed for t in trials]
+    assert [c["inputs"]["case"].label for c in calls] == [t.case.label for t in trials]
+    assert [(c["keep"], c["recheck"], c["drop"]) for c in calls] == \
+        [(i, list(range(max(0, i - 2), i)), [i - 2] if i >= 2 else []) for i in range(n)]
+    m = verdict.stages[-1].metrics
+    assert m["drawn_during_warm"] == 1 and 0 < m["draw_during_warm_s"] <= m["draw_s"], m
+
+
+def test_a_warm_that_hangs_is_cut_by_the_stage_timeout_after_every_check_was_drawn(evaluate_source, seen):
+    cfg = config_with(**WARM, **{"stages.parity.timeout_s": 6})
+    v = evaluate_source(C.HANG_ON_BOUNDARY, until="parity", config=cfg)
+    assert v.failed_stage == "parity" and v.stages[-1].failure == "timeout", v.reason
+    assert "while compiling the shape classes" in v.stages[-1].reason, v.stages[-1].reason
+    events, trials = seen()
+    assert [e[0] for e in events] == ["send"] + ["draw"] * len(_plan(_ctx(cfg, ops=("decode",)))) + ["collect"]
+
+
+def test_a_worker_that_dies_in_the_warm_is_a_verdict_naming_the_signal_and_the_warm(evaluate_source, seen):
+    v = evaluate_source(C.CRASH_ON_BOUNDARY, until="parity", config=config_with(**WARM, **RUNTIME_ONLY))
+    assert v.failed_stage == "parity" and v.stages[-1].failure == "crashed", v.reason
+    assert "SIGSEGV" in v.stages[-1].reason and "while compiling the shape classes" in v.stages[-1].reason, v.reason
+    events, trials = seen()
+    assert [e[0] for e in events if e[0] != "draw"] == ["send", "collect"] and trials     # no check sent after it
+
+
+def test_the_checks_drawn_during_the_warm_stop_at_the_memory_bound_or_when_its_reply_waits(cfg):
+    ctx = _ctx(cfg, ops=("decode",))
+    plan = _plan(ctx)
+    trials = [draw(ctx, case, dist, vary=True) for case, dist in plan]
+    drawn = trials.__getitem__
+    assert list(_draw_ahead(len(plan), drawn, 1 << 40, lambda: False)) == trials          # all of them, in order
+    two = trials[0].nbytes() + 1                          # over the first's bytes: the second reaches the bound
+    assert list(_draw_ahead(len(plan), drawn, two, lambda: False)) == trials[:2]
+    assert list(_draw_ahead(len(plan), drawn, 1 << 40, lambda: True)) == trials[:1]      # the first is needed anyway
+    assert not _draw_ahead(len(plan), drawn, 0, lambda: False)
+
+
+def test_on_cuda_the_checks_drawn_during_the_warm_may_hold_a_share_of_the_evaluators_reserved_memory(cfg):
+    ctx = _ctx(cfg, ops=("decode",))
+    ctx.device = torch.device("cuda")
+    ctx.reserved = Reserve(flush=torch.empty(0), working_bytes=cfg.worker.trusted_gpu_bytes)
+    assert _ahead_bytes(ctx) == int(AHEAD_SHARE * cfg.worker.trusted_gpu_bytes) > 0
+    ctx.reserved = None                                   # nothing reserved: nothing drawn ahead on the GPU
+    assert _ahead_bytes(ctx) == 0

@@ -63,6 +63,11 @@ class EvalContext:
         assert self.worker is not None
         self.worker.send(msg, doing)
 
+    def replied(self) -> bool:
+        """Whether the reply to the oldest request sent can be collected without waiting (pool.py `replied`)."""
+        assert self.worker is not None
+        return self.worker.replied()
+
     def collect(self, doing: str, kind: str) -> Reply:
         """The reply to the oldest request sent, validated against the schema of a `kind` request
         (harness/replies.py). One that does not fit is a rejection naming the stage and the field, and its
@@ -144,6 +149,10 @@ class Trial:
     inputs: Inputs
     ref: torch.Tensor
     tol: Tolerance
+
+    def nbytes(self) -> int:
+        """The memory this trial holds while it waits to be judged: its inputs and its reference."""
+        return sum(t.nbytes for t in [*self.inputs.values(), self.ref] if isinstance(t, torch.Tensor))
 
     def recipe(self, ctx: EvalContext) -> dict:
         """What the worker needs to rebuild these exact inputs on its device (nothing else)."""

@@ -12,7 +12,8 @@ one buffer are each right alone and wrong together in a served step). The worker
 allocator before each call and reports whether inputs changed; each call is repeated on identical
 inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
 same inputs times a factor, with a floor (config: stages.parity). Before the first check, the candidate's
-kernels are compiled for every shape class of the plan at once (`warm`; config warm_threads).
+kernels are compiled for every shape class of the plan at once (`send_warm`; config warm_threads), while the
+trusted side draws the first checks (within `_ahead_bytes`).
 """
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ import itertools
 import random
 import secrets
 import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from harness.records import StageResult
-from harness.stages.common import (EvalContext, Rejected, candidate_raised, collect_trial, diff, draw,
-                                   no_library_compute, send_trial)
+from harness.stages.common import (EvalContext, Rejected, Trial, candidate_raised, collect_trial, diff,
+                                   draw, no_library_compute, send_trial)
 from harness.targets import Case
 from harness.transport import DTYPE_NAMES
 
 RECHECK_AFTER = 2          # every output is sent back after each of this many later checks
+AHEAD_SHARE = 0.5          # of the evaluator's reserved GPU working memory: what checks drawn during the warm may hold
+AHEAD_HOST_BYTES = 1 << 30  # the same bound where nothing is reserved (a CPU)
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -68,16 +74,51 @@ def _plan(ctx: EvalContext) -> list[tuple[Case, str]]:
     return [check for round_ in itertools.zip_longest(*per_op) for check in round_ if check is not None]
 
 
-def warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> dict[str, float]:
-    """Compile the candidate's kernels for each shape class of the plan at once, in its own worker, before the
-    first check (config stages.parity.warm_threads, per device; 0: skipped): one call per class with nothing
-    launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per specialization
-    and a fresh worker has an empty cache, so otherwise each class compiles in turn inside its first check.
-    The calls are held to `no_library_compute` like every call; their outputs are dropped, so their torch
-    work is not weighed against the op's (`library_use`). Returns the stage's metrics of it."""
+def _ahead_bytes(ctx: EvalContext) -> int:
+    """How much memory the checks drawn while the worker compiles may hold at once: each waits, inputs and
+    float64 reference, until its turn and its judgment. On CUDA, AHEAD_SHARE of the evaluator's reserved working
+    memory (worker.trusted_gpu_bytes, harness/gpu_memory.py): the rest stays for what each check takes while
+    it runs (the float64 reference's intermediates, a GiB or two at the served limits; the outputs read back).
+    The last check drawn may pass the bound by its own size (1.3 GiB at most, a served-limit decode); once the
+    checks run, a check drawn ahead is let go of as in the loop (after its last recheck), so what they hold only
+    shrinks. The served plan holds up to about 11 GiB in all, so the default 16 GiB reserve lets most of it be
+    drawn during the warm; the checks past the bound are drawn in the loop as before, one ahead. A CPU
+    reserves nothing: AHEAD_HOST_BYTES of host memory (its plan holds a few MiB)."""
+    if ctx.device.type == "cuda":
+        return int(AHEAD_SHARE * ctx.reserved.working_bytes) if ctx.reserved is not None else 0
+    return AHEAD_HOST_BYTES
+
+
+def _draw_ahead(checks: int, drawn: Callable[[int], Trial], budget: int, replied: Callable[[], bool]) -> deque[Trial]:
+    """The first checks, drawn (`drawn(i)`: check i of the plan) while the worker compiles: each is kept here
+    until its turn (the worker sees nothing of a check before it is sent). Drawn until all `checks` are, the
+    ones drawn hold `budget` bytes or more, or, past the first (needed at once either way), the warm's reply
+    waits to be read (`replied`): from then on running the checks is what overlaps the draws."""
+    ahead: deque[Trial] = deque()
+    held = 0
+    while len(ahead) < checks and held < budget and not (ahead and replied()):
+        ahead.append(drawn(len(ahead)))
+        held += ahead[-1].nbytes()
+    return ahead
+
+
+@dataclass
+class Warming:
+    """A warm request sent and not yet collected."""
+    classes: int
+    t0: float
+
+
+def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
+    """Ask the worker to compile the candidate's kernels for each shape class of the plan at once, before the
+    first check (config stages.parity.warm_threads, per device; 0: skipped, None returned): one call per class
+    with nothing launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per
+    specialization and a fresh worker has an empty cache, so otherwise each class compiles in turn inside its
+    first check. Sent without waiting: the trusted side draws the first checks while the worker compiles
+    (`parity_stage`); `collect_warm` reads the reply."""
     threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
     if not threads:
-        return {}
+        return None
     classes = list({(case.op, case.label): case for case, _ in plan}.values())
     calls = []
     for case in classes:
@@ -86,18 +127,41 @@ def warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> dict[str, float]:
             case = ctx.target.vary(case, "normal", random.Random(seed), ctx)
         calls.append({"case": case, "dist": "normal", "seed": seed, "dtype": DTYPE_NAMES[ctx.dtype]})
     t0 = time.monotonic()
-    reply = ctx.request({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes", "warm")
+    ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes")
+    return Warming(len(classes), t0)
+
+
+def collect_warm(ctx: EvalContext, sent: Warming) -> dict[str, float]:
+    """The warm's reply, judged. The calls are held to `no_library_compute` like every call; their outputs are
+    dropped, so their torch work is not weighed against the op's (`library_use`). Returns the stage's metrics
+    of it (warm_s: from the request to its reply collected, the checks drawn meanwhile included)."""
+    reply = ctx.collect("compiling the shape classes", "warm")
     if not reply.ok:
         raise candidate_raised("compiling the shape classes", reply)
-    no_library_compute(ctx, f"parity (compiling the {len(classes)} shape classes)", reply)
-    return {"warm_s": round(time.monotonic() - t0, 3), "warm_classes": float(len(classes)),
+    no_library_compute(ctx, f"parity (compiling the {sent.classes} shape classes)", reply)
+    return {"warm_s": round(time.monotonic() - sent.t0, 3), "warm_classes": float(sent.classes),
             "warm_failed": float(reply.failed), "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
 
 
 def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
     plan = _plan(ctx)
-    warmed = warm(ctx, plan)
+    drawing = {"draw_s": 0.0, "draw_during_warm_s": 0.0, "drawn_during_warm": 0.0}
+
+    def drawn(i: int) -> Trial:
+        t0 = time.monotonic()
+        trial = draw(ctx, *plan[i], vary=True)
+        drawing["draw_s"] += time.monotonic() - t0
+        return trial
+
+    # What the worker is sent and when is as without the warm's overlap: the warm, its reply collected, then
+    # the checks one at a time; only the draws of the first checks move into the warm.
+    ahead: deque[Trial] = deque()
+    warmed: dict[str, float] = {}
+    if (warming := send_warm(ctx, plan)) is not None:
+        ahead = _draw_ahead(len(plan), drawn, _ahead_bytes(ctx), ctx.replied)
+        drawing.update(draw_during_warm_s=drawing["draw_s"], drawn_during_warm=float(len(ahead)))
+        warmed = collect_warm(ctx, warming)
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
     firsts: dict[int, tuple] = {}            # check index -> (trial, its first output as read then)
 
@@ -122,8 +186,8 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         firsts.pop(i - RECHECK_AFTER - 1, None)
         return error
 
-    for i, (case, dist) in enumerate(plan):
-        trial = draw(ctx, case, dist, vary=True)     # while the worker runs the last
+    for i in range(len(plan)):
+        trial = ahead.popleft() if ahead else drawn(i)     # drawn during the warm, or while the worker runs the last
         if pending is not None:
             worst = max(worst, settle(*pending))
         rechecks = [j for j in range(max(0, i - RECHECK_AFTER), i)]
@@ -134,4 +198,5 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         worst = max(worst, settle(*pending))
     return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance, interleaved "
                                         f"over {', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
-                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent, **warmed)
+                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent, **warmed,
+                              **{k: round(v, 3) for k, v in drawing.items()})
