@@ -52,3 +52,21 @@ def test_using_an_opened_pool_as_a_context_does_not_start_a_second_zygote(cfg):
     with pool as same:
         assert same.proc.pid == first
     assert not alive(first)
+
+
+def test_replied_says_a_reply_waits_without_reading_it(cfg):
+    import time
+    pool = open_pool(cfg, "attention")
+    try:
+        handle = pool.spawn("x = 1\n")
+        assert not handle.replied()                          # nothing asked, nothing to read
+        handle.send({"cmd": "ping"}, "pinging")
+        deadline = time.monotonic() + 30
+        while not handle.replied() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert handle.replied() and handle.replied()        # still there: asking read nothing
+        assert handle.collect(30, "pinging")["ok"] and not handle.replied()
+        handle.close()
+        assert handle.replied()                              # a stopped worker: collect would say so at once
+    finally:
+        pool.close()
