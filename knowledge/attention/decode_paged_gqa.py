@@ -46,17 +46,8 @@ What bounds it
     4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
     16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
     ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
-    that pattern, not profiled). At the default knobs all rows but 128 x 1k plan
-    512 items for 528 slots (132 SMs x 4), one program per slot for the whole
-    launch, so a start or drain cost there is per launch (537 MB in 139 us at
-    32 x 4k, 1074 MB in 252 us at 64 x 4k: ~26 us a launch plus 4.75 TB/s,
-    inferred from two rows), and PERSISTENT 4 launches the same 512 programs;
-    128 x 1k plans 1024 items (one split each), which PERSISTENT 4 runs on 528
-    looping programs. PERSISTENT is not measured yet.
-    An sm90 compile on the CPU (tests/bench/sm90_compile.py: bundled ptxas, the
-    bench shape) gives 104 registers and 38 KB shared memory per program (at most
-    4 resident per SM), 121-128 registers with PERSISTENT (still 4); the default
-    build's instructions are the same as before the option.
+    that pattern, not profiled); PERSISTENT (not measured yet) and an sm90 compile's
+    registers: knowledge/attention/decode.md.
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
@@ -240,40 +231,30 @@ def _split_kernel(
     SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr,
 ):
+    # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head. PERSISTENT:
+    # taken with a plain stride of the grid: the first batch x kv heads items (every sequence's first split)
+    # all hold work, later layers only the longer sequences' splits (a stride over a split-fastest order
+    # would hand programs p = s (mod splits) nothing but split s). Else one item, the program's own.
+    per_layer = batch * num_kv_heads
     if PERSISTENT:
-        # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head, taken
-        # with a plain stride of the grid: the first batch x kv heads items (every sequence's first
-        # split) all hold work, later layers only the longer sequences' splits; a stride over a
-        # split-fastest order would hand programs p = s (mod splits) nothing but split s.
-        per_layer = batch * num_kv_heads
-        for item in range(tl.program_id(0), n_items, tl.num_programs(0)):
-            pid_s = item // per_layer
-            rest = item - pid_s * per_layer
-            pid_b = rest // num_kv_heads
-            pid_kvh = rest - pid_b * num_kv_heads
-            seq_len = tl.load(seqlens_ptr + pid_b)
-            n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
-            if pid_s < n_split:
-                _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-                            qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
-                            stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                            stride_btb, stride_ob, stride_oh,
-                            GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
-                            SPLIT_CHUNK, CG, DOT_PRECISION)
+        first, stop, step = tl.program_id(0), n_items, tl.num_programs(0)
     else:
-        pid_s = tl.program_id(0)
-        pid_kvh = tl.program_id(1)
-        pid_b = tl.program_id(2)
+        first = (tl.program_id(0) * batch + tl.program_id(2)) * num_kv_heads + tl.program_id(1)
+        stop, step = first + 1, 1
+    for item in range(first, stop, step):
+        pid_s = item // per_layer
+        rest = item - pid_s * per_layer
+        pid_b = rest // num_kv_heads
+        pid_kvh = rest - pid_b * num_kv_heads
         seq_len = tl.load(seqlens_ptr + pid_b)
         n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
-        if pid_s >= n_split:
-            return
-        _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-                    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
-                    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    stride_btb, stride_ob, stride_oh,
-                    GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
-                    SPLIT_CHUNK, CG, DOT_PRECISION)
+        if pid_s < n_split:
+            _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+                        qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
+                        stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                        stride_btb, stride_ob, stride_oh,
+                        GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
+                        SPLIT_CHUNK, CG, DOT_PRECISION)
 
 
 @triton.jit
