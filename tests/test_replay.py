@@ -169,9 +169,12 @@ def test_a_continuation_parts_where_it_leaves_the_references_choice_beyond_a_nea
     assert parting(clear, 0.5) == "request 1, token 3: c where the reference would choose y by a lead of 2.5 (a near-tie is within 0.5)"
 
 
-def test_a_head_that_cannot_be_served_is_a_harness_error_not_the_candidates():
-    with pytest.raises(HarnessError, match="the head server: the server exited with code 1 before it was ready"):
-        run_replay(CFG, "cpu", C.REF_DECODE, head="raise SystemExit(1)\n")
+def test_a_head_that_cannot_be_served_is_a_harness_error_naming_its_cause_on_the_first_line():
+    with pytest.raises(HarnessError) as err:
+        run_replay(CFG, "cpu", C.REF_DECODE, head="raise RuntimeError('no room for the cache')\n")
+    first = str(err.value).splitlines()[0]            # what the command line's one-line error shows
+    assert first.startswith("the head server: the server exited with code 1 before it was ready"), first
+    assert first.endswith("RuntimeError: no room for the cache; its last output:"), first
 
 
 def _seg(label: str, start: int, ttft_ms: list[float], tpot_ms: list[float], tokens: int = 5) -> ReplayRun:

@@ -42,6 +42,15 @@ class ServerFailure(Exception):
     """A served process that did not start, or died; the message says how (and its last output)."""
 
 
+def with_output(what: str, tail: str) -> str:
+    """What went wrong with a server, its last line of output beside it on the first line (a report cut to
+    one line still names the cause: the exception it died of, say), then its last output in full."""
+    if not tail.strip():
+        return what
+    last = tail.strip().splitlines()[-1].strip()
+    return f"{what}: {last[:300]}; its last output:\n{tail}"
+
+
 def _describe(code: int | None) -> str:
     if code is None:
         return "still running"
@@ -144,8 +153,7 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
         if not h.alive():
             tail = h.log_tail()
             h.stop()
-            raise ServerFailure(f"the server {h.how_it_ended()} before it was ready"
-                                + (f"; its last output:\n{tail}" if tail else ""))
+            raise ServerFailure(with_output(f"the server {h.how_it_ended()} before it was ready", tail))
         try:
             with urllib.request.urlopen(h.url + "/models", timeout=2) as r:
                 if r.status == 200:
@@ -156,7 +164,7 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
         time.sleep(0.1)
     tail = h.log_tail()
     h.stop()
-    raise ServerFailure(f"the server was not ready within {timeout_s:.0f} s" + (f"; its last output:\n{tail}" if tail else ""))
+    raise ServerFailure(with_output(f"the server was not ready within {timeout_s:.0f} s", tail))
 
 
 def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = (),

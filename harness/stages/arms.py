@@ -12,7 +12,7 @@ import subprocess
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.served.client import ReplayRun, replay
-from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready
+from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready, with_output
 from harness.served.traces import TraceError, TraceRequest, load_trace
 from harness.stages.common import Rejected
 
@@ -41,7 +41,7 @@ def explain(run: ReplayRun, server: ServerHandle) -> str:
         pass
     died = "" if server.alive() else f"the server {server.how_it_ended()} during the replay; "
     tail = server.log_tail()
-    return died + run.describe_failures() + (f"; its last output:\n{tail}" if tail else "")
+    return with_output(died + run.describe_failures(), tail)
 
 
 def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label: str, burst: bool = False) -> ReplayRun:

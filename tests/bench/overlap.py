@@ -29,6 +29,7 @@ from harness.config import load_config  # noqa: E402
 from harness.executors import InOrder, LocalExecutor  # noqa: E402
 from harness.slot import Job  # noqa: E402
 from harness.stages import TIMED_STAGES  # noqa: E402
+from harness.stages.microbench import case_figures  # noqa: E402
 
 FILLERS = [C.REF_PREFILL, C.with_knobs(C.REF_DECODE, BLOCK_N=32), C.REBLOCKED]     # each worker compiles afresh
 
@@ -65,10 +66,10 @@ def run(cfg, slots: int, gpu: int, kernel: str, rounds: int, fillers: int) -> di
             print(f"  {d.id}: no microbench figures ({d.verdict.failed_stage or 'skipped'}: {d.verdict.reason[:200]})")
             continue
         m = bench.metrics
-        cases = sorted(k[:-len("_candidate_ms")] for k in m if k.endswith("_candidate_ms"))
+        figures = [(key or f"{op}{i}", f) for op in ("decode", "prefill") for i, (key, f) in enumerate(case_figures(m, op))]
         row = {"id": d.id, "slot": d.slot, "speedup": m.get("speedup"), "noise": m.get("noise"), "seconds": bench.seconds,
-               "cases": {c: {"candidate_ms": m[f"{c}_candidate_ms"], "baseline_ms": m[f"{c}_baseline_ms"],
-                             "noise": m[f"{c}_noise"]} for c in cases}}
+               "cases": {c: {"candidate_ms": f["candidate_ms"], "baseline_ms": f["baseline_ms"], "noise": f["noise"]}
+                         for c, f in figures if {"candidate_ms", "baseline_ms", "noise"} <= f.keys()}}
         rows.append(row)
         print(f"  {d.id} on {d.slot}: served mix {row['speedup']:.3f}x, noise {row['noise']:.3f}, microbench {bench.seconds:.1f} s; "
               + "; ".join(f"{c} {v['candidate_ms']:.4f} vs {v['baseline_ms']:.4f} ms" for c, v in row["cases"].items()))
