@@ -24,7 +24,7 @@ def edited(tmp_path, old: str, new: str):
      "q_heads 4 must be a multiple of kv_heads 3"),
     ("  drain_timeout_s: 300", "  drain_timout_s: 300", "served.drain_timout_s: unknown key (did you mean drain_timeout_s?)"),
     ("    min_margin: 0.01 ", "    min_margin: -1 ", "stages.replay.min_margin: Input should be greater than or equal to 0"),
-    ("    segments: 4 ", "    segments: 1 ", "stages.replay.segments: Input should be greater than or equal to 2"),
+    ("    segments: 8\n", "    segments: 1\n", "stages.replay.segments: Input should be greater than or equal to 2"),
     ("  external: null", "  external: {command: [x], model: m, start_timeout_s: 5, env_passthrough: [HF_TOKEN]}",
      "HF_TOKEN looks like a secret"),
     ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [1, 4, 2]}",

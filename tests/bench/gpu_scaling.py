@@ -27,7 +27,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -36,7 +35,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from h200_run import DECODE_STEPS, ROOT, Service, launch, write_config  # noqa: E402
+from h200_run import DECODE_STEPS, ROOT, Sampler, Service, launch, write_config  # noqa: E402
 
 import candidates as C  # noqa: E402
 
@@ -45,35 +44,6 @@ from agent.ledger.repository import Ledger  # noqa: E402
 
 def steps() -> list[tuple[str, str, str, float]]:
     return [("decode", C.with_knobs(C.REF_DECODE, **knobs), text, s) for knobs, text, s in DECODE_STEPS] * 20
-
-
-class Sampler:
-    """nvidia-smi's utilization.gpu per GPU, every 500 ms, in a thread; nothing where there is no nvidia-smi."""
-
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, int, int]] = []        # (monotonic time, gpu index, percent busy)
-        self.proc = None
-        if shutil.which("nvidia-smi"):
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
-                                          "-lms", "500"], stdout=subprocess.PIPE, text=True)
-            threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
-                self.samples.append((time.monotonic(), int(parts[0]), int(parts[1])))
-
-    def busy(self, t0: float, t1: float) -> dict[str, float]:
-        by = defaultdict(list)
-        for t, gpu, pct in self.samples:
-            if t0 <= t <= t1:
-                by[gpu].append(pct)
-        return {f"gpu{g}": round(sum(v) / len(v), 1) for g, v in sorted(by.items())}
-
-    def close(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
 
 
 def one_run(run_id: str, executor: dict, *, n: int, window: float, cpu: bool, sampler: Sampler) -> dict:

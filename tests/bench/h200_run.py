@@ -24,7 +24,9 @@ of it, so that an accepted kernel becomes the head and the later candidates are 
 replay. (Knob steps of the reference decode alone were all rejected at microbench on the H200, none 3%
 faster than it: eleventh session.)
 
-Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
+While the run goes, nvidia-smi is sampled every 500 ms (the GPU's busy share over the run, and from its
+first proposal on) and the run's output is read for the time of its first proposal (its own clock: how
+long the heads took). Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
 faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
 the ledger. The figures go to docs/BENCHMARKS.md by hand, with the date.
 """
@@ -33,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import yaml
@@ -147,6 +151,35 @@ class Service:
         return code(self.steps[hits[-1] if hits else self.current][1])
 
 
+class Sampler:
+    """nvidia-smi's utilization.gpu per GPU, every 500 ms, in a thread; nothing where there is no nvidia-smi."""
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[float, int, int]] = []        # (monotonic time, gpu index, percent busy)
+        self.proc = None
+        if shutil.which("nvidia-smi"):
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "500"], stdout=subprocess.PIPE, text=True)
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                self.samples.append((time.monotonic(), int(parts[0]), int(parts[1])))
+
+    def busy(self, t0: float, t1: float) -> dict[str, float]:
+        by = defaultdict(list)
+        for t, gpu, pct in self.samples:
+            if t0 <= t <= t1:
+                by[gpu].append(pct)
+        return {f"gpu{g}": round(sum(v) / len(v), 1) for g, v in sorted(by.items())}
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+
 def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None,
                  ops: list[str] | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
@@ -169,12 +202,36 @@ def write_config(run_id: str, profile: str | None, url: str | None, minutes: flo
     return path
 
 
-def launch(config: Path, args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "agent.cli", "--config", str(config), "run", *args],
-                            cwd=ROOT, env=env, start_new_session=True)
+def launch(config: Path, args: list[str], env: dict, watch: "Watch | None" = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "--config", str(config), "run", *args],
+                            cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE if watch else None,
+                            text=True if watch else None)
+    if watch:
+        threading.Thread(target=watch.read, args=(proc.stdout,), daemon=True).start()
+    return proc
+
+
+class Watch:
+    """The run's own output, passed through, and when it first proposed (its live view's clock, seconds
+    from the run's start: `[  36.5 s] proposing c001`) and when that was on this process's clock."""
+
+    FIRST = re.compile(r"\[\s*([\d.]+) s\] proposing c\d+")
+
+    def __init__(self) -> None:
+        self.first_claim_s: float | None = None
+        self.first_claim_at: float | None = None
+
+    def read(self, stream) -> None:
+        for line in stream:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if self.first_claim_s is None and (m := self.FIRST.search(line)):
+                self.first_claim_s, self.first_claim_at = float(m[1]), time.monotonic()
 
 
 def account(root: Path, wall_s: float, service: Service | None) -> dict:
+    if not (root / ".git").exists():                      # the run ended before its first commit
+        return {"ledger": None, "wall_s": round(wall_s, 1)}
     ledger = Ledger(root)
     history = ledger.history()
     pending = ledger.pending()
@@ -221,8 +278,9 @@ def main() -> None:
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
                           args.window, ["decode"] if args.heads else None)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
+    sampler, watch = Sampler(), Watch()
     t0 = time.monotonic()
-    proc = launch(config, ["--target", "attention", *provider, "--run-id", args.run_id], env)
+    proc = launch(config, ["--target", "attention", *provider, "--run-id", args.run_id], env, watch)
     events = []
     if service and args.kill_at:
         while proc.poll() is None and (service.first_answer is None or time.monotonic() - service.first_answer < args.kill_at):
@@ -232,10 +290,15 @@ def main() -> None:
             proc.wait()
             events.append(f"SIGKILLed the run's process group at {time.monotonic() - t0:.0f} s "
                           f"({args.kill_at:g} s after the first claim); resumed")
-            proc = launch(config, ["--resume", args.run_id], env)
+            proc = launch(config, ["--resume", args.run_id], env, watch)
     rc = proc.wait()
-    wall = time.monotonic() - t0
-    out = {"run": args.run_id, "rc": rc, "events": events, **account(ROOT / "runs" / args.run_id, wall, service)}
+    t1 = time.monotonic()
+    sampler.close()
+    wall = t1 - t0
+    out = {"run": args.run_id, "rc": rc, "events": events, "first_claim_s": watch.first_claim_s,
+           "gpu_busy_percent": sampler.busy(t0, t1),
+           "gpu_busy_percent_after_first_claim": sampler.busy(watch.first_claim_at, t1) if watch.first_claim_at else None,
+           **account(ROOT / "runs" / args.run_id, wall, service)}
     if service is not None:
         service.fake.__exit__(None, None, None)
         out["service_requests"] = len(service.fake.seen)
