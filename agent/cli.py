@@ -85,6 +85,10 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
     t0 = time.monotonic()
     origin, spans = t0 if origin is None else origin, [] if spans is None else spans
     cfg = load_config(args.config)
+    try:
+        head = _read_candidate(Path(args.head)) if args.head else None
+    except UsageError as e:
+        raise UsageError(f"--head {e}") from None
     spans.append(Span(name="config", start=t0, end=(t0 := time.monotonic())))
     from harness.pool import Pool, likely_device
     pool = Pool(cfg.worker, likely_device(cfg.device), args.target).launch()   # its imports beside ours
@@ -106,7 +110,7 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
                 files.append((name, None, str(e)))
         spans.append(Span(name="read", start=t0, end=time.monotonic()))
         judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
-                               pool=pool) if any(src is not None for _, src, _ in files) else iter(())
+                               pool=pool, head=head) if any(src is not None for _, src, _ in files) else iter(())
         worst = 0
         for name, source, why in files:
             outcome = next(judged) if source is not None else why
@@ -120,7 +124,7 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
             times = _breakdown(spans + outcome.startup + outcome.spans, origin)
             spans = []                                      # the next file's: its own start-ups and stages
             if args.json:
-                print(json.dumps({"file": name, **outcome.verdict.model_dump(), **times}), flush=True)
+                print(json.dumps({"file": name, "head": args.head, **outcome.verdict.model_dump(), **times}), flush=True)
             else:
                 from agent.reading.view import print_verdict
                 print_verdict(outcome.verdict, name)

@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("candidates", nargs="+", metavar="FILE", help="a Python file defining decode(...) and/or prefill(...)")
     ev.add_argument("--target", default="attention", help="one of: {targets} (default: attention)")
     ev.add_argument("--until", default=None, metavar="STAGE", help="stop after this stage, one of: {stages}")
+    ev.add_argument("--head", default=None, metavar="FILE",
+                    help="the kernel each file must beat in the replay, served beside it (the current best of its op; "
+                         "default: torch's baseline); microbench still only has to beat torch's baseline")
     ev.add_argument("--json", action="store_true",
                     help="print one JSON object per line, one per file in order: file, ok, accepted, failed_stage, "
                          "reason, stages (each with name, status, reason, seconds, metrics, and failure where it "

@@ -94,12 +94,13 @@ def sched_s() -> dict[int, tuple[float, float]]:
 
 
 def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None,
-                  pool: Pool | None = None) -> Iterator["Done | str"]:
+                  pool: Pool | None = None, head: str | None = None) -> Iterator["Done | str"]:
     """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
     the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
     check again before the next one. Yields a Done per source (its verdict, its stages' spans and the start-ups
     before it), or, once the slot has failed its check (it judges nothing more, as a run takes it out), the
-    one-line reason for each source left. `pool`: one launched early for the slot (used if its device is right)."""
+    one-line reason for each source left. `pool`: one launched early for the slot (used if its device is right);
+    `head`: the kernel every source is judged against in the replay (None: torch's baseline)."""
     from harness.slot import Job, Slot, needs_check        # the slot imports this module
     slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
     try:
@@ -108,7 +109,7 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
             if why:
                 yield f"not judged: {why}"
                 continue
-            done = slot.run(Job(id=f"file{i + 1}", source=source, until=until))
+            done = slot.run(Job(id=f"file{i + 1}", source=source, until=until, head=head))
             yield done
             if needs_check(done.verdict):
                 why = slot.check()

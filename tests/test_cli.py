@@ -118,6 +118,7 @@ def test_command_errors_are_one_line_and_exit_2(tmp_path, capfd):
         ("evaluate", str(tmp_path / "missing.py")): "no such file",
         ("evaluate", "--target", "rmsnorm", GOOD): "unknown target 'rmsnorm'",
         ("evaluate", "--until", "benchmark", GOOD): "unknown stage 'benchmark'",
+        ("evaluate", "--head", str(tmp_path / "best.py"), GOOD): f"--head {tmp_path / 'best.py'}: no such file",
         ("--config", str(bad_config), "evaluate", GOOD): "stages.parity.tolerence_factor: unknown key (did you mean tolerance_factor?)",
     }
     for args, words in cases.items():              # in this process: none of them opens a worker pool
