@@ -1,6 +1,6 @@
 """Benchmark (not a test): one whole `kevo-agent run` left alone, then its account — issues 4 and 5's H200 runs.
 
-    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH]
+    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2]
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
     python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
 
@@ -181,8 +181,10 @@ class Sampler:
 
 
 def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None,
-                 ops: list[str] | None = None) -> Path:
+                 ops: list[str] | None = None, slots: int | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
+    if slots:
+        cfg["executor"]["slots_per_gpu"] = slots
     if ops:
         cfg["agent"]["ops"] = ops
     if profile:
@@ -261,6 +263,7 @@ def main() -> None:
     ap.add_argument("--faults", action="store_true")
     ap.add_argument("--heads", action="store_true", help="a decode-only scripted run, no faults (see above)")
     ap.add_argument("--window", type=float, default=None, help="served.cuda.window_s (default: config's)")
+    ap.add_argument("--slots", type=int, default=None, help="executor.slots_per_gpu (default: config's)")
     ap.add_argument("--outage", default="2:150", help="K:S, down for S seconds once K claims are answered (--faults)")
     ap.add_argument("--kill-at", type=float, default=240.0,
                     help="SIGKILL the run this long after the first claim, then resume it (--faults; 0: never)")
@@ -276,7 +279,7 @@ def main() -> None:
     if args.heads:
         args.kill_at = 0
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
-                          args.window, ["decode"] if args.heads else None)
+                          args.window, ["decode"] if args.heads else None, args.slots)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
     sampler, watch = Sampler(), Watch()
     t0 = time.monotonic()
