@@ -3,6 +3,7 @@
     python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2]
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
     python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
+    python tests/bench/h200_run.py --run-id h200-llm30 --llm-s 30 [--minutes 20] [--slots 2]
 
 Writes the run's config to runs/<id>.config.yaml (config.yaml, plus `served.recorded_shapes` when a
 profile is given, and the served window when one is given) and runs the real command line
@@ -26,7 +27,11 @@ faster than it: eleventh session.)
 
 While the run goes, nvidia-smi is sampled every 500 ms (the GPU's busy share over the run, and from its
 first proposal on) and the run's output is read for the time of its first proposal (its own clock: how
-long the heads took). Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
+long the heads took). `--llm-s S` drives the run through the same fake service with no fault: knob steps of the reference kernels,
+each proposal taking S seconds of the model's time (half in the planner's answer, half in the coder's), so
+the run must keep several proposals in flight (agent.proposals_in_flight) to keep the GPU fed.
+
+Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
 faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
 the ledger. The figures go to docs/BENCHMARKS.md by hand, with the date.
 """
@@ -99,12 +104,12 @@ def decode_script(n: int = 200) -> list[tuple[str, str, str, float]]:
             for knobs, text, s in (GQA_STEPS[i % len(GQA_STEPS)] for i in range(n))]
 
 
-def script(n: int = 600) -> list[tuple[str, str, str, float]]:
+def script(n: int = 600, faults: bool = True) -> list[tuple[str, str, str, float]]:
     """The candidates the fake service proposes, in order: knob steps of the reference kernels, over and
-    over, with the faults first; (op, source, hypothesis, expected speedup)."""
+    over, with the faults first (unless `faults` is off); (op, source, hypothesis, expected speedup)."""
     steps = []
     for i in range(n):
-        if i in FAULTS:
+        if faults and i in FAULTS:
             op, source, text = FAULTS[i]
             steps.append((op, source, text, 1.05))
             continue
@@ -121,8 +126,9 @@ class Service:
     """The fake provider: the planner's i-th answer is step i's claim, the coder answers with the code of
     the claim its request quotes (so a compile repair gets the same code again); down during the outage."""
 
-    def __init__(self, steps, outage: tuple[int, float] | None) -> None:
+    def __init__(self, steps, outage: tuple[int, float] | None, answer_s: float = 0.0) -> None:
         self.steps, self.outage = steps, outage
+        self.answer_s = answer_s             # a proposal's model time: half in the planner's answer, half in the coder's
         self.first_answer: float | None = None   # when the first claim was answered: the kill's clock
         self.down_since: float | None = None
         self.answered = 0                    # claims handed out
@@ -142,12 +148,14 @@ class Service:
             if self.outage and self.answered == self.outage[0]:
                 self.down_since = time.monotonic()
         op, _, text, s = self.steps[i]
+        time.sleep(self.answer_s / 2)
         return claim(s, op=op, hypothesis=text, evidence=[f"scripted step {i + 1} of the fake service"],
                      kill_test={"stage": "microbench", "observation": "no gain beyond the parent's bar"})
 
     def _code(self, body: dict) -> str:
         asked = json.dumps(body)            # the claim it codes (or repairs) is quoted in the request
         hits = [i for i in range(self.answered) if json.dumps(self.steps[i][2])[1:-1] in asked]
+        time.sleep(self.answer_s / 2)
         return code(self.steps[hits[-1] if hits else self.current][1])
 
 
@@ -267,16 +275,23 @@ def main() -> None:
     ap.add_argument("--outage", default="2:150", help="K:S, down for S seconds once K claims are answered (--faults)")
     ap.add_argument("--kill-at", type=float, default=240.0,
                     help="SIGKILL the run this long after the first claim, then resume it (--faults; 0: never)")
+    ap.add_argument("--llm-s", type=float, default=None, metavar="S",
+                    help="knob steps of the reference kernels from a fake service taking S seconds a proposal (no faults)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
     service = None
-    if args.faults or args.heads:
+    if args.faults or args.heads or args.llm_s is not None:
         k, secs = args.outage.split(":")
-        service = Service(decode_script() if args.heads else script(), None if args.heads else (int(k), float(secs)))
+        if args.heads:
+            service = Service(decode_script(), None)
+        elif args.llm_s is not None:
+            service = Service(script(faults=False), None, answer_s=args.llm_s)
+        else:
+            service = Service(script(), (int(k), float(secs)))
         service.fake.__enter__()
         env["OPENAI_API_KEY"] = "sk-fake-local-service"
-    if args.heads:
+    if args.heads or args.llm_s is not None:
         args.kill_at = 0
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
                           args.window, ["decode"] if args.heads else None, args.slots)
