@@ -44,10 +44,11 @@ class ServerFailure(Exception):
 
 def with_output(what: str, tail: str) -> str:
     """What went wrong with a server, its last line of output beside it on the first line (a report cut to
-    one line still names the cause: the exception it died of, say), then its last output in full."""
+    one line still names the cause: the exception it died of, say), then its last output in full. The
+    server may run a candidate's code: the line is its own words, printable characters only."""
     if not tail.strip():
         return what
-    last = tail.strip().splitlines()[-1].strip()
+    last = "".join(c for c in tail.strip().splitlines()[-1].strip() if c.isprintable())
     return f"{what}: {last[:300]}; its last output:\n{tail}"
 
 
