@@ -310,20 +310,24 @@ class Worker:
     def warmup(self, msg: dict) -> dict:
         """Pay the per-process start-up costs before any candidate is loaded: the CUDA context, the
         profiler's first start, cuBLAS. Touches nothing a candidate could later read. Its reply says when it
-        ran (`span`, monotonic seconds: the pool's start-up breakdown)."""
+        ran (`span`, monotonic seconds: the pool's start-up breakdown). `profiler` false (the health check's
+        worker, forked before the zygote's preload): the CUDA context only, since the profiler's first start
+        would import what the preload covers (torch._dynamo, seconds)."""
         t0 = time.monotonic()
         if self.device.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
             x = torch.randn(64, 64, device=self.device)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-                (x @ x).sum().item()
+            if msg.get("profiler", True):
+                from torch.profiler import ProfilerActivity, profile
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                    (x @ x).sum().item()
             torch.cuda.synchronize()
         return {"ok": True, "span": [t0, time.monotonic()]}
 
 
 def preload() -> None:
-    """Run once in the zygote, before any fork: first-use costs that need no GPU (the dispatch-mode
-    machinery costs ~2 s on its first use; the profiler's Python side). Fork-safe: CPU only."""
+    """Run once in the zygote, before the first fork of a candidate's worker: first-use costs that need no GPU
+    (the dispatch-mode machinery and the profiler import torch._dynamo on their first use: ~2 s on a CPU here,
+    3.3 s on the H200's host). Fork-safe: CPU only."""
     import torch.profiler  # noqa: F401
     with Probes().audit():
         (torch.ones(4) * 2).sum()

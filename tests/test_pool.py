@@ -70,3 +70,21 @@ def test_replied_says_a_reply_waits_without_reading_it(cfg):
         assert handle.replied()                              # a stopped worker: collect would say so at once
     finally:
         pool.close()
+
+
+def test_the_health_check_runs_while_the_zygote_preloads_and_a_candidates_worker_is_forked_after_it(cfg):
+    """The pool's first health check forks its worker before the zygote's preload (which then runs beside it),
+    and the spare it forks meanwhile, the next candidate's worker, only once the preload is done."""
+    pool = open_pool(cfg, "attention")
+    try:
+        assert pool.check_health() == ""
+        spans = pool.take_spans()
+        preload = [s for s in spans if s.name == "zygote.preload"]
+        started = [s for s in spans if s.name == "worker.start"]
+        warmed = [s for s in spans if s.name == "worker.warmup"]
+        assert len(preload) == 1 and len(started) == len(warmed) == 2, spans
+        assert warmed[0].start < preload[0].end, spans        # the health check's worker, warmed during the preload
+        assert started[1].start >= preload[0].end, spans      # the spare, forked once it was done
+        assert pool._spare is not None and pool._spare.warmed
+    finally:
+        pool.close()
