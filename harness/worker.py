@@ -205,6 +205,40 @@ class Worker:
                 kernels[e.key] = kernels.get(e.key, 0.0) + float(us)
         return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls)}
 
+    def prime(self, msg: dict) -> dict:
+        """Pay the trusted code's first uses in this process before the first case is timed: for each of `calls`
+        (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
+        loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
+        and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
+        counted and left for `time` to meet again (and report) — a CUDA error is reported as any call's."""
+        t0, failed = time.perf_counter(), 0
+        for recipe in msg["calls"]:
+            op = recipe["case"].op
+            spec = self.target.ops[op]
+            args = spec.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
+            ways = [lambda: self._call(self._fn("baseline", op, args, recipe.get("baseline", "")), op, args)]
+            if spec.anchor is not None and spec.anchor_inputs is not None:
+                ways.append(lambda: spec.anchor(**spec.anchor_inputs(args)))
+            for way in ways:
+                try:
+                    way()
+                except Exception as e:
+                    if "CUDA" in str(e):            # the context is gone with it
+                        raise
+                    failed += 1
+            del args, ways
+        if self.device.type == "cuda":
+            flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
+            flush.zero_()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            torch.cuda._sleep(1000)
+            ev[1].record()
+            torch.cuda.synchronize()
+            ev[0].elapsed_time(ev[1])
+            del flush
+        return {"ok": True, "failed": failed, "seconds": {"prime_s": time.perf_counter() - t0}}
+
     def time(self, msg: dict) -> dict:
         """Interleaved timing: for each rep, each input set, each implementation (rotating order).
         Before each timed call the L2 is flushed and the GPU is held busy by a spin kernel while the
@@ -213,7 +247,9 @@ class Worker:
         after a full device synchronize (which also covers work on other streams)."""
         op, impls = msg["op"], list(msg["impls"])
         spec = self.target.ops[op]
+        t0 = time.perf_counter()
         sets = [self._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
+        seconds = {"inputs_s": time.perf_counter() - t0}
         self.timed_sets[op] = sets
         calls: dict[str, list] = {}
         anchor_error = ""
@@ -233,11 +269,13 @@ class Worker:
         impls = [i for i in impls if i in calls]
         self.probes.reset()
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
+        seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
         for _ in range(msg["warmup"]):
             for impl in dict.fromkeys(impls):
                 for c in calls[impl]:
                     c()
         self._sync()
+        seconds["warmup_s"], t0 = time.perf_counter() - t0, time.perf_counter()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         synced = {f"{k}:{i}": [] for i, k in enumerate(impls)}
         streamed = {k: [] for k in synced}
@@ -260,8 +298,9 @@ class Worker:
                     streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
                     if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
                         last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
+        seconds["reps_s"] = time.perf_counter() - t0
         return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
-                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls)}
+                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls), "seconds": seconds}
 
     def burst(self, msg: dict) -> dict:
         """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
@@ -336,7 +375,7 @@ def preload() -> None:
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
-    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "time": worker.time,
+    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "prime": worker.prime, "time": worker.time,
                 "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:

@@ -88,3 +88,27 @@ def test_the_health_check_runs_while_the_zygote_preloads_and_a_candidates_worker
         assert pool._spare is not None and pool._spare.warmed
     finally:
         pool.close()
+
+
+def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(cfg):
+    """The worker's `prime` (microbench's first-use costs, paid while the evaluator draws) runs the baseline and
+    the anchor on the small case it is named, never the candidate's function: here one that ends its worker."""
+    import torch
+    from harness.evaluate import device_shapes
+    from harness.targets import configured
+    target = configured("attention", cfg)
+    case = target.compile_case(device_shapes(cfg, "attention", torch.device("cpu")), "decode")
+    trap = "def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    raise SystemExit(7)\n"
+    pool = open_pool(cfg, "attention")
+    try:
+        handle = pool.spawn(trap)
+        assert handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 30, "loading")["ok"]
+        recipe = {"case": case, "dist": "normal", "seed": 0, "dtype": "float32", "baseline": target.ops["decode"].baseline_name}
+        primed = handle.request({"cmd": "prime", "calls": [recipe], "flush_bytes": 1 << 20}, 60, "priming")
+        assert primed["ok"] is True and primed["failed"] <= 1, primed      # on a CPU only the cuDNN anchor may fail
+        called = handle.request({"cmd": "call", "op": "decode", "inputs": recipe, "out_shape": [1], "recheck": [],
+                                 "drop": []}, 60, "calling the candidate")
+        assert called["ok"] is False and called["fatal"] is True          # the trap is live: a call would have shown
+        handle.close()
+    finally:
+        pool.close()
