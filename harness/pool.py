@@ -7,9 +7,8 @@ opens a path a candidate could have made: the candidate's source goes to the wor
 (it writes the file in its own folder, which only it can see); outputs come back as sealed memory
 files passed with the reply; the worker's stdout and stderr go to a memory file made here, of
 which only the tail is read. `Pool.check_health` runs a known computation in a fresh worker
-(after a crash or a hang, before the next candidate); that worker is forked `bare` (before the zygote's
-preload, warmed up without the profiler: it needs neither), so on a pool's first check the known kernel runs
-while the zygote preloads for the candidates' workers.
+(after a crash or a hang, before the next candidate), warmed up without the profiler (it runs no candidate),
+while the spare for the next candidate is forked and warms up beside it.
 Importing this module does not import torch (harness/transport.py, which does, is imported where a worker
 is talked to), so `kevo-agent evaluate` can `launch` the zygote before it imports torch itself, and the two
 imports run at once. The pool keeps the start-up spans it sees (`spans`: the zygote's, each worker's sandbox
@@ -156,36 +155,29 @@ class Pool:
         return self
 
     def _control(self, cmd: dict, fds: list[int] = ()) -> dict:
-        """One command to the zygote and its reply, within worker.start_timeout_s (a fork may wait for its preload)."""
         assert self.ctl is not None, "pool not started"
         socket.send_fds(self.ctl, [json.dumps(cmd).encode()], list(fds)) if fds else self.ctl.send(json.dumps(cmd).encode())
-        if not select.select([self.ctl], [], [], self.cfg.start_timeout_s)[0]:
-            raise HarnessError(f"the worker pool did not answer {cmd['cmd']!r} within {self.cfg.start_timeout_s:.0f} s; "
-                               "see " + str(self.root / "zygote.log"))
         data = self.ctl.recv(1 << 16)
         if not data:
             raise HarnessError("the worker pool exited; see " + str(self.root / "zygote.log"))
         return json.loads(data)
 
-    def _fork(self, bare: bool = False) -> "WorkerHandle":
-        """A fresh worker, its warm-up asked for and answered later. `bare`: one that will run no candidate (the
-        health check's), forked without waiting for the zygote's preload and warmed up without the profiler."""
+    def _fork(self, candidate: bool = True) -> "WorkerHandle":
+        """A fresh worker, its warm-up asked for and answered later; one that will run no `candidate` (the health
+        check's) is warmed up without the profiler (its CUPTI start), which only a candidate's dispatch stage uses."""
         workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))   # used only without a mount namespace
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log = os.memfd_create("kevo-worker-log", os.MFD_CLOEXEC)
         spec = sandbox_spec(self.cfg, workdir, self.device, self.root)
+        t0 = time.monotonic()
         try:
             reply = self._control({"cmd": "fork", "spec": spec, "target": self.target, "device": self.device,
-                                   "log_limit": self.cfg.log_tail_chars, "bare": bare}, [theirs.fileno(), log])
+                                   "log_limit": self.cfg.log_tail_chars}, [theirs.fileno(), log])
         except BaseException:
             os.close(log)
             raise
         finally:
             theirs.close()
-        t0 = time.monotonic()                      # after the fork's reply: a wait for the zygote's preload is its span
-        for name, value in dict(reply.get("spans", {})).items():     # the zygote's preload, once it has run
-            if (span := _reported_span(f"zygote.{name}", value)) is not None:
-                self._note(span)
         handle = WorkerHandle(self, reply["pid"], ours, workdir, log)
         hello = handle.receive(self.cfg.start_timeout_s, "starting")
         if not hello.get("ok"):
@@ -195,7 +187,7 @@ class Pool:
         handle.workdir = Path(str(hello.get("workdir", workdir)))
         self._note(Span(name="worker.start", start=t0, end=time.monotonic()))    # fork, namespaces, lock-down
         from harness.transport import send_pickle
-        send_pickle(handle.sock, {"cmd": "warmup", "profiler": not bare})       # CUDA context, profiler, ...: answered later
+        send_pickle(handle.sock, {"cmd": "warmup", "profiler": candidate})       # CUDA context, profiler, ...: answered later
         return handle
 
     def _warmed(self, handle: "WorkerHandle") -> None:
@@ -249,12 +241,11 @@ class Pool:
             raise HarnessError(f"a fresh worker could not write the candidate's file: {reply.get('error', '')}"[:2000])
 
     def check_health(self) -> str:
-        """A known computation in a fresh worker: "" when it comes out right, else what went wrong. The worker is
-        forked bare; while it computes, the next candidate's spare is forked (on a pool's first check, after the
-        zygote's preload, which runs meanwhile) and warmed up."""
+        """A known computation in a fresh worker: "" when it comes out right, else what went wrong. While it computes,
+        the spare for the next candidate is forked (if there is none) and warms up."""
         handle: WorkerHandle | None = None
         try:
-            handle = self._fork(bare=True)
+            handle = self._fork(candidate=False)
             self._hand_over(handle, _HEALTH.replace("DEVICE", repr(self.device)))
             handle.send({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, "running the health check")
             if self._spare is None:

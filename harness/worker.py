@@ -185,14 +185,13 @@ class Worker:
                 "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called}}
 
     def profile(self, msg: dict) -> dict:
-        from torch.profiler import ProfilerActivity, profile
         op = msg["op"]
         args = self._inputs(op, msg["inputs"])
         fn = self._fn("candidate", op)
         self.probes.reset()
         self._watched(fn, op, args)
         self._sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with _profiler(self.device) as prof:
             for _ in range(int(msg.get("repeat", 3))):
                 self._watched(fn, op, args)
             self._sync()
@@ -350,24 +349,31 @@ class Worker:
         """Pay the per-process start-up costs before any candidate is loaded: the CUDA context, the
         profiler's first start, cuBLAS. Touches nothing a candidate could later read. Its reply says when it
         ran (`span`, monotonic seconds: the pool's start-up breakdown). `profiler` false (the health check's
-        worker, forked before the zygote's preload): the CUDA context only, since the profiler's first start
-        would import what the preload covers (torch._dynamo, seconds)."""
+        worker, which runs no candidate): the CUDA context only."""
         t0 = time.monotonic()
         if self.device.type == "cuda":
             x = torch.randn(64, 64, device=self.device)
             if msg.get("profiler", True):
-                from torch.profiler import ProfilerActivity, profile
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+                with _profiler(self.device):
                     (x @ x).sum().item()
             torch.cuda.synchronize()
         return {"ok": True, "span": [t0, time.monotonic()]}
 
 
+def _profiler(device: torch.device):
+    """Kineto's CPU (and CUDA) profiler, as torch.profiler.profile makes it inside, without that wrapper: its
+    start asks `hasattr(torch, "_inductor")`, which imports torch._inductor and torch._dynamo (3.3 s on the
+    H200's host, in each process). The same events, the same `key_averages`."""
+    from torch.autograd.profiler import profile
+    return profile(use_cpu=True, use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
+
+
 def preload() -> None:
-    """Run once in the zygote, before the first fork of a candidate's worker: first-use costs that need no GPU
-    (the dispatch-mode machinery and the profiler import torch._dynamo on their first use: ~2 s on a CPU here,
-    3.3 s on the H200's host). Fork-safe: CPU only."""
-    import torch.profiler  # noqa: F401
+    """Run once in the zygote, before any fork: first-use costs that need no GPU (the dispatch-mode audit's, now
+    milliseconds: torch.profiler's wrapper and a dispatch mode's default wrap would import torch._dynamo and
+    torch._inductor, 2 s on a CPU here and 3.3 s on the H200's host, which `_profiler` and
+    `_Audit._should_skip_dynamo` avoid). Fork-safe: CPU only."""
+    import torch.autograd.profiler  # noqa: F401
     with Probes().audit():
         (torch.ones(4) * 2).sum()
 

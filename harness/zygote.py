@@ -10,11 +10,7 @@ everything the candidate started), builds its own root and locks itself down
 report it. Sandboxing in the forked process, not by exec'ing a sandbox tool, keeps the warm import
 (docs/EVALUATOR.md says why). Control messages are JSON over a SOCK_SEQPACKET pair.
 
-Its ready message comes after its imports (`spans`: how long they took, monotonic seconds). Its preload
-(harness/worker.py `preload`: first-use costs every candidate's worker would pay) runs before the first fork
-that is not `bare`, or at once after a `bare` one: a worker that needs none of it (the health check's) is
-forked first and does its work while the zygote preloads. The reply to the first fork after the preload
-says how long it took (`spans`).
+Its ready message says how long its own start took (`spans`: its imports, its preload, monotonic seconds).
 
 Usage (by harness/pool.py only): python -m harness.zygote CONTROL_FD DEVICE
 """
@@ -134,16 +130,12 @@ def main() -> None:
     import triton  # noqa: F401
     import triton.language  # noqa: F401
     from harness import worker
+    imported = time.monotonic()
+    worker.preload()
     info = {"ready": True, "torch": torch.__version__, "triton": triton.__version__,
-            "python": sys.version.split()[0], "device": device, "spans": {"imports": [_STARTED, time.monotonic()]}}
+            "python": sys.version.split()[0], "device": device,
+            "spans": {"imports": [_STARTED, imported], "preload": [imported, time.monotonic()]}}
     ctl.send(json.dumps(info).encode())
-    preloaded: list[float] = []           # the preload's [start, end], once it has run
-    told = False                          # whether a reply has said so
-
-    def preload() -> None:
-        t0 = time.monotonic()
-        worker.preload()
-        preloaded.extend([t0, time.monotonic()])
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(ctl, 1 << 16, 2)
@@ -153,18 +145,12 @@ def main() -> None:
             return
         cmd = json.loads(data)
         if cmd["cmd"] == "fork":
-            if not preloaded and not cmd.get("bare"):
-                preload()
             reply = {"pid": _fork_worker(ctl, cmd, fds)}
-            if preloaded and not told:
-                reply["spans"], told = {"preload": preloaded}, True
         elif cmd["cmd"] == "reap":
             reply = {"status": _reap(int(cmd["pid"]), float(cmd.get("timeout", 2.0)))}
         else:
             reply = {"error": f"unknown command {cmd['cmd']!r}"}
         ctl.send(json.dumps(reply).encode())
-        if cmd["cmd"] == "fork" and not preloaded:        # after a bare fork: while that worker runs
-            preload()
 
 
 if __name__ == "__main__":

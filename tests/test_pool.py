@@ -72,27 +72,27 @@ def test_replied_says_a_reply_waits_without_reading_it(cfg):
         pool.close()
 
 
-def test_the_health_check_runs_while_the_zygote_preloads_and_a_candidates_worker_is_forked_after_it(cfg):
-    """The pool's first health check forks its worker before the zygote's preload (which then runs beside it),
-    and the spare it forks meanwhile, the next candidate's worker, only once the preload is done."""
-    pool = open_pool(cfg, "attention")
-    try:
-        assert pool.check_health() == ""
-        spans = pool.take_spans()
-        preload = [s for s in spans if s.name == "zygote.preload"]
-        started = [s for s in spans if s.name == "worker.start"]
-        warmed = [s for s in spans if s.name == "worker.warmup"]
-        assert len(preload) == 1 and len(started) == len(warmed) == 2, spans
-        assert warmed[0].start < preload[0].end, spans        # the health check's worker, warmed during the preload
-        assert started[1].start >= preload[0].end, spans      # the spare, forked once it was done
-        assert pool._spare is not None and pool._spare.warmed
-    finally:
-        pool.close()
 
+def test_a_workers_audit_and_profiler_import_neither_dynamo_nor_inductor():
+    """The zygote's preload and a worker's profiler stay off torch._dynamo and torch._inductor (seconds of import
+    on the critical path of every cold evaluation), in a fresh interpreter as the zygote is."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, torch\nfrom harness import worker\nworker.preload()\n"
+            "with worker._profiler(torch.device('cpu')) as prof:\n    (torch.ones(8) * 2).sum()\n"
+            "assert prof.key_averages()\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(cfg):
     """The worker's `prime` (microbench's first-use costs, paid while the evaluator draws) runs the baseline and
-    the anchor on the small case it is named, never the candidate's function: here one that ends its worker."""
+    the anchor on the small case it is named, never the candidate's function: here one that ends its worker.
+    (Its worker is the spare the health check forked and warmed beside its own.)"""
     import torch
     from harness.evaluate import device_shapes
     from harness.targets import configured
@@ -101,7 +101,11 @@ def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(c
     trap = "def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    raise SystemExit(7)\n"
     pool = open_pool(cfg, "attention")
     try:
+        assert pool.check_health() == ""
+        spare = pool._spare
+        assert spare is not None and spare.warmed
         handle = pool.spawn(trap)
+        assert handle.pid == spare.pid
         assert handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 30, "loading")["ok"]
         recipe = {"case": case, "dist": "normal", "seed": 0, "dtype": "float32", "baseline": target.ops["decode"].baseline_name}
         primed = handle.request({"cmd": "prime", "calls": [recipe], "flush_bytes": 1 << 20}, 60, "priming")
