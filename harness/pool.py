@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -241,24 +242,45 @@ class Pool:
             raise HarnessError(f"a fresh worker could not write the candidate's file: {reply.get('error', '')}"[:2000])
 
     def check_health(self) -> str:
-        """A known computation in a fresh worker: "" when it comes out right, else what went wrong. While it computes,
-        the spare for the next candidate is forked (if there is none) and warms up."""
+        """A known computation in a fresh worker: "" when it comes out right, else what went wrong."""
+        return self.end_health(self.begin_health())
+
+    def begin_health(self) -> "HealthCheck":
+        """Start `check_health` without waiting for its answer (`end_health` reads it): a fresh worker, warmed up
+        without the profiler (it runs no candidate), is sent the known kernel, and the spare for the next
+        candidate is forked meanwhile (if there is none)."""
         handle: WorkerHandle | None = None
         try:
             handle = self._fork(candidate=False)
-            self._hand_over(handle, _HEALTH.replace("DEVICE", repr(self.device)))
+            handle.send({"cmd": "source", "text": _HEALTH.replace("DEVICE", repr(self.device))}, "handing over the health check")
             handle.send({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, "running the health check")
             if self._spare is None:
                 self._spare = self._fork()
+            return HealthCheck(handle)
+        except WorkerFailure as e:
+            why = str(e)
+        except HarnessError as e:
+            why = f"no fresh worker: {e}"
+        if handle is not None:
+            handle.close()
+        return HealthCheck(None, why)
+
+    def end_health(self, check: "HealthCheck") -> str:
+        """The outcome of a health check begun: "" when the known kernel came out right, else what went wrong."""
+        if check.handle is None:
+            return check.why
+        handle = check.handle
+        try:
+            self._warmed(handle)
+            written = handle.collect(30, "handing over the health check")
             reply = handle.collect(self.cfg.start_timeout_s, "running the health check")
         except WorkerFailure as e:
             return str(e)
-        except HarnessError as e:
-            return f"no fresh worker: {e}"
         finally:
-            if handle is not None:
-                handle.close()
+            handle.close()
             self.settle_spare()
+        if not written.get("ok"):
+            return f"no fresh worker: it could not write the health check's file: {written.get('error', '')}"[:2000]
         # A module that imported cleanly is answered with the ops it defines (none here); one whose import
         # raised (a wrong sum, a device error), with the error instead.
         return "" if "ops" in reply else str(reply.get("error", reply))[-1000:]
@@ -290,6 +312,13 @@ class Pool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class HealthCheck:
+    """A health check under way (`Pool.begin_health`): the worker computing the known kernel, or (None) why none could."""
+    handle: "WorkerHandle | None"
+    why: str = ""
 
 
 class WorkerHandle:

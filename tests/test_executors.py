@@ -186,3 +186,35 @@ def test_a_device_failing_its_health_check_twice_is_reported_unwell_with_why():
     sick = _PassingDevice(faults=2)
     assert device_health("cpu", sick, 0.0, sleep=lambda s: None) == "a known kernel came out wrong"
     assert sick.checks == 2
+
+
+class _SickDevice:
+    """A launched pool on a device whose known kernel comes out wrong (a faulty GPU); the rest of it real."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+    def ready(self):
+        self._pool.ready()
+        return self
+
+    def end_health(self, check) -> str:
+        self._pool.end_health(check)
+        return "a known kernel came out wrong"
+
+    def check_health(self) -> str:
+        return "a known kernel came out wrong"
+
+
+def test_a_candidate_judged_beside_a_failing_first_health_check_gets_no_verdict():
+    """`evaluate_each` runs its first health check beside the first candidate's compile stage: when it fails (and
+    fails again after the retry), that candidate is not judged (no later stage, no verdict), nor any after it."""
+    from harness.evaluate import evaluate_each
+    from harness.pool import Pool
+    cfg = config_with(**{"executor.health_retry_s": 0.0})
+    sick = _SickDevice(Pool(cfg.worker, "cpu", "attention").launch())
+    out = list(evaluate_each([REF_DECODE, REF_DECODE], "attention", cfg, until="parity", pool=sick))
+    assert out == ["not judged: cpu: a known kernel came out wrong"] * 2, out
