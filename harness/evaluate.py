@@ -106,6 +106,8 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
     from harness.slot import Job, Slot, Unchecked, needs_check        # the slot imports this module
     slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
     checking, why = slot.check_begin(), ""
+    if isinstance(checking.begun, str):             # it could not begin (no pool): nothing runs beside it
+        why, checking = slot.check_end(checking), None
 
     def settled() -> None:
         nonlocal checking, why
