@@ -209,7 +209,7 @@ class Worker:
         (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
         loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
         and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
-        counted and left for `time` to meet again (and report) — a CUDA error is reported as any call's."""
+        counted and left for `time` to meet again (and report, or for the anchor, note)."""
         t0, failed = time.perf_counter(), 0
         for recipe in msg["calls"]:
             op = recipe["case"].op
@@ -221,9 +221,7 @@ class Worker:
             for way in ways:
                 try:
                     way()
-                except Exception as e:
-                    if "CUDA" in str(e):            # the context is gone with it
-                        raise
+                except Exception:                   # met again by `time`: a lost context fails the flush below
                     failed += 1
             del args, ways
         if self.device.type == "cuda":
