@@ -89,23 +89,17 @@ def test_a_workers_audit_and_profiler_import_neither_dynamo_nor_inductor():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
-def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(cfg):
+def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(cfg, pool):
     """The worker's `prime` (microbench's first-use costs, paid while the evaluator draws) runs the baseline and
-    the anchor on the small case it is named, never the candidate's function: here one that ends its worker.
-    (Its worker is the spare the health check forked and warmed beside its own.)"""
+    the anchor on the small case it is named, never the candidate's function: here one that ends its worker."""
     import torch
     from harness.evaluate import device_shapes
     from harness.targets import configured
     target = configured("attention", cfg)
     case = target.compile_case(device_shapes(cfg, "attention", torch.device("cpu")), "decode")
     trap = "def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    raise SystemExit(7)\n"
-    pool = open_pool(cfg, "attention")
+    handle = pool.spawn(trap)
     try:
-        assert pool.check_health() == ""
-        spare = pool._spare
-        assert spare is not None and spare.warmed
-        handle = pool.spawn(trap)
-        assert handle.pid == spare.pid
         assert handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 30, "loading")["ok"]
         recipe = {"case": case, "dist": "normal", "seed": 0, "dtype": "float32", "baseline": target.ops["decode"].baseline_name}
         primed = handle.request({"cmd": "prime", "calls": [recipe], "flush_bytes": 1 << 20}, 60, "priming")
@@ -113,6 +107,5 @@ def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(c
         called = handle.request({"cmd": "call", "op": "decode", "inputs": recipe, "out_shape": [1], "recheck": [],
                                  "drop": []}, 60, "calling the candidate")
         assert called["ok"] is False and called["fatal"] is True          # the trap is live: a call would have shown
-        handle.close()
     finally:
-        pool.close()
+        handle.close()
