@@ -234,9 +234,9 @@ class Slot:
         self.pool = Pool(self.cfg.worker, device, self.target).start()
         return self.pool
 
-    def check(self) -> str:
-        """'' when the slot can evaluate; otherwise one line saying why not."""
-        return self.check_end(self.check_begin(overlap=False))
+    def check(self, retry: bool = True) -> str:
+        """'' when the slot can evaluate; otherwise one line saying why not (without `retry`, from one attempt)."""
+        return self.check_end(self.check_begin(overlap=False), retry)
 
     def check_begin(self, overlap: bool = True) -> "SlotCheck":
         """Begin `check`; with `overlap`, return once the known kernel is sent (`begin_health`), so a job can start
@@ -252,12 +252,14 @@ class Slot:
         self.startup += pool + [Span(name="health", start=pool[0].end if pool else t0, end=time.monotonic())]
         return SlotCheck(begun=begun, spans=spans, overlap=overlap)
 
-    def check_end(self, check: "SlotCheck") -> str:
-        """'' when the check begun passed (a failure checked once more after executor.health_retry_s); else why not."""
+    def check_end(self, check: "SlotCheck", retry: bool = True) -> str:
+        """'' when the check begun passed (with `retry`, a failure is checked once more after
+        executor.health_retry_s); else why not."""
         why = check.begun if isinstance(check.begun, str) else ""
         if not why:
             try:
-                why = device_health(self.device(), self._pool, self.cfg.executor.health_retry_s, begun=check.begun)
+                why = (device_health(self.device(), self._pool, self.cfg.executor.health_retry_s, begun=check.begun)
+                       if retry else " ".join(end_health(check.begun).split()))
             except (OSError, RuntimeError, HarnessError) as e:
                 why = f"{type(e).__name__}: {e}"
         if not check.overlap:
