@@ -97,23 +97,47 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
                   pool: Pool | None = None, head: str | None = None) -> Iterator["Done | str"]:
     """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
     the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
-    check again before the next one. Yields a Done per source (its verdict, its stages' spans and the start-ups
-    before it), or, once the slot has failed its check (it judges nothing more, as a run takes it out), the
-    one-line reason for each source left. `pool`: one launched early for the slot (used if its device is right);
-    `head`: the kernel every source is judged against in the replay (None: torch's baseline)."""
-    from harness.slot import Job, Slot, needs_check        # the slot imports this module
+    check again before the next one. The first check's known kernel runs beside the first candidate's compile
+    stage: no later stage starts, and no verdict is stored or given, before it has passed; if it fails, that
+    candidate's work is dropped, the device is checked once more after executor.health_retry_s (as
+    `device_health` does), and the candidate judged afresh if it passes. Yields a Done per source (its verdict,
+    its stages' spans and the start-ups before it), or, once the slot has failed its check (it judges nothing
+    more, as a run takes it out), the one-line reason for each source left. `pool`: one launched early for the
+    slot (used if its device is right); `head`: the kernel every source is judged against in the replay (None:
+    torch's baseline)."""
+    from harness.slot import Job, Slot, Unchecked, needs_check        # the slot imports this module
     slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
+    checking, why = slot.check_begin(), ""
+    if isinstance(checking.begun, str):             # it could not begin (no pool): nothing runs beside it
+        why, checking = slot.check_end(checking), None
+
+    def settled() -> None:
+        nonlocal checking, why
+        if checking is not None:
+            why, checking = slot.check_end(checking, retry=False), None
+        if why:
+            raise Unchecked(why)
+
     try:
-        why = slot.check()
         for i, source in enumerate(sources):
-            if why:
+            if checking is None and why:
                 yield f"not judged: {why}"
                 continue
-            done = slot.run(Job(id=f"file{i + 1}", source=source, until=until, head=head))
+            job = Job(id=f"file{i + 1}", source=source, until=until, head=head)
+            try:
+                done = slot.run(job, settled=settled if checking is not None else None)
+            except Unchecked:                       # judged beside a failing check: dropped, the device checked again
+                time.sleep(cfg.executor.health_retry_s)
+                if why := slot.check(retry=False):
+                    yield f"not judged: {why}"
+                    continue
+                done = slot.run(job)
             yield done
             if needs_check(done.verdict):
                 why = slot.check()
     finally:
+        if checking is not None:
+            slot.check_end(checking, retry=False)
         slot.close()
 
 

@@ -7,7 +7,8 @@ opens a path a candidate could have made: the candidate's source goes to the wor
 (it writes the file in its own folder, which only it can see); outputs come back as sealed memory
 files passed with the reply; the worker's stdout and stderr go to a memory file made here, of
 which only the tail is read. `Pool.check_health` runs a known computation in a fresh worker
-(after a crash or a hang, before the next candidate).
+(after a crash or a hang, before the next candidate), warmed up without the profiler (it runs no candidate),
+while the spare for the next candidate is forked and warms up beside it.
 Importing this module does not import torch (harness/transport.py, which does, is imported where a worker
 is talked to), so `kevo-agent evaluate` can `launch` the zygote before it imports torch itself, and the two
 imports run at once. The pool keeps the start-up spans it sees (`spans`: the zygote's, each worker's sandbox
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -161,7 +163,9 @@ class Pool:
             raise HarnessError("the worker pool exited; see " + str(self.root / "zygote.log"))
         return json.loads(data)
 
-    def _fork(self) -> "WorkerHandle":
+    def _fork(self, candidate: bool = True) -> "WorkerHandle":
+        """A fresh worker, its warm-up asked for and answered later; one that will run no `candidate` (the health
+        check's) is warmed up without the profiler (its CUPTI start), which only a candidate's dispatch stage uses."""
         workdir = Path(tempfile.mkdtemp(prefix="worker-", dir=self.root))   # used only without a mount namespace
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         log = os.memfd_create("kevo-worker-log", os.MFD_CLOEXEC)
@@ -184,7 +188,7 @@ class Pool:
         handle.workdir = Path(str(hello.get("workdir", workdir)))
         self._note(Span(name="worker.start", start=t0, end=time.monotonic()))    # fork, namespaces, lock-down
         from harness.transport import send_pickle
-        send_pickle(handle.sock, {"cmd": "warmup"})       # CUDA context, profiler, ...: answered later
+        send_pickle(handle.sock, {"cmd": "warmup", "profiler": candidate})       # CUDA context, profiler, ...: answered later
         return handle
 
     def _warmed(self, handle: "WorkerHandle") -> None:
@@ -239,18 +243,44 @@ class Pool:
 
     def check_health(self) -> str:
         """A known computation in a fresh worker: "" when it comes out right, else what went wrong."""
+        return self.end_health(self.begin_health())
+
+    def begin_health(self) -> "HealthCheck":
+        """Start `check_health` without waiting for its answer (`end_health` reads it): a fresh worker, warmed up
+        without the profiler (it runs no candidate), is sent the known kernel, and the spare for the next
+        candidate is forked meanwhile (if there is none)."""
+        handle: WorkerHandle | None = None
         try:
-            handle = self.spawn(_HEALTH.replace("DEVICE", repr(self.device)))
-        except (WorkerFailure, HarnessError) as e:
-            return f"no fresh worker: {e}"
+            handle = self._fork(candidate=False)
+            handle.send({"cmd": "source", "text": _HEALTH.replace("DEVICE", repr(self.device))}, "handing over the health check")
+            handle.send({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, "running the health check")
+            if self._spare is None:
+                self._spare = self._fork()
+            return HealthCheck(handle)
+        except WorkerFailure as e:
+            why = str(e)
+        except HarnessError as e:
+            why = f"no fresh worker: {e}"
+        if handle is not None:
+            handle.close()
+        return HealthCheck(None, why)
+
+    def end_health(self, check: "HealthCheck") -> str:
+        """The outcome of a health check begun: "" when the known kernel came out right, else what went wrong."""
+        if check.handle is None:
+            return check.why
+        handle = check.handle
         try:
-            reply = handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")},
-                                   self.cfg.start_timeout_s, "running the health check")
+            self._warmed(handle)
+            written = handle.collect(30, "handing over the health check")
+            reply = handle.collect(self.cfg.start_timeout_s, "running the health check")
         except WorkerFailure as e:
             return str(e)
         finally:
             handle.close()
             self.settle_spare()
+        if not written.get("ok"):
+            return f"no fresh worker: it could not write the health check's file: {written.get('error', '')}"[:2000]
         # A module that imported cleanly is answered with the ops it defines (none here); one whose import
         # raised (a wrong sum, a device error), with the error instead.
         return "" if "ops" in reply else str(reply.get("error", reply))[-1000:]
@@ -282,6 +312,13 @@ class Pool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@dataclass
+class HealthCheck:
+    """A health check under way (`Pool.begin_health`): the worker computing the known kernel, or (None) why none could."""
+    handle: "WorkerHandle | None"
+    why: str = ""
 
 
 class WorkerHandle:

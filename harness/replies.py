@@ -121,6 +121,12 @@ class Warmed(Reply):
     seconds: dict[Name, Seconds] = Field(max_length=8)
 
 
+class Primed(Reply):
+    ok: Literal[True]
+    failed: Count
+    seconds: dict[Name, Seconds] = Field(max_length=8)
+
+
 class Profiled(Reply):
     ok: Literal[True]
     kernels: dict[Annotated[str, StringConstraints(max_length=2048)], Micros] = Field(max_length=4096)
@@ -135,6 +141,7 @@ class Timed(Reply):
     anchor_error: Text = ""
     outputs: list[Entry] = Field(max_length=64)
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
+    seconds: dict[Name, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went
 
 
 class Captured(Reply):
@@ -166,7 +173,7 @@ class ServedStats(Reply):
     ops: dict[Name, OpStats] = Field(max_length=16)
 
 
-SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "warm": Warmed, "profile": Profiled, "time": Timed,
+SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "warm": Warmed, "profile": Profiled, "prime": Primed, "time": Timed,
                                    "capture": Captured, "burst": Burst, "served_stats": ServedStats}
 
 

@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Callable, Literal
 
@@ -88,10 +89,23 @@ def _known_sum(device: torch.device | str) -> str:
         return f"{type(e).__name__}: {e}"
 
 
-def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], spans: list[Span]) -> str:
-    """The known sum here, in a thread (on a GPU it starts this process's CUDA context), while the known kernel
-    runs in a fresh worker; `pool` may be a function that gives it, called meanwhile (a slot's zygote may still
-    be starting). The sum's failure is said first. An error starting the pool is raised, as the pool raises it."""
+@dataclass
+class Checking:
+    """A health check under way (`begin_health`): the known sum's thread here, the known kernel's worker there."""
+    beside: threading.Thread
+    here: list
+    finish: Callable[[], str]          # waits for the known kernel's answer: "" or why not
+    spans: list[Span]
+    begun: float                       # when the known kernel was asked for (monotonic)
+
+
+def begin_health(device: torch.device | str, pool: Pool | Callable[[], Pool], spans: list[Span],
+                 overlap: bool = False) -> Checking:
+    """Start the health check: the known sum here, in a thread (on a GPU it starts this process's CUDA context), and
+    the known kernel in a fresh worker; `pool` may be a function that gives it, called meanwhile (a slot's zygote
+    may still be starting). `overlap`: the known kernel is only sent here (`Pool.begin_health`) and its answer read
+    by `end_health`, so that the caller works meanwhile; else `end_health` runs it whole (`Pool.check_health`).
+    An error starting the pool is raised, as the pool raises it."""
     here: list[str | BaseException] = []
     t0 = time.monotonic()
 
@@ -109,30 +123,69 @@ def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], sp
             t1 = time.monotonic()
             pool = pool()
             spans.append(Span(name="pool", start=t1, end=time.monotonic()))
-        t1 = time.monotonic()
+    except BaseException:
+        beside.join()
+        raise
+    t1, started = time.monotonic(), pool
+
+    def guarded(run: Callable[[], str]) -> str:
         try:
-            why = pool.check_health()
+            return run()
+        except (OSError, RuntimeError, HarnessError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    if overlap:
+        try:
+            check = started.begin_health()
         except (OSError, RuntimeError, HarnessError) as e:
             why = f"{type(e).__name__}: {e}"
-        spans.append(Span(name="health.worker", start=t1, end=time.monotonic()))
+            return Checking(beside, here, lambda: why, spans, t1)
+        return Checking(beside, here, lambda: guarded(lambda: started.end_health(check)), spans, t1)
+    return Checking(beside, here, lambda: guarded(started.check_health), spans, t1)
+
+
+def end_health(checking: Checking) -> str:
+    """The outcome of a health check begun: '' when both parts came out right, else why not (the sum's failure first)."""
+    try:
+        why = checking.finish()
+        checking.spans.append(Span(name="health.worker", start=checking.begun, end=time.monotonic()))
     finally:
-        beside.join()
-    if isinstance(here[0], BaseException):
-        raise here[0]
-    return here[0] or why
+        checking.beside.join()
+    if isinstance(checking.here[0], BaseException):
+        raise checking.here[0]
+    return checking.here[0] or why
+
+
+def _health_once(device: torch.device | str, pool: Pool | Callable[[], Pool], spans: list[Span]) -> str:
+    """The known sum here while the known kernel runs in a fresh worker, waited for (`begin_health`, `end_health`)."""
+    return end_health(begin_health(device, pool, spans))
 
 
 def device_health(device: torch.device | str, pool: Pool | Callable[[], Pool], retry_s: float,
-                  sleep: Callable[[float], None] = time.sleep, spans: list[Span] | None = None) -> str:
+                  sleep: Callable[[float], None] = time.sleep, spans: list[Span] | None = None,
+                  begun: Checking | None = None) -> str:
     """'' when the device computes a known sum here and a known kernel in a fresh worker of `pool` (or of the
     pool that `pool()` gives); else one line saying why not. A device that fails is checked once more after
-    `retry_s` seconds. Appends to `spans` what each part took (`pool`, `health.here`, `health.worker`)."""
-    spans = [] if spans is None else spans
-    why = _health_once(device, pool, spans)
+    `retry_s` seconds. Appends to `spans` what each part took (`pool`, `health.here`, `health.worker`). `begun`:
+    the first attempt, begun earlier (`begin_health`), whose answer is read here; its spans are its own."""
+    spans = ([] if begun is None else begun.spans) if spans is None else spans
+    why = end_health(begun) if begun is not None else _health_once(device, pool, spans)
     if why:
         sleep(retry_s)
         why = _health_once(device, pool, spans)
     return " ".join(why.split())
+
+
+@dataclass
+class SlotCheck:
+    """A slot's health check begun (`Slot.check_begin`): under way, or (a string) why it could not begin."""
+    begun: Checking | str
+    spans: list[Span]
+    overlap: bool
+
+
+class Unchecked(Exception):
+    """The health check run beside a job failed: the job gets no verdict (`Slot.run`'s `settled`)."""
 
 
 def needs_check(verdict: Verdict) -> bool:
@@ -181,17 +234,37 @@ class Slot:
         self.pool = Pool(self.cfg.worker, device, self.target).start()
         return self.pool
 
-    def check(self) -> str:
-        """'' when the slot can evaluate; otherwise one line saying why not."""
+    def check(self, retry: bool = True) -> str:
+        """'' when the slot can evaluate; otherwise one line saying why not (without `retry`, from one attempt)."""
+        return self.check_end(self.check_begin(overlap=False), retry)
+
+    def check_begin(self, overlap: bool = True) -> "SlotCheck":
+        """Begin `check`; with `overlap`, return once the known kernel is sent (`begin_health`), so a job can start
+        beside it; `check_end` gives its outcome, and no verdict of that job may be given before it (`Slot.run`'s
+        `settled`). Its step on the command's path (`health`) ends here; the rest of it runs beside."""
         t0, spans = time.monotonic(), []
         try:
             self._apply_pin()
-            why = device_health(self.device(), self._pool, self.cfg.executor.health_retry_s, spans=spans)
+            begun: Checking | str = begin_health(self.device(), self._pool, spans, overlap)
         except (OSError, RuntimeError, HarnessError) as e:
-            why = f"{type(e).__name__}: {e}"
+            begun = f"{type(e).__name__}: {e}"
         pool = [s for s in spans if s.name == "pool"][:1]      # the health check is what follows the pool's start
         self.startup += pool + [Span(name="health", start=pool[0].end if pool else t0, end=time.monotonic())]
-        self.startup += [s for s in spans if s.name != "pool"] + (self.pool.take_spans() if self.pool is not None else [])
+        return SlotCheck(begun=begun, spans=spans, overlap=overlap)
+
+    def check_end(self, check: "SlotCheck", retry: bool = True) -> str:
+        """'' when the check begun passed (with `retry`, a failure is checked once more after
+        executor.health_retry_s); else why not."""
+        why = check.begun if isinstance(check.begun, str) else ""
+        if not why:
+            try:
+                why = (device_health(self.device(), self._pool, self.cfg.executor.health_retry_s, begun=check.begun)
+                       if retry else " ".join(end_health(check.begun).split()))
+            except (OSError, RuntimeError, HarnessError) as e:
+                why = f"{type(e).__name__}: {e}"
+        if not check.overlap:
+            self.startup[-1] = self.startup[-1].model_copy(update={"end": time.monotonic()})   # the whole check on the path
+        self.startup += [s for s in check.spans if s.name != "pool"] + (self.pool.take_spans() if self.pool is not None else [])
         return f"{self.name}: " + " ".join(why.split())[:500] if why else ""
 
     def identity(self) -> str:
@@ -202,9 +275,12 @@ class Slot:
             return f"{host}/{torch.cuda.get_device_properties(0).uuid}"
         return f"{host}/cpu{sorted(os.sched_getaffinity(0))}"
 
-    def run(self, job: Job, on_stage: Callable[[str], None] | None = None) -> Done:
+    def run(self, job: Job, on_stage: Callable[[str], None] | None = None,
+            settled: Callable[[], None] | None = None) -> Done:
         """Judge a job; `on_stage(name)` is called before each stage starts, and the stage waits for it
-        to return (a slot process asks for its GPU's lease there)."""
+        to return (a slot process asks for its GPU's lease there). `settled()` (a health check run beside the
+        job: it raises `Unchecked` if the check failed) is called before every stage after the first and before a
+        verdict is stored or returned, within the spans; what a check begun beside it recorded is this job's."""
         started, spans, t0 = time.time(), [], time.monotonic()
         startup, self.startup = self.startup, []
         pool = self._pool()
@@ -219,15 +295,18 @@ class Slot:
                 on_stage(name)
             now = time.monotonic()
             spans.append(Span(name=name, start=now, end=now))
+            if settled is not None and len(spans) > 1:       # the first stage may run beside the check, no other
+                settled()
 
         verdict = evaluate_cached(job.source, self.target, self.cfg, pool, job=job.id,
                                   where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=stage,
-                                  beat=job.beat, head=job.head)
+                                  beat=job.beat, head=job.head, settled=settled)
         if spans:
             spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
         else:                                      # the verdict cache answered
             startup.append(Span(name="cache", start=t0, end=time.monotonic()))
         pool.take_spans()                          # workers forked within the stages: their time is the stages'
+        startup, self.startup = startup + self.startup, []     # a check that ended within the job: its parts
         return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time(), spans=spans,
                     startup=startup)
 

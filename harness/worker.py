@@ -185,14 +185,13 @@ class Worker:
                 "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called}}
 
     def profile(self, msg: dict) -> dict:
-        from torch.profiler import ProfilerActivity, profile
         op = msg["op"]
         args = self._inputs(op, msg["inputs"])
         fn = self._fn("candidate", op)
         self.probes.reset()
         self._watched(fn, op, args)
         self._sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with _profiler(self.device) as prof:
             for _ in range(int(msg.get("repeat", 3))):
                 self._watched(fn, op, args)
             self._sync()
@@ -205,6 +204,38 @@ class Worker:
                 kernels[e.key] = kernels.get(e.key, 0.0) + float(us)
         return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls)}
 
+    def prime(self, msg: dict) -> dict:
+        """Pay the trusted code's first uses in this process before the first case is timed: for each of `calls`
+        (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
+        loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
+        and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
+        counted and left for `time` to meet again (and report, or for the anchor, note)."""
+        t0, failed = time.perf_counter(), 0
+        for recipe in msg["calls"]:
+            op = recipe["case"].op
+            spec = self.target.ops[op]
+            args = spec.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
+            ways = [lambda: self._call(self._fn("baseline", op, args, recipe.get("baseline", "")), op, args)]
+            if spec.anchor is not None and spec.anchor_inputs is not None:
+                ways.append(lambda: spec.anchor(**spec.anchor_inputs(args)))
+            for way in ways:
+                try:
+                    way()
+                except Exception:                   # met again by `time`: a lost context fails the flush below
+                    failed += 1
+            del args, ways
+        if self.device.type == "cuda":
+            flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
+            flush.zero_()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            torch.cuda._sleep(1000)
+            ev[1].record()
+            torch.cuda.synchronize()
+            ev[0].elapsed_time(ev[1])
+            del flush
+        return {"ok": True, "failed": failed, "seconds": {"prime_s": time.perf_counter() - t0}}
+
     def time(self, msg: dict) -> dict:
         """Interleaved timing: for each rep, each input set, each implementation (rotating order).
         Before each timed call the L2 is flushed and the GPU is held busy by a spin kernel while the
@@ -213,7 +244,9 @@ class Worker:
         after a full device synchronize (which also covers work on other streams)."""
         op, impls = msg["op"], list(msg["impls"])
         spec = self.target.ops[op]
+        t0 = time.perf_counter()
         sets = [self._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
+        seconds = {"inputs_s": time.perf_counter() - t0}
         self.timed_sets[op] = sets
         calls: dict[str, list] = {}
         anchor_error = ""
@@ -233,11 +266,13 @@ class Worker:
         impls = [i for i in impls if i in calls]
         self.probes.reset()
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
+        seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
         for _ in range(msg["warmup"]):
             for impl in dict.fromkeys(impls):
                 for c in calls[impl]:
                     c()
         self._sync()
+        seconds["warmup_s"], t0 = time.perf_counter() - t0, time.perf_counter()
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
         synced = {f"{k}:{i}": [] for i, k in enumerate(impls)}
         streamed = {k: [] for k in synced}
@@ -260,8 +295,9 @@ class Worker:
                     streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
                     if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
                         last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
+        seconds["reps_s"] = time.perf_counter() - t0
         return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
-                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls)}
+                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls), "seconds": seconds}
 
     def burst(self, msg: dict) -> dict:
         """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
@@ -310,21 +346,32 @@ class Worker:
     def warmup(self, msg: dict) -> dict:
         """Pay the per-process start-up costs before any candidate is loaded: the CUDA context, the
         profiler's first start, cuBLAS. Touches nothing a candidate could later read. Its reply says when it
-        ran (`span`, monotonic seconds: the pool's start-up breakdown)."""
+        ran (`span`, monotonic seconds: the pool's start-up breakdown). `profiler` false (the health check's
+        worker, which runs no candidate): the CUDA context only."""
         t0 = time.monotonic()
         if self.device.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
             x = torch.randn(64, 64, device=self.device)
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-                (x @ x).sum().item()
+            if msg.get("profiler", True):
+                with _profiler(self.device):
+                    (x @ x).sum().item()
             torch.cuda.synchronize()
         return {"ok": True, "span": [t0, time.monotonic()]}
 
 
+def _profiler(device: torch.device):
+    """Kineto's CPU (and CUDA) profiler, as torch.profiler.profile makes it inside, without that wrapper: its
+    start asks `hasattr(torch, "_inductor")`, which imports torch._inductor and torch._dynamo (3.3 s on the
+    H200's host, in each process). The same events, the same `key_averages`."""
+    from torch.autograd.profiler import profile
+    return profile(use_cpu=True, use_device="cuda" if device.type == "cuda" else None, use_kineto=True)
+
+
 def preload() -> None:
-    """Run once in the zygote, before any fork: first-use costs that need no GPU (the dispatch-mode
-    machinery costs ~2 s on its first use; the profiler's Python side). Fork-safe: CPU only."""
-    import torch.profiler  # noqa: F401
+    """Run once in the zygote, before any fork: first-use costs that need no GPU (the dispatch-mode audit's, now
+    milliseconds: torch.profiler's wrapper and a dispatch mode's default wrap would import torch._dynamo and
+    torch._inductor, 2 s on a CPU here and 3.3 s on the H200's host, which `_profiler` and
+    `_Audit._should_skip_dynamo` avoid). Fork-safe: CPU only."""
+    import torch.autograd.profiler  # noqa: F401
     with Probes().audit():
         (torch.ones(4) * 2).sum()
 
@@ -332,7 +379,7 @@ def preload() -> None:
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
-    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "time": worker.time,
+    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "prime": worker.prime, "time": worker.time,
                 "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:

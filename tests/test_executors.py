@@ -186,3 +186,49 @@ def test_a_device_failing_its_health_check_twice_is_reported_unwell_with_why():
     sick = _PassingDevice(faults=2)
     assert device_health("cpu", sick, 0.0, sleep=lambda s: None) == "a known kernel came out wrong"
     assert sick.checks == 2
+
+
+class _SickDevice:
+    """A launched pool on a device whose known kernel comes out wrong (a faulty GPU) `faults` times; the rest real."""
+
+    def __init__(self, pool, faults: int = 2) -> None:
+        self._pool, self.faults = pool, faults
+
+    def __getattr__(self, name: str):
+        return getattr(self._pool, name)
+
+    def ready(self):
+        self._pool.ready()
+        return self
+
+    def end_health(self, check) -> str:
+        real = self._pool.end_health(check)
+        self.faults -= 1
+        return "a known kernel came out wrong" if self.faults >= 0 else real
+
+    def check_health(self) -> str:
+        return self.end_health(self._pool.begin_health())
+
+
+def test_a_candidate_judged_beside_a_failing_first_health_check_gets_no_verdict():
+    """`evaluate_each` runs its first health check beside the first candidate's compile stage: when it fails (and
+    fails again after the retry), that candidate is not judged (no later stage, no verdict), nor any after it."""
+    from harness.evaluate import evaluate_each
+    from harness.pool import Pool
+    cfg = config_with(**{"executor.health_retry_s": 0.0})
+    sick = _SickDevice(Pool(cfg.worker, "cpu", "attention").launch())
+    out = list(evaluate_each([REF_DECODE, REF_DECODE], "attention", cfg, until="parity", pool=sick))
+    assert out == ["not judged: cpu: a known kernel came out wrong"] * 2, out
+
+
+def test_a_candidate_judged_beside_a_first_health_check_that_fails_once_is_judged_afresh_after_the_retry():
+    """A check that fails beside the first candidate, then passes once more after the retry: the candidate is judged
+    (from its compile stage again) and gets its verdict."""
+    from harness.evaluate import evaluate_each
+    from harness.pool import Pool
+    cfg = config_with(**{"executor.health_retry_s": 0.0})
+    flaky = _SickDevice(Pool(cfg.worker, "cpu", "attention").launch(), faults=1)
+    out = list(evaluate_each([REF_DECODE], "attention", cfg, until="dispatch", pool=flaky))
+    assert len(out) == 1 and not isinstance(out[0], str), out
+    assert out[0].verdict.ok and [s.name for s in out[0].verdict.stages] == ["compile", "dispatch"], out[0].verdict
+    assert flaky.faults == -1                       # the check beside it, then the one after the retry

@@ -70,3 +70,42 @@ def test_replied_says_a_reply_waits_without_reading_it(cfg):
         assert handle.replied()                              # a stopped worker: collect would say so at once
     finally:
         pool.close()
+
+
+
+def test_a_workers_audit_and_profiler_import_neither_dynamo_nor_inductor():
+    """The zygote's preload and a worker's profiler stay off torch._dynamo and torch._inductor (seconds of import
+    on the critical path of every cold evaluation), in a fresh interpreter as the zygote is."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, torch\nfrom harness import worker\nworker.preload()\n"
+            "with worker._profiler(torch.device('cpu')) as prof:\n    (torch.ones(8) * 2).sum()\n"
+            "assert prof.key_averages()\n"
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+def test_priming_the_timing_calls_the_trusted_baseline_and_never_the_candidate(cfg, pool):
+    """The worker's `prime` (microbench's first-use costs, paid while the evaluator draws) runs the baseline and
+    the anchor on the small case it is named, never the candidate's function: here one that ends its worker."""
+    import torch
+    from harness.evaluate import device_shapes
+    from harness.targets import configured
+    target = configured("attention", cfg)
+    case = target.compile_case(device_shapes(cfg, "attention", torch.device("cpu")), "decode")
+    trap = "def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):\n    raise SystemExit(7)\n"
+    handle = pool.spawn(trap)
+    try:
+        assert handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 30, "loading")["ok"]
+        recipe = {"case": case, "dist": "normal", "seed": 0, "dtype": "float32", "baseline": target.ops["decode"].baseline_name}
+        primed = handle.request({"cmd": "prime", "calls": [recipe], "flush_bytes": 1 << 20}, 60, "priming")
+        assert primed["ok"] is True and primed["failed"] <= 1, primed      # on a CPU only the cuDNN anchor may fail
+        called = handle.request({"cmd": "call", "op": "decode", "inputs": recipe, "out_shape": [1], "recheck": [],
+                                 "drop": []}, 60, "calling the candidate")
+        assert called["ok"] is False and called["fatal"] is True          # the trap is live: a call would have shown
+    finally:
+        handle.close()
