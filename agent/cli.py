@@ -124,7 +124,8 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
             times = _breakdown(spans + outcome.startup + outcome.spans, origin)
             spans = []                                      # the next file's: its own start-ups and stages
             if args.json:
-                print(json.dumps({"file": name, "head": args.head, **outcome.verdict.model_dump(), **times}), flush=True)
+                print(json.dumps({"file": name, **({"head": args.head} if args.head else {}), **outcome.verdict.model_dump(),
+                                  **times}), flush=True)
             else:
                 from agent.reading.view import print_verdict
                 print_verdict(outcome.verdict, name)
