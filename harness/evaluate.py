@@ -16,7 +16,8 @@ import torch
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.gpu_memory import reserve
-from harness.pool import Pool, WorkerFailure
+from harness.pool import Pool
+from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.sandbox import redact
 from harness.stages import STAGE_NAMES, STAGES

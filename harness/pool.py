@@ -1,8 +1,7 @@
-"""The evaluator's side of the worker processes: start the zygote, make workers, talk with deadlines.
+"""The evaluator's side of the worker processes: start the zygote, make workers (talking with one is
+harness/worker_handle.py: `WorkerHandle`, `WorkerFailure`).
 
-`Pool` owns the zygote (harness/zygote.py) and a private scratch folder; `WorkerHandle.request`
-sends one request and returns the worker's JSON reply, or raises `WorkerFailure` when the worker
-timed out (its process group is killed), died (with how), or broke the protocol. Nothing here
+`Pool` owns the zygote (harness/zygote.py) and a private scratch folder, and hands out fresh workers. Nothing here
 opens a path a candidate could have made: the candidate's source goes to the worker in a message
 (it writes the file in its own folder, which only it can see); outputs come back as sealed memory
 files passed with the reply; the worker's stdout and stderr go to a memory file made here, of
@@ -28,16 +27,13 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from harness.config import PROJECT_ROOT, WorkerConfig
 from harness.errors import HarnessError
 from harness.isolation import sandbox_spec
 from harness.records import Span
-from harness.sandbox import clean_env, redact
-
-MAX_OUTPUT_FILES = 4          # descriptors accepted with one reply
-
+from harness.sandbox import clean_env
+from harness.worker_handle import WorkerFailure, WorkerHandle
 
 # A tiny Triton kernel and a sum whose result is exact in float32 (3 * 1023 * 1024 / 2), run at import.
 _HEALTH = """import torch
@@ -59,14 +55,6 @@ got = float(out.sum())
 if got != 1571328.0:
     raise RuntimeError("health check: 3 * sum(0..1023) came out %r, not 1571328" % got)
 """
-
-
-class WorkerFailure(Exception):
-    """The worker did not answer properly; `kind` (a FailureKind, harness/records.py) is timeout, crashed or protocol."""
-
-    def __init__(self, kind: Literal["timeout", "crashed", "protocol"], message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
 
 
 def _reported_span(name: str, value: object) -> Span | None:
@@ -319,109 +307,3 @@ class HealthCheck:
     """A health check under way (`Pool.begin_health`): the worker computing the known kernel, or (None) why none could."""
     handle: "WorkerHandle | None"
     why: str = ""
-
-
-class WorkerHandle:
-    def __init__(self, pool: Pool, pid: int, sock: socket.socket, host_folder: Path, log: int) -> None:
-        self.pool, self.pid, self.sock, self.host_folder, self.log = pool, pid, sock, host_folder, log
-        self.workdir = host_folder          # as the worker sees it: its hello says (before any candidate code runs)
-        self.alive = True
-        self.sandbox = ""
-        self.warmed = False                 # its warm-up answered (Pool.settle_spare, or when handed over)
-
-    def log_tail(self) -> str:
-        """The end of the worker's stdout and stderr, read from the memory file made for it."""
-        if self.log < 0:
-            return ""
-        limit = self.pool.cfg.log_tail_chars
-        try:
-            size = os.fstat(self.log).st_size
-            data = os.pread(self.log, 4 * limit, max(0, size - 4 * limit))
-        except OSError:
-            return ""
-        return redact(data.decode(errors="replace")[-limit:].strip())
-
-    def receive(self, timeout: float, doing: str) -> dict:
-        from harness.transport import Arena, ProtocolError, recv_json
-        self.sock.settimeout(max(0.01, timeout))
-        try:
-            reply, fds = recv_json(self.sock, self.pool.cfg.reply_limit_bytes, MAX_OUTPUT_FILES)
-            reply["_arenas"] = [Arena(fd, self.pool.cfg.file_size_bytes) for fd in fds]
-            return reply
-        except (socket.timeout, TimeoutError):
-            self.kill()
-            raise WorkerFailure("timeout", f"no reply within {timeout:.0f} s while {doing}: killed") from None
-        except (EOFError, ConnectionError):
-            status = self.kill(first_wait=True)
-            tail = self.log_tail()
-            raise WorkerFailure("crashed", f"the worker died while {doing} ({status})"
-                                + (f"; its last output:\n{tail}" if tail else "")) from None
-        except ProtocolError as e:
-            self.kill()
-            raise WorkerFailure("protocol", f"malformed reply while {doing}: {e}") from None
-
-    def send(self, msg: dict, doing: str) -> None:
-        """Send a request without waiting; replies come back in order (see `collect`)."""
-        if not self.alive:
-            raise WorkerFailure("crashed", "the worker is no longer running")
-        from harness.transport import send_pickle
-        try:
-            send_pickle(self.sock, msg)
-        except OSError:
-            status = self.kill(first_wait=True)
-            raise WorkerFailure("crashed", f"the worker died before {doing} ({status})") from None
-
-    def collect(self, timeout: float, doing: str) -> dict:
-        """The reply to the oldest request not yet collected."""
-        if timeout <= 0:
-            self.kill()
-            raise WorkerFailure("timeout", f"the stage's time ran out while {doing}")
-        t0 = time.monotonic()
-        reply = self.receive(timeout, doing)
-        reply["_wall_s"] = time.monotonic() - t0
-        if reply.get("fatal"):
-            self.kill()
-        return reply
-
-    def replied(self) -> bool:
-        """Whether `collect` would find something to read at once: a reply, or the connection's end (or the
-        worker is stopped already). Nothing is read: what it is, `collect` says."""
-        if not self.alive:
-            return True
-        return bool(select.select([self.sock], [], [], 0)[0])
-
-    def request(self, msg: dict, timeout: float, doing: str) -> dict:
-        self.send(msg, doing)
-        return self.collect(timeout, doing)
-
-    def hold_still(self, still: bool) -> None:
-        """Stop (SIGSTOP) or continue the worker's process group: between its stages, while its slot waits
-        for its GPU's lease, nothing of the candidate's runs (another slot may be timing on that GPU).
-        GPU work it queued before it was stopped still runs: every call is synchronized before its reply,
-        so only code that escaped the allowlist could have left any (docs/EVALUATOR.md)."""
-        if self.alive:
-            try:
-                os.killpg(self.pid, signal.SIGSTOP if still else signal.SIGCONT)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    def kill(self, first_wait: bool = False) -> str:
-        """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying
-        already (its connection closed); let the zygote collect its real exit status first."""
-        if not self.alive:
-            return "already stopped"
-        self.alive = False
-        if not first_wait:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.sock.close()
-        return self.pool.reap(self.pid)
-
-    def close(self) -> None:
-        self.kill()
-        if self.log >= 0:
-            os.close(self.log)
-            self.log = -1
-        shutil.rmtree(self.host_folder, ignore_errors=True)   # rmtree does not follow links a candidate left

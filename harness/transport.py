@@ -34,6 +34,11 @@ class ProtocolError(Exception):
     """The other side sent something that is not a well-formed message."""
 
 
+def trim(text: str, limit: int) -> str:
+    """At most `limit` characters of a reply's text, its end kept (where a traceback says what went wrong)."""
+    return text if len(text) <= limit else "…" + text[-limit:]
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     chunks, got = [], 0
     while got < n:

@@ -5,7 +5,8 @@ in an arena file; the worker copies them into persistent device buffers (the sam
 check, so a cache keyed by pointer is caught), poisons the allocator, calls the candidate, and hands
 outputs back in sealed memory files sent with the reply (harness/transport.py). It decides nothing:
 the evaluator compares, clocks and judges. Replies are JSON. The candidate's source arrives in a
-message and is written here, into the worker's own folder, before it is imported.
+message and is written here, into the worker's own folder, before it is imported. The timing
+requests microbench sends (`prime`, `time`, `burst`) are harness/worker_timing.py.
 """
 from __future__ import annotations
 
@@ -21,11 +22,8 @@ import torch
 from harness.candidate import load_candidate
 from harness.probes import Probes
 from harness.targets import TARGETS
-from harness.transport import DTYPES, recv_pickle, send_json, write_arena
-
-
-def _trim(text: str, limit: int) -> str:
-    return text if len(text) <= limit else "…" + text[-limit:]
+from harness.transport import DTYPES, recv_pickle, send_json, trim, write_arena
+from harness.worker_timing import burst, prime, timed
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -204,142 +202,6 @@ class Worker:
                 kernels[e.key] = kernels.get(e.key, 0.0) + float(us)
         return {"ok": True, "kernels": kernels, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls)}
 
-    def prime(self, msg: dict) -> dict:
-        """Pay the trusted code's first uses in this process before the first case is timed: for each of `calls`
-        (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
-        loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
-        and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
-        counted and left for `time` to meet again (and report, or for the anchor, note)."""
-        t0, failed = time.perf_counter(), 0
-        for recipe in msg["calls"]:
-            op = recipe["case"].op
-            spec = self.target.ops[op]
-            args = spec.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
-            ways = [lambda: self._call(self._fn("baseline", op, args, recipe.get("baseline", "")), op, args)]
-            if spec.anchor is not None and spec.anchor_inputs is not None:
-                ways.append(lambda: spec.anchor(**spec.anchor_inputs(args)))
-            for way in ways:
-                try:
-                    way()
-                except Exception:                   # met again by `time`: a lost context fails the flush below
-                    failed += 1
-            del args, ways
-        if self.device.type == "cuda":
-            flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
-            flush.zero_()
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            ev[0].record()
-            torch.cuda._sleep(1000)
-            ev[1].record()
-            torch.cuda.synchronize()
-            ev[0].elapsed_time(ev[1])
-            del flush
-        return {"ok": True, "failed": failed, "seconds": {"prime_s": time.perf_counter() - t0}}
-
-    def time(self, msg: dict) -> dict:
-        """Interleaved timing: for each rep, each input set, each implementation (rotating order).
-        Before each timed call the L2 is flushed and the GPU is held busy by a spin kernel while the
-        host launches the call, so the events measure device time, not Python launch overhead.
-        Two intervals per call: to the event after the call on its stream, and to an event recorded
-        after a full device synchronize (which also covers work on other streams)."""
-        op, impls = msg["op"], list(msg["impls"])
-        spec = self.target.ops[op]
-        t0 = time.perf_counter()
-        sets = [self._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
-        seconds = {"inputs_s": time.perf_counter() - t0}
-        self.timed_sets[op] = sets
-        calls: dict[str, list] = {}
-        anchor_error = ""
-        for impl in dict.fromkeys(impls):
-            if impl == "anchor":
-                try:
-                    prepared = [spec.anchor_inputs(a) for a in sets]
-                    calls[impl] = [(lambda p=p: spec.anchor(**p)) for p in prepared]
-                    calls[impl][0]()
-                except Exception as e:                               # the library may lack a kernel
-                    anchor_error = _trim(f"{type(e).__name__}: {e}", 300)
-                    calls.pop(impl, None)
-            else:
-                call = self._watched if impl == "candidate" else self._call
-                calls[impl] = [(lambda a=a, fn=self._fn(impl, op, a, msg.get("baseline", "")), call=call: call(fn, op, a))
-                               for a in sets]
-        impls = [i for i in impls if i in calls]
-        self.probes.reset()
-        flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=self.device)
-        seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
-        for _ in range(msg["warmup"]):
-            for impl in dict.fromkeys(impls):
-                for c in calls[impl]:
-                    c()
-        self._sync()
-        seconds["warmup_s"], t0 = time.perf_counter() - t0, time.perf_counter()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        synced = {f"{k}:{i}": [] for i, k in enumerate(impls)}
-        streamed = {k: [] for k in synced}
-        last: dict[str, torch.Tensor] = {}
-        for rep in range(msg["reps"]):
-            order = list(enumerate(impls))
-            order = order[rep % len(order):] + order[:rep % len(order)]
-            for s in range(len(sets)):
-                for i, impl in order:
-                    flush.zero_()
-                    torch.cuda.synchronize()
-                    torch.cuda._sleep(msg["cover_cycles"])
-                    ev[0].record()
-                    out = calls[impl][s]()
-                    ev[1].record()
-                    torch.cuda.synchronize()
-                    ev[2].record()
-                    torch.cuda.synchronize()
-                    synced[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[2]))
-                    streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
-                    if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
-                        last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
-        seconds["reps_s"] = time.perf_counter() - t0
-        return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
-                "outputs": self._save(last) if last else [], "op_calls": dict(self.probes.op_calls), "seconds": seconds}
-
-    def burst(self, msg: dict) -> dict:
-        """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
-        graph (so launch overhead does not hide device time) where the implementation can be
-        captured; the evaluator clocks the request. `prepare` captures without timing, `per_graph` calls in
-        the graph (config stages.microbench.calls_per_graph); a burst of `n` replays it n // per_graph times."""
-        op, impl = msg["op"], msg["impl"]
-        args = self.timed_sets[op][0]
-        fn = self._fn(impl, op, args, msg.get("baseline", ""))
-        if msg.get("prepare"):
-            per_graph = int(msg["per_graph"])
-            call = self._watched if impl == "candidate" else self._call
-            self.probes.reset()
-            try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        call(fn, op, args)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
-                    for _ in range(per_graph):
-                        self._call(fn, op, args)
-                self.graphs[(op, impl)] = (graph, per_graph)
-                return {"ok": True, "graph": True, "op_calls": dict(self.probes.op_calls)}
-            except Exception as e:
-                self.graphs.pop((op, impl), None)
-                torch.cuda.synchronize()
-                return {"ok": True, "graph": False, "error": _trim(f"{type(e).__name__}: {e}", 400),
-                        "op_calls": dict(self.probes.op_calls)}
-        graph, per_graph = self.graphs.get((op, impl), (None, 1))
-        n = int(msg["n"])
-        if graph is not None:
-            for _ in range(max(1, n // per_graph)):
-                graph.replay()
-        else:                                   # the baseline only: the candidate must be captured
-            for _ in range(n):
-                self._call(fn, op, args)
-        self._sync()
-        return {"ok": True}
-
     def ping(self, msg: dict) -> dict:
         return {"ok": True}
 
@@ -379,8 +241,9 @@ def preload() -> None:
 def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limit: int) -> None:
     """Answer requests until the evaluator hangs up. A CUDA error ends the process after replying."""
     worker = Worker(workdir, target, device, log_limit)
-    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile, "prime": worker.prime, "time": worker.time,
-                "burst": worker.burst, "ping": worker.ping, "warmup": worker.warmup}
+    handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile,
+                "prime": lambda msg: prime(worker, msg), "time": lambda msg: timed(worker, msg),
+                "burst": lambda msg: burst(worker, msg), "ping": worker.ping, "warmup": worker.warmup}
     while True:
         try:
             msg = recv_pickle(sock)
@@ -392,7 +255,7 @@ def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limi
             text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
             cuda_error = "CUDA" in str(e)                              # the context is gone with it
             fatal = isinstance(e, (SystemExit, KeyboardInterrupt)) or cuda_error
-            reply = {"ok": False, "error": _trim(text, log_limit), "fatal": fatal, "cuda_error": cuda_error}
+            reply = {"ok": False, "error": trim(text, log_limit), "fatal": fatal, "cuda_error": cuda_error}
         fds, worker.pending = worker.pending, []
         try:
             send_json(sock, reply, fds if reply.get("ok") else [])

@@ -59,7 +59,7 @@ def seen(monkeypatch):
     """What parity draws and what the worker that gets the warm is sent, and when its replies are read, in the
     order they happen: recorded by wrappers that hand every call on unchanged."""
     import harness.stages.parity as parity
-    from harness.pool import WorkerHandle
+    from harness.worker_handle import WorkerHandle
     events: list[tuple] = []
     send, collect, draw = WorkerHandle.send, WorkerHandle.collect, parity.draw
 

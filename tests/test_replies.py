@@ -22,7 +22,7 @@ from test_ledger import candidate, commit, new_ledger
 from harness.evaluate import device_shapes
 from harness.lease import Holding, Lease
 from harness.executors import EvaluationLost, LocalExecutor, _Entry
-from harness.pool import WorkerFailure
+from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.replies import MalformedReply, loads, parse
 from harness.slot import Job

@@ -19,7 +19,8 @@ from harness.config import Config
 from harness import replies
 from harness.gpu_memory import Reserve
 from harness.records import FailureKind
-from harness.pool import Pool, WorkerFailure, WorkerHandle
+from harness.pool import Pool
+from harness.worker_handle import WorkerFailure, WorkerHandle
 from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena

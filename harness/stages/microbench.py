@@ -269,7 +269,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> di
 
 
 def _send_prime(ctx: EvalContext, plan: list[tuple[str, Case]]) -> None:
-    """Ask the worker to pay the trusted code's first uses in its process (harness/worker.py `prime`: the
+    """Ask the worker to pay the trusted code's first uses in its process (harness/worker_timing.py `prime`: the
     baseline's kernels, cuDNN's libraries and handle, the spin kernel, events) on each timed op's small compile
     case, a public seed's inputs no check uses; sent without waiting, so it runs while this side draws the timed
     inputs, and before any timing: the first case timed no longer pays them inside its `time` request."""

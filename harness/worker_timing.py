@@ -1,0 +1,158 @@
+"""The worker's side of microbench: timing requests, run on a `Worker` (harness/worker.py) in its process.
+
+`prime` pays the trusted code's first uses before anything is timed; `timed` (the `time` request) times
+candidate, baseline and anchor interleaved on the evaluator's input sets, the L2 flushed and the launch
+hidden behind a spin kernel, events read on the stream and after a full synchronize; `burst` replays
+calls back to back from a CUDA graph for the evaluator's own clock. They decide nothing: the evaluator
+(harness/stages/microbench.py) distrusts every number they return.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from harness.transport import DTYPES, trim
+
+if TYPE_CHECKING:
+    from harness.worker import Worker
+
+
+def prime(w: "Worker", msg: dict) -> dict:
+    """Pay the trusted code's first uses in this process before the first case is timed: for each of `calls`
+    (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
+    loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
+    and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
+    counted and left for `time` to meet again (and report, or for the anchor, note)."""
+    t0, failed = time.perf_counter(), 0
+    for recipe in msg["calls"]:
+        op = recipe["case"].op
+        spec = w.target.ops[op]
+        args = spec.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], w.device, DTYPES[recipe["dtype"]])
+        ways = [lambda: w._call(w._fn("baseline", op, args, recipe.get("baseline", "")), op, args)]
+        if spec.anchor is not None and spec.anchor_inputs is not None:
+            ways.append(lambda: spec.anchor(**spec.anchor_inputs(args)))
+        for way in ways:
+            try:
+                way()
+            except Exception:                   # met again by `time`: a lost context fails the flush below
+                failed += 1
+        del args, ways
+    if w.device.type == "cuda":
+        flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=w.device)
+        flush.zero_()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        ev[0].record()
+        torch.cuda._sleep(1000)
+        ev[1].record()
+        torch.cuda.synchronize()
+        ev[0].elapsed_time(ev[1])
+        del flush
+    return {"ok": True, "failed": failed, "seconds": {"prime_s": time.perf_counter() - t0}}
+
+
+def timed(w: "Worker", msg: dict) -> dict:
+    """Interleaved timing: for each rep, each input set, each implementation (rotating order).
+    Before each timed call the L2 is flushed and the GPU is held busy by a spin kernel while the
+    host launches the call, so the events measure device time, not Python launch overhead.
+    Two intervals per call: to the event after the call on its stream, and to an event recorded
+    after a full device synchronize (which also covers work on other streams)."""
+    op, impls = msg["op"], list(msg["impls"])
+    spec = w.target.ops[op]
+    t0 = time.perf_counter()
+    sets = [w._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
+    seconds = {"inputs_s": time.perf_counter() - t0}
+    w.timed_sets[op] = sets
+    calls: dict[str, list] = {}
+    anchor_error = ""
+    for impl in dict.fromkeys(impls):
+        if impl == "anchor":
+            try:
+                prepared = [spec.anchor_inputs(a) for a in sets]
+                calls[impl] = [(lambda p=p: spec.anchor(**p)) for p in prepared]
+                calls[impl][0]()
+            except Exception as e:                               # the library may lack a kernel
+                anchor_error = trim(f"{type(e).__name__}: {e}", 300)
+                calls.pop(impl, None)
+        else:
+            call = w._watched if impl == "candidate" else w._call
+            calls[impl] = [(lambda a=a, fn=w._fn(impl, op, a, msg.get("baseline", "")), call=call: call(fn, op, a))
+                           for a in sets]
+    impls = [i for i in impls if i in calls]
+    w.probes.reset()
+    flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=w.device)
+    seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
+    for _ in range(msg["warmup"]):
+        for impl in dict.fromkeys(impls):
+            for c in calls[impl]:
+                c()
+    w._sync()
+    seconds["warmup_s"], t0 = time.perf_counter() - t0, time.perf_counter()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    synced = {f"{k}:{i}": [] for i, k in enumerate(impls)}
+    streamed = {k: [] for k in synced}
+    last: dict[str, torch.Tensor] = {}
+    for rep in range(msg["reps"]):
+        order = list(enumerate(impls))
+        order = order[rep % len(order):] + order[:rep % len(order)]
+        for s in range(len(sets)):
+            for i, impl in order:
+                flush.zero_()
+                torch.cuda.synchronize()
+                torch.cuda._sleep(msg["cover_cycles"])
+                ev[0].record()
+                out = calls[impl][s]()
+                ev[1].record()
+                torch.cuda.synchronize()
+                ev[2].record()
+                torch.cuda.synchronize()
+                synced[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[2]))
+                streamed[f"{impl}:{i}"].append(ev[0].elapsed_time(ev[1]))
+                if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
+                    last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
+    seconds["reps_s"] = time.perf_counter() - t0
+    return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
+            "outputs": w._save(last) if last else [], "op_calls": dict(w.probes.op_calls), "seconds": seconds}
+
+
+def burst(w: "Worker", msg: dict) -> dict:
+    """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
+    graph (so launch overhead does not hide device time) where the implementation can be
+    captured; the evaluator clocks the request. `prepare` captures without timing, `per_graph` calls in
+    the graph (config stages.microbench.calls_per_graph); a burst of `n` replays it n // per_graph times."""
+    op, impl = msg["op"], msg["impl"]
+    args = w.timed_sets[op][0]
+    fn = w._fn(impl, op, args, msg.get("baseline", ""))
+    if msg.get("prepare"):
+        per_graph = int(msg["per_graph"])
+        call = w._watched if impl == "candidate" else w._call
+        w.probes.reset()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    call(fn, op, args)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
+                for _ in range(per_graph):
+                    w._call(fn, op, args)
+            w.graphs[(op, impl)] = (graph, per_graph)
+            return {"ok": True, "graph": True, "op_calls": dict(w.probes.op_calls)}
+        except Exception as e:
+            w.graphs.pop((op, impl), None)
+            torch.cuda.synchronize()
+            return {"ok": True, "graph": False, "error": trim(f"{type(e).__name__}: {e}", 400),
+                    "op_calls": dict(w.probes.op_calls)}
+    graph, per_graph = w.graphs.get((op, impl), (None, 1))
+    n = int(msg["n"])
+    if graph is not None:
+        for _ in range(max(1, n // per_graph)):
+            graph.replay()
+    else:                                   # the baseline only: the candidate must be captured
+        for _ in range(n):
+            w._call(fn, op, args)
+    w._sync()
+    return {"ok": True}
