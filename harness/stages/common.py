@@ -65,7 +65,7 @@ class EvalContext:
         self.worker.send(msg, doing)
 
     def replied(self) -> bool:
-        """Whether the reply to the oldest request sent can be collected without waiting (pool.py `replied`)."""
+        """Whether the reply to the oldest request sent can be collected without waiting (worker_handle.py `replied`)."""
         assert self.worker is not None
         return self.worker.replied()
 
