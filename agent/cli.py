@@ -62,6 +62,26 @@ def _process_start() -> float:
         return _LOADED
 
 
+def _progress(names: list[str], origin: float):
+    """`evaluate --progress`: a line on stderr as each file's stage starts, and the replay's own steps (the
+    harness's progress log, harness/stages/replay.py and arms.py), each with the seconds since the command began."""
+    import logging
+
+    class Since(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"kevo-agent: {time.monotonic() - origin:.1f} s: {record.getMessage()}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(Since())
+    log = logging.getLogger("harness")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+    def told(i: int, stage: str) -> None:
+        log.info("%s: %s", names[i], stage)
+    return told
+
+
 def _breakdown(spans: list[Span], origin: float) -> dict:
     """`spans` in seconds from `origin` (the process's start), and the wall time from it to now."""
     return {"spans": [{"name": s.name, "start": round(s.start - origin, 3), "end": round(s.end - origin, 3)}
@@ -109,8 +129,10 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
             except UsageError as e:
                 files.append((name, None, str(e)))
         spans.append(Span(name="read", start=t0, end=time.monotonic()))
+        readable = [name for name, src, _ in files if src is not None]
+        told = _progress(readable, origin) if (sys.stderr.isatty() if args.progress is None else args.progress) else None
         judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
-                               pool=pool, head=head) if any(src is not None for _, src, _ in files) else iter(())
+                               pool=pool, head=head, on_stage=told) if readable else iter(())
         worst = 0
         for name, source, why in files:
             outcome = next(judged) if source is not None else why

@@ -6,6 +6,7 @@ redacted of the evaluator's secrets before it leaves.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -95,7 +96,8 @@ def sched_s() -> dict[int, tuple[float, float]]:
 
 
 def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None,
-                  pool: Pool | None = None, head: str | None = None) -> Iterator["Done | str"]:
+                  pool: Pool | None = None, head: str | None = None,
+                  on_stage: Callable[[int, str], None] | None = None) -> Iterator["Done | str"]:
     """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
     the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
     check again before the next one. The first check's known kernel runs beside the first candidate's compile
@@ -105,7 +107,7 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
     its stages' spans and the start-ups before it), or, once the slot has failed its check (it judges nothing
     more, as a run takes it out), the one-line reason for each source left. `pool`: one launched early for the
     slot (used if its device is right); `head`: the kernel every source is judged against in the replay (None:
-    torch's baseline)."""
+    torch's baseline); `on_stage(i, name)`: told as source i's stage `name` starts (a progress line)."""
     from harness.slot import Job, Slot, Unchecked, needs_check        # the slot imports this module
     slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
     checking, why = slot.check_begin(), ""
@@ -125,14 +127,15 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
                 yield f"not judged: {why}"
                 continue
             job = Job(id=f"file{i + 1}", source=source, until=until, head=head)
+            told = None if on_stage is None else functools.partial(on_stage, i)
             try:
-                done = slot.run(job, settled=settled if checking is not None else None)
+                done = slot.run(job, on_stage=told, settled=settled if checking is not None else None)
             except Unchecked:                       # judged beside a failing check: dropped, the device checked again
                 time.sleep(cfg.executor.health_retry_s)
                 if why := slot.check(retry=False):
                     yield f"not judged: {why}"
                     continue
-                done = slot.run(job)
+                done = slot.run(job, on_stage=told)
             yield done
             if needs_check(done.verdict):
                 why = slot.check()

@@ -53,10 +53,10 @@ def several(tmp_path_factory) -> tuple[list[str], subprocess.CompletedProcess]:
 
 @pytest.fixture(scope="module")
 def tables(tmp_path_factory) -> subprocess.CompletedProcess:
-    """`evaluate --until compile` without --json of a file that fails compile, then a good kernel."""
+    """`evaluate --progress --until compile` without --json of a file that fails compile, then a good kernel."""
     bad = tmp_path_factory.mktemp("tables") / "bad.py"
     bad.write_text("import torch\n")
-    return kevo("evaluate", "--until", "compile", str(bad), GOOD)
+    return kevo("evaluate", "--progress", "--until", "compile", str(bad), GOOD)
 
 
 def test_json_output_is_one_object_per_file_with_the_documented_fields(several):
@@ -152,6 +152,15 @@ def test_several_files_without_json_print_a_block_each_and_exit_1_when_one_is_re
     assert tables.returncode == 1, tables.stderr
     out = tables.stdout                                 # a block each (a table may wrap a long name), in order
     assert out.count("┏") == 2 and out.index("rejected at compile") < out.index("passed every stage that ran")
+
+
+def test_progress_names_each_files_stage_on_stderr_as_it_starts(tables):
+    lines = [line for line in tables.stderr.splitlines() if line.startswith("kevo-agent: ")]
+    stages = [line.split(" s: ", 1)[1] for line in lines]
+    bad = stages[0].split(": ")[0]
+    assert bad.endswith("bad.py") and stages == [f"{bad}: compile", f"{GOOD}: compile"], tables.stderr
+    seconds = [float(line.split(": ")[1].removesuffix(" s")) for line in lines]
+    assert 0 < seconds[0] <= seconds[1], lines
 
 
 def help_of(capsys, *args: str) -> str:

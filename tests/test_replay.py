@@ -6,6 +6,7 @@ served beside the candidate; the paired score accepts only a gain beyond its own
 stage runs the gates and times nothing."""
 from __future__ import annotations
 
+import logging
 import math
 import random
 import sys
@@ -139,13 +140,22 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     assert "held the host over served.stall_ms in the window" in outcome.reason
 
 
-def test_the_head_is_served_beside_the_candidate_and_judged_by_the_same_gates():
-    outcome = run_replay(CFG, "cpu", C.REF_DECODE, head=C.DROPS_NEWEST_TOKEN)
+def test_the_head_is_served_beside_the_candidate_and_judged_by_the_same_gates(caplog):
+    with caplog.at_level(logging.INFO, logger="harness"):
+        outcome = run_replay(CFG, "cpu", C.REF_DECODE, head=C.DROPS_NEWEST_TOKEN)
     m = outcome.metrics
     assert m["gate_passed"] == 1.0 and m["head_gate_passed"] == 0.0 and m["head_is_torch"] == 0.0
     assert "the head FAILS its gates" in outcome.reason and m["segments"] >= 2
     assert m["continuation_from_head"] == 0.0 and "the head's continuation parted: request" in outcome.reason
     assert m["gate_coverage"] == 1.0 and m["stage_s"] >= m["arms_ready_s"] >= m["reference_done_s"] > 0
+    # its progress lines (evaluate --progress): each server up, the reference's pass, every timed segment
+    said = [r.getMessage() for r in caplog.records]
+    for label in ("reference", "head", "candidate"):
+        assert sum(f"the {label} server is up" in line for line in said) == 1, said
+    assert any("the reference decoded its own continuation" in line for line in said), said
+    n = int(m["segments"])
+    assert [line for line in said if "timed segment" in line] == [
+        f"replay: timed segment {j} of {n} served to both arms" for j in range(1, n + 1)], said
 
 
 def test_a_heads_continuation_is_scored_by_the_reference_as_its_own_greedy_pass_would_be():

@@ -7,6 +7,7 @@ Not covered: what is sent or how it is judged (replay.py), starting one server (
 """
 from __future__ import annotations
 
+import logging
 import subprocess
 
 from harness.config import PROJECT_ROOT, Config
@@ -15,6 +16,8 @@ from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready, with_output
 from harness.served.traces import TraceError, TraceRequest, load_trace
 from harness.stages.common import Rejected
+
+log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
 
 
 def served_lines(cfg: Config, device: str):
@@ -82,6 +85,9 @@ class Servers:
         if failure:
             self.close()
             raise _fail(*failure)
+        names = list(self.starting)
+        log.info("replay: the %s servers are starting (model build and warm-up)",
+                 ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names))
         if wait:
             self.wait()
 
@@ -93,6 +99,7 @@ class Servers:
                 continue
             try:
                 self.handles[label] = wait_ready(h, ready_timeout(self.cfg))
+                log.info("replay: the %s server is up (%.0f s from its start)", label, self.handles[label].ready_s)
             except ServerFailure as e:
                 failure = failure if failure and failure[0] == "candidate" else (label, e)
         if failure:

@@ -39,6 +39,7 @@ beyond attention (its accounting is self-reported; its tokens and the client's c
 """
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 import time
@@ -56,6 +57,8 @@ from harness.served.score import Gate, Paired, against_head, compare_forced, pai
 from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
 from harness.stages.arms import Servers, served_lines
 from harness.stages.common import EvalContext, Rejected
+
+log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
 
 
 def served_requests(cfg: Config, device: str, window_s: float | None = None) -> list[TraceRequest]:
@@ -242,6 +245,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     servers.wait(["reference"])       # it compiles nothing: up first, its pass overlaps the others' warm-up
     requests = draw(cfg, device, random.Random(secrets.randbits(64)))
     ref = continuation_pass(cfg, device, servers, requests).ref
+    log.info("replay: the reference's own greedy pass over %d requests (%.0f s)", len(requests), time.monotonic() - t0)
     servers.wait()
     _time_left(deadline, 0)
     feed = forced(requests, ref)
@@ -289,6 +293,8 @@ def reference_feed(cfg: Config, device: str, servers: Servers, source: str | Non
             pending.exception()
             raise
         cont = pending.result()
+    log.info("replay: the reference %s of %d requests (%.0f s)", "decoded its own continuation" if cont.source == "reference"
+             else f"scored the {cont.source}'s continuation", len(requests), time.monotonic() - t0)
     return cont, forced(requests, cont.ref), time.monotonic() - t0
 
 
@@ -303,6 +309,7 @@ def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...
     for label in labels:
         for seg in segs:
             servers.send(label, seg, burst)
+        log.info("replay: the %s server served its warm window", label)
 
 
 def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed: list[TraceRequest],
@@ -314,10 +321,12 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
     dtype = getattr(cfg.targets.attention, device).dtype
     window = getattr(cfg.served, device).window_s
     runs: dict[str, list[ReplayRun]] = {head_label: [], cand_label: []}
-    for j, seg in enumerate(segments(feed, window, r.segments)):
+    parts = segments(feed, window, r.segments)
+    for j, seg in enumerate(parts):
         _time_left(deadline, window / r.segments)
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
             runs[label].append(servers.send(label, seg, r.load == "burst"))
+        log.info("replay: timed segment %d of %d served to both arms", j + 1, len(parts))
     stats = _stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
     outcome.reference, outcome.runs = ref, runs
