@@ -138,7 +138,6 @@ class Timed(Reply):
     ok: Literal[True]
     synced_ms: dict[Name, list[Millis]] = Field(max_length=8)
     streamed_ms: dict[Name, list[Millis]] = Field(max_length=8)
-    anchor_error: Text = ""
     outputs: list[Entry] = Field(max_length=64)
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
     seconds: dict[Name, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went

@@ -1,10 +1,10 @@
 """The worker's side of microbench: timing requests, run on a `Worker` (harness/worker.py) in its process.
 
 `prime` pays the trusted code's first uses before anything is timed; `timed` (the `time` request) times
-candidate, baseline and anchor interleaved on the evaluator's input sets, the L2 flushed and the launch
+candidate and baseline interleaved on the evaluator's input sets, the L2 flushed and the launch
 hidden behind a spin kernel, events read on the stream and after a full synchronize; `burst` replays
 calls back to back from a CUDA graph for the evaluator's own clock. They decide nothing: the evaluator
-(harness/stages/microbench.py) distrusts every number they return.
+(harness/stages/microbench.py) distrusts every number they return, and times the library anchor itself.
 """
 from __future__ import annotations
 
@@ -22,23 +22,17 @@ if TYPE_CHECKING:
 def prime(w: "Worker", msg: dict) -> dict:
     """Pay the trusted code's first uses in this process before the first case is timed: for each of `calls`
     (a recipe of a small case, with the name of the baseline the stage times) the torch baseline (its kernels
-    loaded) and the op's library anchor (cuDNN's libraries and handle), then the L2-flush buffer, the spin kernel
-    and timing events. Calls no candidate code; its outputs are dropped; a baseline or anchor that raises is
-    counted and left for `time` to meet again (and report, or for the anchor, note)."""
+    loaded), then the L2-flush buffer, the spin kernel and timing events. Calls no candidate code; its outputs
+    are dropped; a baseline that raises is counted and left for `time` to meet again (and report)."""
     t0, failed = time.perf_counter(), 0
     for recipe in msg["calls"]:
         op = recipe["case"].op
-        spec = w.target.ops[op]
-        args = spec.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], w.device, DTYPES[recipe["dtype"]])
-        ways = [lambda: w._call(w._fn("baseline", op, args, recipe.get("baseline", "")), op, args)]
-        if spec.anchor is not None and spec.anchor_inputs is not None:
-            ways.append(lambda: spec.anchor(**spec.anchor_inputs(args)))
-        for way in ways:
-            try:
-                way()
-            except Exception:                   # met again by `time`: a lost context fails the flush below
-                failed += 1
-        del args, ways
+        args = w.target.ops[op].make_inputs(recipe["case"], recipe["dist"], recipe["seed"], w.device, DTYPES[recipe["dtype"]])
+        try:
+            w._call(w._fn("baseline", op, args, recipe.get("baseline", "")), op, args)
+        except Exception:                       # met again by `time`: a lost context fails the flush below
+            failed += 1
+        del args
     if w.device.type == "cuda":
         flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=w.device)
         flush.zero_()
@@ -59,27 +53,15 @@ def timed(w: "Worker", msg: dict) -> dict:
     Two intervals per call: to the event after the call on its stream, and to an event recorded
     after a full device synchronize (which also covers work on other streams)."""
     op, impls = msg["op"], list(msg["impls"])
-    spec = w.target.ops[op]
     t0 = time.perf_counter()
     sets = [w._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
     seconds = {"inputs_s": time.perf_counter() - t0}
     w.timed_sets[op] = sets
     calls: dict[str, list] = {}
-    anchor_error = ""
     for impl in dict.fromkeys(impls):
-        if impl == "anchor":
-            try:
-                prepared = [spec.anchor_inputs(a) for a in sets]
-                calls[impl] = [(lambda p=p: spec.anchor(**p)) for p in prepared]
-                calls[impl][0]()
-            except Exception as e:                               # the library may lack a kernel
-                anchor_error = trim(f"{type(e).__name__}: {e}", 300)
-                calls.pop(impl, None)
-        else:
-            call = w._watched if impl == "candidate" else w._call
-            calls[impl] = [(lambda a=a, fn=w._fn(impl, op, a, msg.get("baseline", "")), call=call: call(fn, op, a))
-                           for a in sets]
-    impls = [i for i in impls if i in calls]
+        call = w._watched if impl == "candidate" else w._call
+        calls[impl] = [(lambda a=a, fn=w._fn(impl, op, a, msg.get("baseline", "")), call=call: call(fn, op, a))
+                       for a in sets]
     w.probes.reset()
     flush = torch.empty(max(1, msg["flush_bytes"] // 4), dtype=torch.int32, device=w.device)
     seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
@@ -112,7 +94,7 @@ def timed(w: "Worker", msg: dict) -> dict:
                 if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
                     last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
     seconds["reps_s"] = time.perf_counter() - t0
-    return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "anchor_error": anchor_error,
+    return {"ok": True, "synced_ms": synced, "streamed_ms": streamed,
             "outputs": w._save(last) if last else [], "op_calls": dict(w.probes.op_calls), "seconds": seconds}
 
 

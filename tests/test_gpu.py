@@ -19,6 +19,12 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
     bench = v.stages[-1]
     assert bench.name == "microbench" and bench.status == "passed"
     assert bench.metrics["speedup"] > bench.metrics["bar"]
+    # the cuDNN anchor of every served case, timed in the evaluator's process (anchor_s) or reused from an earlier
+    # draw of the process, at a bandwidth the device can have
+    cases = case_figures(bench.metrics, "decode")
+    assert cases, bench.metrics
+    for key, fig in cases:
+        assert 0 < fig["anchor_rate"] < 4.8 and (fig["anchor_reused"] == 1.0 or fig["anchor_s"] > 0), (key, fig)
     print(bench.reason)
 
 

@@ -65,8 +65,7 @@ def test_a_reply_with_nan_on_the_wire_is_a_protocol_error_not_a_number():
 
 CALL = {"ok": True, "outputs": [], "launches": {"_k": 1}, "op_elements": {}, "op_calls": {}, "inputs_modified": [],
         "seconds": {"inputs_s": 0.1}}
-TIME = {"ok": True, "synced_ms": {"candidate:0": [1.0]}, "streamed_ms": {"candidate:0": [0.9]}, "anchor_error": "",
-        "outputs": []}
+TIME = {"ok": True, "synced_ms": {"candidate:0": [1.0]}, "streamed_ms": {"candidate:0": [0.9]}, "outputs": []}
 
 WARM = {"ok": True, "launches": {"_k": 1}, "op_calls": {}, "failed": 0, "seconds": {"calls_s": 0.1}}
 
@@ -144,7 +143,7 @@ def test_a_timing_reply_forged_by_a_real_worker_s_candidate_is_refused_by_the_tr
     ctx = EvalContext(cfg=cfg, target=TARGETS["attention"], shapes=shapes, device=device, dtype=DTYPES[shapes.dtype],
                       pool=pool, source="", stage="microbench", deadline=time.monotonic() + 120)
     forged = forging(f'reply.clear()\nreply.update({{"ok": True, "synced_ms": {{"candidate:0": {times}}}, '
-                     f'"streamed_ms": {{"candidate:0": [1.0]}}, "anchor_error": "", "outputs": []}})')
+                     f'"streamed_ms": {{"candidate:0": [1.0]}}, "outputs": []}})')
     ctx.worker = pool.spawn(forged)
     try:
         ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "importing")   # installs the forger
@@ -194,14 +193,14 @@ def test_honest_figures_pass_the_microbench_guards():
 def test_a_timing_reply_must_hold_exactly_what_was_asked(synced, streamed, words):
     reply = parse("time", {**TIME, "synced_ms": synced, "streamed_ms": streamed})
     with pytest.raises(Rejected, match="malformed reply while timing") as err:
-        mb.timed_medians(reply, ["candidate", "baseline", "baseline", "anchor"], 2, "decode served")
+        mb.timed_medians(reply, ["candidate", "baseline", "baseline"], 2, "decode served")
     assert words in str(err.value), str(err.value)
 
 
-def test_a_timing_reply_without_the_anchor_is_accepted():
+def test_a_timing_reply_holding_what_was_asked_gives_each_implementations_medians():
     reply = parse("time", {**TIME, "synced_ms": {k: [1.0, 2.0] for k in ("candidate:0", "baseline:1", "baseline:2")},
                            "streamed_ms": {k: [1.0, 3.0] for k in ("candidate:0", "baseline:1", "baseline:2")}})
-    synced, streamed = mb.timed_medians(reply, ["candidate", "baseline", "baseline", "anchor"], 2, "x")
+    synced, streamed = mb.timed_medians(reply, ["candidate", "baseline", "baseline"], 2, "x")
     assert synced["candidate:0"] == 1.5 and streamed["baseline:2"] == 2.0
 
 
