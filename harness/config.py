@@ -106,15 +106,16 @@ class Floor(Strict):
     rel_l2: float = Field(gt=0)
 
 
-class WarmThreads(Strict):
-    """Per device: Triton compiles at once when parity first compiles the candidate for every shape class (0: no warm)."""
+class PerDevice(Strict):
+    """A count per device kind (parity's warm: its compiles at once, its draws per shape class)."""
     cuda: int = Field(ge=0, le=64)
     cpu: int = Field(ge=0, le=64)
 
 
 class ParityConfig(Strict):
     timeout_s: float = Field(gt=0)
-    warm_threads: WarmThreads = WarmThreads(cuda=8, cpu=0)
+    warm_threads: PerDevice = PerDevice(cuda=8, cpu=0)      # Triton compiles at once in the warm (0: no warm)
+    warm_draws: PerDevice = PerDevice(cuda=4, cpu=1)        # draws of each shape class the warm compiles for (>= 1)
     distributions: list[Literal["normal", "peaky", "shifted_keys", "served"]] = Field(min_length=1)
     sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check

@@ -17,7 +17,8 @@ from harness.stages.common import draw
 from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, _plan
 from test_parity import _ctx
 
-WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.checks_per_shape": 1}
+WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.warm_draws": {"cuda": 4, "cpu": 3},
+        "stages.parity.checks_per_shape": 1}
 # The reference decode, but with a library matmul on the served-limit batches (16 sequences and more), shapes the
 # compile stage's one call never shows it: only a watched call on those shapes sees it.
 LIBRARY_ON_LARGE_BATCHES = C.wrap_decode("""
@@ -28,13 +29,23 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 """)
 
 
-def test_the_warm_compiles_each_shape_class_once_and_the_verdict_is_unchanged(evaluate_source):
+def test_the_warm_calls_each_shape_class_on_fresh_lengths_and_the_verdict_is_unchanged(evaluate_source, seen):
     cfg = config_with(**WARM)
     verdict = evaluate_source(C.REF_DECODE, until="parity", config=cfg)
     assert verdict.ok, verdict.reason
     parity = verdict.stages[-1].metrics
     ctx = _ctx(cfg, ops=("decode",))
-    assert parity["warm_classes"] == len({c.label for c, _ in _plan(ctx)}) and parity["warm_failed"] == 0
+    classes = {c.label for c, _ in _plan(ctx)}
+    assert parity["warm_classes"] == len(classes) and parity["warm_failed"] == 0
+    later, _ = seen()
+    warm = [msg for kind, _, msg in later if kind == "send" and msg.get("cmd") == "warm"]
+    assert len(warm) == 1 and parity["warm_calls"] == len(warm[0]["calls"]) == 3 * len(classes)
+    shape = lambda label: label.split(";")[0]           # noqa: E731  (a draw's label adds its sm_scale and slots)
+    by_class: dict[str, list] = {}
+    for call in warm[0]["calls"]:
+        by_class.setdefault(shape(call["case"].label), []).append(call)
+    assert set(by_class) == {shape(c) for c in classes} and all(len(calls) == 3 for calls in by_class.values())
+    assert len({call["seed"] for call in warm[0]["calls"]}) == len(warm[0]["calls"])      # each drawn afresh
 
 
 def test_library_compute_in_a_warm_call_is_a_rejection_naming_it(evaluate_source):

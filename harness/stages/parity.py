@@ -106,13 +106,14 @@ def _draw_ahead(checks: int, drawn: Callable[[int], Trial], budget: int, replied
 class Warming:
     """A warm request sent and not yet collected."""
     classes: int
+    calls: int
     t0: float
 
 
 def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
     """Ask the worker to compile the candidate's kernels for each shape class of the plan at once, before the
-    first check (config stages.parity.warm_threads, per device; 0: skipped, None returned): one call per class
-    with nothing launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per
+    first check (config stages.parity.warm_threads, per device; 0: skipped, None returned): `warm_draws` calls per
+    class, each on fresh lengths (so that more of the class's specializations are met), with nothing launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per
     specialization and a fresh worker has an empty cache, so otherwise each class compiles in turn inside its
     first check. Sent without waiting: the trusted side draws the first checks while the worker compiles
     (`parity_stage`); `collect_warm` reads the reply."""
@@ -122,13 +123,13 @@ def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
     classes = list({(case.op, case.label): case for case, _ in plan}.values())
     calls = []
     for case in classes:
-        seed = secrets.randbits(62)
-        if ctx.target.vary is not None:
-            case = ctx.target.vary(case, "normal", random.Random(seed), ctx)
-        calls.append({"case": case, "dist": "normal", "seed": seed, "dtype": DTYPE_NAMES[ctx.dtype]})
+        for _ in range(max(1, getattr(ctx.cfg.stages.parity.warm_draws, ctx.device.type))):   # fresh lengths each
+            seed = secrets.randbits(62)
+            drawn = ctx.target.vary(case, "normal", random.Random(seed), ctx) if ctx.target.vary is not None else case
+            calls.append({"case": drawn, "dist": "normal", "seed": seed, "dtype": DTYPE_NAMES[ctx.dtype]})
     t0 = time.monotonic()
     ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes")
-    return Warming(len(classes), t0)
+    return Warming(len(classes), len(calls), t0)
 
 
 def collect_warm(ctx: EvalContext, sent: Warming) -> dict[str, float]:
@@ -140,7 +141,7 @@ def collect_warm(ctx: EvalContext, sent: Warming) -> dict[str, float]:
         raise candidate_raised("compiling the shape classes", reply)
     no_library_compute(ctx, f"parity (compiling the {sent.classes} shape classes)", reply)
     return {"warm_s": round(time.monotonic() - sent.t0, 3), "warm_classes": float(sent.classes),
-            "warm_failed": float(reply.failed), "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+            "warm_calls": float(sent.calls), "warm_failed": float(reply.failed), "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
 
 
 def parity_stage(ctx: EvalContext) -> StageResult:
