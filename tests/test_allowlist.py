@@ -236,3 +236,29 @@ def test_the_reviewed_ways_out_of_the_allowlist_are_refused(body, words):
 
 def test_a_forbidden_builtin_that_is_also_an_attribute_name_stays_readable_as_an_attribute():
     check(ast.parse(HEAD + "def f(q):\n    return q.device.type == 'cuda'\n"), RULES)
+
+
+def test_a_parse_that_met_the_interpreters_ast_depth_race_is_parsed_again_and_other_errors_are_not(monkeypatch):
+    """CPython 3.11's `AST constructor recursion depth mismatch` (python/cpython#106905) comes from another
+    thread's AST work, not from the source: `parse` parses again. `ast.parse` is the standard library's, faked
+    here to fail as the race makes it fail."""
+    from harness import syntax
+    real, failures = ast.parse, []
+
+    def racing(source, filename="<unknown>", *args, **kwargs):      # only the test's own file: pytest parses too
+        if filename == "k.py" and len(failures) < 2:
+            failures.append(filename)
+            raise SystemError("AST constructor recursion depth mismatch (before=57, after=66)")
+        return real(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", racing)
+    assert isinstance(syntax.parse("x = 1\n", "k.py"), ast.Module) and failures == ["k.py", "k.py"]
+
+    def broken(source, filename="<unknown>", *args, **kwargs):
+        if filename == "other.py":
+            raise SystemError("some other interpreter error")
+        return real(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", broken)
+    with pytest.raises(SystemError, match="some other"):
+        syntax.parse("x = 1\n", "other.py")
