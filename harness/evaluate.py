@@ -159,7 +159,8 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=configured(target, cfg), shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head)
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head,
+                      to_run=frozenset(STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES))
     results: list[StageResult] = []
     try:
         for name, stage in STAGES:

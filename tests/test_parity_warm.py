@@ -101,9 +101,11 @@ def seen(monkeypatch):
 
 
 def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(evaluate_source, seen, monkeypatch):
-    """The first check is drawn while the worker compiles (the memory bound set to one byte: only it), the rest in
-    the loop as before; the worker gets the warm, then, after its reply is read, each check in plan order with its
-    own seed, one request at a time, keeping, rechecking and dropping outputs as the loop always did."""
+    """Parity is begun by the compile stage once the candidate is imported: the worker gets the warm before the
+    compile stage's own first call. The first check is drawn while the worker compiles (the memory bound set to
+    one byte: only it), the rest in parity's loop as before; after the compile and dispatch stages' requests the
+    worker gets each check in plan order with its own seed, one request at a time, keeping, rechecking and
+    dropping outputs as the loop always did."""
     import harness.stages.parity as parity
     monkeypatch.setattr(parity, "AHEAD_HOST_BYTES", 1)
     cfg = config_with(**WARM)
@@ -114,11 +116,12 @@ def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(ev
     assert len(trials) == n
     first_collect = next(i for i, e in enumerate(events) if e[0] == "collect")
     assert [e[0] for e in events[:first_collect]] == ["send", "draw"]          # drawn before the warm's reply is read
-    to_worker = [e for e in events if e[0] != "draw"]
-    assert [(what, msg["cmd"] if what == "send" else msg) for what, _, msg in to_worker] == \
-        [("send", "warm"), ("collect", "compiling the shape classes")] + \
-        [e for t in trials for e in (("send", "call"), ("collect", f"running {t.case.label}"))]
-    calls = [msg for what, _, msg in to_worker if what == "send" and msg["cmd"] == "call"]
+    to_worker = [(what, msg["cmd"] if what == "send" else msg, msg) for what, _, msg in events if what != "draw"]
+    assert [e[:2] for e in to_worker[:3]] == [("send", "warm"), ("collect", "compiling the shape classes"),
+                                              ("send", "call")]                # then the compile stage's first call
+    checks = to_worker[-2 * n:]                                              # after the compile and dispatch stages'
+    assert [e[:2] for e in checks] == [e for t in trials for e in (("send", "call"), ("collect", f"running {t.case.label}"))]
+    calls = [msg for what, _, msg in checks if what == "send"]
     assert [c["inputs"]["seed"] for c in calls] == [t.seed for t in trials]
     assert [c["inputs"]["case"].label for c in calls] == [t.case.label for t in trials]
     assert [(c["keep"], c["recheck"], c["drop"]) for c in calls] == \
@@ -128,9 +131,9 @@ def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(ev
 
 
 def test_a_warm_that_hangs_is_cut_by_the_stage_timeout_after_every_check_was_drawn(evaluate_source, seen):
-    cfg = config_with(**WARM, **{"stages.parity.timeout_s": 6})
+    cfg = config_with(**WARM, **{"stages.compile.timeout_s": 6})        # the warm is sent by the compile stage
     v = evaluate_source(C.HANG_ON_BOUNDARY, until="parity", config=cfg)
-    assert v.failed_stage == "parity" and v.stages[-1].failure == "timeout", v.reason
+    assert v.failed_stage == "compile" and v.stages[-1].failure == "timeout", v.reason
     assert "while compiling the shape classes" in v.stages[-1].reason, v.stages[-1].reason
     events, trials = seen()
     assert [e[0] for e in events] == ["send"] + ["draw"] * len(_plan(_ctx(cfg, ops=("decode",)))) + ["collect"]
@@ -138,7 +141,7 @@ def test_a_warm_that_hangs_is_cut_by_the_stage_timeout_after_every_check_was_dra
 
 def test_a_worker_that_dies_in_the_warm_is_a_verdict_naming_the_signal_and_the_warm(evaluate_source, seen):
     v = evaluate_source(C.CRASH_ON_BOUNDARY, until="parity", config=config_with(**WARM, **RUNTIME_ONLY))
-    assert v.failed_stage == "parity" and v.stages[-1].failure == "crashed", v.reason
+    assert v.failed_stage == "compile" and v.stages[-1].failure == "crashed", v.reason
     assert "SIGSEGV" in v.stages[-1].reason and "while compiling the shape classes" in v.stages[-1].reason, v.reason
     events, trials = seen()
     assert [e[0] for e in events if e[0] != "draw"] == ["send", "collect"] and trials     # no check sent after it

@@ -52,6 +52,8 @@ class EvalContext:
     beat: float = 1.0                # the served-mix speedup over torch to beat: the candidate's parent's
     head: str | None = None          # the source of the current head of its op (the replay's other arm); None: torch's
     reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
+    to_run: frozenset[str] = frozenset()   # the stages this evaluation runs if none rejects (up to its `until`)
+    parity: Any = None               # parity begun early by the compile stage (harness/stages/parity.py `Start`)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -3,15 +3,19 @@
 Trusted side first (no candidate code runs): the source parses, names only the allowlisted surface
 (harness/allowlist.py: the modules, names, builtins and attributes of config `stages.compile`), and
 defines contract functions with the contract's argument names in order. Then a fresh sandboxed
-worker imports it and calls each op once on the smallest served shape; import and compiler errors
-come back verbatim (trimmed) as feedback for the coder.
+worker imports it; when parity will run, parity is begun (harness/stages/parity.py `begin`: its kernels compiled
+for every shape class parity checks, in parallel, while this side draws the first checks), and then each op is
+called once on the smallest served shape, finding most of its kernels compiled; import and compiler errors
+come back verbatim (trimmed) as feedback for the coder (a warm call that fails is left for a call to report).
 """
 from __future__ import annotations
 
 import ast
+import time
 
 from harness import allowlist
 from harness.records import StageResult
+from harness.stages import parity
 from harness.syntax import parse
 from harness.stages.common import EvalContext, Rejected, candidate_raised, draw, run_trial
 
@@ -52,6 +56,11 @@ def compile_stage(ctx: EvalContext) -> StageResult:
     if not reply.ok:
         raise candidate_raised("import failed", reply)
     metrics = {"ops": float(len(ctx.ops)), "load_s": reply.wall_s}
+    if "parity" in ctx.to_run:
+        # every shape class parity will check compiled at once before the first call here (parity.begin)
+        t0 = time.monotonic()
+        ctx.parity = parity.begin(ctx)
+        metrics["parity_begun_s"] = time.monotonic() - t0
     for op, trial in zip(ctx.ops, trials):
         _, call = run_trial(ctx, trial)
         metrics[f"{op}_first_call_s"] = call.wall_s

@@ -11,9 +11,10 @@ after each of the next two checks: it must not have changed (decode and prefill 
 one buffer are each right alone and wrong together in a served step). The worker poisons the
 allocator before each call and reports whether inputs changed; each call is repeated on identical
 inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
-same inputs times a factor, with a floor (config: stages.parity). Before the first check, the candidate's
-kernels are compiled for every shape class of the plan at once (`send_warm`; config warm_threads), while the
-trusted side draws the first checks (within `_ahead_bytes`).
+same inputs times a factor, with a floor (config: stages.parity). Before the first check (begun by the compile
+stage once the candidate is imported: `begin`), the candidate's kernels are compiled for every shape class of the
+plan at once (`send_warm`; config warm_threads, warm_draws), while the trusted side draws the first checks (within
+`_ahead_bytes`); the warm's library use is judged here, after dispatch (`judge_warm`).
 """
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ import random
 import secrets
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from harness.records import StageResult
+from harness.replies import Reply
 from harness.stages.common import (EvalContext, Rejected, Trial, candidate_raised, collect_trial, diff,
                                    draw, no_library_compute, send_trial)
 from harness.targets import Case
@@ -132,37 +134,62 @@ def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
     return Warming(len(classes), len(calls), t0)
 
 
-def collect_warm(ctx: EvalContext, sent: Warming) -> dict[str, float]:
-    """The warm's reply, judged. The calls are held to `no_library_compute` like every call; their outputs are
-    dropped, so their torch work is not weighed against the op's (`library_use`). Returns the stage's metrics
-    of it (warm_s: from the request to its reply collected, the checks drawn meanwhile included)."""
+def collect_warm(ctx: EvalContext, sent: Warming) -> tuple[Reply, dict[str, float]]:
+    """The warm's reply (a candidate that raised fatally there is rejected at once), and the stage's metrics of
+    it (warm_s: from the request to its reply collected, the checks drawn meanwhile included). Its library use is
+    judged by `judge_warm`, in the parity stage, after dispatch has judged the candidate's calls its own way."""
     reply = ctx.collect("compiling the shape classes", "warm")
     if not reply.ok:
         raise candidate_raised("compiling the shape classes", reply)
-    no_library_compute(ctx, f"parity (compiling the {sent.classes} shape classes)", reply)
-    return {"warm_s": round(time.monotonic() - sent.t0, 3), "warm_classes": float(sent.classes),
-            "warm_calls": float(sent.calls), "warm_failed": float(reply.failed), "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+    return reply, {"warm_s": round(time.monotonic() - sent.t0, 3), "warm_classes": float(sent.classes),
+                   "warm_calls": float(sent.calls), "warm_failed": float(reply.failed),
+                   "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+
+
+def judge_warm(ctx: EvalContext, start: "Start") -> None:
+    """The warm's calls are held to `no_library_compute` like every call; their outputs are dropped, so their
+    torch work is not weighed against the op's (`library_use`)."""
+    if start.warm_reply is not None:
+        no_library_compute(ctx, f"parity (compiling the {int(start.warmed['warm_classes'])} shape classes)",
+                           start.warm_reply)
+
+
+@dataclass
+class Start:
+    """Parity begun (`begin`): its plan, the warm's reply and metrics, the first checks drawn while the worker
+    compiled, what the draws took so far. The compile stage begins it once the candidate is imported, so that the
+    first call it makes finds its kernels compiled, in parallel, with every class parity will check."""
+    plan: list[tuple[Case, str]]
+    ahead: deque
+    drawing: dict[str, float]
+    warm_reply: Reply | None = None
+    warmed: dict[str, float] = field(default_factory=dict)
+
+
+def _drawn(ctx: EvalContext, start: Start, i: int) -> Trial:
+    t0 = time.monotonic()
+    trial = draw(ctx, *start.plan[i], vary=True)
+    start.drawing["draw_s"] += time.monotonic() - t0
+    return trial
+
+
+def begin(ctx: EvalContext) -> Start:
+    """The plan drawn, the warm sent (`send_warm`), the first checks drawn while the worker compiles
+    (`_draw_ahead`) and the warm's reply collected. What the worker is sent, and when, is as without the
+    overlap: the warm, its reply collected, then (in the parity stage) the checks one at a time."""
+    start = Start(_plan(ctx), deque(), {"draw_s": 0.0, "draw_during_warm_s": 0.0, "drawn_during_warm": 0.0})
+    if (warming := send_warm(ctx, start.plan)) is not None:
+        start.ahead = _draw_ahead(len(start.plan), lambda i: _drawn(ctx, start, i), _ahead_bytes(ctx), ctx.replied)
+        start.drawing.update(draw_during_warm_s=start.drawing["draw_s"], drawn_during_warm=float(len(start.ahead)))
+        start.warm_reply, start.warmed = collect_warm(ctx, warming)
+    return start
 
 
 def parity_stage(ctx: EvalContext) -> StageResult:
     p = ctx.cfg.stages.parity
-    plan = _plan(ctx)
-    drawing = {"draw_s": 0.0, "draw_during_warm_s": 0.0, "drawn_during_warm": 0.0}
-
-    def drawn(i: int) -> Trial:
-        t0 = time.monotonic()
-        trial = draw(ctx, *plan[i], vary=True)
-        drawing["draw_s"] += time.monotonic() - t0
-        return trial
-
-    # What the worker is sent and when is as without the warm's overlap: the warm, its reply collected, then
-    # the checks one at a time; only the draws of the first checks move into the warm.
-    ahead: deque[Trial] = deque()
-    warmed: dict[str, float] = {}
-    if (warming := send_warm(ctx, plan)) is not None:
-        ahead = _draw_ahead(len(plan), drawn, _ahead_bytes(ctx), ctx.replied)
-        drawing.update(draw_during_warm_s=drawing["draw_s"], drawn_during_warm=float(len(ahead)))
-        warmed = collect_warm(ctx, warming)
+    start, ctx.parity = ctx.parity or begin(ctx), None      # begun by the compile stage, or here
+    judge_warm(ctx, start)
+    plan, ahead, drawing, warmed = start.plan, start.ahead, start.drawing, start.warmed
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
     firsts: dict[int, tuple] = {}            # check index -> (trial, its first output as read then)
 
@@ -188,7 +215,7 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         return error
 
     for i in range(len(plan)):
-        trial = ahead.popleft() if ahead else drawn(i)     # drawn during the warm, or while the worker runs the last
+        trial = ahead.popleft() if ahead else _drawn(ctx, start, i)   # drawn during the warm, or while the worker runs the last
         if pending is not None:
             worst = max(worst, settle(*pending))
         rechecks = [j for j in range(max(0, i - RECHECK_AFTER), i)]
