@@ -115,10 +115,11 @@ class Warming:
 def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
     """Ask the worker to compile the candidate's kernels for each shape class of the plan at once, before the
     first check (config stages.parity.warm_threads, per device; 0: skipped, None returned): `warm_draws` calls per
-    class, each on fresh lengths (so that more of the class's specializations are met), with nothing launched, the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per
+    class, each on fresh lengths (so that more of the class's specializations are met), with nothing launched,
+    the compiles `threads` at a time (harness/worker.py `warm`). Triton compiles per
     specialization and a fresh worker has an empty cache, so otherwise each class compiles in turn inside its
     first check. Sent without waiting: the trusted side draws the first checks while the worker compiles
-    (`parity_stage`); `collect_warm` reads the reply."""
+    (`begin`); `collect_warm` reads the reply."""
     threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
     if not threads:
         return None
