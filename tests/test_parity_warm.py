@@ -97,6 +97,7 @@ def seen(monkeypatch):
         worker = events[start][1]
         later = [e for e in events[start:] if e[1] is worker or e[0] == "draw"]
         return later, [e[2] for e in later if e[0] == "draw"]
+    from_the_warm.events = events                          # all of them, from the evaluation's start
     return from_the_warm
 
 
@@ -116,6 +117,8 @@ def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(ev
     assert len(trials) == n
     first_collect = next(i for i, e in enumerate(events) if e[0] == "collect")
     assert [e[0] for e in events[:first_collect]] == ["send", "draw"]          # drawn before the warm's reply is read
+    sent = [msg["cmd"] for what, _, msg in seen.events if what == "send"]
+    assert sent[:4] == ["source", "load", "warm", "call"], sent    # the warm before the compile stage's call
     to_worker = [(what, msg["cmd"] if what == "send" else msg, msg) for what, _, msg in events if what != "draw"]
     assert [e[:2] for e in to_worker[:3]] == [("send", "warm"), ("collect", "compiling the shape classes"),
                                               ("send", "call")]                # then the compile stage's first call
