@@ -17,6 +17,7 @@ import time
 _LOADED = time.monotonic()             # this module's first line: the interpreter's start-up lies behind it
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -62,10 +63,15 @@ def _process_start() -> float:
         return _LOADED
 
 
-def _progress(names: list[str], origin: float):
+@contextlib.contextmanager
+def _progress(names: list[str], origin: float, on: bool):
     """`evaluate --progress`: a line on stderr as each file's stage starts, and the replay's own steps (the
-    harness's progress log, harness/stages/replay.py and arms.py), each with the seconds since the command began."""
+    harness's progress log, harness/stages/replay.py and arms.py), each with the seconds since the command began.
+    Yields the stage callback (None when `on` is false); the log is as it was after it."""
     import logging
+    if not on:
+        yield None
+        return
 
     class Since(logging.Formatter):
         def format(self, record: logging.LogRecord) -> str:
@@ -74,12 +80,17 @@ def _progress(names: list[str], origin: float):
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(Since())
     log = logging.getLogger("harness")
+    level = log.level
     log.addHandler(handler)
     log.setLevel(logging.INFO)
 
     def told(i: int, stage: str) -> None:
         log.info("%s: %s", names[i], stage)
-    return told
+    try:
+        yield told
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _breakdown(spans: list[Span], origin: float) -> dict:
@@ -130,30 +141,31 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
                 files.append((name, None, str(e)))
         spans.append(Span(name="read", start=t0, end=time.monotonic()))
         readable = [name for name, src, _ in files if src is not None]
-        told = _progress(readable, origin) if (sys.stderr.isatty() if args.progress is None else args.progress) else None
-        judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
-                               pool=pool, head=head, on_stage=told) if readable else iter(())
-        worst = 0
-        for name, source, why in files:
-            outcome = next(judged) if source is not None else why
-            if isinstance(outcome, str):                    # unreadable, or the slot judges nothing more
-                why = outcome if source is None else f"{name}: {outcome}"
-                print(f"kevo-agent: {why}".splitlines()[0], file=sys.stderr)
+        on = sys.stderr.isatty() if args.progress is None else args.progress
+        with _progress(readable, origin, on) as told:
+            judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
+                                   pool=pool, head=head, on_stage=told) if readable else iter(())
+            worst = 0
+            for name, source, why in files:
+                outcome = next(judged) if source is not None else why
+                if isinstance(outcome, str):                    # unreadable, or the slot judges nothing more
+                    why = outcome if source is None else f"{name}: {outcome}"
+                    print(f"kevo-agent: {why}".splitlines()[0], file=sys.stderr)
+                    if args.json:
+                        print(json.dumps({"file": name, "error": why}), flush=True)
+                    worst = 2
+                    continue
+                times = _breakdown(spans + outcome.startup + outcome.spans, origin)
+                spans = []                                      # the next file's: its own start-ups and stages
                 if args.json:
-                    print(json.dumps({"file": name, "error": why}), flush=True)
-                worst = 2
-                continue
-            times = _breakdown(spans + outcome.startup + outcome.spans, origin)
-            spans = []                                      # the next file's: its own start-ups and stages
-            if args.json:
-                print(json.dumps({"file": name, **({"head": args.head} if args.head else {}), **outcome.verdict.model_dump(),
-                                  **times}), flush=True)
-            else:
-                from agent.reading.view import print_verdict
-                print_verdict(outcome.verdict, name)
-                print(_time_line(times))
-            worst = max(worst, 0 if outcome.verdict.ok else 1)
-        return worst
+                    print(json.dumps({"file": name, **({"head": args.head} if args.head else {}), **outcome.verdict.model_dump(),
+                                      **times}), flush=True)
+                else:
+                    from agent.reading.view import print_verdict
+                    print_verdict(outcome.verdict, name)
+                    print(_time_line(times))
+                worst = max(worst, 0 if outcome.verdict.ok else 1)
+            return worst
     finally:
         pool.close()                                        # closed by its slot already, unless none was made
 

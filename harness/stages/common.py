@@ -11,7 +11,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from harness.worker_handle import WorkerFailure, WorkerHandle
 from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
+
+if TYPE_CHECKING:
+    from harness.stages.parity import Start
 
 
 class Rejected(Exception):
@@ -53,7 +56,7 @@ class EvalContext:
     head: str | None = None          # the source of the current head of its op (the replay's other arm); None: torch's
     reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
     to_run: frozenset[str] = frozenset()   # the stages this evaluation runs if none rejects (up to its `until`)
-    parity: Any = None               # parity begun early by the compile stage (harness/stages/parity.py `Start`)
+    parity: "Start | None" = None    # parity begun early by the compile stage (harness/stages/parity.py `begin`)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
