@@ -326,6 +326,8 @@ class ServedConfig(Strict):
     recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
     logprobs: int = Field(ge=2, le=20)       # top logprobs the embedded engine serves and the replay client asks for
     stall_ms: float = Field(gt=0)            # a candidate call holding the server's host this long is counted a stall
+    gpu_memory_fraction: float = Field(gt=0, le=1)   # the most an embedded server's allocator may hold (harness/gpu_memory.py)
+    gpu_overhead_bytes: int = Field(ge=0)    # what a server needs beside that share (CUDA context, libraries)
     random_init: RandomInit
     profile_cycle: ProfileCycles
 
@@ -335,6 +337,9 @@ class ServedConfig(Strict):
             name = getattr(self, dev).preset
             if name not in self.presets:
                 raise ValueError(f"{dev}.preset {name!r} is not one of the presets ({', '.join(self.presets)})")
+        if 3 * self.gpu_memory_fraction > 1:
+            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction:g} x 3 (the replay's servers at once) is over "
+                             "the whole GPU: at most 0.333")
         return self
 
 

@@ -7,12 +7,23 @@ baseline timing are then carved from memory this process already holds. Each wor
 candidate, caps its own allocator at `worker.gpu_memory_fraction` of the device
 (`torch.cuda.set_per_process_memory_fraction`, sent with the load request): a candidate that asks for all of
 the GPU's memory gets an out-of-memory error in its own process, which is its own verdict.
+The replay's servers are the third part (harness/stages/arms.py): before they start the evaluator hands its
+working memory back (`release`; the next `reserve` takes it again, before any worker), and they start only when
+each one's share (`served.gpu_memory_fraction`, the cap every embedded server puts on its own allocator, the
+candidate's code in it included) and `served.gpu_overhead_bytes` beside it are free (`check_servers_fit`). A
+server that then runs out of memory ran out inside its own share, the head's and the candidate's alike: so a
+candidate's server that does is rejected for it, and a reference or head server that does is a harness error.
+Seen on the H200 before (docs/BENCHMARKS.md, 2026-12-02): three servers of 31-49 GiB each beside the evaluator's
+16 GiB did not always fit its 139.8 GiB, and whichever server asked last failed - once the candidate's, a
+false rejection.
 Not covered: memory allocated outside torch's allocator in the worker (the CUDA context, a library's own
 cudaMalloc); a candidate cannot name the calls that would do it (the compile stage's allowlist).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import gc
 
 import torch
 
@@ -30,14 +41,17 @@ _HELD: dict[str, Reserve] = {}
 
 
 def reserve(cfg: Config, device: torch.device) -> Reserve | None:
-    """This process's reserve on `device` (CUDA only; None on a CPU), taken on first use and kept."""
+    """This process's reserve on `device` (CUDA only; None on a CPU), taken on first use and kept; taken
+    again after a `release`."""
     if device.type != "cuda":
         return None
     key = str(device)
-    if key not in _HELD:
-        working = cfg.worker.trusted_gpu_bytes
+    held = _HELD.get(key)
+    working = cfg.worker.trusted_gpu_bytes
+    if held is None or held.working_bytes < working:
         try:
-            flush = torch.empty(max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
+            flush = held.flush if held is not None else torch.empty(
+                max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
             if working:
                 block = torch.empty(working, dtype=torch.uint8, device=device)
                 del block                 # back into torch's cache, which keeps it for this process
@@ -46,3 +60,40 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
                                f"plus microbench's flush buffer) before any candidate runs: {str(e).splitlines()[0]}") from None
         _HELD[key] = Reserve(flush, working)
     return _HELD[key]
+
+
+def release(device: torch.device) -> int:
+    """Hand the working memory this process holds on `device` back to the device, for the replay's servers:
+    what nothing refers to any more leaves torch's cache (the flush buffer stays). The bytes this process's
+    allocator still holds afterwards."""
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    key = str(device)
+    if key in _HELD:
+        _HELD[key] = Reserve(_HELD[key].flush, 0)
+    return torch.cuda.memory_reserved(device)
+
+
+def servers_shortfall(free: int, total: int, servers: int, fraction: float, overhead: int) -> str:
+    """Why `servers` servers, each capped at `fraction` of a GPU of `total` bytes and needing `overhead` beside
+    it, do not fit in `free` bytes, in words ("" when they fit)."""
+    need = servers * (int(fraction * total) + overhead)
+    if free >= need:
+        return ""
+    gib = 1 << 30
+    return (f"the replay's {servers} servers need {need / gib:.1f} GiB of GPU memory ({servers} x "
+            f"served.gpu_memory_fraction {fraction:g} of {total / gib:.1f} GiB, plus served.gpu_overhead_bytes "
+            f"{overhead / gib:.2f} GiB each) and {free / gib:.1f} GiB is free: other processes hold the rest "
+            f"(another slot's workers and reserve, with executor.slots_per_gpu above 1?)")
+
+
+def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> None:
+    """A HarnessError, before any server starts, when their shares are not free on `device` (CUDA only)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    why = servers_shortfall(free, total, servers, cfg.served.gpu_memory_fraction, cfg.served.gpu_overhead_bytes)
+    if why:
+        raise HarnessError(why)

@@ -9,6 +9,8 @@ import pytest
 
 import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
+from harness.stages.common import Rejected
+from harness.stages.replay import run_replay
 
 ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
 
@@ -115,3 +117,16 @@ def test_a_candidate_that_takes_all_the_gpu_memory_fails_only_itself(evaluate_so
     assert v.stages, v.reason
     nxt = evaluate_source(C.REF_DECODE, until="microbench")
     assert nxt.ok, nxt.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_a_candidate_that_takes_all_its_servers_memory_fails_its_own_server_and_not_the_heads():
+    """Each embedded server caps its allocator at served.gpu_memory_fraction before the candidate's code runs
+    (harness/gpu_memory.py), so the hog, imported in its server, takes its own share and no more: its own server
+    runs out of memory (its rejection, saying so), not the reference's or the head's started beside it (that
+    would be a harness error, and with no cap whichever server asked last would have failed)."""
+    with pytest.raises(Rejected) as e:
+        run_replay(config_with(**{"served.cuda.window_s": 10}), "cuda", MEMORY_HOG)
+    print(str(e.value)[:400])
+    assert e.value.failure == "server_failed" and "out of memory" in str(e.value).lower(), str(e.value)[:400]

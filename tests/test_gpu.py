@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
+import torch
 
 import candidates as C
+from harness.gpu_memory import release, reserve
 from harness.stages.microbench import case_figures
 from conftest import CUDA, runtime_only
 
@@ -97,3 +99,15 @@ def test_illegal_memory_access_is_a_verdict_and_the_next_candidate_still_runs(ev
     assert v.failed_stage == "compile", v.reason
     assert "illegal" in v.stages[-1].reason.lower() or v.stages[-1].failure == "crashed", v.reason
     assert evaluate_source(C.REF_DECODE, until="dispatch").ok
+
+
+def test_the_evaluator_hands_its_working_memory_back_for_the_replay_and_takes_it_again(cfg):
+    """What the replay's servers need the evaluator holds between candidates (worker.trusted_gpu_bytes in torch's
+    cache): `release` gives it back to the device, and the next `reserve`, before any worker, takes it again."""
+    dev = torch.device("cuda")
+    want = cfg.worker.trusted_gpu_bytes
+    reserve(cfg, dev)
+    assert torch.cuda.memory_reserved(dev) >= want
+    held = release(dev)
+    assert held < want // 4, held
+    assert reserve(cfg, dev).working_bytes == want and torch.cuda.memory_reserved(dev) >= want

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import ROOT
 from harness.config import ConfigError, load_config
+from harness.gpu_memory import servers_shortfall
 
 
 def edited(tmp_path, old: str, new: str):
@@ -32,9 +33,21 @@ def edited(tmp_path, old: str, new: str):
     ("batch_buckets: [1, 2, 4, 8, 16, 32, 64, 128]}", "batch_buckets: [0, 2]}",
      "served.cuda_graphs.batch_buckets: must be positive and strictly increasing, got [0, 2]"),
     ("cuda_graphs: {enabled: true,", "cuda_graphs: {enabled: true, buckets: [1],", "served.cuda_graphs.buckets: unknown key"),
+    ("  gpu_memory_fraction: 0.3\n", "  gpu_memory_fraction: 0.4\n",
+     "served: gpu_memory_fraction 0.4 x 3 (the replay's servers at once) is over the whole GPU: at most 0.333"),
 ], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external",
-        "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key"])
+        "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key", "server-shares-over-the-gpu"])
 def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):
     with pytest.raises(ConfigError) as err:
         load_config(edited(tmp_path, old, new))
     assert words in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_replays_servers_start_only_when_each_ones_share_and_overhead_are_free():
+    gib = 1 << 30
+    assert servers_shortfall(free=130 * gib, total=140 * gib, servers=3, fraction=0.3, overhead=gib) == ""
+    why = servers_shortfall(free=110 * gib, total=140 * gib, servers=3, fraction=0.3, overhead=gib)
+    assert why.startswith("the replay's 3 servers need 129.0 GiB of GPU memory") and "110.0 GiB is free" in why, why
+    exactly = 3 * (35 * gib + gib)          # a quarter of 140 GiB each, and 1 GiB beside it
+    assert servers_shortfall(free=exactly, total=140 * gib, servers=3, fraction=0.25, overhead=gib) == ""
+    assert servers_shortfall(free=exactly - 1, total=140 * gib, servers=3, fraction=0.25, overhead=gib)

@@ -195,6 +195,7 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests,
             "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
+            "gpu_memory_fraction": cfg.served.gpu_memory_fraction,
             "random_init": cfg.served.random_init.model_dump(), "logprobs": cfg.served.logprobs}
 
 

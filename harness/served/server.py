@@ -291,6 +291,8 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.served.ops import TARGET, AttentionOps, load_candidate
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
+    if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
+        torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), device)
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
     ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"])
     g = spec["cuda_graphs"]

@@ -10,8 +10,11 @@ from __future__ import annotations
 import logging
 import subprocess
 
+import torch
+
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
+from harness.gpu_memory import check_servers_fit
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready, with_output
 from harness.served.traces import TraceError, TraceRequest, load_trace
@@ -72,6 +75,8 @@ class Servers:
     def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
                  wait: bool = True) -> None:
         self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
+        if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
+            check_servers_fit(cfg, torch.device("cuda"), len(sources))
         warm = warm_lengths(cfg, device)
         self.handles: dict[str, ServerHandle] = {}
         self.starting: dict[str, ServerHandle] = {}

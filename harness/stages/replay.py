@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 from harness.config import Config
 from harness.errors import HarnessError
+from harness.gpu_memory import release
 from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
@@ -381,4 +382,8 @@ def replay_stage(ctx: EvalContext) -> StageResult:
             return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
                                                  "its gates did not run either")
         return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None).stage_result()
-    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None).stage_result()
+    ctx.parity = None                     # and so does the evaluator: its draws, and its working reserve below
+    held = release(ctx.device)
+    outcome = run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None)
+    outcome.metrics["evaluator_gpu_held_gib"] = held / (1 << 30)
+    return outcome.stage_result()
