@@ -49,6 +49,9 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
     held = _HELD.get(key)
     working = cfg.worker.trusted_gpu_bytes
     if held is None or held.working_bytes < working:
+        if held is None:                  # segments whose free pages `release` can give back, live tensors or not
+            settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+            settings("expandable_segments:True")
         try:
             flush = held.flush if held is not None else torch.empty(
                 max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
@@ -64,8 +67,9 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
 
 def release(device: torch.device) -> int:
     """Hand the working memory this process holds on `device` back to the device, for the replay's servers:
-    what nothing refers to any more leaves torch's cache (the flush buffer stays). The bytes this process's
-    allocator still holds afterwards."""
+    what nothing refers to any more leaves torch's cache (the flush buffer stays). The reserve's segments are
+    expandable, so a tensor still alive in one (a library's workspace) keeps its own pages, not the segment.
+    The bytes this process's allocator still holds afterwards."""
     if device.type != "cuda" or not torch.cuda.is_initialized():
         return 0
     gc.collect()

@@ -292,7 +292,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
-        torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), device)
+        torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), torch.cuda.current_device())
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
     ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"])
     g = spec["cuda_graphs"]
