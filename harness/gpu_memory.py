@@ -21,9 +21,8 @@ cudaMalloc); a candidate cannot name the calls that would do it (the compile sta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gc
+from dataclasses import dataclass
 
 import torch
 
