@@ -92,11 +92,13 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
             f"(another slot's workers and reserve, with executor.slots_per_gpu above 1?)")
 
 
-def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> None:
-    """A HarnessError, before any server starts, when their shares are not free on `device` (CUDA only)."""
+def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> int:
+    """A HarnessError, before any server starts, when their shares are not free on `device`; else the bytes
+    free (CUDA only; 0 elsewhere)."""
     if device.type != "cuda":
-        return
+        return 0
     free, total = torch.cuda.mem_get_info(device)
     why = servers_shortfall(free, total, servers, cfg.served.gpu_memory_fraction, cfg.served.gpu_overhead_bytes)
     if why:
         raise HarnessError(why)
+    return free

@@ -76,7 +76,9 @@ class Servers:
                  wait: bool = True) -> None:
         self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
         if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
-            check_servers_fit(cfg, torch.device("cuda"), len(sources))
+            free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
+            log.info("replay: %.1f GiB of GPU memory free for %d servers, each capped at %g of the GPU", free / (1 << 30),
+                     len(sources), cfg.served.gpu_memory_fraction)
         warm = warm_lengths(cfg, device)
         self.handles: dict[str, ServerHandle] = {}
         self.starting: dict[str, ServerHandle] = {}
