@@ -7,8 +7,8 @@ baseline timing are then carved from memory this process already holds. Each wor
 candidate, caps its own allocator at `worker.gpu_memory_fraction` of the device
 (`torch.cuda.set_per_process_memory_fraction`, sent with the load request): a candidate that asks for all of
 the GPU's memory gets an out-of-memory error in its own process, which is its own verdict.
-The replay's servers are the third part (harness/stages/arms.py): before they start the evaluator hands its
-working memory back (`release`; the next `reserve` takes it again, before any worker), and they start only when
+The replay's servers are the third part (harness/stages/arms.py `Servers`): before they start, the process
+starting them hands its working memory back (`release`; the next `reserve` takes it again, before any worker), and they start only when
 each one's share (`served.gpu_memory_fraction`, the cap every embedded server puts on its own allocator, the
 candidate's code in it included) and `served.gpu_overhead_bytes` beside it are free (`check_servers_fit`). A
 server that then runs out of memory ran out inside its own share, the head's and the candidate's alike: so a

@@ -6,11 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
-from harness.gpu_memory import release
 from harness.stages.common import Rejected
 from harness.stages.replay import run_replay
 
@@ -128,7 +126,6 @@ def test_a_candidate_that_takes_all_its_servers_memory_fails_its_own_server_and_
     (harness/gpu_memory.py), so the hog, imported in its server, takes its own share and no more: its own server
     runs out of memory (its rejection, saying so), not the reference's or the head's started beside it (that
     would be a harness error, and with no cap whichever server asked last would have failed)."""
-    release(torch.device("cuda"))         # what this process holds, as the replay stage does before its servers
     with pytest.raises(Rejected) as e:
         run_replay(config_with(**{"served.cuda.window_s": 10}), "cuda", MEMORY_HOG)
     print(str(e.value)[:400])

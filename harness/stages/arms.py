@@ -14,7 +14,7 @@ import torch
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
-from harness.gpu_memory import check_servers_fit
+from harness.gpu_memory import check_servers_fit, release
 from harness.served.client import ReplayRun, replay
 from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready, with_output
 from harness.served.traces import TraceError, TraceRequest, load_trace
@@ -75,10 +75,12 @@ class Servers:
     def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
                  wait: bool = True) -> None:
         self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
+        self.held = 0                    # the bytes this process's allocator still held when they started
         if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
+            self.held = release(torch.device("cuda"))       # this process's own working reserve too
             free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
-            log.info("replay: %.1f GiB of GPU memory free for %d servers, each capped at %g of the GPU", free / (1 << 30),
-                     len(sources), cfg.served.gpu_memory_fraction)
+            log.info("replay: %.1f GiB of GPU memory free for %d servers, each capped at %g of the GPU (%.1f GiB "
+                     "still held here)", free / (1 << 30), len(sources), cfg.served.gpu_memory_fraction, self.held / (1 << 30))
         warm = warm_lengths(cfg, device)
         self.handles: dict[str, ServerHandle] = {}
         self.starting: dict[str, ServerHandle] = {}

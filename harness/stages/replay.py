@@ -48,7 +48,6 @@ from dataclasses import dataclass, replace
 
 from harness.config import Config
 from harness.errors import HarnessError
-from harness.gpu_memory import release
 from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
@@ -369,7 +368,7 @@ def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
     with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31),
                  wait=False) as servers:
         outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
-    outcome.metrics.update(stage_s=time.monotonic() - t0)
+    outcome.metrics.update(stage_s=time.monotonic() - t0, evaluator_gpu_held_gib=servers.held / (1 << 30))
     return outcome
 
 
@@ -382,8 +381,5 @@ def replay_stage(ctx: EvalContext) -> StageResult:
             return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
                                                  "its gates did not run either")
         return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None).stage_result()
-    ctx.parity = None                     # and so does the evaluator: its draws, and its working reserve below
-    held = release(ctx.device)
-    outcome = run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None)
-    outcome.metrics["evaluator_gpu_held_gib"] = held / (1 << 30)
-    return outcome.stage_result()
+    ctx.parity = None                     # and so do the evaluator's draws (its reserve: `Servers`)
+    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None).stage_result()
