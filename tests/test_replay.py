@@ -187,6 +187,22 @@ def test_a_head_that_cannot_be_served_is_a_harness_error_naming_its_cause_on_the
     assert first.endswith("RuntimeError: no room for the cache; its last output:"), first
 
 
+OUT_OF_MEMORY = "import torch\nraise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 14.00 GiB')\n"
+
+
+def test_a_server_that_runs_out_of_memory_is_said_to_have_done_so_in_its_own_share():
+    """The candidate's: its rejection, the head's share the same; the head's: a harness error saying what to change."""
+    with pytest.raises(Rejected) as err:
+        run_replay(CFG, "cpu", OUT_OF_MEMORY)
+    assert err.value.failure == "server_failed"
+    assert str(err.value).startswith("the candidate's server: it ran out of GPU memory in its share, "
+                                     "served.gpu_memory_fraction 0.3 of the GPU (the head gets the same): "), str(err.value)
+    with pytest.raises(HarnessError) as err:
+        run_replay(CFG, "cpu", C.REF_DECODE, head=OUT_OF_MEMORY)
+    assert str(err.value).startswith("the head server: it ran out of GPU memory in its share"), str(err.value)
+    assert "(raise it, or lower the cache)" in str(err.value).splitlines()[0]
+
+
 def _seg(label: str, start: int, ttft_ms: list[float], tpot_ms: list[float], tokens: int = 5) -> ReplayRun:
     comps = []
     for i, (ttft, tpot) in enumerate(zip(ttft_ms, tpot_ms)):

@@ -61,10 +61,17 @@ def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label:
     return run
 
 
-def _fail(label: str, e: ServerFailure) -> Exception:
+def server_failed(cfg: Config, label: str, e: ServerFailure) -> Exception:
+    """What a server's failure means: the candidate's, its rejection; any other's, a harness error. One that ran
+    out of GPU memory did so in its own share (harness/gpu_memory.py), which the words say (they decide nothing:
+    the output they quote can be the candidate's)."""
+    share = ""
+    if "out of memory" in str(e).lower():
+        share = (f"it ran out of GPU memory in its share, served.gpu_memory_fraction {cfg.served.gpu_memory_fraction:g} "
+                 f"of the GPU ({'the head gets the same' if label == 'candidate' else 'raise it, or lower the cache'}): ")
     if label == "candidate":
-        return Rejected(f"the candidate's server: {e}", "server_failed")
-    return HarnessError(f"the {label} server: {e}")
+        return Rejected(f"the candidate's server: {share}{e}", "server_failed")
+    return HarnessError(f"the {label} server: {share}{e}")
 
 
 class Servers:
@@ -93,7 +100,7 @@ class Servers:
                 failure = failure or (label, e)
         if failure:
             self.close()
-            raise _fail(*failure)
+            raise server_failed(self.cfg, *failure)
         names = list(self.starting)
         log.info("replay: the %s servers are starting (model build and warm-up)",
                  ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names))
@@ -113,23 +120,23 @@ class Servers:
                 failure = failure if failure and failure[0] == "candidate" else (label, e)
         if failure:
             self.close()
-            raise _fail(*failure)
+            raise server_failed(self.cfg, *failure)
 
     def add(self, label: str, source: str | None) -> ServerHandle:
         """One more server from the same weights (the benches': one arm after another)."""
         try:
             h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed)
         except ServerFailure as e:
-            raise _fail(label, e) from None
+            raise server_failed(self.cfg, label, e) from None
         self.handles[label] = h
         return h
 
     def send(self, label: str, requests: list[TraceRequest], burst: bool = False) -> ReplayRun:
-        """`send` to the server of `label`; a request that did not complete is that label's failure (`_fail`)."""
+        """`send` to the server of `label`; a request that did not complete is that label's failure (`server_failed`)."""
         try:
             return send(self.cfg, self.handles[label], requests, label, burst)
         except ServerFailure as e:
-            raise _fail(label, e) from None
+            raise server_failed(self.cfg, label, e) from None
 
     def stop(self, label: str) -> None:
         h = self.handles.pop(label, None)
