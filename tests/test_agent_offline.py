@@ -153,6 +153,14 @@ def test_a_step_whose_ceiling_is_under_the_minimum_is_recorded_once_then_the_sea
     assert proposer(["decode"]).propose(state([said], shares=(0.01, 0.01), ops=["decode"])) is None
 
 
+def test_no_step_is_written_off_as_not_worth_coding_while_a_verdict_that_could_change_it_is_on_its_way():
+    in_flight = proposer(["decode"]).propose(state(ops=["decode"]))
+    assert in_flight.outcome == "ready"
+    assert proposer(["decode"]).propose(state(shares=(0.01, 0.01), ops=["decode"], pending=[in_flight])) is None
+    p = proposer(["decode"]).propose(state(shares=(0.01, 0.01), ops=["decode"]))   # nothing on its way: said once
+    assert p.outcome == "not-worth-coding"
+
+
 def test_an_in_flight_proposal_is_not_proposed_again():
     first = proposer(["decode"]).propose(state(ops=["decode"]))
     second = proposer(["decode"]).propose(state(ops=["decode"], pending=[first]))

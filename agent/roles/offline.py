@@ -14,7 +14,10 @@ chooses from the ledger's evidence rather than blindly:
   - steps worth coding go first (end-to-end ceiling 1/(1-f+f/s) at least the configured minimum),
     single steps before two-step jumps, then the highest ceiling, across ops;
   - when the best step left is not worth coding it is recorded as such once; asked again with nothing
-    learned since, the proposer says the search has converged (None).
+    learned since, the proposer says the search has converged (None). While a proposal of the run is still
+    being judged it says None instead (the run asks again once that verdict is in): otherwise, beside a
+    minutes-long replay, it wrote off every step left as not worth coding, one after another, under shares
+    and a parent the verdict could have moved (an H200 run, 2026-12-02: 28 in a row, then "search exhausted").
 Not here: evaluating (evaluator), recording (ledger). It is the bar every LLM configuration must beat.
 """
 from __future__ import annotations
@@ -97,6 +100,9 @@ class OfflineProposer:
         if not options:
             return None
         (worth, *_), op, move = max(options, key=lambda o: o[0])
+        if not worth and any(p.outcome == "ready" for p in state.pending):
+            return None                     # a verdict is on its way (the run asks again once it is in): it may move
+                                            # a parent or a share, so no step is written off before it
         last = state.history[-1] if state.history else None
         if not worth and last is not None and last.outcome == "not-worth-coding" and last.proposer == self.name:
             return None                     # said once, and nothing was learned since: the search has converged
