@@ -1,8 +1,9 @@
 """The servers of one replay (stage 5, harness/stages/replay.py): started together from one weight seed,
-from the thread that asks (a server dies with the thread that started it), waited for in any order,
-stopped together whatever happens; a replay sent to one of them through the real client; the trace they are warmed with; and what a
-failure of each means - the candidate's server failing is the candidate's rejection, any other's a
-harness error.
+from the thread that asks (a server dies with the thread that started it), once this process has given
+back its working GPU memory and each one's share is free (harness/gpu_memory.py); waited for in any order,
+stopped together whatever happens; a replay sent to one of them through the real client; the trace they
+are warmed with; and what a failure of each means - the candidate's server failing is the candidate's
+rejection, any other's a harness error.
 Not covered: what is sent or how it is judged (replay.py), starting one server (harness/served/launch.py).
 """
 from __future__ import annotations
