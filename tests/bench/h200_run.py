@@ -1,6 +1,6 @@
 """Benchmark (not a test): one whole `kevo-agent run` left alone, then its account — issues 4 and 5's H200 runs.
 
-    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2]
+    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2] [--archive PATH]
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
     python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
     python tests/bench/h200_run.py --run-id h200-llm30 --llm-s 30 [--minutes 20] [--slots 2]
@@ -45,6 +45,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections import Counter, defaultdict
@@ -278,6 +279,9 @@ def main() -> None:
     ap.add_argument("--llm-s", type=float, default=None, metavar="S",
                     help="knob steps of the reference kernels from a fake service taking S seconds a proposal (no faults)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--archive", default=None, metavar="PATH",
+                    help="also write runs/<id>, its config and the verdict cache (runs/.verdicts) as one .tar.gz, to bring "
+                         "the ledger back from a lent machine and go on there later with --resume")
     args = ap.parse_args()
     env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
     service = None
@@ -323,6 +327,17 @@ def main() -> None:
     print(json.dumps(out, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if args.archive:
+        archive(args.run_id, Path(args.archive))
+
+
+def archive(run_id: str, path: Path) -> None:
+    """The run's ledger, its config and the verdict cache in one .tar.gz, paths relative to the project root."""
+    with tarfile.open(path, "w:gz") as tar:
+        for part in (f"runs/{run_id}", f"runs/{run_id}.config.yaml", "runs/.verdicts"):
+            if (ROOT / part).exists():
+                tar.add(ROOT / part, arcname=part)
+    print(f"archived {run_id} (ledger, config, verdict cache) to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
