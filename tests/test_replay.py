@@ -196,7 +196,7 @@ def test_a_server_that_runs_out_of_memory_is_said_to_have_done_so_in_its_own_sha
         run_replay(CFG, "cpu", OUT_OF_MEMORY)
     assert err.value.failure == "server_failed"
     assert str(err.value).startswith("the candidate's server: it ran out of GPU memory in its share, "
-                                     "served.gpu_memory_fraction 0.3 of the GPU (the head gets the same): "), str(err.value)
+                                     "served.gpu_memory_fraction 0.29 of the GPU (the head gets the same): "), str(err.value)
     with pytest.raises(HarnessError) as err:
         run_replay(CFG, "cpu", C.REF_DECODE, head=OUT_OF_MEMORY)
     assert str(err.value).startswith("the head server: it ran out of GPU memory in its share"), str(err.value)
