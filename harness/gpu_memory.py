@@ -72,10 +72,9 @@ def release(device: torch.device) -> int:
     if device.type != "cuda" or not torch.cuda.is_initialized():
         return 0
     gc.collect()
-    torch.cuda.empty_cache()
-    key = str(device)
-    if key in _HELD:
-        _HELD[key] = Reserve(_HELD[key].flush, 0)
+    torch.cuda.empty_cache()              # every device's cache: so every reserve is to be taken again
+    for key, held in _HELD.items():
+        _HELD[key] = Reserve(held.flush, 0)
     return torch.cuda.memory_reserved(device)
 
 
@@ -93,10 +92,8 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
 
 
 def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> int:
-    """A HarnessError, before any server starts, when their shares are not free on `device`; else the bytes
-    free (CUDA only; 0 elsewhere)."""
-    if device.type != "cuda":
-        return 0
+    """A HarnessError, before any server starts, when their shares are not free on the CUDA `device`; else the
+    bytes free."""
     free, total = torch.cuda.mem_get_info(device)
     why = servers_shortfall(free, total, servers, cfg.served.gpu_memory_fraction, cfg.served.gpu_overhead_bytes)
     if why:
