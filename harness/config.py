@@ -143,6 +143,8 @@ class MicrobenchConfig(Strict):
     peak_flops: float = Field(gt=0)
     cover_cycles: int = Field(ge=0)
     clock_check_ms: float = Field(gt=0)
+    clock_check_rounds: int = Field(ge=1, le=50)
+    clock_check_rest_s: float = Field(ge=0, le=10)
     clock_check_ratio: float = Field(gt=0, le=1)
     stream_escape_ratio: float = Field(gt=0, le=1)
     trusted_baseline_tolerance: float = Field(gt=0)

@@ -152,6 +152,7 @@ class Captured(Reply):
 
 class Burst(Reply):
     ok: Literal[True]
+    outputs: list[Entry] = Field(default_factory=list, max_length=1)   # the checked call's, when asked for
 
 
 class OpStats(_Strict):

@@ -102,7 +102,10 @@ def burst(w: "Worker", msg: dict) -> dict:
     """Back-to-back calls on the first input set of the last `time` request, replayed from a CUDA
     graph (so launch overhead does not hide device time) where the implementation can be
     captured; the evaluator clocks the request. `prepare` captures without timing, `per_graph` calls in
-    the graph (config stages.microbench.calls_per_graph); a burst of `n` replays it n // per_graph times."""
+    the graph (config stages.microbench.calls_per_graph); a burst of `n` replays it n // per_graph times.
+    With `check` (an index the evaluator draws after the capture), the reply carries the output that the
+    graph's call of that index wrote in the burst's last replay, for the evaluator to check: the graph's
+    calls must each do the work, or the clock would time less than the candidate's calls do."""
     op, impl = msg["op"], msg["impl"]
     args = w.timed_sets[op][0]
     fn = w._fn(impl, op, args, msg.get("baseline", ""))
@@ -119,16 +122,15 @@ def burst(w: "Worker", msg: dict) -> dict:
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):       # the same calls as the two watched above, recorded
-                for _ in range(per_graph):
-                    w._call(fn, op, args)
-            w.graphs[(op, impl)] = (graph, per_graph)
+                outs = [w._call(fn, op, args) for _ in range(per_graph)]
+            w.graphs[(op, impl)] = (graph, per_graph, outs)
             return {"ok": True, "graph": True, "op_calls": dict(w.probes.op_calls)}
         except Exception as e:
             w.graphs.pop((op, impl), None)
             torch.cuda.synchronize()
             return {"ok": True, "graph": False, "error": trim(f"{type(e).__name__}: {e}", 400),
                     "op_calls": dict(w.probes.op_calls)}
-    graph, per_graph = w.graphs.get((op, impl), (None, 1))
+    graph, per_graph, outs = w.graphs.get((op, impl), (None, 1, []))
     n = int(msg["n"])
     if graph is not None:
         for _ in range(max(1, n // per_graph)):
@@ -137,4 +139,7 @@ def burst(w: "Worker", msg: dict) -> dict:
         for _ in range(n):
             w._call(fn, op, args)
     w._sync()
-    return {"ok": True}
+    check = msg.get("check")
+    if check is None or graph is None:
+        return {"ok": True, "outputs": []}
+    return {"ok": True, "outputs": w._save({"burst": outs[int(check) % len(outs)]})}

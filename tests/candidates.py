@@ -255,8 +255,10 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
 
-# Patches the worker's event timer to halve the candidate's own times (and nobody else's).
-PATCHED_TIMER = wrap_decode("""
+def flattering_timer(factor: float, decode_body: str) -> str:
+    """A decode that patches the worker's event timer to scale its own two intervals per timed call by
+    `factor` (nobody else's), then runs `decode_body` (which calls `_ref_decode`)."""
+    return wrap_decode(f"""
 _mine = [0]
 _elapsed = torch.cuda.Event.elapsed_time
 
@@ -264,15 +266,31 @@ def _flattering(self, other):
     ms = _elapsed(self, other)
     if _mine[0] > 0:
         _mine[0] -= 1
-        return ms * 0.5
+        return ms * {factor}
     return ms
 
 torch.cuda.Event.elapsed_time = _flattering
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+""" + textwrap.indent(textwrap.dedent(decode_body).strip("\n"), "    ") + "\n")
+
+
+# Patches the worker's event timer to halve the candidate's own times (and nobody else's).
+PATCHED_TIMER = flattering_timer(0.5, """
     _mine[0] = 2                           # the worker reads two intervals per timed call
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
+
+# Lies to the events by a tenth (too little for the physical floor to see) and keeps the clock check from
+# seeing it: while a CUDA graph is being captured it records the kernel on half of each context, so the
+# bursts the evaluator clocks replay half the work, faster than the flattered events.
+SKIPS_WORK_IN_GRAPHS = flattering_timer(0.9, """
+    if torch.cuda.is_current_stream_capturing():
+        return _ref_decode(q, k_cache, v_cache, block_table, (seq_lens + 1) // 2, sm_scale)
+    _mine[0] = 2
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
+TMA_PREFILL = (KNOWLEDGE / "prefill_causal_tma.py").read_text()
 
 # Slows the baseline down inside the worker (it patches SDPA, which the baseline calls), so the
 # candidate looks faster by comparison.

@@ -61,13 +61,30 @@ def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_h
         assert 0.75 < clock / events < 1.33, (key, events, clock)
 
 
+def test_a_kernel_the_power_cap_slows_in_bursts_is_counted_at_its_slower_figure_and_not_called_a_liar(evaluate_source):
+    """The TMA prefill drew the H200 to its 700 W cap in the clock check's 60 ms back-to-back bursts and its SM
+    clock fell (1545-1830 MHz against 1950 for the tiled kernel, fifteenth session): 0.51 ms a call by the events,
+    0.79-0.91 ms by the clock at 1 x 8192, and it was rejected as a liar. The bursts are now short rounds after a
+    rest; it must be timed, and counted at the slower of its two speedups on each served case."""
+    v = evaluate_source(C.TMA_PREFILL, until="microbench")
+    bench = v.stages[-1]
+    print(bench.reason)
+    assert bench.name == "microbench" and "not to be believed" not in bench.reason, bench.reason
+    for key, fig in case_figures(bench.metrics, "prefill"):
+        counted = min(fig["speedup_by_events"], fig["speedup_by_clock"])
+        assert fig["speedup"] == pytest.approx(counted, rel=1e-9), (key, fig)
+        assert fig["candidate_ms"] >= fig["candidate_events_ms"], (key, fig)
+
+
 @pytest.mark.parametrize("source, words", [
     (C.SIDE_STREAM, "escapes the timed stream"),
     (C.PATCHED_TIMER, "not to be believed|under the physical floor"),
+    # the clock would agree with the flattered events if the graph it replays were not checked
+    (C.SKIPS_WORK_IN_GRAPHS, "the calls clocked are not the calls timed"),
     # a host-side sleep in the baseline: the evaluator's clock (bursts, H200 2026-12-01: 25.65x by the events,
     # 4.35x by the clock) or its own timing of the baseline catches it, whichever comes first
     (C.SLOWS_THE_BASELINE, "tampered|not to be believed"),
-], ids=["side-stream", "patched-timer", "slows-the-baseline"])
+], ids=["side-stream", "patched-timer", "skips-work-in-graphs", "slows-the-baseline"])
 def test_measurement_cheat_is_rejected_at_microbench(evaluate_source, source, words):
     """Past the allowlist (which refuses each by name: test_measurement_cheat_is_refused_by_the_allowlist)."""
     v = evaluate_source(source, until="microbench", config=runtime_only())

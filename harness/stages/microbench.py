@@ -15,8 +15,10 @@ counts is device time on the stream. The evaluator then distrusts every number i
     measured on the baseline) means work escaped the timed stream;
   - a time under bytes/bandwidth or FLOPs/peak is a measurement exploit;
   - CUDA-graph bursts of back-to-back calls clocked by the evaluator's own clock (CLOCK_MONOTONIC_RAW,
-    which adjtimex cannot slew) must agree with the worker's events (a patched timer), be no faster
-    than physics either, and give the speedup by that clock too;
+    which adjtimex cannot slew), one of whose graph calls (drawn after the capture) must have written a
+    right output, give a second figure: the candidate's events may not be far under it (a patched timer),
+    it is no faster than physics either, and the candidate counts at the slower of the two speedups
+    (`counted_ms`), so a smaller lie of the events gains nothing;
   - the evaluator times the baseline in its own process: the worker's figure for it must agree.
 The library anchor (cuDNN SDPA on equal shapes: the figure kevo's speed is reported against first) is timed
 here only, in this process, with the worker's protocol (`_time_anchor`), never in the candidate's worker: it
@@ -43,7 +45,7 @@ import torch
 from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import Timed
-from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.stages.common import EvalContext, Rejected, Trial, candidate_raised, diff, draw, drop_outputs, library_use
 from harness.targets import Case
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
 
@@ -98,9 +100,13 @@ def _clock() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC_RAW)
 
 
-def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple[float, bool]:
-    """Per-call time by the evaluator's clock, (wall of 2n calls - wall of n calls) / n, and whether
-    the calls were replayed from a CUDA graph. The candidate must be capturable; the baseline may not be."""
+def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float, check: Trial | None = None) -> tuple[float, bool]:
+    """Per-call time by the evaluator's clock, (wall of 2n calls - wall of n calls) / n, the median of
+    `clock_check_rounds` short rounds each begun after the GPU rested, and whether the calls were replayed
+    from a CUDA graph. The candidate must be capturable; the baseline may not be.
+    With `check` (the trial of the burst's input set), the output of one of the graph's calls, drawn here
+    after the capture, must be right after the last burst: a graph that did less than the calls it
+    recorded would be clocked as faster than the candidate is."""
     m = ctx.cfg.stages.microbench
     per_graph, baseline = m.calls_per_graph, ctx.target.ops[op].baseline_name
     prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True, "per_graph": per_graph,
@@ -113,18 +119,50 @@ def _burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float) -> tuple
             raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.error}); "
                            "kevo clocks device time through graph replays, and serving engines replay decode the same way")
     n = per_graph * int(min(500, max(1, m.clock_check_ms / max(per_call_ms, 1e-3) / per_graph)))
-    walls = []
-    for k in (n, 2 * n):
-        t0 = _clock()
-        reply = ctx.request({"cmd": "burst", "op": op, "impl": impl, "n": k, "baseline": baseline},
-                            f"clock check of the {impl}", "burst")
-        walls.append(_clock() - t0)
-        if not reply.ok:
-            raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
-    if not walls[1] > walls[0]:
-        raise Rejected(f"{op}: by the evaluator's clock {2 * n} calls of the {impl} took {walls[1] * 1e3:.3f} ms, "
-                       f"no longer than {n} calls ({walls[0] * 1e3:.3f} ms): its time per call cannot be clocked")
-    return (walls[1] - walls[0]) * 1e3 / n, bool(prep.graph)
+    per_call, pick = [], secrets.randbelow(per_graph)
+    for r in range(m.clock_check_rounds):
+        time.sleep(m.clock_check_rest_s)          # the GPU idles first: no burst starts at the power cap
+        walls = []
+        for k in (n, 2 * n):
+            msg = {"cmd": "burst", "op": op, "impl": impl, "n": k, "baseline": baseline}
+            if check is not None and k == 2 * n and r == m.clock_check_rounds - 1:
+                msg["check"] = pick
+            t0 = _clock()
+            reply = ctx.request(msg, f"clock check of the {impl}", "burst")
+            walls.append(_clock() - t0)
+            if not reply.ok:
+                raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
+        if not walls[1] > walls[0]:
+            raise Rejected(f"{op}: by the evaluator's clock {2 * n} calls of the {impl} took {walls[1] * 1e3:.3f} ms, "
+                           f"no longer than {n} calls ({walls[0] * 1e3:.3f} ms): its time per call cannot be clocked")
+        per_call.append((walls[1] - walls[0]) * 1e3 / n)
+    if check is not None:
+        _check_burst_output(ctx, op, impl, reply, check)
+    return _median(per_call), bool(prep.graph)
+
+
+def _check_burst_output(ctx: EvalContext, op: str, impl: str, reply, trial: Trial) -> None:
+    expect = {"burst": (ctx.target.ops[op].output_shape(trial.inputs), ctx.dtype)}
+    try:
+        outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
+    except (ProtocolError, OSError, RuntimeError, ValueError) as e:
+        raise Rejected(f"{op}: the output of the {impl}'s clock check: {type(e).__name__}: {e}", failure="protocol") from None
+    drop_outputs(ctx, reply)
+    d = diff(outs.get("burst", torch.full((1,), float("nan"))), trial.ref)
+    if "burst" not in outs or not trial.tol.admits(d):
+        raise Rejected(f"{op}: a call of the {impl}'s CUDA graph that the clock check timed wrote a wrong output "
+                       f"({d.describe()}): the calls clocked are not the calls timed")
+
+
+def counted_ms(cand: float, base: float, wall_c: float, wall_b: float) -> float:
+    """The candidate's time per call that counts: its events' time, or slower where the evaluator's clock gives
+    it a smaller speedup over the baseline (the baseline's events time over the clock's speedup). The two
+    protocols differ in what they meet: the events time each call alone (L2 flushed, the GPU idle before it),
+    a burst replays calls back to back (inputs warm in the L2, the GPU at its power cap: a power-hungry kernel
+    is clocked down there, the H200's TMA prefill by up to 21%). A kernel must be faster in both; and the
+    worker's events, which the candidate's process could reach, can only ever lower its figure."""
+    by_clock = base * wall_c / wall_b
+    return cand if by_clock <= cand else by_clock          # a NaN from the clock counts as NaN, never as fast
 
 
 def timed_medians(reply: Timed, impls: list[str], calls: int, label: str) -> tuple[dict[str, float], dict[str, float]]:
@@ -161,16 +199,13 @@ def check_floor(label: str, cand: float, floor_ms: float, what: str) -> None:
                        "a measurement exploit")
 
 
-def check_clock(label: str, cand: float, base: float, wall_c: float, wall_b: float, ratio: float, **metrics) -> None:
-    """The worker's event times against the evaluator's own clock (CUDA-graph bursts)."""
+def check_clock(label: str, cand: float, wall_c: float, ratio: float, **metrics) -> None:
+    """The worker's event time of the candidate against the evaluator's own clock (CUDA-graph bursts). A lie
+    smaller than the bound gains nothing (`counted_ms`); this names the larger ones."""
     if not cand >= ratio * wall_c:
         raise Rejected(f"{label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
-                       f"{wall_c:.4f} ms: the worker's timer is not to be believed")
-    speedup, by_clock = base / cand, wall_b / wall_c
-    if not speedup <= by_clock / ratio:
-        raise Rejected(f"{label}: {speedup:.2f}x by the worker's events but {by_clock:.2f}x by the "
-                       "evaluator's clock: the worker's timer is not to be believed", candidate_ms=cand,
-                       baseline_ms=base, candidate_clock_ms=wall_c, baseline_clock_ms=wall_b, **metrics)
+                       f"{wall_c:.4f} ms: the worker's timer is not to be believed", candidate_ms=cand,
+                       candidate_clock_ms=wall_c, **metrics)
 
 
 def check_trusted_baseline(label: str, there: float, here: float, tolerance: float) -> None:
@@ -223,28 +258,30 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> di
         if f"set{i}" not in outs or not t.tol.admits(d):
             raise Rejected(f"{case.label}: the output of a timed call is wrong ({d.describe()})")
 
-    cand, b1, b2 = stream["candidate:0"], stream["baseline:1"], stream["baseline:2"]
+    events, b1, b2 = stream["candidate:0"], stream["baseline:1"], stream["baseline:2"]
     base = (b1 + b2) / 2
     noise = abs(b1 - b2) / min(b1, b2)
 
     sync_cost = _median([s - t for k in ("baseline:1", "baseline:2")
                          for s, t in zip(reply.synced_ms[k], reply.streamed_ms[k])])
-    check_stream(case.label, cand, synced["candidate:0"] - sync_cost, m.stream_escape_ratio)
+    check_stream(case.label, events, synced["candidate:0"] - sync_cost, m.stream_escape_ratio)
     costs = [spec.cost(t.inputs) for t in trials]
     nbytes = statistics.mean(c.bytes for c in costs)
     flops = statistics.mean(c.flops for c in costs)
     floor_ms = 1e3 * max(nbytes / m.hbm_bytes_per_s, flops / m.peak_flops)
     floor_words = (f"{nbytes / 1e6:.1f} MB at {m.hbm_bytes_per_s / 1e12:.1f} TB/s, {flops / 1e9:.1f} GFLOP at "
                    f"{m.peak_flops / 1e12:.0f} TFLOP/s")
-    check_floor(case.label, cand, floor_ms, f"the worker's events ({floor_words})")
+    check_floor(case.label, events, floor_ms, f"the worker's events ({floor_words})")
 
     t_burst = time.perf_counter()
-    wall_c, _ = _burst_ms(ctx, case.op, "candidate", cand)
+    wall_c, _ = _burst_ms(ctx, case.op, "candidate", events, check=trials[0])
     wall_b, base_graph = _burst_ms(ctx, case.op, "baseline", base)   # the baseline may not be capturable
     # the clock's burst difference is noisier than events: the same slack as the clock check itself
     check_floor(case.label, wall_c, m.clock_check_ratio * floor_ms, f"the evaluator's clock ({floor_words}, "
                 f"less {1 - m.clock_check_ratio:.0%} for its noise)")
-    check_clock(case.label, cand, base, wall_c, wall_b, m.clock_check_ratio, baseline_clock_from_graph=float(base_graph))
+    check_clock(case.label, events, wall_c, m.clock_check_ratio, baseline_ms=base, baseline_clock_ms=wall_b,
+                baseline_clock_from_graph=float(base_graph))
+    cand = counted_ms(events, base, wall_c, wall_b)
     speedup, speedup_by_clock = base / cand, wall_b / wall_c
     burst_s = time.perf_counter() - t_burst
     t_here = time.perf_counter()
@@ -255,7 +292,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> di
 
     rate = (lambda ms: nbytes / ms / 1e9) if spec.unit == "TB/s" else (lambda ms: flops / ms / 1e9)
     row = {"candidate_ms": cand, "baseline_ms": base, "noise": noise, "speedup": speedup,
-           "speedup_by_clock": speedup_by_clock, "candidate_clock_ms": wall_c, "baseline_clock_ms": wall_b,
+           "candidate_events_ms": events, "speedup_by_events": base / events, "speedup_by_clock": speedup_by_clock, "candidate_clock_ms": wall_c, "baseline_clock_ms": wall_b,
            "baseline_in_evaluator_ms": here, "baseline_clock_from_graph": float(base_graph), "candidate_synced_ms": synced["candidate:0"],
            "candidate_rate": rate(cand), "baseline_rate": rate(base), "weight": case.weight,
            "bytes": nbytes, "flops": flops,
@@ -357,7 +394,9 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
         den += case.weight * row["candidate_ms"]
         worst_noise = max(worst_noise, row["noise"])
         anchor = f", cuDNN {row['anchor_rate']:.2f} {unit}" if "anchor_rate" in row else ""
-        lines.append(f"{case.label}: {row['speedup']:.2f}x ({row['candidate_ms']:.4f} vs {row['baseline_ms']:.4f} ms; "
+        slower = (f" by the clock, {row['speedup_by_events']:.2f}x by the events"     # where the two tell apart
+                  if row["candidate_ms"] > 1.005 * row["candidate_events_ms"] else "")
+        lines.append(f"{case.label}: {row['speedup']:.2f}x{slower} ({row['candidate_ms']:.4f} vs {row['baseline_ms']:.4f} ms; "
                      f"{row['candidate_rate']:.2f} vs {row['baseline_rate']:.2f} {unit}{anchor})")
     mix = num / den
     margin = 1 + max(worst_noise, m.min_margin)
