@@ -146,12 +146,14 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
 
 
 def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | None = None,
-             on_stage: Callable[[str], None] | None = None, beat: float = 1.0, head: str | None = None) -> Verdict:
+             on_stage: Callable[[str], None] | None = None, beat: float = 1.0, head: str | None = None,
+             other_heads: dict[str, str] | None = None) -> Verdict:
     """Run the stages in order; `on_stage(name)` is told as each one starts (a live view). `beat` is the
     served-mix speedup over the torch baseline that microbench must beat beyond noise (a candidate's
     parent's, so only kernels faster than the best so far reach the replay); under 1, the baseline's. `head` is
     the source of the current head of the candidate's op: the replay serves it beside the candidate and
-    accepts only a candidate faster than it (None: the torch baseline is the head)."""
+    accepts only a candidate faster than it (None: the torch baseline is the head). `other_heads`: per op the candidate
+    is not about, its current head, which both of the replay's arms serve (the step the run would ship)."""
     if target not in TARGETS:
         raise HarnessError(f"unknown target {target!r}; known: {', '.join(TARGETS)}")
     if until is not None and until not in STAGE_NAMES:
@@ -159,7 +161,7 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
     device = torch.device("cuda" if pool.device == "cuda" else "cpu")
     shapes = device_shapes(cfg, target, device)
     ctx = EvalContext(cfg=cfg, target=configured(target, cfg), shapes=shapes, device=device,
-                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head,
+                      dtype=DTYPES[shapes.dtype], pool=pool, source=source, beat=max(1.0, beat), head=head, other_heads=dict(other_heads or {}),
                       to_run=frozenset(STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES))
     results: list[StageResult] = []
     try:

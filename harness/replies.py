@@ -160,6 +160,7 @@ class OpStats(_Strict):
     candidate: Count
     unsupported: Count
     not_implemented: Count
+    other_head: Count = 0                     # calls of an op the candidate does not define that its head served
     implemented: bool
     stalls: Count
     stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]

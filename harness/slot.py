@@ -53,6 +53,7 @@ class Job(BaseModel):
     until: str | None = None
     beat: float = 1.0         # the speedup over the torch baseline microbench must beat (the parent's)
     head: str | None = None   # the current head of the candidate's op, which the replay judges it against (None: torch)
+    other_heads: dict[str, str] = {}   # per other op, its current head, served in both of the replay's arms
 
 
 class Done(BaseModel):
@@ -300,7 +301,7 @@ class Slot:
 
         verdict = evaluate_cached(job.source, self.target, self.cfg, pool, job=job.id,
                                   where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=stage,
-                                  beat=job.beat, head=job.head, settled=settled)
+                                  beat=job.beat, head=job.head, other_heads=job.other_heads, settled=settled)
         if spans:
             spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
         else:                                      # the verdict cache answered

@@ -8,8 +8,8 @@ version (every file under harness/, and the files the config names: traces, reco
 listing of a weights folder); the config sections the stages read (stages, targets.<target>.<device>,
 served, worker); the device (a GPU's name, compute capability and memory, or the CPU's model and the
 cores this process may use), the driver, torch, triton and Python. A verdict that reached the replay
-depends on the head served beside it too: its base key then holds only that mark, and the verdict
-lives under the base key and the head's source together (a verdict that stopped earlier is reused
+depends on the head served beside it too, and on the other ops' heads both arms serve: its base key then
+holds only that mark, and the verdict lives under the base key and those sources together (a verdict that stopped earlier is reused
 whatever the head).
 
 Only verdicts the device or the machine's load could have decided are left out: a worker that hung,
@@ -162,22 +162,26 @@ class VerdictCache:
                 "config": {name: digest(_canonical(s.model_dump(mode="json"))) for name, s in sections.items()},
                 **machine(device_type)}
 
-    def parts(self, source: str, until: str | None, beat: float, head: str | None = None, by_head: bool = False) -> dict:
+    def parts(self, source: str, until: str | None, beat: float, head: str | None = None, by_head: bool = False,
+              other_heads: dict[str, str] | None = None) -> dict:
         out = {**self.base, "source": digest(source), "until": until, "beat": repr(max(1.0, float(beat)))}
         if by_head:
             out["head"] = digest(head) if head is not None else "torch"
+            if other_heads:                    # the other ops' heads both arms served (none: the keys of before)
+                out["other_heads"] = {op: digest(text) for op, text in sorted(other_heads.items())}
         return out
 
     @staticmethod
     def key(parts: dict) -> str:
         return digest(_canonical(parts))
 
-    def lookup(self, source: str, until: str | None, beat: float, head: str | None) -> Verdict | None:
+    def lookup(self, source: str, until: str | None, beat: float, head: str | None,
+               other_heads: dict[str, str] | None = None) -> Verdict | None:
         """The stored verdict for these inputs, marked with where it came from; None on a miss."""
         key = self.key(self.parts(source, until, beat))
         entry = self._read(key)
         if entry is not None and entry.by_head:
-            key = self.key(self.parts(source, until, beat, head, by_head=True))
+            key = self.key(self.parts(source, until, beat, head, by_head=True, other_heads=other_heads))
             entry = self._read(key)
             if entry is not None and (entry.by_head or entry.verdict is None or not reached_replay(entry.verdict)):
                 return self._inconsistent(key, "an entry for a head that holds no verdict which reached the replay")
@@ -191,14 +195,14 @@ class VerdictCache:
                                                                            reached=entry.reached)})
 
     def store(self, source: str, until: str | None, beat: float, head: str | None, verdict: Verdict,
-              job: str, where: str) -> bool:
+              job: str, where: str, other_heads: dict[str, str] | None = None) -> bool:
         """Keep a fresh verdict (not one that is never cached); False when it was not kept."""
         if not cacheable(verdict):
             return False
         base = self.parts(source, until, beat)
         reached = datetime.now(timezone.utc).isoformat(timespec="seconds")
         if reached_replay(verdict):
-            full = self.parts(source, until, beat, head, by_head=True)
+            full = self.parts(source, until, beat, head, by_head=True, other_heads=other_heads)
             return (self._write(Entry(kevo_verdict_cache=FORMAT, key=self.key(full), parts=full, verdict=verdict,
                                       job=job, where=where, reached=reached))
                     and self._write(Entry(kevo_verdict_cache=FORMAT, key=self.key(base), parts=base, by_head=True)))
@@ -261,7 +265,7 @@ def _no_constant(name: str):
 
 def evaluate_cached(source: str, target: str, cfg: Config, pool, *, job: str = "", where: str = "",
                     until: str | None = None, on_stage=None, beat: float = 1.0, head: str | None = None,
-                    settled=None) -> Verdict:
+                    other_heads: dict[str, str] | None = None, settled=None) -> Verdict:
     """`harness.evaluate.evaluate`, through the verdict cache when config turns it on: a hit is the stored
     verdict with `cached_from` set (no stage runs, `on_stage` is not called); a fresh verdict is stored when
     the candidate alone decided it. `job` and `where` (a host/slot) are recorded with a stored verdict.
@@ -272,13 +276,13 @@ def evaluate_cached(source: str, target: str, cfg: Config, pool, *, job: str = "
     from harness.targets import TARGETS
     valid = target in TARGETS and (until is None or until in STAGE_NAMES)     # else evaluate says what is wrong
     cache = VerdictCache.for_run(cfg, target, pool.device) if valid else None
-    if cache is not None and (hit := cache.lookup(source, until, beat, head)) is not None:
+    if cache is not None and (hit := cache.lookup(source, until, beat, head, other_heads)) is not None:
         if settled is not None:
             settled()
         return hit
-    verdict = evaluate(source, target, cfg, pool, until=until, on_stage=on_stage, beat=beat, head=head)
+    verdict = evaluate(source, target, cfg, pool, until=until, on_stage=on_stage, beat=beat, head=head, other_heads=other_heads)
     if settled is not None:
         settled()
     if cache is not None:
-        cache.store(source, until, beat, head, verdict, job, where or socket.gethostname())
+        cache.store(source, until, beat, head, verdict, job, where or socket.gethostname(), other_heads)
     return verdict

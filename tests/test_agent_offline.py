@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 
 import pytest
 from rich.console import Console
 
-from conftest import config_with
+from conftest import CPU_GATES, config_with
 from harness.evaluate import evaluate
 from harness.records import StageResult, Verdict
 
@@ -238,6 +239,21 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
     assert summary["untimed"] == again.untimed and again.untimed.startswith("3 candidate(s) passed the correctness stages")
     assert "nothing was timed or accepted here" in Ledger(again.ledger).committed("summary.md")
     assert summary["best"]["decode"]["vs_cudnn"] is None and "no cuDNN anchor timed" in summary["best"]["decode"]["vs_cudnn_note"]
+
+
+def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_judges(pool, tmp_path):
+    """A decode kernel is served with the prefill head and a prefill kernel with the decode head (the step the
+    run would ship), the heads' own replays too: on a CPU the replay's gates serve it, and its reason carries
+    the server's own accounting of who served each op."""
+    cfg = config_with(**CPU_GATES, **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode", "prefill"]})
+    settings = settings_from(cfg, pool.device, max_candidates=1, run_id="beside")
+    done = run(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)), pool=pool)
+    assert not done.fatal, done.stop
+    reasons = {op: done.heads[op].verdict.stages[-1].reason for op in ("decode", "prefill")}
+    reasons["c001"] = done.history[0].rounds[-1].verdict.stages[-1].reason
+    other = {"decode": "prefill", "prefill": "decode", "c001": "prefill" if done.history[0].op == "decode" else "decode"}
+    for who, reason in reasons.items():
+        assert re.search(rf"{other[who]} not implemented \((\d+) of \1 calls ran its head beside the candidate", reason), (who, reason)
 
 
 def test_the_search_parent_moves_only_on_a_gain_beyond_the_noise_band_microbench_measured():

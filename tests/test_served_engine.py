@@ -228,6 +228,39 @@ def test_ops_a_candidate_lacks_or_declines_run_the_baseline_and_are_counted():
     assert {k: [e.token for e in v] for k, v in with_candidate.items()} == {k: [e.token for e in v] for k, v in baseline.items()}
 
 
+def test_an_op_the_candidate_does_not_define_is_served_by_its_head_beside_it_and_counted_as_not_the_candidates():
+    """A prefill candidate's server decodes with the decode head (the step the run would ship), not torch's
+    decode; the head's own `supports` may decline a shape (then the baseline), and a candidate that defines
+    the op keeps it."""
+    head_calls, cand_calls = [], []
+
+    def head_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        head_calls.append(int(seq_lens.max()))
+        return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+        cand_calls.append(int(max_seqlen))
+        return prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
+
+    head = SimpleNamespace(decode=head_decode, supports=lambda op, **shape: shape["max_seq_len"] <= 14)
+    ops = AttentionOps(SimpleNamespace(prefill=prefill), other_heads={"decode": head})
+    reqs = [TraceRequest(0, 0.0, list(range(3, 11)), 10), TraceRequest(1, 0.0, list(range(20, 36)), 6)]
+    served = run_requests(engine(ops), reqs, realtime=False)
+    stats = ops.stats()
+    assert stats["decode"]["implemented"] is False and stats["decode"]["candidate"] == 0
+    assert stats["decode"]["other_head"] == len(head_calls) > 0 and max(head_calls) <= 14
+    assert stats["decode"]["not_implemented"] > 0                      # the shapes the head declined: torch's
+    assert stats["decode"]["calls"] == stats["decode"]["other_head"] + stats["decode"]["not_implemented"]
+    assert stats["prefill"]["candidate"] == len(cand_calls) > 0
+    baseline = run_requests(engine(), reqs, realtime=False)
+    assert {k: [e.token for e in v] for k, v in served.items()} == {k: [e.token for e in v] for k, v in baseline.items()}
+    def own_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    mine = AttentionOps(SimpleNamespace(decode=own_decode), other_heads={"decode": head})
+    assert mine._route("decode", {"max_seq_len": 1}) is own_decode and "decode" not in mine.other_heads
+
+
 def test_a_candidate_output_of_the_wrong_shape_is_an_error_naming_it():
     candidate = SimpleNamespace(decode=lambda q, k_cache, v_cache, block_table, seq_lens, sm_scale: q[:, :1])
     e = engine(AttentionOps(candidate))

@@ -16,6 +16,7 @@ import openai
 import pytest
 import torch
 
+import candidates as C
 from conftest import config_with
 from harness.served.client import replay
 from harness.served.launch import ServerFailure, embedded_spec, start_server
@@ -208,3 +209,16 @@ def test_only_a_candidates_server_sweeps_the_served_shapes_in_its_warm_up(tmp_pa
     baseline = embedded_spec(CFG, "cpu", None, tmp_path, [12, 30, 7])
     candidate = embedded_spec(CFG, "cpu", tmp_path / "candidate.py", tmp_path, [12, 30, 7])
     assert baseline["warm_prompts"] == [] and candidate["warm_prompts"] == [12, 30, 7]
+    head_of_another_op = embedded_spec(CFG, "cpu", None, tmp_path, [12, 30, 7], other_heads={"decode": tmp_path / "d.py"})
+    assert head_of_another_op["warm_prompts"] == [12, 30, 7]       # a head beside torch's compiles too
+
+
+def test_a_prefill_candidates_server_decodes_with_the_decode_head_it_is_handed():
+    """Through a real served process: the head's file goes into its sandbox with the candidate's, and every
+    decode call is the head's, by the server's own accounting (GET /kevo/stats)."""
+    with start_server(CFG, "cpu", C.REF_PREFILL, other_heads={"decode": C.REF_DECODE}) as s:
+        run = replay(s.url, s.model, served_requests(CFG, "cpu")[:2], request_timeout_s=120, drain_timeout_s=120)
+        assert run.failures() == [], run.describe_failures()
+        ops = s.stats()["ops"]
+    assert ops["prefill"]["candidate"] == ops["prefill"]["calls"] > 0
+    assert ops["decode"]["other_head"] == ops["decode"]["calls"] > 0 and ops["decode"]["candidate"] == 0

@@ -68,6 +68,19 @@ def test_the_head_is_part_of_the_key_only_for_a_verdict_that_reached_the_replay(
     assert cache.lookup(SOURCE, None, 1.0, None) is None                                   # torch as the head
 
 
+def test_the_other_ops_heads_both_arms_served_are_part_of_the_key_of_a_verdict_that_reached_the_replay(tmp_path, harness_copies):
+    cache = cache_for(tmp_path, harness_copies[0])
+    prefill = {"prefill": "def prefill(): pass\n"}
+    cache.store(SOURCE, "parity", 1.0, HEAD, PARITY_FAIL, job="c1", where="h", other_heads=prefill)
+    assert cache.lookup(SOURCE, "parity", 1.0, HEAD) is not None                           # stopped before the replay
+    cache.store(SOURCE, None, 1.0, HEAD, REPLAYED, job="c2", where="h", other_heads=prefill)
+    assert cache.lookup(SOURCE, None, 1.0, HEAD, dict(prefill)).accepted
+    assert cache.lookup(SOURCE, None, 1.0, HEAD, {"prefill": "def prefill(): return 2\n"}) is None   # a new prefill head
+    assert cache.lookup(SOURCE, None, 1.0, HEAD) is None                                   # served with torch's prefill
+    cache.store(SOURCE, None, 1.0, HEAD, REPLAYED, job="c3", where="h")                     # a replay with none beside
+    assert cache.lookup(SOURCE, None, 1.0, HEAD, {}).cached_from.job == "c3"
+
+
 def test_the_key_misses_when_the_harness_changes(tmp_path, harness_copies):
     cache_for(tmp_path, harness_copies[0]).store(SOURCE, "parity", 1.0, None, PARITY_FAIL, job="c1", where="h")
     assert cache_for(tmp_path, harness_copies[0]).lookup(SOURCE, "parity", 1.0, None) is not None

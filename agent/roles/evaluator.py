@@ -33,11 +33,25 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None) -> Kernel:
+def head_source(catalog: Catalog, target: str, op: str) -> str:
+    """The source of the first head of `op`: the file of its head family (config agent.heads, else the reference)."""
     entry, _ = catalog.family(target, op)
-    source = (KNOWLEDGE / entry.files[0]).read_text()
+    return (KNOWLEDGE / entry.files[0]).read_text()
+
+
+def others_of(heads: dict[str, str], op: str) -> dict[str, str]:
+    """The heads of every op but `op` (op -> source): what both of the replay's arms serve beside a kernel of `op`."""
+    return {o: source for o, source in heads.items() if o != op and source}
+
+
+def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalog, evaluate_fn=None,
+                  other_heads: dict[str, str] | None = None) -> Kernel:
+    """`other_heads`: the other ops' heads, served in both arms of its replay (an `evaluate_fn` closes over
+    them itself)."""
+    entry, _ = catalog.family(target, op)
+    source = head_source(catalog, target, op)
     verdict = (evaluate_fn(f"head-{op}", source, 1.0, None) if evaluate_fn
-               else evaluate_cached(source, target, cfg, pool, job=f"head-{op}"))
+               else evaluate_cached(source, target, cfg, pool, job=f"head-{op}", other_heads=other_heads))
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
@@ -50,16 +64,18 @@ def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> Ca
 
 
 def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
-          pool: Pool, on_stage=None, evaluate_fn=None, head: Kernel | None = None) -> tuple[CandidateRecord, list[Exchange], str]:
+          pool: Pool, on_stage=None, evaluate_fn=None, head: Kernel | None = None,
+          other_heads: dict[str, str] | None = None) -> tuple[CandidateRecord, list[Exchange], str]:
     """The record of an evaluated proposal, every exchange behind it (repairs included), and a
     non-empty message if a provider stopped the run during a repair. `head`: the current head of its op,
-    which the replay serves beside it (a reference head is itself judged against torch)."""
+    which the replay serves beside it (a reference head is itself judged against torch). `other_heads`: the other
+    ops' current heads, which both arms serve (`others_of`; an `evaluate_fn` closes over them itself)."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
     beat = parent.speedup if parent is not None and parent.speedup else 1.0     # only faster than it is replayed
     against = head.source if head is not None and head.source else None
     evaluate_fn = evaluate_fn or (lambda job, src, bar, hd: evaluate_cached(src, target, cfg, pool, job=job, on_stage=on_stage,
-                                                                            beat=bar, head=hd))
+                                                                            beat=bar, head=hd, other_heads=other_heads))
     for round_no in range(cfg.agent.compile_repair_rounds + 1):
         try:
             verdict = evaluate_fn(proposal.id if round_no == 0 else f"{proposal.id}.r{round_no}", source, beat, against)

@@ -42,7 +42,7 @@ from harness.executors import InOrder
 from agent.ledger.repository import id_number
 from agent.llm.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
-from agent.roles.evaluator import judge, unevaluated
+from agent.roles.evaluator import judge, others_of, unevaluated
 
 if TYPE_CHECKING:
     from agent.run.loop import Run
@@ -242,10 +242,11 @@ class _Drive:
     def judge_one(self, p: Proposal, parent: Kernel) -> Judged:
         """One candidate, in its judge thread: its rounds on the evaluator, then what the evaluator adds."""
         run, ev = self.run, self.run.evaluator
+        beside = others_of({op: k.source for op, k in run.heads.items()}, p.op)
         try:
             record, exchanges, stop = judge(
                 p, parent, run.proposer, run.cfg, run.settings.target, None, head=run.heads.get(p.op),
-                evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head,
+                evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head, other_heads=beside,
                                                                      on_stage=lambda name: self.news(p.id, name)))
             trailers, sick = ev.after(record, say=lambda text: run.view.update(activity=text))
         finally:

@@ -44,8 +44,9 @@ class Evaluator(Protocol):
         """Ready to evaluate, inside the run's lock (`pool`: one handed to the run, used where it fits)."""
 
     def evaluate(self, job: str, source: str, beat: float = 1.0, head: str | None = None,
-                 on_stage: Say | None = None) -> Verdict:
-        """One round's verdict (job: c007, c007.r1, head-decode), waiting for it."""
+                 on_stage: Say | None = None, other_heads: dict[str, str] | None = None) -> Verdict:
+        """One round's verdict (job: c007, c007.r1, head-decode), waiting for it; `other_heads`: the other ops'
+        heads, which both arms of its replay serve."""
 
     def after(self, record: CandidateRecord, say: Say) -> tuple[dict[str, str], str]:
         """What a judged candidate's commit adds (trailers), and why the run must stop (empty: it goes on)."""
@@ -70,8 +71,9 @@ class PoolEvaluator:
         self.pool = pool
 
     def evaluate(self, job: str, source: str, beat: float = 1.0, head: str | None = None,
-                 on_stage: Say | None = None) -> Verdict:
-        return evaluate_cached(source, self.target, self.cfg, self.pool, job=job, on_stage=on_stage, beat=beat, head=head)
+                 on_stage: Say | None = None, other_heads: dict[str, str] | None = None) -> Verdict:
+        return evaluate_cached(source, self.target, self.cfg, self.pool, job=job, on_stage=on_stage, beat=beat, head=head,
+                               other_heads=other_heads)
 
     def after(self, record: CandidateRecord, say: Say) -> tuple[dict[str, str], str]:
         return check_device(record, self.pool, self.cfg.executor.health_retry_s, say)
@@ -106,8 +108,9 @@ class SlotsEvaluator:
         """Nothing yet: the slots start when the first evaluation (a head's, maybe) needs them."""
 
     def evaluate(self, job: str, source: str, beat: float = 1.0, head: str | None = None,
-                 on_stage: Say | None = None) -> Verdict:
-        done = self.slots().submit(Job(id=job, source=source, beat=beat, head=head), on_stage=on_stage).result()
+                 on_stage: Say | None = None, other_heads: dict[str, str] | None = None) -> Verdict:
+        done = self.slots().submit(Job(id=job, source=source, beat=beat, head=head, other_heads=other_heads or {}),
+                                   on_stage=on_stage).result()
         with self._lock:
             self.evaluations.append(done)
         return done.verdict

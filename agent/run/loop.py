@@ -33,7 +33,7 @@ from agent.run.drive import drive
 from agent.run.ending import RunResult, end_text, funnel, not_run, untimed_note
 from agent.run.environment import describe
 from agent.run.evaluators import evaluator_for
-from agent.roles.evaluator import device_seconds, evaluate_head, now
+from agent.roles.evaluator import device_seconds, evaluate_head, head_source, now, others_of
 from agent.reading.figures import speed
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.messages import fit_subject
@@ -182,11 +182,14 @@ class Run:
         self.view.update(ledger=str(self.root), funnel=funnel(self.history))
 
     def head(self, op: str) -> Kernel:
-        """One head's kernel and verdict, from the run's evaluator."""
+        """One head's kernel and verdict, from the run's evaluator; its replay serves the other ops' first heads
+        in both arms (the step the run starts from)."""
         def at(stage: str) -> None:
             self.view.update(activity=f"evaluating the {op} head (reference kernel): {stage}")
+        first = {o: head_source(self.catalog, self.settings.target, o) for o in self.cfg.agent.ops}
         return evaluate_head(op, self.cfg, self.settings.target, None, self.catalog,
-                             evaluate_fn=lambda job, src, beat, head: self.evaluator.evaluate(job, src, beat, head, on_stage=at))
+                             evaluate_fn=lambda job, src, beat, head: self.evaluator.evaluate(
+                                 job, src, beat, head, on_stage=at, other_heads=others_of(first, op)))
 
     def _resume(self) -> None:
         self.ledger = Ledger(self.root)

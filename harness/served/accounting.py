@@ -17,7 +17,9 @@ def fallbacks(stats: dict | None) -> tuple[float, str]:
     for op, s in stats["ops"].items():
         n, fell = int(s.get("calls", 0)), int(s.get("unsupported", 0))
         if not s.get("implemented"):
-            words.append(f"{op} not implemented ({n} calls ran the baseline)")
+            by_head = int(s.get("other_head", 0))
+            words.append(f"{op} not implemented ({by_head} of {n} calls ran its head beside the candidate, the rest "
+                         "the baseline)" if by_head else f"{op} not implemented ({n} calls ran the baseline)")
             continue
         calls, declined = calls + n, declined + fell
         words.append(f"{op}: {fell} of {n} calls fell back" if fell else f"{op}: all {n} calls the candidate's")

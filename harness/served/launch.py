@@ -169,11 +169,12 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
 
 
 def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = (),
-                  weight_seed: int | None = None, reference: bool = False) -> dict:
-    """What the embedded server is told: the preset, the attention layout, the candidate's file, and the
-    prompt lengths it will serve. Its warm-up meets their shapes before anything is timed, for a
-    candidate only: the baselines (no candidate) are torch's and compile nothing, so a server without
-    one gets the fixed part of the warm-up alone. `weight_seed` replaces the preset's `seed` of the
+                  weight_seed: int | None = None, reference: bool = False, other_heads: dict[str, Path] | None = None) -> dict:
+    """What the embedded server is told: the preset, the attention layout, the candidate's file, the files of
+    the heads served beside it (per op it does not define), and the prompt lengths it will serve. Its
+    warm-up meets their shapes before anything is timed, for kernels only: the baselines (no candidate,
+    no head beside) are torch's and compile nothing, so a server without one gets the fixed part of the
+    warm-up alone. `weight_seed` replaces the preset's `seed` of the
     random weights (a preset with `weights:` reads its files whatever the seed). `reference`: the replay's
     reference server, torch's baselines in `stages.replay.reference_dtype` with a cache of
     `stages.replay.reference_kv_cache_tokens` (it runs untimed; a float reference needs the memory)."""
@@ -183,16 +184,18 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
     if weight_seed is not None:
         preset["seed"] = weight_seed
     dtype = section.dtype
+    other_heads = other_heads or {}
     if reference:
-        assert candidate is None, "the reference server runs torch's baselines"
+        assert candidate is None and not other_heads, "the reference server runs torch's baselines"
         dtype = cfg.stages.replay.reference_dtype
         preset["kv_cache_tokens"] = cfg.stages.replay.reference_kv_cache_tokens or preset["kv_cache_tokens"]
     weights = () if preset["weights"] is None else (str(PROJECT_ROOT / preset["weights"]),)   # absolute stays absolute
     return {"preset": preset, "block_size": section.block_size,
             "dtype": dtype, "device": device, "candidate": str(candidate) if candidate else None,
+            "other_heads": {op: str(path) for op, path in other_heads.items()},
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
-            "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate else [], "warm_limit": served.warm_requests,
+            "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
             "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
             "gpu_memory_fraction": cfg.served.gpu_memory_fraction,
@@ -200,13 +203,18 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
 
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
-                   weight_seed: int | None = None, wait: bool = True, reference: bool = False) -> ServerHandle:
+                   weight_seed: int | None = None, wait: bool = True, reference: bool = False,
+                   other_heads: dict[str, str] | None = None) -> ServerHandle:
     workdir = _scratch()
     candidate = None
     if source is not None:
         candidate = workdir / "candidate.py"
         candidate.write_text(source)
-    spec = embedded_spec(cfg, device, candidate, workdir, warm, weight_seed, reference)
+    files = {}
+    for op, text in (other_heads or {}).items():
+        files[op] = workdir / f"other_{op}.py"
+        files[op].write_text(text)
+    spec = embedded_spec(cfg, device, candidate, workdir, warm, weight_seed, reference, files)
     (workdir / "spec.json").write_text(json.dumps(spec))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -251,15 +259,17 @@ def start_external(cfg: Config, source: str | None, wait: bool = True) -> Server
 
 
 def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
-                 weight_seed: int | None = None, wait: bool = True, reference: bool = False) -> ServerHandle:
-    """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (a candidate's
-    server only: `embedded_spec`). `weight_seed`: the embedded server's random weights, in place of the
-    preset's seed. An external server warms itself up as its own command does and serves its own
-    weights: neither applies to it. `wait=False` returns at once: `wait_ready` (with `ready_timeout`) then
+                 weight_seed: int | None = None, wait: bool = True, reference: bool = False,
+                 other_heads: dict[str, str] | None = None) -> ServerHandle:
+    """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (a server with a
+    kernel only: `embedded_spec`). `weight_seed`: the embedded server's random weights, in place of the
+    preset's seed. `other_heads`: per op, the source of the head that serves it where `source` does not define
+    it (the embedded server only). An external server warms itself up as its own command does, serves its own
+    weights, and is handed the candidate's file alone: none of the three applies to it. `wait=False` returns at once: `wait_ready` (with `ready_timeout`) then
     waits, from the thread that started it (its process dies with that thread: PR_SET_PDEATHSIG)."""
     if cfg.served.external:
         return start_external(cfg, source, wait)
-    return start_embedded(cfg, device, source, warm, weight_seed, wait, reference)
+    return start_embedded(cfg, device, source, warm, weight_seed, wait, reference, other_heads)
 
 
 def ready_timeout(cfg: Config) -> float:

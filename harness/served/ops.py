@@ -1,10 +1,13 @@
 """The served model's attention: a candidate's kernels where it has them, the baselines elsewhere.
 
 `AttentionOps` holds the attention target's baselines (as config targets.attention chooses them: the
-server passes the configured target) and, optionally, a candidate module. Each
-call goes to the candidate's function unless the candidate does not define that op, or its optional
-module-level `supports(op, **shape) -> bool` declines the shape; then the baseline runs and the
-call is counted as a fallback. The counts, and the shapes served, are what the replay and the
+server passes the configured target) and, optionally, a candidate module, and the heads served beside it
+(`other_heads`: the run's current kernel of each op the candidate is not about, so that the step served is the
+one the run would ship). Each call goes to the candidate's function unless the candidate does not define
+that op, or its optional module-level `supports(op, **shape) -> bool` declines the shape; then the
+baseline runs and the call is counted as a fallback. An op the candidate does not define goes to its
+head beside it if one is given (counted `other_head`; the head's own `supports` may decline a shape, and
+then the baseline runs), else to the baseline. The counts, and the shapes served, are what the replay and the
 profile read. The candidate's outputs are checked for shape, dtype and device here; their values
 are judged by the replay's gates. This module runs inside the served process, next to the
 candidate: it keeps the books, it does not judge.
@@ -43,13 +46,16 @@ def load_candidate(path: Path | str) -> ModuleType:
 
 class AttentionOps:
     def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32", *, target: Target = TARGET,
-                 stall_ms: float = math.inf) -> None:
+                 stall_ms: float = math.inf, other_heads: dict[str, ModuleType] | None = None) -> None:
         """`target`: the attention target with its configured baselines (harness.targets.configured); `stall_ms`:
         a candidate call that holds the host this long (config served.stall_ms; inf: none counted) compiled (a
-        shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds."""
+        shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
+        `other_heads`: per op, the module of the head that serves it where the candidate does not define it."""
         self.dtype, self.target, self.stall_ms = dtype, target, stall_ms
         self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
         self.supports = getattr(candidate, "supports", None) if candidate else None
+        self.other_heads = {op: (getattr(m, op), getattr(m, "supports", None)) for op, m in (other_heads or {}).items()
+                       if op in TARGET.ops and self.impl[op] is None and callable(getattr(m, op, None))}
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
         self.reset()
 
@@ -60,6 +66,11 @@ class AttentionOps:
 
     def _route(self, op: str, shape: dict):
         fn = self.impl[op]
+        if fn is None and op in self.other_heads:
+            head, supports = self.other_heads[op]
+            if supports is None or supports(op, **shape):
+                self.calls[op]["other_head"] += 1
+                return head
         if fn is None:
             self.calls[op]["not_implemented"] += 1
             return self.target.ops[op].baseline
@@ -93,6 +104,8 @@ class AttentionOps:
         fn = self._route("decode", shape)
         if fn is self.target.ops["decode"].baseline:           # the engine's host-side lengths: no device read
             return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
+        if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
+            return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
         return self._checked("decode", self._timed("decode", fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
@@ -103,6 +116,8 @@ class AttentionOps:
         fn = self._route("prefill", shape)
         if fn is self.target.ops["prefill"].baseline:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
+        if fn is not self.impl["prefill"]:
+            return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
         return self._checked("prefill", self._timed("prefill", fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
     def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
@@ -113,13 +128,13 @@ class AttentionOps:
                 self.shapes.record(op, lens, c.total())
 
     def stats(self) -> dict:
-        """Per op: calls, how many the candidate served, fell back (declined shapes), or were never
-        the candidate's (ops it does not define); and the candidate's calls that held the host over
-        stall_ms (how many, their total and the worst, in ms)."""
+        """Per op: calls, how many the candidate served, fell back (declined shapes), or were never the
+        candidate's (ops it does not define: `other_head` of them its head's, the rest the baseline's); and the
+        candidate's calls that held the host over stall_ms (how many, their total and the worst, in ms)."""
         out = {}
         for op, c in self.calls.items():
             st = self.stalls[op]
             out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
-                       "not_implemented": c["not_implemented"], "implemented": self.impl[op] is not None,
+                       "not_implemented": c["not_implemented"], "other_head": c["other_head"], "implemented": self.impl[op] is not None,
                        "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0)}
         return out

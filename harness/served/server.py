@@ -6,7 +6,8 @@ put into listening state: its network namespace has no interfaces and its seccom
 socket but AF_UNIX, so it only accepts on that socket. Before any candidate code is imported it
 enters the same sandbox as the evaluator's workers (harness/isolation.py): it is PID 1 of new
 namespaces, in a root of its own holding the interpreter, the libraries, harness/, the preset's
-weights and its own folder (to which it copies the candidate's file, read before it went in), with
+weights and its own folder (to which it copies the candidate's file and the heads served beside it, read
+before it went in), with
 no capabilities, rlimits and seccomp. It then builds the engine, warms it up, and serves:
   POST /v1/completions   prompt as token ids, max_tokens, temperature 0, logprobs <= 5, stream,
                          kevo_forced, kevo_score, kevo_group (optional, kevo's own extensions: no
@@ -294,7 +295,9 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
         torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), torch.cuda.current_device())
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
-    ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"])
+    other_heads = {op: load_candidate(path) for op, path in spec.get("other_heads", {}).items()}
+    ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"],
+                       other_heads=other_heads)
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
@@ -320,13 +323,18 @@ def main() -> None:
     from harness.sandbox import die_with_parent
     die_with_parent()
     fd, spec = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
-    source = Path(spec["candidate"]).read_text() if spec["candidate"] else None   # before the sandbox hides it
+    # every file the served process runs, read before the sandbox hides it, and written into its own folder
+    files = {"candidate": spec["candidate"]} if spec["candidate"] else {}
+    files |= {f"other_{op}": path for op, path in spec.get("other_heads", {}).items()}
+    sources = {name: Path(path).read_text() for name, path in files.items()}
     folder, notes = _enter_sandbox(spec, fd)
-    if source is not None:
-        out = os.open(folder / "candidate.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    for name, source in sources.items():
+        out = os.open(folder / f"{name}.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         with os.fdopen(out, "w") as f:
             f.write(source)
+    if "candidate" in sources:
         spec["candidate"] = str(folder / "candidate.py")
+    spec["other_heads"] = {op: str(folder / f"other_{op}.py") for op in spec.get("other_heads", {})}
     serve(spec, fd, notes)
 
 

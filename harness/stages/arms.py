@@ -81,8 +81,10 @@ class Servers:
     them; a server that failed to start is the failure of its label (the candidate's first)."""
 
     def __init__(self, cfg: Config, device: str, sources: dict[str, str | None], weight_seed: int,
-                 wait: bool = True) -> None:
-        self.cfg, self.device, self.weight_seed = cfg, device, weight_seed
+                 wait: bool = True, other_heads: dict[str, str] | None = None) -> None:
+        """`other_heads`: per op, the source of its head, served by every server but the reference where its own
+        kernel does not define that op (harness/served/ops.py): both arms serve the step the run would ship."""
+        self.cfg, self.device, self.weight_seed, self.other_heads = cfg, device, weight_seed, other_heads or {}
         self.held = 0                    # the bytes this process's allocator still held when they started
         if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
             self.held = release(torch.device("cuda"))       # this process's own working reserve too
@@ -95,8 +97,9 @@ class Servers:
         failure: tuple[str, ServerFailure] | None = None
         for label, source in sources.items():
             try:
+                reference = label == "reference"
                 self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
-                                                    reference=label == "reference")
+                                                    reference=reference, other_heads=None if reference else self.other_heads)
             except ServerFailure as e:
                 failure = failure or (label, e)
         if failure:
@@ -126,7 +129,8 @@ class Servers:
     def add(self, label: str, source: str | None) -> ServerHandle:
         """One more server from the same weights (the benches': one arm after another)."""
         try:
-            h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed)
+            h = start_server(self.cfg, self.device, source, warm_lengths(self.cfg, self.device), weight_seed=self.weight_seed,
+                             other_heads=self.other_heads)
         except ServerFailure as e:
             raise server_failed(self.cfg, label, e) from None
         self.handles[label] = h

@@ -54,6 +54,7 @@ class EvalContext:
     worker_s: float = 0.0            # this stage's time spent waiting on the worker (the rest is ours)
     beat: float = 1.0                # the served-mix speedup over torch to beat: the candidate's parent's
     head: str | None = None          # the source of the current head of its op (the replay's other arm); None: torch's
+    other_heads: dict[str, str] = field(default_factory=dict)   # the other ops' heads, served in both arms of the replay
     reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
     to_run: frozenset[str] = frozenset()   # the stages this evaluation runs if none rejects (up to its `until`)
     parity: "Start | None" = None    # parity begun early by the compile stage (harness/stages/parity.py `begin`)

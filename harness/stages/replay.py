@@ -352,21 +352,24 @@ def paired_in(cfg: Config, device: str, servers: Servers, head_label: str = "hea
     return outcome
 
 
-def run_gates(cfg: Config, device: str, source: str, deadline: float | None = None) -> ReplayOutcome:
+def run_gates(cfg: Config, device: str, source: str, deadline: float | None = None,
+              other_heads: dict[str, str] | None = None) -> ReplayOutcome:
     """The CPU path: reference and candidate, every token compared, nothing timed or accepted."""
     t0 = time.monotonic()
-    with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31), wait=False) as servers:
+    with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31), wait=False,
+                 other_heads=other_heads) as servers:
         outcome = gates_in(cfg, device, servers, "candidate", deadline)
     outcome.metrics["stage_s"] = time.monotonic() - t0
     return outcome
 
 
 def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
-               deadline: float | None = None) -> ReplayOutcome:
-    """The timed stage (CUDA; callable on any device, as the tests do): see the module's docstring."""
+               deadline: float | None = None, other_heads: dict[str, str] | None = None) -> ReplayOutcome:
+    """The timed stage (CUDA; callable on any device, as the tests do): see the module's docstring. `other_heads`:
+    the heads of the ops the candidate is not about, served in both arms (`Servers`)."""
     t0 = time.monotonic()
     with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31),
-                 wait=False) as servers:
+                 wait=False, other_heads=other_heads) as servers:
         outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
     outcome.metrics.update(stage_s=time.monotonic() - t0, evaluator_gpu_held_gib=servers.held / (1 << 30))
     return outcome
@@ -380,6 +383,6 @@ def replay_stage(ctx: EvalContext) -> StageResult:
         if not ctx.cfg.stages.replay.cpu_gates:
             return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
                                                  "its gates did not run either")
-        return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None).stage_result()
+        return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None, ctx.other_heads).stage_result()
     ctx.parity = None                     # and so do the evaluator's draws (its reserve: `Servers`)
-    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None).stage_result()
+    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None, ctx.other_heads).stage_result()
