@@ -34,6 +34,22 @@ class UsageError(Exception):
     """The command cannot run as asked; the message is one line."""
 
 
+def _other_heads(given: list[str]) -> dict[str, str]:
+    """`--other-head OP=FILE ...` as op -> source; UsageError naming a malformed one or an unreadable file."""
+    out: dict[str, str] = {}
+    for item in given:
+        op, eq, path = item.partition("=")
+        if not (eq and op and path):
+            raise UsageError(f"--other-head {item}: give OP=FILE, e.g. --other-head decode=knowledge/attention/decode_paged_splitkv.py")
+        if op in out:
+            raise UsageError(f"--other-head {item}: {op} is given twice")
+        try:
+            out[op] = _read_candidate(Path(path))
+        except UsageError as e:
+            raise UsageError(f"--other-head {op}={e}") from None
+    return out
+
+
 def _read_candidate(path: Path) -> str:
     """A candidate file's text, or UsageError naming the path and why it cannot be read."""
     try:
@@ -120,6 +136,7 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
         head = _read_candidate(Path(args.head)) if args.head else None
     except UsageError as e:
         raise UsageError(f"--head {e}") from None
+    other_heads = _other_heads(args.other_head)
     spans.append(Span(name="config", start=t0, end=(t0 := time.monotonic())))
     from harness.pool import Pool, likely_device
     pool = Pool(cfg.worker, likely_device(cfg.device), args.target).launch()   # its imports beside ours
@@ -133,6 +150,9 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
             raise UsageError(f"unknown target {args.target!r}; known: {', '.join(TARGETS)}")
         if args.until and args.until not in STAGE_NAMES:
             raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
+        if unknown := [op for op in other_heads if op not in TARGETS[args.target].ops]:
+            raise UsageError(f"--other-head {unknown[0]}=...: {args.target} has no op {unknown[0]!r}; its ops: "
+                             f"{', '.join(TARGETS[args.target].ops)}")
         files: list[tuple[str, str | None, str]] = []      # (name, source or None, why not)
         for name in args.candidates:
             try:
@@ -144,7 +164,7 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
         on = sys.stderr.isatty() if args.progress is None else args.progress
         with _progress(readable, origin, on) as told:
             judged = evaluate_each([src for _, src, _ in files if src is not None], args.target, cfg, until=args.until,
-                                   pool=pool, head=head, on_stage=told) if readable else iter(())
+                                   pool=pool, head=head, other_heads=other_heads, on_stage=told) if readable else iter(())
             worst = 0
             for name, source, why in files:
                 outcome = next(judged) if source is not None else why
@@ -158,7 +178,9 @@ def _evaluate(args: argparse.Namespace, origin: float | None = None, spans: list
                 times = _breakdown(spans + outcome.startup + outcome.spans, origin)
                 spans = []                                      # the next file's: its own start-ups and stages
                 if args.json:
-                    print(json.dumps({"file": name, **({"head": args.head} if args.head else {}), **outcome.verdict.model_dump(),
+                    named = {"head": args.head} if args.head else {}
+                    named |= {"other_heads": dict(o.split("=", 1) for o in args.other_head)} if args.other_head else {}
+                    print(json.dumps({"file": name, **named, **outcome.verdict.model_dump(),
                                       **times}), flush=True)
                 else:
                     from agent.reading.view import print_verdict

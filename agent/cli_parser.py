@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     ev.add_argument("--head", default=None, metavar="FILE",
                     help="the kernel each file must beat in the replay, served beside it (the current best of its op; "
                          "default: torch's baseline); microbench still only has to beat torch's baseline")
+    ev.add_argument("--other-head", action="append", default=[], metavar="OP=FILE",
+                    help="the kernel that serves OP in both of the replay's arms where a file does not define OP (as a "
+                         "run serves its other ops' heads; repeatable; default: torch's baseline)")
     ev.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                     help="a line on stderr as each stage starts, and the replay's steps (its servers up, the reference's "
                          "pass, each timed segment); default: on when stderr is a terminal")

@@ -97,7 +97,8 @@ def sched_s() -> dict[int, tuple[float, float]]:
 
 def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | None = None,
                   pool: Pool | None = None, head: str | None = None,
-                  on_stage: Callable[[int, str], None] | None = None) -> Iterator["Done | str"]:
+                  on_stage: Callable[[int, str], None] | None = None,
+                  other_heads: dict[str, str] | None = None) -> Iterator["Done | str"]:
     """Judge candidates in order in one worker pool, as a run's evaluation slot does (harness/slot.py):
     the slot's health check first; after a candidate whose worker crashed, hung or hit a CUDA error, the
     check again before the next one. The first check's known kernel runs beside the first candidate's compile
@@ -107,7 +108,8 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
     its stages' spans and the start-ups before it), or, once the slot has failed its check (it judges nothing
     more, as a run takes it out), the one-line reason for each source left. `pool`: one launched early for the
     slot (used if its device is right); `head`: the kernel every source is judged against in the replay (None:
-    torch's baseline); `on_stage(i, name)`: told as source i's stage `name` starts (a progress line)."""
+    torch's baseline); `other_heads`: per op, the kernel both of the replay's arms serve where a source does not
+    define that op (none: torch's baseline); `on_stage(i, name)`: told as source i's stage `name` starts (a progress line)."""
     from harness.slot import Job, Slot, Unchecked, needs_check        # the slot imports this module
     slot = Slot(cfg, target, name=resolve_device(cfg).type, pool=pool)
     checking, why = slot.check_begin(), ""
@@ -126,7 +128,7 @@ def evaluate_each(sources: list[str], target: str, cfg: Config, until: str | Non
             if checking is None and why:
                 yield f"not judged: {why}"
                 continue
-            job = Job(id=f"file{i + 1}", source=source, until=until, head=head)
+            job = Job(id=f"file{i + 1}", source=source, until=until, head=head, other_heads=other_heads or {})
             told = None if on_stage is None else functools.partial(on_stage, i)
             try:
                 done = slot.run(job, on_stage=told, settled=settled if checking is not None else None)

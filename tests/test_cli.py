@@ -6,6 +6,7 @@ Each `evaluate` process costs an interpreter, torch and a worker pool: one run o
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import yaml
 import candidates as C
 from agent.cli import COMMANDS, UsageError, _read_candidate, main
 from agent.cli_parser import EXIT_CODES
-from conftest import ROOT, config_with
+from conftest import CPU_GATES, ROOT, config_with
 from harness.stages import STAGE_NAMES
 from test_agent_unattended import SMALL
 
@@ -102,6 +103,19 @@ def test_a_file_that_passes_every_stage_that_ran_exits_0_with_exactly_one_object
     assert [s["name"] for s in verdict["stages"]] == ["compile", "dispatch"]
 
 
+def test_other_heads_given_are_served_beside_a_file_in_its_replay_and_named_in_the_json(tmp_path, capfd):
+    """A prefill file judged with the decode head beside it: on a CPU the replay's gates serve it, and the
+    served process's own accounting says every decode call was that head's."""
+    config = tmp_path / "gates.yaml"
+    config.write_text(yaml.safe_dump(config_with(**SMALL, **CPU_GATES).model_dump(mode="json"), sort_keys=False))
+    prefill = str(ROOT / "knowledge/attention/prefill_causal_tiled.py")
+    assert main(["--config", str(config), "evaluate", "--json", "--other-head", f"decode={GOOD}", prefill]) == 0
+    verdict = json.loads(capfd.readouterr().out)
+    assert verdict["other_heads"] == {"decode": GOOD} and verdict["stages"][-1]["name"] == "replay"
+    assert re.search(r"decode not implemented \((\d+) of \1 calls ran its head beside the candidate",
+                     verdict["stages"][-1]["reason"]), verdict["stages"][-1]["reason"]
+
+
 def test_rejected_candidate_exits_1_and_names_the_stage(several, tables):
     assert tables.returncode == 1, tables.stderr
     assert json.loads(several[1].stdout.splitlines()[2])["failed_stage"] == "parity"
@@ -119,6 +133,10 @@ def test_command_errors_are_one_line_and_exit_2(tmp_path, capfd):
         ("evaluate", "--target", "rmsnorm", GOOD): "unknown target 'rmsnorm'",
         ("evaluate", "--until", "benchmark", GOOD): "unknown stage 'benchmark'",
         ("evaluate", "--head", str(tmp_path / "best.py"), GOOD): f"--head {tmp_path / 'best.py'}: no such file",
+        ("evaluate", "--other-head", str(tmp_path / "d.py"), GOOD): "give OP=FILE",
+        ("evaluate", "--other-head", f"decode={tmp_path / 'd.py'}", GOOD): f"--other-head decode={tmp_path / 'd.py'}: no such file",
+        ("evaluate", "--other-head", f"rmsnorm={GOOD}", GOOD): "attention has no op 'rmsnorm'; its ops: decode, prefill",
+        ("evaluate", "--other-head", f"decode={GOOD}", "--other-head", f"decode={GOOD}", GOOD): "decode is given twice",
         ("--config", str(bad_config), "evaluate", GOOD): "stages.parity.tolerence_factor: unknown key (did you mean tolerance_factor?)",
     }
     for args, words in cases.items():              # in this process: none of them opens a worker pool
