@@ -25,10 +25,11 @@ class Loaded:
     error: str                  # "" when every defined op has the contract's signature and there is one at least
 
 
-def load_candidate(path: Path | str, target: Target) -> Loaded:
-    spec = importlib.util.spec_from_file_location("candidate", str(path))
+def load_candidate(path: Path | str, target: Target, name: str = "candidate") -> Loaded:
+    """`name`: the module's name (a served process that also loads the other ops' heads gives each its own)."""
+    spec = importlib.util.spec_from_file_location(name, str(path))
     module = importlib.util.module_from_spec(spec)
-    sys.modules["candidate"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     ops, problems = [], []
     for name, op in target.ops.items():

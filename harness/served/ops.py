@@ -35,12 +35,12 @@ from harness.targets.attention import TARGET
 from harness.targets.base import Target
 
 
-def load_candidate(path: Path | str) -> ModuleType:
+def load_candidate(path: Path | str, name: str = "candidate") -> ModuleType:
     """The candidate's module (harness/candidate.py, the one loader), refused like the worker refuses it:
-    an op whose parameters are not the contract's."""
-    loaded = load(path, TARGET)
+    an op whose parameters are not the contract's. `name`: its module name (a head beside it gets its own)."""
+    loaded = load(path, TARGET, name)
     if loaded.error:
-        raise TypeError(f"the candidate {loaded.error}")
+        raise TypeError(f"the {'candidate' if name == 'candidate' else name.replace('_', ' ')} {loaded.error}")
     return loaded.module
 
 

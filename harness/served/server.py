@@ -295,7 +295,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
         torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), torch.cuda.current_device())
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
-    other_heads = {op: load_candidate(path) for op, path in spec.get("other_heads", {}).items()}
+    other_heads = {op: load_candidate(path, f"{op}_head") for op, path in spec.get("other_heads", {}).items()}
     ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"],
                        other_heads=other_heads)
     g = spec["cuda_graphs"]
