@@ -77,11 +77,11 @@ def test_the_clock_check_captures_and_bursts_in_the_configured_calls_per_graph()
 
     def request(msg, what, kind):
         sent.append(msg)
-        time.sleep(msg.get("n", 0) * 1e-6)  # a fake worker whose calls take a microsecond each
+        time.sleep(msg.get("n", 0) * 5e-3)  # a fake worker whose calls take 5 ms each: 2n clearly longer than n, however loaded
         return SimpleNamespace(ok=True, graph=True, error="", get=lambda key, default=None: default)
 
     ctx = SimpleNamespace(cfg=cfg, target=configured("attention", cfg), request=request)
-    _burst_ms(ctx, "decode", "baseline", per_call_ms=0.01)
+    _burst_ms(ctx, "decode", "baseline", per_call_ms=1.0)
     prepare, *bursts = sent
     assert prepare["prepare"] and prepare["per_graph"] == 7 and prepare["baseline"] == "masked"
     assert len(bursts) == 2 * cfg.stages.microbench.clock_check_rounds
