@@ -20,6 +20,7 @@ from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
 from agent.ledger.repository import Ledger
 from agent.run.loop import run, settings_from
 from agent.roles.offline import OfflineProposer
+from agent.rejudging.rejudge import _verdicts, kernels_of, served_as_then
 from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
 from harness.amdahl import ceiling
 from agent.run.state import ProposalState, search_parent
@@ -254,6 +255,26 @@ def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_j
     other = {"decode": "prefill", "prefill": "decode", "c001": "prefill" if done.history[0].op == "decode" else "decode"}
     for who, reason in reasons.items():
         assert re.search(rf"{other[who]} not implemented \((\d+) of \1 calls ran its head beside the candidate", reason), (who, reason)
+    # and re-judged from the ledger alone, each kernel is served as the run served it
+    kernels = {k.ref: k for k in kernels_of(Ledger(done.ledger))}
+    first = {op: done.heads[op].source for op in ("decode", "prefill")}
+    c001 = done.history[0]
+    assert (kernels["head:decode"].head, dict(kernels["head:decode"].other_heads)) == (None, {"prefill": first["prefill"]})
+    assert (kernels["c001"].head, dict(kernels["c001"].other_heads)) == (first[c001.op], {other["c001"]: first[other["c001"]]})
+    (_, now), = _verdicts([kernels["c001"]], "attention", cfg, pool, None, lambda k: None)
+    assert re.search(rf"{other['c001']} not implemented \((\d+) of \1 calls ran its head beside the candidate",
+                     now.stages[-1].reason), now.stages[-1].reason
+
+
+def test_a_rejudged_candidate_is_served_with_the_heads_of_its_time():
+    d0, p0 = head("decode"), head("prefill")
+    c001 = record("c001", d0, "decode", {"NUM_WARPS": 8}).model_copy(update={"outcome": "accepted"})
+    c002, c003 = record("c002", p0, "prefill", {"NUM_WARPS": 8}), record("c003", d0, "decode", {"NUM_WARPS": 2})
+    served = served_as_then({"decode": d0.source, "prefill": p0.source}, [c001, c002, c003])
+    assert served["head:decode"] == (None, {"prefill": p0.source}) and served["head:prefill"] == (None, {"decode": d0.source})
+    assert served["c001"] == (d0.source, {"prefill": p0.source})       # judged against the head it then replaced
+    assert served["c002"] == (p0.source, {"decode": c001.source})       # served with the decode head it became
+    assert served["c003"] == (c001.source, {"prefill": p0.source})
 
 
 def test_the_search_parent_moves_only_on_a_gain_beyond_the_noise_band_microbench_measured():

@@ -30,6 +30,7 @@ from harness.slot import Job
 from harness.stages import STAGE_NAMES
 
 from agent.roles.conclusion import outcome_of, speedup_of
+from agent.roles.evaluator import others_of
 from agent.run.evaluators import in_parallel
 from agent.records import CandidateRecord
 from agent.ledger.repository import Ledger
@@ -68,6 +69,11 @@ def _skipped_here(then: Verdict, now: Verdict) -> str:
     return f"{', '.join(s.name for s in skipped)} ran then, skipped here ({why})"
 
 
+def _beside(served: tuple[str | None, dict[str, str]]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
+    head, others = served
+    return head, tuple(sorted(others.items()))
+
+
 def _beat(verdict: Verdict) -> float:
     """The speedup microbench had to beat then (its parent's), so the bar is the same now."""
     bench = next((s for s in verdict.stages if s.name == "microbench"), None)
@@ -76,12 +82,38 @@ def _beat(verdict: Verdict) -> float:
 
 @dataclass(frozen=True)
 class _Kernel:
-    """One kernel to re-judge: a head or a candidate, with its verdict then (None: never evaluated then)."""
+    """One kernel to re-judge: a head or a candidate, with its verdict then (None: never evaluated then), and
+    what its replay serves beside it, as the run did: the head of its op it is judged against (None: torch's,
+    a head's own) and the other ops' heads (`served_as_then`)."""
     ref: str
     op: str
     source: str
     then: Verdict | None
     record: CandidateRecord | None = None
+    head: str | None = None
+    other_heads: tuple[tuple[str, str], ...] = ()
+
+
+def kernels_of(ran: Ledger) -> list[_Kernel]:
+    """The run's heads at its start, then its candidates in order, each with what its replay served then."""
+    started, history = ran.heads(at_start=True), ran.history()
+    served = served_as_then({op: k.source for op, k in started.items()}, history)
+    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict, None, *_beside(served[k.ref])) for k in started.values()]
+    return kernels + [_Kernel(r.id, r.op, r.source, r.verdict, r, *_beside(served[r.id])) for r in history]
+
+
+def served_as_then(heads: dict[str, str], history: list[CandidateRecord]) -> dict[str, tuple[str | None, dict[str, str]]]:
+    """Per kernel ref, the head its replay was judged against and the other ops' heads served beside it, in the
+    run's order: the heads it started from (`heads`, op -> source) judged against torch, beside each other; each
+    candidate against its op's head at the time, the other ops' beside it; an accepted candidate its op's head
+    from then on (agent/run/drive.py serves a candidate so)."""
+    out: dict[str, tuple[str | None, dict[str, str]]] = {f"head:{op}": (None, others_of(heads, op)) for op in heads}
+    current = dict(heads)
+    for r in history:
+        out[r.id] = (current.get(r.op), others_of(current, r.op))
+        if r.outcome == "accepted" and r.source:
+            current[r.op] = r.source
+    return out
 
 
 def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, until: str | None = None,
@@ -108,8 +140,7 @@ def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, u
     now, changes = here(device), config_changes(ran, cfg)
     if resume:
         until, only = resumed(saved, ran.tip.hexsha, now, changes, until, only)
-    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict) for k in ran.heads(at_start=True).values()]
-    kernels += [_Kernel(r.id, r.op, r.source, r.verdict, r) for r in ran.history()]
+    kernels = kernels_of(ran)
     if only:
         known = [k.ref for k in kernels]
         unknown = [x for x in only if x not in known]
@@ -162,7 +193,8 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
         def started(k: _Kernel) -> Callable[[str], None]:          # told from a slot's thread as each stage starts
             return lambda stage: tell(k) if stage == STAGE_NAMES[0] else None
         try:
-            jobs = {ex.submit(Job(id=k.ref, source=k.source, until=until, beat=_beat(k.then)), on_stage=started(k)): k
+            jobs = {ex.submit(Job(id=k.ref, source=k.source, until=until, beat=_beat(k.then), head=k.head,
+                                  other_heads=dict(k.other_heads)), on_stage=started(k)): k
                     for k in todo}
             failed: HarnessError | None = None
             for fut in as_completed(jobs):
@@ -180,4 +212,5 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
     with nullcontext(pool) if pool is not None else open_pool(cfg, target, resolve_device(cfg)) as workers:
         for k in todo:
             tell(k)
-            yield k, evaluate(k.source, target, cfg, workers, until=until, beat=_beat(k.then))
+            yield k, evaluate(k.source, target, cfg, workers, until=until, beat=_beat(k.then), head=k.head,
+                              other_heads=dict(k.other_heads))
