@@ -68,6 +68,7 @@ class TokenEvent:
     logprob: float                    # the model's logprob of `token`
     top: list[tuple[int, float]]     # the engine's top_k most likely tokens and their logprobs, best first
     finished: bool
+    step: int = -1                    # the engine step that made it (0, 1, ...): the order of its work, on its own clock
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Engine:
             token, logprob = top[0] if f < 0 else (f, row[2 * k])
             s.generated.append(token)
             done = len(s.generated) >= s.req.max_tokens
-            events.append(TokenEvent(s.req.id, token, logprob, top, done))
+            events.append(TokenEvent(s.req.id, token, logprob, top, done, self.steps))
             if done:
                 self._release(s)
         self.running = [s for s in new + decode if len(s.generated) < s.req.max_tokens]

@@ -13,6 +13,8 @@ no capabilities, rlimits and seccomp. It then builds the engine, warms it up, an
                          kevo_forced, kevo_score, kevo_group (optional, kevo's own extensions: no
                          other server has them)
   GET  /v1/models, /health, /kevo/stats (calls per op, fallbacks, shapes served, engine error, CUDA graphs)
+Each streamed chunk also carries `kevo_step`, the engine step that made its token (the order of the engine's
+work, which no client-side clock can tell apart from its threads' scheduling).
 Tokens are reported as "token_id:N" (vLLM's return_tokens_as_token_ids convention); text is "<N>".
 `kevo_forced`, a list of max_tokens token ids in [0, vocab), is teacher forcing: the server appends
 those tokens instead of its own choices and reports, for each, the model's logprob of the forced
@@ -210,7 +212,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
     def chunk(rid: str, ev, n: int | None, offset: int) -> dict:
         return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": 0, "text": f"<{ev.token}>", "logprobs": None if n is None else logprobs_of(ev, n, offset),
-                             "finish_reason": "length" if ev.finished else None}]}
+                             "finish_reason": "length" if ev.finished else None}], "kevo_step": ev.step}
 
     async def completions(request: web.Request):
         try:
