@@ -2,6 +2,7 @@
 list of every subcommand's exit statuses (each subcommand's `--help` shows its own). Parsing a command
 line imports nothing heavy: the registries' names (targets, stages) are filled into help only when help
 is shown.
+UsageError, the error a subcommand raises for a command line it cannot run, is here too.
 Not here: what a subcommand does, or how an error becomes an exit status (agent/cli.py).
 """
 from __future__ import annotations
@@ -35,6 +36,10 @@ EXIT_CODES: dict[str, dict[int, str]] = {
                2: _COMMAND_FAILED, 130: "interrupted; re-judging keeps the kernels it finished (--resume)",
                141: _CUT_SHORT},
 }
+
+
+class UsageError(Exception):
+    """The command cannot run as asked (any subcommand's: `main` makes it exit 2); the message is one line."""
 
 
 def _exit_codes(command: str) -> str:

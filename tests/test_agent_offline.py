@@ -259,8 +259,8 @@ def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_j
     kernels = {k.ref: k for k in kernels_of(Ledger(done.ledger))}
     first = {op: done.heads[op].source for op in ("decode", "prefill")}
     c001 = done.history[0]
-    assert (kernels["head:decode"].head, dict(kernels["head:decode"].other_heads)) == (None, {"prefill": first["prefill"]})
-    assert (kernels["c001"].head, dict(kernels["c001"].other_heads)) == (first[c001.op], {other["c001"]: first[other["c001"]]})
+    assert (kernels["head:decode"].head, kernels["head:decode"].other_heads) == (None, {"prefill": first["prefill"]})
+    assert (kernels["c001"].head, kernels["c001"].other_heads) == (first[c001.op], {other["c001"]: first[other["c001"]]})
     (_, now), = _verdicts([kernels["c001"]], "attention", cfg, pool, None, lambda k: None)
     assert re.search(rf"{other['c001']} not implemented \((\d+) of \1 calls ran its head beside the candidate",
                      now.stages[-1].reason), now.stages[-1].reason

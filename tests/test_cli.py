@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 import candidates as C
-from agent.cli import COMMANDS, UsageError, _read_candidate, main
+from agent.cli import COMMANDS, main
+from agent.cli_evaluate import read_candidate
+from agent.cli_parser import UsageError
 from agent.cli_parser import EXIT_CODES
 from conftest import CPU_GATES, ROOT, config_with
 from harness.stages import STAGE_NAMES
@@ -231,5 +233,5 @@ def test_a_candidate_path_that_cannot_be_read_says_why(tmp_path):
            "latin1.py": "cannot read (not UTF-8 text: invalid continuation byte at byte 5)"}
     for name, words in why.items():
         with pytest.raises(UsageError) as err:
-            _read_candidate(tmp_path / name)
+            read_candidate(tmp_path / name)
         assert str(err.value).startswith(f"{tmp_path / name}: {words}"), (name, str(err.value))

@@ -21,7 +21,7 @@ from harness.served.launch import embedded_spec
 from harness.served.model import random_weights
 from harness.served.ops import AttentionOps
 from harness.served.traces import TraceRequest
-from harness.stages.microbench import _burst_ms
+from harness.stages.clock_check import burst_ms
 from harness.targets import TARGETS, configured
 from harness.targets.attention_baselines import DECODE_BASELINES, decode_clamped, decode_masked
 from test_config import edited, write
@@ -81,7 +81,7 @@ def test_the_clock_check_captures_and_bursts_in_the_configured_calls_per_graph()
         return SimpleNamespace(ok=True, graph=True, error="", get=lambda key, default=None: default)
 
     ctx = SimpleNamespace(cfg=cfg, target=configured("attention", cfg), request=request)
-    _burst_ms(ctx, "decode", "baseline", per_call_ms=1.0)
+    burst_ms(ctx, "decode", "baseline", per_call_ms=1.0)
     prepare, *bursts = sent
     assert prepare["prepare"] and prepare["per_graph"] == 7 and prepare["baseline"] == "masked"
     assert len(bursts) == 2 * cfg.stages.microbench.clock_check_rounds

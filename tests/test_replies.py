@@ -26,6 +26,7 @@ from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.replies import MalformedReply, loads, parse
 from harness.slot import Job
+from harness.stages import clock_check as cc
 from harness.stages import microbench as mb
 from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS
@@ -165,8 +166,8 @@ RATIO = config_with().stages.microbench.clock_check_ratio
     lambda: mb.check_stream("c", NAN, 1.0, 0.5), lambda: mb.check_stream("c", 1.0, NAN, 0.5),
     lambda: mb.check_floor("c", NAN, 0.01, "events"), lambda: mb.check_floor("c", 0.5, NAN, "events"),
     lambda: mb.check_floor("c", 0.001, 0.01, "events"),
-    lambda: mb.check_clock("c", NAN, 1.0, RATIO), lambda: mb.check_clock("c", 1.0, NAN, RATIO),
-    lambda: mb.check_clock("c", 0.75, 1.0, RATIO),
+    lambda: cc.check_clock("c", NAN, 1.0, RATIO), lambda: cc.check_clock("c", 1.0, NAN, RATIO),
+    lambda: cc.check_clock("c", 0.75, 1.0, RATIO),
     lambda: mb.check_trusted_baseline("c", NAN, 1.0, 0.25), lambda: mb.check_trusted_baseline("c", 1.0, NAN, 0.25),
     lambda: mb.check_trusted_baseline("c", 1.0, 0.0, 0.25),
 ], ids=["stream-cand", "stream-busy", "floor-cand", "floor-floor", "floor-under", "clock-cand", "clock-wall-c",
@@ -179,18 +180,18 @@ def test_every_microbench_guard_rejects_nan_and_what_it_guards_against(guard):
 def test_honest_figures_pass_the_microbench_guards():
     mb.check_stream("c", 1.0, 1.2, 0.5)
     mb.check_floor("c", 0.5, 0.01, "events")
-    mb.check_clock("c", 0.5177, 0.5048, RATIO)  # the TMA prefill at 1 x 8192 in the short rounds (H200, fifteenth session)
-    mb.check_clock("c", 0.1082, 0.0991, RATIO)  # and at 4 x 512-2048: the clock faster (its inputs warm in the L2)
-    mb.check_clock("c", 0.9, 1.0, RATIO)
+    cc.check_clock("c", 0.5177, 0.5048, RATIO)  # the TMA prefill at 1 x 8192 in the short rounds (H200, fifteenth session)
+    cc.check_clock("c", 0.1082, 0.0991, RATIO)  # and at 4 x 512-2048: the clock faster (its inputs warm in the L2)
+    cc.check_clock("c", 0.9, 1.0, RATIO)
     mb.check_trusted_baseline("c", 1.0, 1.1, 0.25)
 
 
 def test_the_candidate_counts_at_the_slower_of_its_events_and_the_evaluators_clock():
     # c003 of the H200 run h200-accept (fifteenth session): 2.80x by the events, 2.01x by the clock
-    assert 0.2723 / mb.counted_ms(0.0971, 0.2723, 0.1153, 0.2322) == pytest.approx(0.2322 / 0.1153)
+    assert 0.2723 / cc.counted_ms(0.0971, 0.2723, 0.1153, 0.2322) == pytest.approx(0.2322 / 0.1153)
     # the clock's bursts faster for the candidate than for the baseline (its inputs warm in the L2): the events count
-    assert mb.counted_ms(0.0677, 0.2617, 0.0573, 0.2490) == 0.0677
-    assert math.isnan(mb.counted_ms(0.0677, 0.2617, NAN, 0.2490))     # a NaN from the clock never counts as fast
+    assert cc.counted_ms(0.0677, 0.2617, 0.0573, 0.2490) == 0.0677
+    assert math.isnan(cc.counted_ms(0.0677, 0.2617, NAN, 0.2490))     # a NaN from the clock never counts as fast
 
 
 @pytest.mark.parametrize("synced, streamed, words", [

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from concurrent.futures import as_completed
 from contextlib import closing, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -69,11 +69,6 @@ def _skipped_here(then: Verdict, now: Verdict) -> str:
     return f"{', '.join(s.name for s in skipped)} ran then, skipped here ({why})"
 
 
-def _beside(served: tuple[str | None, dict[str, str]]) -> tuple[str | None, tuple[tuple[str, str], ...]]:
-    head, others = served
-    return head, tuple(sorted(others.items()))
-
-
 def _beat(verdict: Verdict) -> float:
     """The speedup microbench had to beat then (its parent's), so the bar is the same now."""
     bench = next((s for s in verdict.stages if s.name == "microbench"), None)
@@ -91,15 +86,15 @@ class _Kernel:
     then: Verdict | None
     record: CandidateRecord | None = None
     head: str | None = None
-    other_heads: tuple[tuple[str, str], ...] = ()
+    other_heads: dict[str, str] = field(default_factory=dict)
 
 
 def kernels_of(ran: Ledger) -> list[_Kernel]:
     """The run's heads at its start, then its candidates in order, each with what its replay served then."""
     started, history = ran.heads(at_start=True), ran.history()
     served = served_as_then({op: k.source for op, k in started.items()}, history)
-    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict, None, *_beside(served[k.ref])) for k in started.values()]
-    return kernels + [_Kernel(r.id, r.op, r.source, r.verdict, r, *_beside(served[r.id])) for r in history]
+    kernels = [_Kernel(k.ref, k.op, k.source, k.verdict, None, *served[k.ref]) for k in started.values()]
+    return kernels + [_Kernel(r.id, r.op, r.source, r.verdict, r, *served[r.id]) for r in history]
 
 
 def served_as_then(heads: dict[str, str], history: list[CandidateRecord]) -> dict[str, tuple[str | None, dict[str, str]]]:
@@ -194,7 +189,7 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
             return lambda stage: tell(k) if stage == STAGE_NAMES[0] else None
         try:
             jobs = {ex.submit(Job(id=k.ref, source=k.source, until=until, beat=_beat(k.then), head=k.head,
-                                  other_heads=dict(k.other_heads)), on_stage=started(k)): k
+                                  other_heads=k.other_heads), on_stage=started(k)): k
                     for k in todo}
             failed: HarnessError | None = None
             for fut in as_completed(jobs):
@@ -213,4 +208,4 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
         for k in todo:
             tell(k)
             yield k, evaluate(k.source, target, cfg, workers, until=until, beat=_beat(k.then), head=k.head,
-                              other_heads=dict(k.other_heads))
+                              other_heads=k.other_heads)

@@ -242,11 +242,11 @@ class _Drive:
     def judge_one(self, p: Proposal, parent: Kernel) -> Judged:
         """One candidate, in its judge thread: its rounds on the evaluator, then what the evaluator adds."""
         run, ev = self.run, self.run.evaluator
-        beside = others_of({op: k.source for op, k in run.heads.items()}, p.op)
+        others = others_of({op: k.source for op, k in run.heads.items()}, p.op)
         try:
             record, exchanges, stop = judge(
                 p, parent, run.proposer, run.cfg, run.settings.target, None, head=run.heads.get(p.op),
-                evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head, other_heads=beside,
+                evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head, other_heads=others,
                                                                      on_stage=lambda name: self.news(p.id, name)))
             trailers, sick = ev.after(record, say=lambda text: run.view.update(activity=text))
         finally:
