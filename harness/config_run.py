@@ -133,7 +133,7 @@ class ExecutorConfig(Strict):
     verdict_cache: bool = True                 # reuse a verdict whose inputs are all unchanged (harness/verdicts.py)
     health_retry_s: float = Field(default=5.0, ge=0)   # a device failing its health check is checked once more after this
     dask: DaskConfig
-    slots_per_gpu: int = Field(ge=1)   # CUDA: slot processes per GPU; only the timed stages hold it alone (harness/lease.py)
+    slots_per_gpu: int = Field(ge=1)   # CUDA: slot processes per GPU; microbench holds it alone, the replay whole (harness/lease.py)
 
     @field_validator("gpus")
     @classmethod

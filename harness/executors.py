@@ -7,7 +7,9 @@ future `Done` (harness/slot.py). `LocalExecutor` starts `executor.slots_per_gpu`
 own share of the cores; a slot thread here feeds its process one job at a time. The slots of one GPU
 share its lease (harness/lease.py), held here: a slot's process asks for it before each stage and its
 thread grants it, alone for a timed stage, shared for any other and for a health check, so no two
-timed stages and no timed stage and anything else of kevo's ever share a GPU. A slot silent for longer
+timed stages and no timed stage and anything else of kevo's ever share a GPU; the replay holds it whole,
+and a slot of its GPU in a job meanwhile is parked: it ends the job (its candidate's worker closed, its
+memory handed back) and the job is re-queued first in line, not counted as lost (`parked`). A slot silent for longer
 than its stage can take while it holds a lease is killed (`silence_limit_s`), which releases it. A
 slot that fails its health check, at start or after a job whose worker crashed, hung or hit a CUDA error, is taken out
 and the rest go on; with none left, submitting is an error. A slot process that dies mid-job is
@@ -30,7 +32,7 @@ from typing import Callable, Protocol
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
-from harness.lease import Holding, Lease, mode_of
+from harness.lease import Holding, Lease, Parked, mode_of
 from harness.pins import local_pins, slot_config
 from harness.slot import Done, Job, Pin, needs_check
 
@@ -70,6 +72,7 @@ class LocalExecutor:
             raise HarnessError("two evaluation slots share a name: " + ", ".join(p.name for p in self.pins))
         self.removed: dict[str, str] = {}          # slot name -> why it was taken out
         self.requeued: dict[str, int] = {}         # job id -> times its slot was lost under it
+        self.parked: dict[str, int] = {}           # job id -> times it was parked for a replay on its GPU
         self._live: set[str] = set()
         self._busy: dict[str, str] = {}
         self._scratch: dict[str, str] = {}          # slot name -> its pool's folder (removed if the slot is killed)
@@ -188,7 +191,9 @@ class LocalExecutor:
                     why = f"{pin.name}: the slot thread failed: {type(e).__name__}: {e}"     # nor the queue's
                     settle(entry.future, error=EvaluationLost(f"{entry.job.id}: {why}"))
                     return self._take_out(pin, why)
-                if outcome in ("lost", "hung"):
+                if outcome == "parked":
+                    self._unpark(entry)
+                elif outcome in ("lost", "hung"):
                     conn.close()
                     proc.wait()
                     if self._closed:                # killed by close(): no new slot process, no requeue
@@ -234,16 +239,20 @@ class LocalExecutor:
         return why
 
     def _run(self, conn, entry: _Entry, holding: Holding, proc: subprocess.Popen) -> str:
-        """'done', 'check' (done, but the slot must be checked first), 'lost' or 'hung' (killed). Each stage
-        the slot asks for starts once its GPU's lease is held here as the stage needs; released at the end."""
+        """'done', 'check' (done, but the slot must be checked first), 'parked' (to run again), 'lost' or 'hung'
+        (killed). The job begins once no replay drains or holds its GPU; each stage the slot asks for starts once
+        its GPU's lease is held here as the stage needs; released, and the job ended, at the end."""
+        if not holding.begin_job():
+            return "lost"                           # the executor is closing
         try:
             conn.send(("job", entry.job.model_dump_json()))
         except OSError:
+            holding.end_job()
             return "lost"
         try:
             return self._answer(conn, entry, holding, proc)
         finally:
-            holding.release()
+            holding.end_job()
 
     def _answer(self, conn, entry: _Entry, holding: Holding, proc: subprocess.Popen) -> str:
         callback_error: Exception | None = None
@@ -257,8 +266,11 @@ class LocalExecutor:
             except (EOFError, OSError):
                 return "lost"
             if kind == "stage":
-                if not holding.hold(mode_of(payload)):
-                    return "lost"                   # the executor is closing
+                try:
+                    if not holding.hold(mode_of(payload)):
+                        return "lost"               # the executor is closing
+                except Parked:
+                    return self._park(conn, entry, proc, payload)
                 stage = payload
                 try:
                     conn.send(("go", payload))
@@ -281,6 +293,33 @@ class LocalExecutor:
                 return "check"
             settle(entry.future, done, callback_error)
             return "check" if needs_check(done.verdict) else "done"
+
+    def _park(self, conn, entry: _Entry, proc: subprocess.Popen, stage: str) -> str:
+        """Tell the slot, waiting for its `stage`, to end its job and give its GPU memory back; 'parked' once
+        it says it did, else as `_answer` would say of a slot that fails to."""
+        try:
+            conn.send(("park", stage))
+            if not conn.poll(silence_limit_s(self.cfg, None, self.slack_s)):
+                proc.kill()
+                return "hung"
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            return "lost"
+        if (kind, payload) != ("parked", entry.job.id):
+            settle(entry.future, error=EvaluationLost(f"{entry.job.id}: the slot answered {str((kind, payload))[:100]} "
+                                                      "when told to park"))
+            return "check"
+        return "parked"
+
+    def _unpark(self, entry: _Entry) -> None:
+        """A parked job, first in line again; a park is no loss (requeue_limit does not count it)."""
+        with self._cond:
+            self.parked[entry.job.id] = self.parked.get(entry.job.id, 0) + 1
+            if self._closed:
+                entry.future.cancel()
+            else:
+                self._queue.appendleft(entry)
+                self._cond.notify()
 
     def _requeue(self, entry: _Entry, why: str) -> None:
         with self._cond:

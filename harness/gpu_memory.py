@@ -88,7 +88,7 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
     return (f"the replay's {servers} servers need {need / gib:.1f} GiB of GPU memory ({servers} x "
             f"served.gpu_memory_fraction {fraction:g} of {total / gib:.1f} GiB, plus served.gpu_overhead_bytes "
             f"{overhead / gib:.2f} GiB each) and {free / gib:.1f} GiB is free: other processes hold the rest "
-            f"(another slot's workers and reserve, with executor.slots_per_gpu above 1?)")
+            f"(the other slots of this GPU hand theirs back first: a process that is not kevo's?)")
 
 
 def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> int:

@@ -68,8 +68,8 @@ def local_pins(cfg: Config, per_gpu: int | None = None) -> list[Pin]:
         missing = "-1" if seen else None
         n = ex.slots_per_gpu if per_gpu is None else per_gpu
         slots = [(i, k, names[i] if i < len(names) else (missing or str(i))) for i in indices for k in range(n)]
-        return [Pin(name=f"gpu{i}" if n == 1 else f"gpu{i}.{k}", device="cuda", visible=gpu, cpus=cpus, lease=f"gpu:{gpu}")
-                for (i, k, gpu), cpus in zip(slots, core_shares(len(slots), ex.slot_cores))]
+        return [Pin(name=f"gpu{i}" if n == 1 else f"gpu{i}.{k}", device="cuda", visible=gpu, cpus=cpus, lease=f"gpu:{gpu}",
+                    shared=n > 1) for (i, k, gpu), cpus in zip(slots, core_shares(len(slots), ex.slot_cores))]
     return [Pin(name=f"cpu{i}", device="cpu", cpus=s) for i, s in enumerate(core_shares(ex.cpu_slots, ex.slot_cores))]
 
 

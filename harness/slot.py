@@ -12,6 +12,9 @@ and a run in the loop's own pool) is a known sum computed on the device in the c
 thread: on a GPU it starts the caller's CUDA context) while a tiny Triton kernel with a known answer runs
 in a fresh sandboxed worker (`Pool.check_health`); both must come out right, and a device that fails
 either is checked once more after executor.health_retry_s (a fault may be passing).
+A slot of a GPU that other slots share (`Pin.shared`) hands its working memory back after every job, and a
+slot told to park (another slot's replay needs the GPU whole: harness/lease.py) ends its job at once, its
+candidate's worker closed and its memory handed back, and says so; the executor runs the job again later.
 A slot records what its start-ups took (its pool's, its health checks': `Done.startup`, Span records).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
 same inputs comes back marked `cached_from`, with no stage run.
@@ -37,6 +40,8 @@ from pydantic import BaseModel, ConfigDict
 from harness.config import Config
 from harness.errors import HarnessError
 from harness.evaluate import resolve_device
+from harness.gpu_memory import release
+from harness.lease import Parked
 from harness.pool import Pool
 from harness.records import Span, Verdict
 from harness.verdicts import evaluate_cached
@@ -79,6 +84,7 @@ class Pin(BaseModel):
     visible: str | None = None        # the CUDA_VISIBLE_DEVICES value (an index or a GPU UUID)
     cpus: tuple[int, ...] = ()        # empty: leave the affinity as it is
     lease: str = ""                   # the key of the GPU lease the slot shares with the others on its GPU ("": its own)
+    shared: bool = False              # other slots share its GPU: it holds no working memory between jobs
 
 
 def _known_sum(device: torch.device | str) -> str:
@@ -311,6 +317,12 @@ class Slot:
         return Done(id=job.id, verdict=verdict, slot=self.name, started=started, ended=time.time(), spans=spans,
                     startup=startup)
 
+    def give_back(self) -> None:
+        """Hand this process's working GPU memory back to the device (the flush buffer and the CUDA context
+        stay); the next job's first stage takes it again (harness/gpu_memory.py)."""
+        if self.pin is not None and self.pin.device == "cuda":
+            release(self.device())
+
     def scratch(self) -> str:
         """The pool's scratch folder, for whoever must clean up after this process is killed."""
         return str(self.pool.root) if self.pool is not None else ""
@@ -325,8 +337,9 @@ def serve(fd: int) -> None:
     """A slot process (`python -m harness.slot FD`, started by harness/executors.py). The first message
     on FD is (config JSON, target, pin JSON); then it answers ("check",) and ("job", JSON) until FD
     closes. Before each stage of a job it sends ("stage", name) and waits for ("go", name): the grant of
-    its GPU's lease, held by the executor. SIGTERM ends it with its pool closed; SIGINT is left to the
-    process that started it."""
+    its GPU's lease, held by the executor; or ("park", name): it ends the job there (`Parked`: the candidate's
+    worker closed on the way out of `evaluate`), hands its memory back and answers ("parked", job id).
+    SIGTERM ends it with its pool closed; SIGINT is left to the process that started it."""
     from harness.sandbox import die_with_parent
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -348,15 +361,20 @@ def serve(fd: int) -> None:
 
             def granted(name: str) -> None:
                 conn.send(("stage", name))
-                if (reply := conn.recv()) != ("go", name):
+                if (reply := conn.recv()) == ("park", name):
+                    raise Parked(name)
+                if reply != ("go", name):
                     raise HarnessError(f"the executor answered {str(reply)[:100]} to a request for the {name} stage")
 
             try:
-                done = slot.run(job, on_stage=granted)
+                reply = ("done", slot.run(job, on_stage=granted).model_dump_json())
+            except Parked:
+                reply = ("parked", job.id)
             except HarnessError as e:
-                conn.send(("error", str(e)))
-                continue
-            conn.send(("done", done.model_dump_json()))
+                reply = ("error", str(e))
+            if slot.pin.shared or reply[0] == "parked":     # before the executor counts this slot's memory free
+                slot.give_back()
+            conn.send(reply)
     finally:
         slot.close()
 

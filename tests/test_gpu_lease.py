@@ -19,10 +19,10 @@ from candidates import REF_DECODE
 from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
 from harness.executors import LocalExecutor
-from harness.lease import Holding, Lease, LeaseState, mode_of
+from harness.lease import Holding, Lease, LeaseState, Parked, mode_of
 from harness.pins import core_shares, slot_config
 from harness.slot import Job, Pin
-from harness.stages import STAGE_NAMES, TIMED_STAGES
+from harness.stages import STAGE_NAMES, TIMED_STAGES, WHOLE_GPU_STAGES
 
 KEY = "gpu:one"          # the lease both CPU slots share, as two slots of one GPU do
 
@@ -35,18 +35,36 @@ def until(condition, what: str, limit_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def acquiring(lease: Lease, holder: str, mode: str) -> tuple[threading.Thread, list[bool]]:
-    got: list[bool] = []
-    t = threading.Thread(target=lambda: got.append(lease.acquire(holder, mode)), daemon=True)
+def acquiring(lease: Lease, holder: str, mode: str) -> tuple[threading.Thread, list]:
+    """`holder` asks in a thread; what it got lands in the list: True, False (closed) or the Parked it raised."""
+    got: list = []
+
+    def ask() -> None:
+        try:
+            got.append(lease.acquire(holder, mode))
+        except Parked as e:
+            got.append(e)
+
+    t = threading.Thread(target=ask, daemon=True)
     t.start()
     return t, got
 
 
+def parks(lease: Lease, holder: str, mode: str) -> bool:
+    """`holder` asks, in a thread so that a wait shows as a failure and not a hang: was it parked at once?"""
+    t, got = acquiring(lease, holder, mode)
+    t.join(5)
+    if t.is_alive():
+        lease.close()                                             # it waits: wake it, so the test ends
+        t.join(5)
+    return len(got) == 1 and isinstance(got[0], Parked)
+
+
 # -- the lease ----------------------------------------------------------------------------------------
 
-def test_timed_stages_hold_the_gpu_alone_and_every_other_stage_shares_it():
-    assert TIMED_STAGES == {"microbench", "replay"} and TIMED_STAGES < set(STAGE_NAMES)
-    assert [mode_of(s) for s in STAGE_NAMES] == ["shared", "shared", "shared", "alone", "alone"]
+def test_timed_stages_hold_the_gpu_alone_the_replay_whole_and_every_other_stage_shares_it():
+    assert TIMED_STAGES == {"microbench", "replay"} and WHOLE_GPU_STAGES == {"replay"} and TIMED_STAGES < set(STAGE_NAMES)
+    assert [mode_of(s) for s in STAGE_NAMES] == ["shared", "shared", "shared", "alone", "whole"]
 
 
 def test_shared_holders_hold_together_and_a_holder_alone_waits_for_all_of_them():
@@ -138,11 +156,86 @@ def test_releasing_a_holder_frees_what_it_held_in_either_mode_and_closing_wakes_
     assert not lease.state().waiting_alone and not lease.state().waiting_shared
 
 
+def test_a_replay_holds_the_gpu_whole_once_every_other_slots_job_has_ended_and_parks_each_that_asks_meanwhile():
+    lease = Lease(KEY)
+    for holder in ("a", "b", "w"):
+        assert lease.begin_job(holder)
+    assert lease.acquire("a", "shared")                           # a in its parity
+    tw, got_w = acquiring(lease, "w", "whole")                    # w's replay: first in line, the GPU drains for it
+    until(lambda: lease.state().draining == "w", "w drains the GPU")
+    assert parks(lease, "b", "shared")                            # b, in a job, asks for its next stage: parked
+    lease.end_job("b")                                            # b's slot ended its job (worker closed, memory back)
+    lease.release("a")
+    assert parks(lease, "a", "alone")                             # a's parity is over; its microbench is parked too
+    assert not got_w and lease.state().jobs == {"a", "w"}         # a's job has not ended yet: w still waits
+    th, got_h = acquiring(lease, "h", "shared")                   # a health check is no job: it waits, unparked
+    until(lambda: "h" in lease.state().waiting_shared, "h waits")
+    begun: list[bool] = []
+    tc = threading.Thread(target=lambda: begun.append(lease.begin_job("c")), daemon=True)
+    tc.start()                                                    # no job begins while the GPU drains or is held whole
+    lease.end_job("a")
+    tw.join(10)
+    assert got_w == [True] and lease.state().alone == "w" and lease.state().jobs == {"w"}
+    assert not begun and not got_h and tc.is_alive()
+    lease.release("w")                                            # the replay is over
+    tc.join(10)
+    th.join(10)
+    assert begun == [True] and got_h == [True] and lease.state().draining is None and lease.state().shared == {"h"}
+
+
+def test_a_timed_stage_first_in_line_goes_before_a_replay_and_is_not_parked_by_it():
+    lease = Lease(KEY)
+    for holder in ("m", "w"):
+        assert lease.begin_job(holder)
+    assert lease.acquire("x", "shared")
+    tm, got_m = acquiring(lease, "m", "alone")
+    until(lambda: lease.state().waiting_alone == ("m",), "m waits")
+    tw, got_w = acquiring(lease, "w", "whole")
+    until(lambda: lease.state().waiting_alone == ("m", "w"), "w waits behind m")
+    assert lease.state().draining is None                         # w is not first in line: nothing drains yet
+    lease.release("x")
+    tm.join(10)
+    assert got_m == [True] and lease.state().alone == "m"
+    lease.release("m")                                            # m's microbench done: now w is first, and m's job
+    until(lambda: lease.state().draining == "w", "w drains")      # must end before w holds the GPU whole
+    assert not got_w
+    lease.end_job("m")
+    tw.join(10)
+    assert got_w == [True]
+
+
+def test_a_second_replay_asked_for_while_the_gpu_drains_for_the_first_is_parked():
+    lease = Lease(KEY)
+    for holder in ("w1", "w2"):
+        assert lease.begin_job(holder)
+    t1, got1 = acquiring(lease, "w1", "whole")
+    until(lambda: lease.state().draining == "w1", "w1 drains the GPU")
+    assert parks(lease, "w2", "whole")                            # w2's candidate passed microbench too: parked
+    assert lease.state().waiting_alone == ("w1",) and not got1
+    lease.end_job("w2")
+    t1.join(10)
+    assert got1 == [True] and lease.state().alone == "w1"
+
+
+def test_closing_the_lease_wakes_a_drain_and_a_job_waiting_to_begin():
+    lease = Lease(KEY)
+    assert lease.begin_job("a") and lease.begin_job("w")
+    tw, got_w = acquiring(lease, "w", "whole")
+    until(lambda: lease.state().draining == "w", "w drains")
+    begun: list[bool] = []
+    tc = threading.Thread(target=lambda: begun.append(lease.begin_job("c")), daemon=True)
+    tc.start()
+    lease.close()
+    tw.join(10)
+    tc.join(10)
+    assert got_w == [False] and begun == [False] and lease.state().draining is None
+
+
 def test_slots_per_gpu_is_a_positive_count_named_when_wrong(tmp_path):
     src = (ROOT / "config.yaml").read_text()
-    assert "\n  slots_per_gpu: 1\n" in src
+    assert "\n  slots_per_gpu: 2\n" in src
     path = tmp_path / "config.yaml"
-    path.write_text(src.replace("\n  slots_per_gpu: 1\n", "\n  slots_per_gpu: 0\n", 1))
+    path.write_text(src.replace("\n  slots_per_gpu: 2\n", "\n  slots_per_gpu: 0\n", 1))
     with pytest.raises(ConfigError, match="executor.slots_per_gpu: Input should be greater than or equal to 1"):
         load_config(path)
 
@@ -285,3 +378,53 @@ def test_on_a_gpu_two_slots_overlap_cheap_stages_and_no_stage_runs_beside_a_micr
     pairs = [(x, y) for sx, x in spans for sy, y in spans if sx != sy and overlaps(x, y)]
     assert not [(x.name, y.name) for x, y in pairs if x.name in TIMED_STAGES or y.name in TIMED_STAGES], spans
     assert pairs                                                  # the cheap stages did run side by side
+
+
+def test_a_replay_parks_the_job_another_slot_of_its_gpu_is_in_and_that_job_runs_again_after_it(one_gpu):
+    lease = one_gpu.leases[KEY]
+    parked_before = dict(one_gpu.parked)
+    other: list = []
+    p_stages = Stages()
+
+    def begin_the_other_job() -> None:                            # w1 holds the GPU alone (its microbench): p1
+        other.append(one_gpu.submit(Job(id="p1", source=REF_DECODE, until="parity"), on_stage=p_stages))
+        until(lambda: "p1" in one_gpu.running().values() and slot_of(one_gpu, "p1") in
+              lease.state().waiting_shared | lease.state().shared, "p1 asks for its compile")    # begins its job
+
+    w_stages = Stages({"microbench": begin_the_other_job})
+    w = one_gpu.submit(Job(id="w1", source=REF_DECODE, until="replay"), on_stage=w_stages)
+    done_w = w.result(timeout=300)
+    done_p = other[0].result(timeout=300)
+    assert done_w.verdict.failed_stage is None and done_p.verdict.ok, (done_w.verdict.reason, done_p.verdict.reason)
+    assert w_stages.seen == ["compile", "dispatch", "parity", "microbench", "replay"]
+    assert one_gpu.parked.get("p1", 0) - parked_before.get("p1", 0) == 1 and "p1" not in one_gpu.requeued
+    # parked at its first ask for a stage after w1 asked for the replay: before its compile ran, or after it
+    assert p_stages.seen in (["compile", "dispatch", "parity"], ["compile", "compile", "dispatch", "parity"]), p_stages.seen
+    replay = done_w.spans[-1]
+    assert replay.name == "replay" and [s.name for s in done_p.spans] == ["compile", "dispatch", "parity"]
+    assert all(s.start >= replay.end for s in done_p.spans), (replay, done_p.spans)     # run again after the replay
+    assert lease.state() == LeaseState(None, frozenset(), (), frozenset())           # no job, no drain left behind
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")
+def test_on_a_gpu_a_replay_parks_the_other_slots_job_and_its_three_servers_fit_beside_that_slot():
+    cfg = config_with(**{"executor.gpus": [0], "executor.slots_per_gpu": 2, "served.cuda.window_s": 10})
+    with LocalExecutor(cfg, "attention") as ex:
+        lease = next(iter(ex.leases.values()))
+        other: list = []
+
+        def begin_the_other_job() -> None:                        # the replay's job holds the GPU alone (microbench)
+            other.append(ex.submit(Job(id="o1", source=REF_DECODE, until="parity")))
+            until(lambda: "o1" in ex.running().values() and slot_of(ex, "o1") in
+                  lease.state().waiting_shared | lease.state().shared, "o1 asks for its compile", 300)
+
+        w = ex.submit(Job(id="w1", source=REF_DECODE, until="replay"), on_stage=Stages({"microbench": begin_the_other_job}))
+        done_w = w.result(timeout=900)                            # servers that did not fit: a HarnessError here
+        done_o = other[0].result(timeout=900)
+    replay = done_w.verdict.stages[-1]
+    assert replay.name == "replay" and replay.status != "skipped" and "gate_passed" in replay.metrics, replay.reason
+    assert done_o.verdict.ok and ex.parked == {"o1": 1}, (done_o.verdict.reason, ex.parked)
+    assert all(s.start >= done_w.spans[-1].end for s in done_o.spans)
+    print(f"\nreplay {replay.seconds:.1f} s: {replay.reason[:300]}; evaluator held "
+          f"{replay.metrics.get('evaluator_gpu_held_gib', float('nan')):.2f} GiB; o1 parked once and judged after it")

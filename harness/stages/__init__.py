@@ -17,3 +17,6 @@ STAGE_NAMES = tuple(name for name, _ in STAGES)
 # The stages whose figures are timings (the worker's events, the replay's client clock): each holds its GPU
 # alone, with nothing else of kevo's running on it (harness/lease.py); every other stage may share it.
 TIMED_STAGES = frozenset({"microbench", "replay"})
+# The stages that start servers of the served model (three of them, most of a GPU's memory): each holds its GPU
+# alone and with every other slot of that GPU out of its job, its memory handed back (harness/lease.py, "whole").
+WHOLE_GPU_STAGES = frozenset({"replay"})
