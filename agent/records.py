@@ -154,6 +154,9 @@ class Kernel(Record):
     knobs: dict[str, Knob] = Field(default_factory=dict)
     speedup: float | None = None
     verdict: Verdict | None = None
+    # The served step's gain over torch's (roles/conclusion.py `served_over_torch`): a head's own replay against
+    # torch; an accepted candidate's gain over the head it met times that head's (chained, replays apart); None: unknown
+    served_over_torch: float | None = None
 
 
 class OpEvidence(Record):

@@ -6,8 +6,8 @@ import pytest
 
 from fakes import scripts as S
 from agent.roles.planner import parse_claim
-from agent.roles.conclusion import conclude
-from agent.records import Claim, KillTest, OpEvidence, Profile, Round
+from agent.roles.conclusion import conclude, served_over_torch
+from agent.records import Claim, Kernel, KillTest, OpEvidence, Profile, Round
 from harness.amdahl import ceiling
 from harness.records import StageResult, Verdict
 from agent.run.state import ProposalState
@@ -68,3 +68,32 @@ def test_a_replayed_candidates_conclusion_sets_its_served_gain_against_the_profi
             "4.00x on f 0.43") in learned
     no_replay = [Round(source="", verdict=Verdict.of(stages[:2]))]
     assert "served over" not in conclude(c, "passed", "microbench", "", no_replay, "head:decode", 1.2).learned
+
+
+def _replayed(gain: float, head_is_torch: bool, gate_passed: bool = True) -> Verdict:
+    return Verdict.of([StageResult.passed("microbench", "ok", speedup=1.44),
+                       StageResult(name="replay", status="passed" if gain > 0.01 else "failed", reason="replayed",
+                                   metrics={"gain": gain, "gain_lower": gain - 0.013, "tpot_p90_speedup": 0.99,
+                                            "head_is_torch": float(head_is_torch), "gate_passed": float(gate_passed)})])
+
+
+def test_a_candidate_judged_against_its_head_is_placed_against_torch_through_the_heads_own_replay_and_said_so():
+    # the H200 run h200-b (2026-12-03): the tiled prefill head served -3.0% against torch in its own replay; the
+    # TMA family +2.9% against that head; so about -0.2% against torch, chained through two replays
+    head = Kernel(ref="head:prefill", op="prefill", path="heads/prefill.py", source="",
+                  served_over_torch=served_over_torch(_replayed(-0.030, head_is_torch=True)))
+    assert head.served_over_torch == pytest.approx(-0.030)
+    verdict = _replayed(0.029, head_is_torch=False)
+    chained = served_over_torch(verdict, head)
+    assert chained == pytest.approx(1.029 * 0.970 - 1)
+    learned = conclude(None, "accepted", "replay", verdict.reason, [Round(source="", verdict=verdict)], "head:prefill",
+                       1.39, head).learned
+    assert ("served over its head: +2.9% (lower bound +1.6%)" in learned
+            and "over torch -0.2% (chained: head:prefill served -3.0% against torch in its own replay)" in learned)
+    # no figure where one is unknown: a head never replayed against torch, gates that failed, no replay at all
+    unknown = Kernel(ref="head:prefill", op="prefill", path="heads/prefill.py", source="")
+    assert served_over_torch(verdict, unknown) is None and served_over_torch(verdict) is None
+    assert "over torch" not in conclude(None, "accepted", "replay", "", [Round(source="", verdict=verdict)],
+                                        "head:prefill", 1.39, unknown).learned
+    assert served_over_torch(_replayed(-0.030, True, gate_passed=False)) is None
+    assert served_over_torch(Verdict.of([StageResult.passed("microbench", "ok", speedup=1.44)])) is None

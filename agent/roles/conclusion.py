@@ -1,16 +1,19 @@
 """The conclusion role: after the verdict, what was learned — in a sentence or two the next planner
 reads — whether the kill test fired, predicted against observed speedup, and, where the full replay
-scored it, the served gain against the ceiling the profile gave for microbench's speedup.
+scored it, the served gain against the ceiling the profile gave for microbench's speedup, and where the
+candidate stands against torch in serving (`served_over_torch`: chained through its head's own replay).
 
 Written by code from the record, never by a model: a conclusion is a reading of the evidence, and the
 same evidence must always read the same way. Not here: the verdict itself (harness).
 """
 from __future__ import annotations
 
+import math
+
 from harness.amdahl import ceiling
 from harness.records import Verdict
 
-from agent.records import Claim, Conclusion, Outcome, Round
+from agent.records import Claim, Conclusion, Kernel, Outcome, Round
 
 _SPEED_STAGES = ("microbench", "replay")
 
@@ -42,10 +45,31 @@ def _kill_fired(claim: Claim, verdict: Verdict, observed: float | None) -> bool 
     return False
 
 
-def _served(claim: Claim | None, verdict: Verdict) -> str:
+def _replay(verdict: Verdict | None):
+    """The replay stage of a verdict, when it measured a paired gain with its gates passed."""
+    return next((s for s in verdict.stages if s.name == "replay" and "gain" in s.metrics
+                 and s.metrics.get("gate_passed") == 1.0 and math.isfinite(s.metrics["gain"])), None) if verdict else None
+
+
+def served_over_torch(verdict: Verdict | None, head: Kernel | None = None) -> float | None:
+    """The served step's gain over torch's for the kernel of `verdict`: measured, when its replay's head was
+    torch; else its gain over `head` (the head it was served beside) chained with that head's own figure,
+    (1 + g)(1 + g_head) - 1: two replays apart, on different draws, not side by side. None when either is unknown."""
+    replay = _replay(verdict)
+    if replay is None:
+        return None
+    gain = replay.metrics["gain"]
+    if replay.metrics.get("head_is_torch"):
+        return gain
+    if head is None or head.served_over_torch is None:
+        return None
+    return (1 + gain) * (1 + head.served_over_torch) - 1
+
+
+def _served(claim: Claim | None, verdict: Verdict, head: Kernel | None) -> str:
     """The replay's paired gain over the head it was served beside (torch's when it had none), set against
     Amdahl's ceiling for microbench's speedup on the claim's op share: how much of the local gain reached
-    the served step."""
+    the served step; and, against a head, the standing against torch chained through the head's own replay."""
     replay = next((s for s in verdict.stages if s.name == "replay" and "gain" in s.metrics), None)
     if replay is None:
         return ""
@@ -56,6 +80,10 @@ def _served(claim: Claim | None, verdict: Verdict) -> str:
     local = speedup_of(verdict)
     if claim is not None and local:
         text += f" against a ceiling of {ceiling(claim.op_share, local):.2f}x for {local:.2f}x on f {claim.op_share:.2f}"
+    chained = None if m.get("head_is_torch") else served_over_torch(verdict, head)
+    if chained is not None:
+        text += (f"; over torch {chained:+.1%} (chained: {head.ref} served {head.served_over_torch:+.1%} against "
+                 "torch in its own replay)")
     return text
 
 
@@ -70,7 +98,8 @@ def _why(reason: str) -> str:
 
 
 def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds: list[Round],
-             parent_ref: str, observed: float | None) -> Conclusion:
+             parent_ref: str, observed: float | None, head: Kernel | None = None) -> Conclusion:
+    """`head`: the head the replay served beside the candidate (its standing against torch is chained through it)."""
     predicted = claim.expected_speedup if claim else None
     if not rounds:
         return Conclusion(learned=_first(reason, 240), kill_test_fired=None, predicted=predicted, observed=None)
@@ -86,7 +115,7 @@ def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds:
     elif outcome != "rejected":
         skipped = [f"{s.name} skipped: {_why(s.reason)}" for s in verdict.stages if s.status == "skipped"]
         learned += "; speed not measured here" + (f" ({', '.join(skipped)})" if skipped else "")
-    learned += _served(claim, verdict)
+    learned += _served(claim, verdict, head)
     fired = _kill_fired(claim, verdict, observed) if claim else None
     if fired is not None:
         learned += f"; kill test ({claim.kill_test.stage}) {'fired' if fired else 'did not fire'}"

@@ -22,7 +22,7 @@ from harness.pool import Pool
 from harness.slot import device_health
 from harness.verdicts import evaluate_cached
 
-from agent.roles.conclusion import conclude, outcome_of, speedup_of
+from agent.roles.conclusion import conclude, outcome_of, served_over_torch, speedup_of
 from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
 from agent.llm.providers import ProviderDown, ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, Round
@@ -55,7 +55,7 @@ def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalo
     if verdict.failed_stage in CORRECTNESS_STAGES:
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
-                  speedup=speedup_of(verdict), verdict=verdict)
+                  speedup=speedup_of(verdict), verdict=verdict, served_over_torch=served_over_torch(verdict))
 
 
 def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> CandidateRecord:
@@ -99,7 +99,7 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
         source = fixed
     outcome, stage = outcome_of(rounds[-1].verdict)
     record = _record(proposal, outcome, stage, rounds[-1].verdict.reason, rounds, exchanges, parent,
-                     time.monotonic() - t0, started)
+                     time.monotonic() - t0, started, head)
     return record, exchanges, stop
 
 
@@ -130,10 +130,11 @@ def check_device(record: CandidateRecord, pool: Pool, retry_s: float, say=lambda
 
 
 def _record(proposal: Proposal, outcome: str, stage: str, reason: str, rounds: list[Round],
-            exchanges: list[Exchange], parent: Kernel | None, seconds: float, started: str) -> CandidateRecord:
+            exchanges: list[Exchange], parent: Kernel | None, seconds: float, started: str,
+            head: Kernel | None = None) -> CandidateRecord:
     speedup = speedup_of(rounds[-1].verdict) if rounds else None
     local = speedup / parent.speedup if speedup and parent is not None and parent.speedup else None
-    conclusion = conclude(proposal.claim, outcome, stage, reason, rounds, proposal.parent, local)
+    conclusion = conclude(proposal.claim, outcome, stage, reason, rounds, proposal.parent, local, head)
     return CandidateRecord(
         id=proposal.id, op=proposal.op, parent=proposal.parent, proposer=proposal.proposer, outcome=outcome,
         stage=stage, reason=reason, claim=proposal.claim, knobs=proposal.knobs, rounds=rounds, speedup=speedup,

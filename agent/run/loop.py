@@ -33,6 +33,7 @@ from agent.run.drive import drive
 from agent.run.ending import RunResult, end_text, funnel, not_run, untimed_note
 from agent.run.environment import describe
 from agent.run.evaluators import evaluator_for
+from agent.roles.conclusion import served_over_torch
 from agent.roles.evaluator import device_seconds, evaluate_head, head_source, now, others_of
 from agent.reading.figures import speed
 from agent.knowledge import gpu_arch, load_catalog
@@ -269,7 +270,8 @@ class Run:
         if known and record.outcome == "accepted":      # the bottleneck moves: a new head, a new profile
             self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
                                     source=record.source or "", knobs=record.knobs, speedup=record.speedup,
-                                    verdict=record.verdict)
+                                    verdict=record.verdict,
+                                    served_over_torch=served_over_torch(record.verdict, self.heads[op]))
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
                                        why=f"rebuilt after {record.id} became the {op} head: f derived again from "
                                            f"its microbench {record.speedup:.3f}x over torch" if record.speedup else
