@@ -1,10 +1,11 @@
 """Benchmark (not a test): kevo's attention kernels side by side with the library (issue 16's table).
 
-    python tests/bench/vs_library.py [SPEC ...] [--json PATH] [--only decode|prefill] [--rows 32x4096,...] [--graphs]
+    python tests/bench/vs_library.py [SPEC ...] [--run runs/<id> ...] [--json PATH] [--only decode|prefill] [--rows 32x4096,...] [--graphs]
     SPEC = path/to/kernel.py[:KNOB=VALUE,KNOB=VALUE...]   (repeatable; knob lines rewritten in a temp copy)
 
 With no SPEC it times the two reference kernels (knowledge/attention/decode_paged_splitkv.py,
-prefill_causal_tiled.py). Every kernel, cuDNN SDPA and flash SDPA run in this one process on the same
+prefill_causal_tiled.py). `--run DIR` adds a run's current heads and best kernels as its ledger holds them now
+(the files DIR/heads/<op>.json names, DIR/best/<op>.py; labelled `<run>:<ref>`, e.g. `h200-b:c002`). Every kernel, cuDNN SDPA and flash SDPA run in this one process on the same
 data: bf16, 32 query / 8 kv heads, head_dim 128; `triton.testing.do_bench` median with its L2 flush.
 Decode: kevo reads a paged cache (block 16, shuffled pages, a block table `--table-tokens` wide, by
 default as wide as the longest row, as a server sizes it; its unused entries point at random pages),
@@ -52,7 +53,25 @@ DEV, DT = "cuda", torch.bfloat16
 GRAPHS = False                       # --graphs: time the replay of a CUDA graph of each call
 
 
-def load_spec(spec: str, tmp: pathlib.Path):
+def run_specs(run: pathlib.Path) -> list[tuple[str, str]]:
+    """(spec, label) for a run's current heads (heads/<op>.json names each one's file: a first head, or the last
+    accepted candidate) and its best kernels (best/<op>.py) where those are other files, labelled by the run and
+    the ledger's name for each (`h200-b:head:decode`, `h200-b:c002`, `h200-b:best/prefill`)."""
+    found, seen = [], set()
+    for meta in sorted((run / "heads").glob("*.json")):
+        head = json.loads(meta.read_text())
+        path = run / head["path"]
+        found.append((str(path), f"{run.name}:{head['ref']}"))
+        seen.add(path.read_bytes())
+    for best in sorted((run / "best").glob("*.py")):
+        if best.read_bytes() not in seen:
+            found.append((str(best), f"{run.name}:best/{best.stem}"))
+    if not found:
+        raise SystemExit(f"--run {run}: no heads/*.json there (a kevo run folder: runs/<id>)")
+    return found
+
+
+def load_spec(spec: str, tmp: pathlib.Path, label: str | None = None):
     """(label, module) for `path[:K=V,...]`; knob lines `^K = ...` are rewritten in a temp copy."""
     path, _, knob_text = spec.partition(":")
     path = pathlib.Path(path)
@@ -73,7 +92,7 @@ def load_spec(spec: str, tmp: pathlib.Path):
     mod_spec = importlib.util.spec_from_file_location(target.stem, target)
     module = importlib.util.module_from_spec(mod_spec)
     mod_spec.loader.exec_module(module)
-    label = path.stem + ("[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]" if knobs else "")
+    label = (label or path.stem) + ("[" + ",".join(f"{k}={v}" for k, v in knobs.items()) + "]" if knobs else "")
     return label, module
 
 
@@ -327,6 +346,8 @@ def main(argv=None):
     global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
+    ap.add_argument("--run", type=pathlib.Path, action="append", default=[],
+                    help="a run folder (runs/<id>): add its heads and best kernels (repeatable)")
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--only", choices=["decode", "prefill"])
     ap.add_argument("--rows", help="comma list of BxL to keep, e.g. 32x4096,1x8192")
@@ -348,8 +369,10 @@ def main(argv=None):
         print("vs_library.py needs a CUDA GPU (or --dry-run)")
         return 0
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="vs_library_"))
-    specs = ([] if args.no_refs else [str(REF_DECODE), str(REF_PREFILL)]) + list(args.specs)
-    kernels = [load_spec(s, tmp) for s in specs]
+    named = [(s, None) for s in ([] if args.no_refs else [str(REF_DECODE), str(REF_PREFILL)]) + list(args.specs)]
+    named += [pair for run in args.run for pair in run_specs(run)]
+    specs = [s for s, _ in named]
+    kernels = [load_spec(s, tmp, label) for s, label in named]
     keep = set(args.rows.split(",")) if args.rows else None
     pick = lambda rows: [r for r in rows if keep is None or f"{r[0]}x{r[1]}" in keep]  # noqa: E731
     gen = torch.Generator(device=DEV).manual_seed(0)
