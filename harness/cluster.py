@@ -21,7 +21,8 @@ from concurrent.futures import Future
 
 from harness.config import Config
 from harness.errors import HarnessError
-from harness.executors import EvaluationLost, OnStage, local_pins, settle
+from harness.executors import EvaluationLost, OnStage, settle
+from harness.pins import local_pins
 from harness.slot import Done, Job, Slot, needs_check
 
 try:

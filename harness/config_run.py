@@ -124,7 +124,7 @@ class DaskConfig(Strict):
 
 
 class ExecutorConfig(Strict):
-    """Where candidates are evaluated (harness/executors.py, harness/cluster.py; docs/CLUSTER.md)."""
+    """Where candidates are evaluated (harness/executors.py, harness/local_executor.py, harness/cluster.py; docs/CLUSTER.md)."""
     kind: Literal["local", "dask"]             # local: slot processes on this machine; dask: a Dask cluster
     gpus: Literal["auto"] | list[int]          # CUDA: the GPUs given a slot each (indices among those visible)
     cpu_slots: int = Field(ge=1)               # CPU: slots, each on its own share of the cores

@@ -1,6 +1,6 @@
 """The GPU lease: which of the slots sharing one GPU may run a stage on it now.
 
-A reader-writer lease per GPU (`Lease`), held in the executor's own process (harness/executors.py), which
+A reader-writer lease per GPU (`Lease`), held in the executor's own process (harness/local_executor.py), which
 is trusted: the slot processes ask it over their pipe before each stage, and the candidates' sandboxed
 workers have no handle to it. A timed stage (`TIMED_STAGES`: microbench, the replay) holds its GPU alone;
 every other stage, and a slot's health check, holds it shared, so the compile, dispatch and parity of

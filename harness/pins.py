@@ -2,7 +2,7 @@
 process's CPU cores, the key of the GPU lease it shares with the other slots of its GPU, and its share
 of that GPU's memory (`slot_config`).
 Not here: the slots themselves (harness/slot.py), the lease (harness/lease.py), feeding them jobs
-(harness/executors.py).
+(harness/local_executor.py).
 """
 from __future__ import annotations
 

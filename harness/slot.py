@@ -3,7 +3,7 @@ at a time, with its own worker pool and a health check of its device.
 
 Every stage of a job runs in its slot, the microbench and the full scored replay included, and a
 slot runs one job at a time. Several slots may share a GPU (executor.slots_per_gpu): a slot process
-started by harness/executors.py asks its executor before each stage and waits for the grant of that
+started by harness/local_executor.py asks its executor before each stage and waits for the grant of that
 GPU's lease (harness/lease.py), so nothing else of kevo's runs on a GPU while a microbench times on it
 or a replay serves from it (docs/EVALUATOR.md). Pinning is by environment and affinity,
 set before the slot touches CUDA, so the worker pool's zygote, its workers and the replay's servers
@@ -18,7 +18,7 @@ candidate's worker closed and its memory handed back, and says so; the executor 
 A slot records what its start-ups took (its pool's, its health checks': `Done.startup`, Span records).
 A job is judged through the verdict cache (harness/verdicts.py): a verdict reached before for the
 same inputs comes back marked `cached_from`, with no stage run.
-Used by harness/executors.py (a slot process per GPU here) and harness/cluster.py (a slot per Dask
+Used by harness/local_executor.py (a slot process per GPU there) and harness/cluster.py (a slot per Dask
 worker process). `Job` and `Done` are pure data: they cross a pipe or a network as JSON.
 Not here: which slot runs which job, re-queueing, ordering (the executors).
 """
@@ -334,7 +334,7 @@ class Slot:
 
 
 def serve(fd: int) -> None:
-    """A slot process (`python -m harness.slot FD`, started by harness/executors.py). The first message
+    """A slot process (`python -m harness.slot FD`, started by harness/local_executor.py). The first message
     on FD is (config JSON, target, pin JSON); then it answers ("check",) and ("job", JSON) until FD
     closes. Before each stage of a job it sends ("stage", name) and waits for ("go", name): the grant of
     its GPU's lease, held by the executor; or ("park", name): it ends the job there (`Parked`: the candidate's

@@ -15,7 +15,8 @@ from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
-from harness.executors import InOrder, LocalExecutor
+from harness.executors import InOrder
+from harness.local_executor import LocalExecutor
 from harness.pins import core_shares, deal_cores, local_pins
 from harness.slot import Job, Pin, device_health
 

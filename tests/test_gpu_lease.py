@@ -18,7 +18,7 @@ import pytest
 from candidates import REF_DECODE
 from conftest import CUDA, ROOT, config_with, runtime_only
 from harness.config import ConfigError, load_config
-from harness.executors import LocalExecutor
+from harness.local_executor import LocalExecutor
 from harness.lease import Holding, Lease, LeaseState, Parked, mode_of
 from harness.pins import core_shares, slot_config
 from harness.slot import Job, Pin

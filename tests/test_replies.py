@@ -21,7 +21,8 @@ from test_ledger import candidate, commit, new_ledger
 
 from harness.evaluate import device_shapes
 from harness.lease import Holding, Lease
-from harness.executors import EvaluationLost, LocalExecutor, _Entry
+from harness.executors import EvaluationLost
+from harness.local_executor import LocalExecutor, _Entry
 from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.replies import MalformedReply, loads, parse

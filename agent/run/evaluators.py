@@ -18,7 +18,8 @@ from typing import Callable, Protocol
 
 from harness.config import Config
 from harness.evaluate import open_pool
-from harness.executors import Executor, local_pins, open_executor
+from harness.executors import Executor, open_executor
+from harness.pins import local_pins
 from harness.pool import Pool
 from harness.records import Verdict
 from harness.slot import Done, Job

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import candidates as C  # noqa: E402
 from harness.config import load_config  # noqa: E402
-from harness.executors import InOrder, LocalExecutor  # noqa: E402
+from harness.executors import InOrder  # noqa: E402
+from harness.local_executor import LocalExecutor  # noqa: E402
 from harness.slot import Job  # noqa: E402
 from harness.stages import TIMED_STAGES  # noqa: E402
 from harness.stages.microbench import case_figures  # noqa: E402
