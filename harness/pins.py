@@ -54,7 +54,7 @@ def deal_cores(cores: list[int], n: int, layout: str, locality: Callable[[int], 
 
 def local_pins(cfg: Config, per_gpu: int | None = None) -> list[Pin]:
     """`per_gpu` pins per GPU (None: executor.slots_per_gpu; executor.gpus: indices among the GPUs this
-    process sees), sharing that GPU's lease; or cpu_slots pins, each its own lease.
+    process sees), sharing that GPU's lease (`shared` when there are several); or cpu_slots pins, each its own lease.
     Either way each slot gets its own share of this process's CPU cores: an evaluation is mostly host
     work, and on the 2-GPU H200 host a job took about 10% longer with a second slot free to use every
     core (docs/BENCHMARKS.md, 2026-11-30 fourth session)."""

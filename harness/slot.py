@@ -319,9 +319,8 @@ class Slot:
 
     def give_back(self) -> None:
         """Hand this process's working GPU memory back to the device (the flush buffer and the CUDA context
-        stay); the next job's first stage takes it again (harness/gpu_memory.py)."""
-        if self.pin is not None and self.pin.device == "cuda":
-            release(self.device())
+        stay); the next job's first stage takes it again (harness/gpu_memory.py; nothing to do on a CPU)."""
+        release(self.device())
 
     def scratch(self) -> str:
         """The pool's scratch folder, for whoever must clean up after this process is killed."""

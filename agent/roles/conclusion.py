@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from harness.amdahl import ceiling
-from harness.records import Verdict
+from harness.records import StageResult, Verdict
 
 from agent.records import Claim, Conclusion, Kernel, Outcome, Round
 
@@ -45,7 +45,7 @@ def _kill_fired(claim: Claim, verdict: Verdict, observed: float | None) -> bool 
     return False
 
 
-def _replay(verdict: Verdict | None):
+def _replay(verdict: Verdict | None) -> StageResult | None:
     """The replay stage of a verdict, when it measured a paired gain with its gates passed."""
     return next((s for s in verdict.stages if s.name == "replay" and "gain" in s.metrics
                  and s.metrics.get("gate_passed") == 1.0 and math.isfinite(s.metrics["gain"])), None) if verdict else None
