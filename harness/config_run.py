@@ -29,6 +29,7 @@ class AgentConfig(Strict):
     max_cost_usd: float = Field(ge=0)                     # LLM spend after which a run stops
     max_device_minutes: float | None = Field(gt=0)        # evaluator stage time (all sessions) after which a run stops; null: none
     min_ceiling: float = Field(ge=1)                      # claims with a lower end-to-end ceiling are not coded
+    explore: bool = True                                  # built-in proposer: measure untried steps once none is worth coding
     compile_repair_rounds: int = Field(ge=0)              # repair rounds for an LLM candidate that fails to compile
     history_in_prompt: int = Field(ge=0)                  # candidates the planner reads in full (older: one line)
     overlap: bool                                         # propose the next candidate while one is evaluated

@@ -21,7 +21,7 @@ from harness.pool import Pool
 from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.sandbox import redact
-from harness.stages import STAGE_NAMES, STAGES
+from harness.stages import PREPARED_STAGES, STAGE_NAMES, STAGES, preparing
 from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS, configured
 from harness.transport import DTYPES
@@ -167,18 +167,32 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
                       to_run=frozenset(STAGE_NAMES[:STAGE_NAMES.index(until) + 1] if until else STAGE_NAMES))
     results: list[StageResult] = []
     try:
-        for name, stage in STAGES:
-            ctx.stage, ctx.worker_s = name, 0.0
+        def ask(name: str) -> float:
+            """Tell `on_stage` that `name` begins, and wait for it to return (a slot's GPU lease is granted there:
+            harness/lease.py); the seconds waited."""
+            t0 = time.monotonic()
             if on_stage is not None:
                 if ctx.worker is not None:          # nothing of the candidate's runs while its slot waits
                     ctx.worker.hold_still(True)
-                on_stage(name)                      # a slot's GPU lease is granted there (harness/lease.py)
+                on_stage(name)
                 if ctx.worker is not None:
                     ctx.worker.hold_still(False)
+            return time.monotonic() - t0
+
+        for name, stage in STAGES:
+            ctx.stage, ctx.worker_s = name, 0.0
+            prepared = name in PREPARED_STAGES and name in ctx.to_run and device.type == "cuda"   # a CPU skips it
+            ask(preparing(name) if prepared else name)        # a prepared stage asks for its timing later
             ctx.reserved = ctx.reserved or reserve(cfg, device)    # first taken within a stage, before any worker
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             before = sched_s()
-            t0 = time.monotonic()
+            t0, waited = time.monotonic(), []
+
+            def begin_timing(name: str = name) -> float:
+                waited.append(ask(name))
+                ctx.deadline += waited[-1]          # the stage's timeout counts its own work, not the queue
+                return waited[-1]
+            ctx.begin_timing = begin_timing if prepared else (lambda: 0.0)
             try:
                 result = stage(ctx)
             except Rejected as e:
@@ -186,7 +200,9 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             except WorkerFailure as e:
                 result = StageResult.failed(name, str(e), e.kind)
             pool.settle_spare()                     # the spare's warm-up ends within this stage (and its time)
-            result.seconds = round(time.monotonic() - t0, 3)
+            result.seconds = round(time.monotonic() - t0 - sum(waited), 3)    # not the wait for its timing's grant
+            if waited:
+                result.metrics["lease_wait_s"] = round(sum(waited), 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)
             if result.status != "skipped" and (now := sched_s()):

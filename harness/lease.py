@@ -2,7 +2,8 @@
 
 A reader-writer lease per GPU (`Lease`), held in the executor's own process (harness/local_executor.py), which
 is trusted: the slot processes ask it over their pipe before each stage, and the candidates' sandboxed
-workers have no handle to it. A timed stage (`TIMED_STAGES`: microbench, the replay) holds its GPU alone;
+workers have no handle to it. A timed stage (`TIMED_STAGES`: microbench, the replay) holds its GPU alone
+(microbench from where its timing begins: its untimed first part, `preparing("microbench")`, is shared);
 every other stage, and a slot's health check, holds it shared, so the compile, dispatch and parity of
 several candidates overlap on one GPU while no timed stage runs there. Writer preference: once a slot
 waits to hold the GPU alone, no new shared holder starts (a slot moving on to its next shared stage is a

@@ -31,6 +31,7 @@ from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.executors import EvaluationLost, OnStage, settle
 from harness.lease import Holding, Lease, Parked, mode_of
+from harness.stages import stage_of
 from harness.pins import local_pins, slot_config
 from harness.slot import Done, Job, Pin, needs_check
 
@@ -331,7 +332,7 @@ def silence_limit_s(cfg: Config, stage: str | None, slack_s: float | None = None
     """How long a slot may stay silent while it holds its GPU's lease before it is taken for hung: the
     stage's timeout (for a health check: its pool's start, a fresh worker and the retry) and `slack_s` more for
     the trusted side's work past the deadline (None: as much again, at least a minute)."""
-    limit = 3 * cfg.worker.start_timeout_s + cfg.executor.health_retry_s if stage is None else getattr(cfg.stages, stage).timeout_s
+    limit = 3 * cfg.worker.start_timeout_s + cfg.executor.health_retry_s if stage is None else getattr(cfg.stages, stage_of(stage)).timeout_s
     return limit + (max(60.0, limit) if slack_s is None else slack_s)
 
 

@@ -23,7 +23,7 @@ from agent.roles.offline import OfflineProposer
 from agent.rejudging.rejudge import _verdicts, kernels_of, served_as_then
 from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
 from harness.amdahl import ceiling
-from agent.run.state import ProposalState, search_parent
+from agent.run.state import ProposalState, kernel_of, search_parent
 from agent.reading.view import RunView
 
 CATALOG = load_catalog()
@@ -63,14 +63,14 @@ def record(cid: str, parent: Kernel | CandidateRecord, op: str, change: dict, fa
                            conclusion=Conclusion(learned="-", kill_test_fired=None, predicted=None, observed=local))
 
 
-def state(history=(), heads=None, shares=(0.35, 0.15), ops=("decode", "prefill"), pending=()) -> ProposalState:
+def state(history=(), heads=None, shares=(0.35, 0.15), ops=("decode", "prefill"), pending=(), explore=False) -> ProposalState:
     heads = heads or {op: head(op) for op in ops}
     profile = Profile(source="stand-in", note="", device="cpu", arch="cpu",
                       ops={op: OpEvidence(share=f, lines=[f"{op} share f = {f}"]) for op, f in zip(("decode", "prefill"), shares)})
     history = list(history)
     return ProposalState(next_id=f"c{len(history) + 1:03d}", ops=list(ops), history=history, heads=heads,
                          parents={op: search_parent(op, heads[op], history, MARGIN) for op in ops}, profile=profile,
-                         min_ceiling=1.005, pending=list(pending))
+                         min_ceiling=1.005, pending=list(pending), explore=explore)
 
 
 def proposer(ops=("decode", "prefill")) -> OfflineProposer:
@@ -167,6 +167,59 @@ def test_an_in_flight_proposal_is_not_proposed_again():
     first = proposer(["decode"]).propose(state(ops=["decode"]))
     second = proposer(["decode"]).propose(state(ops=["decode"], pending=[first]))
     assert second.knobs != first.knobs
+
+
+def test_once_no_step_is_worth_coding_it_explores_every_untried_step_best_predicted_first_then_stops():
+    """Shares so small that no step reaches the minimum ceiling: without exploring the first proposal is written
+    off; exploring, every step is measured, one knob first (best predicted first), then jumps, then two knobs at
+    once, none twice, the ops in turn, until none is left."""
+    assert proposer(["decode"]).propose(state(shares=(0.01, 0.01), ops=["decode"])).outcome == "not-worth-coding"
+    prop, history, sizes = proposer(), [], []
+    while (p := prop.propose(state(history, shares=(0.01, 0.01), explore=True))) is not None:
+        assert p.outcome == "ready" and p.claim.ceiling < 1.005 and p.source is not None
+        assert ", exploring)" in p.claim.hypothesis and any("exploring (agent.explore)" in line for line in p.claim.evidence)
+        parent = head(p.op) if set(p.knobs) == set(head(p.op).knobs) else record("x", head(p.op), p.op, p.knobs)
+        moved = {k for k in p.knobs if p.knobs[k] != parent.knobs.get(k)}
+        sizes.append((p.op, len(moved) if set(p.knobs) == set(head(p.op).knobs) else 0, p.claim.expected_speedup))
+        history.append(record(p.id, head(p.op), p.op, p.knobs))
+        assert len(history) < 400
+    keys = [(r.op, tuple(sorted(r.knobs.items()))) for r in history]
+    assert len(keys) == len(set(keys)) > 100                                   # nothing twice; far past the 12 of old
+    ops = [op for op, _, _ in sizes]
+    assert ops[:6] == ["decode", "prefill"] * 3                                # the ops in turn
+    decode = [(n, s) for op, n, s in sizes if op == "decode" and n]           # knob moves of the reference family
+    moved = [n for n, _ in decode]
+    assert moved == sorted(moved) and moved[0] == 1 and moved[-1] == 2         # one knob (steps, jumps), then two
+    firsts = [s for n, s in decode[:8]]
+    assert firsts == sorted(firsts, reverse=True)                               # best predicted first
+
+
+def test_exploring_it_searches_from_a_kernel_that_was_faster_inside_the_bar_and_the_bar_stays_the_search_parent():
+    """The H200 run h200-b: the GQA family measured 1.027x over the reference head, inside the 3% bar, so the
+    head stayed the search parent and the next steps moved the slower family's knobs. Exploring, the GQA
+    kernel's own steps are measured, and each must still beat the head beyond noise."""
+    heads = {"decode": head("decode", speedup=4.10)}
+    prop = proposer(["decode"])
+    first = prop.propose(state([], heads, ops=["decode"]))
+    near = record(first.id, heads["decode"], "decode", first.knobs, failed="microbench", speedup=4.21)
+    assert search_parent("decode", heads["decode"], [near], MARGIN).ref == "head:decode"
+    tiny = dict(shares=(0.01, 0.01), ops=["decode"])
+    assert prop.propose(state([near], heads, **tiny)).outcome == "not-worth-coding"   # not exploring: written off
+    history = [near]
+    while (p := prop.propose(st := state(history, heads, explore=True, **tiny))).parent == "head:decode":
+        assert p.claim.expected_speedup > 4.21 / 4.10                         # predicted faster than near's steps
+        history.append(record(p.id, heads["decode"], "decode", p.knobs, failed="microbench", speedup=3.9))
+        assert len(history) < 12
+    assert p.outcome == "ready" and p.parent == near.id and set(p.knobs) == set(near.knobs)
+    assert "it must still beat head:decode beyond noise" in p.claim.evidence[-2]
+    bars = []
+
+    def evaluate_fn(job: str, source: str, beat: float, head: str | None = None) -> Verdict:
+        bars.append(beat)
+        return verdict("microbench", 4.30)
+    parent = kernel_of(p.parent, heads, st.history)
+    rec, _, _ = judge(p, parent, prop, config_with(), "attention", None, evaluate_fn=evaluate_fn, bar=st.parents["decode"])
+    assert bars == [4.10] and rec.parent == near.id and rec.local_speedup == pytest.approx(4.30 / 4.21)
 
 
 def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_the_parent_was_never_timed(pool):

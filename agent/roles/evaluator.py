@@ -65,14 +65,18 @@ def unevaluated(proposal: Proposal, outcome: str, stage: str, reason: str) -> Ca
 
 def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str,
           pool: Pool, on_stage=None, evaluate_fn=None, head: Kernel | None = None,
-          other_heads: dict[str, str] | None = None) -> tuple[CandidateRecord, list[Exchange], str]:
+          other_heads: dict[str, str] | None = None, bar: Kernel | None = None) -> tuple[CandidateRecord, list[Exchange], str]:
     """The record of an evaluated proposal, every exchange behind it (repairs included), and a
-    non-empty message if a provider stopped the run during a repair. `head`: the current head of its op,
-    which the replay serves beside it (a reference head is itself judged against torch). `other_heads`: the other
-    ops' current heads, which both arms serve (`others_of`; an `evaluate_fn` closes over them itself)."""
+    non-empty message if a provider stopped the run during a repair. `parent`: the kernel it was written from
+    (its local speedup is over this one). `bar`: the kernel whose speedup microbench must beat, the op's search
+    parent (default: `parent`; they differ when the built-in proposer explores from a slower kernel). `head`: the
+    current head of its op, which the replay serves beside it (a reference head is itself judged against torch).
+    `other_heads`: the other ops' current heads, which both arms serve (`others_of`; an `evaluate_fn` closes over
+    them itself)."""
     started, t0 = now(), time.monotonic()
     rounds, exchanges, source, stop = [], list(proposal.exchanges), proposal.source, ""
-    beat = parent.speedup if parent is not None and parent.speedup else 1.0     # only faster than it is replayed
+    bar = bar if bar is not None else parent
+    beat = bar.speedup if bar is not None and bar.speedup else 1.0     # only faster than it is replayed
     against = head.source if head is not None and head.source else None
     evaluate_fn = evaluate_fn or (lambda job, src, bar, hd: evaluate_cached(src, target, cfg, pool, job=job, on_stage=on_stage,
                                                                             beat=bar, head=hd, other_heads=other_heads))

@@ -43,6 +43,7 @@ from agent.ledger.repository import id_number
 from agent.llm.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
 from agent.roles.evaluator import judge, others_of, unevaluated
+from agent.run.state import kernel_of
 
 if TYPE_CHECKING:
     from agent.run.loop import Run
@@ -237,15 +238,17 @@ class _Drive:
                 break
             self.news(p.id, "queued")
             run.view.update(claim=f"{p.id} [{p.op}] {p.claim.hypothesis}" if p.claim else "")
-            self.running[p.id] = in_thread(f"kevo-judge-{p.id}", self.judge_one, p, run.parents[p.op], fut=self.futures[p.id])
+            bar = run.parents[p.op]                     # the kernel to beat; the one it was written from may be slower
+            parent = kernel_of(p.parent, run.heads, run.history) or bar
+            self.running[p.id] = in_thread(f"kevo-judge-{p.id}", self.judge_one, p, parent, bar, fut=self.futures[p.id])
 
-    def judge_one(self, p: Proposal, parent: Kernel) -> Judged:
+    def judge_one(self, p: Proposal, parent: Kernel, bar: Kernel) -> Judged:
         """One candidate, in its judge thread: its rounds on the evaluator, then what the evaluator adds."""
         run, ev = self.run, self.run.evaluator
         others = others_of({op: k.source for op, k in run.heads.items()}, p.op)
         try:
             record, exchanges, stop = judge(
-                p, parent, run.proposer, run.cfg, run.settings.target, None, head=run.heads.get(p.op),
+                p, parent, run.proposer, run.cfg, run.settings.target, None, head=run.heads.get(p.op), bar=bar,
                 evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head, other_heads=others,
                                                                      on_stage=lambda name: self.news(p.id, name)))
             trailers, sick = ev.after(record, say=lambda text: run.view.update(activity=text))

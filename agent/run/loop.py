@@ -131,7 +131,8 @@ class Run:
         n = max([self.last_id] + [id_number(p.id) for p in pending]) + 1      # never an id already in the ledger
         return ProposalState(next_id=f"c{n:03d}", ops=list(self.cfg.agent.ops),
                              history=list(self.history), heads=dict(self.heads), parents=dict(self.parents),
-                             profile=self.profile, min_ceiling=self.cfg.agent.min_ceiling, pending=list(pending))
+                             profile=self.profile, min_ceiling=self.cfg.agent.min_ceiling, pending=list(pending),
+                             explore=self.cfg.agent.explore)
 
     def summary(self, stop: str = "") -> dict:
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}

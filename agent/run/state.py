@@ -23,11 +23,21 @@ class ProposalState:
     profile: Profile
     min_ceiling: float
     pending: list[Proposal] = field(default_factory=list)   # proposed, not yet judged
+    explore: bool = False                   # agent.explore: measure untried steps once none is worth coding
 
 
 def _as_kernel(r: CandidateRecord) -> Kernel:
     return Kernel(ref=r.id, op=r.op, path=f"candidates/{r.id}/candidate.py", source=r.source or "",
                   knobs=r.knobs, speedup=r.speedup, verdict=r.verdict)
+
+
+def kernel_of(ref: str, heads: dict[str, Kernel], history: list[CandidateRecord]) -> Kernel | None:
+    """The kernel a proposal names as its parent: a head (the reference `head:<op>` or an accepted candidate),
+    else a candidate of the run that was timed; None if the run has no such kernel."""
+    for k in heads.values():
+        if k.ref == ref:
+            return k
+    return next((_as_kernel(r) for r in history if r.id == ref and r.speedup is not None), None)
 
 
 def _fastest(head: Kernel, records) -> Kernel:

@@ -11,7 +11,7 @@ import random
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -58,6 +58,9 @@ class EvalContext:
     reserved: Reserve | None = None  # the evaluator's own GPU memory, taken before any worker (CUDA)
     to_run: frozenset[str] = frozenset()   # the stages this evaluation runs if none rejects (up to its `until`)
     parity: "Start | None" = None    # parity begun early by the compile stage (harness/stages/parity.py `begin`)
+    # A prepared stage (harness/stages PREPARED_STAGES) calls this where its timing begins: the slot asks for its
+    # GPU alone there (evaluate.py); it returns the seconds it waited for the grant, which are not the stage's
+    begin_timing: Callable[[], float] = lambda: 0.0
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()

@@ -1,7 +1,8 @@
 """Stage 4, microbench (CUDA only): is the candidate faster than the baseline, beyond noise, honestly?
 
 First the worker pays the trusted code's first uses (`_send_prime`, while this side draws every case's inputs and
-builds the cuDNN anchor's plans); then it times candidate and baseline (twice: the noise band) interleaved, on
+builds the cuDNN anchor's plans), on a GPU still shared with the other slots' untimed stages; then the stage asks for
+the GPU alone (`begin_timing`: harness/stages PREPARED_STAGES) and times candidate and baseline (twice: the noise band) interleaved, on
 rotated fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
 CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
@@ -307,6 +308,7 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     _send_prime(ctx, plan)
     drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
     metrics.update(draws_s=time.monotonic() - t0, anchor_build_s=_build_anchors(ctx, plan, drawn), **_collect_prime(ctx))
+    ctx.begin_timing()          # until here the GPU was shared (nothing timed); from here nothing else of kevo's runs on it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
         row = _bench_case(ctx, case, drawn[k], flush)

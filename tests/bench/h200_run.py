@@ -240,7 +240,7 @@ class Watch:
                 self.first_claim_s, self.first_claim_at = float(m[1]), time.monotonic()
 
 
-def account(root: Path, wall_s: float, service: Service | None) -> dict:
+def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None) -> dict:
     if not (root / ".git").exists():                      # the run ended before its first commit
         return {"ledger": None, "wall_s": round(wall_s, 1)}
     ledger = Ledger(root)
@@ -248,10 +248,23 @@ def account(root: Path, wall_s: float, service: Service | None) -> dict:
     pending = ledger.pending()
     evaluated = [r for r in history if r.rounds]
     stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
+    by_stage = defaultdict(list)        # each stage's seconds per candidate that ran it (a cached verdict ran none)
+    for r in evaluated:
+        for rnd in r.rounds:
+            if rnd.verdict.cached_from is None:
+                for st in rnd.verdict.stages:
+                    if st.seconds:
+                        by_stage[st.name].append(st.seconds)
+    search_s = wall_s - first_claim_s if first_claim_s is not None else None
     out = {"candidates": len(history), "pending": len(pending),
            "by_outcome": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
            "evaluated": len(evaluated), "wall_s": round(wall_s, 1), "stage_s": round(stage_s, 1),
            "candidates_per_hour": round(len(evaluated) / (wall_s / 3600), 1) if wall_s else None,
+           "candidates_per_hour_after_first_claim": round(len(evaluated) / (search_s / 3600), 1) if search_s else None,
+           "stage_median_s": {k: round(sorted(v)[len(v) // 2], 2) for k, v in by_stage.items()},
+           "stage_runs": {k: len(v) for k, v in by_stage.items()},
+           "replay_s": round(sum(by_stage.get("replay", [])), 1),
+           "cached_verdicts": sum(1 for r in evaluated if r.rounds[-1].verdict.cached_from is not None),
            "accepted": [r.id for r in history if r.outcome == "accepted"],
            "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
                             for s in rnd.verdict.stages if s.worker_lost],
@@ -320,7 +333,8 @@ def main() -> None:
     out = {"run": args.run_id, "rc": rc, "events": events, "first_claim_s": watch.first_claim_s,
            "gpu_busy_percent": sampler.busy(t0, t1),
            "gpu_busy_percent_after_first_claim": sampler.busy(watch.first_claim_at, t1) if watch.first_claim_at else None,
-           **account(ROOT / "runs" / args.run_id, wall, service)}
+           **account(ROOT / "runs" / args.run_id, wall, service,
+                     watch.first_claim_at - t0 if watch.first_claim_at else None)}
     if service is not None:
         service.fake.__exit__(None, None, None)
         out["service_requests"] = len(service.fake.seen)
