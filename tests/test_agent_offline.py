@@ -178,9 +178,9 @@ def test_once_no_step_is_worth_coding_it_explores_every_untried_step_best_predic
     while (p := prop.propose(state(history, shares=(0.01, 0.01), explore=True))) is not None:
         assert p.outcome == "ready" and p.claim.ceiling < 1.005 and p.source is not None
         assert ", exploring)" in p.claim.hypothesis and any("exploring (agent.explore)" in line for line in p.claim.evidence)
-        parent = head(p.op) if set(p.knobs) == set(head(p.op).knobs) else record("x", head(p.op), p.op, p.knobs)
-        moved = {k for k in p.knobs if p.knobs[k] != parent.knobs.get(k)}
-        sizes.append((p.op, len(moved) if set(p.knobs) == set(head(p.op).knobs) else 0, p.claim.expected_speedup))
+        ref = head(p.op).knobs
+        knobs_moved = sum(p.knobs[k] != ref[k] for k in ref) if set(p.knobs) == set(ref) else 0   # 0: another family
+        sizes.append((p.op, knobs_moved, p.claim.expected_speedup))
         history.append(record(p.id, head(p.op), p.op, p.knobs))
         assert len(history) < 400
     keys = [(r.op, tuple(sorted(r.knobs.items()))) for r in history]
