@@ -55,10 +55,14 @@ class Move(NamedTuple):
     basis: str          # the evidence s rests on
     base: Kernel        # the kernel it moves from
 
+    def moved(self) -> str:
+        """The knobs it moves, `A 1 -> 2, B 4 -> 8` (empty for a family move)."""
+        return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changes.items())
+
     def change(self, op: str) -> str:
         if self.family:
             return f"family {self.family[0]} -> {self.family[1]} for the {op} kernel"
-        return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in self.changes.items()) + f" in the {op} kernel"
+        return f"{self.moved()} in the {op} kernel"
 
 
 def _key(knobs: dict[str, Knob]) -> tuple:
@@ -288,9 +292,8 @@ class OfflineProposer:
             risks = [spec.risk for spec in specs]
             knobs = {**parent.knobs, **{name: new for name, (_, new) in move.changes.items()}}
             source = "\n".join(line for line in parent.source.splitlines() if not line.startswith(f"# {_HEADER}")) + "\n"
-            moved = ", ".join(f"{name} {old!r} -> {new!r}" for name, (old, new) in move.changes.items())
             source = with_knobs(source, {name: new for name, (_, new) in move.changes.items()},
-                                f"{_HEADER} {state.next_id} = {parent.ref} with {moved} (family {entry.id})")
+                                f"{_HEADER} {state.next_id} = {parent.ref} with {move.moved()} (family {entry.id})")
         change = move.change(op)
         observation = {
             "compile": "Triton fails to build or launch it (shared memory or registers)",
