@@ -1,6 +1,7 @@
 """Instruments installed inside a worker: which Triton kernels launch, which torch ops run.
 
-`Probes` counts every Triton launch by kernel name (JIT, interpreted and precompiled launches), can
+`Probes` counts every Triton launch by kernel name (JIT, interpreted and precompiled launches) and every JIT
+compile (`compiles`: a specialization met for the first time in the process), can
 skip them all ("ablate": is the kernel what produces the output?), can turn them into compiles only
 ("compiling": each JIT kernel is compiled for the call's specialization, every config of an autotuned
 one, in a thread pool through Triton's AsyncCompileMode, and nothing is launched), and audits the aten ops a candidate
@@ -26,6 +27,7 @@ class Probes:
         self.launches: Counter[str] = Counter()
         self.op_elements: Counter[str] = Counter()
         self.op_calls: Counter[str] = Counter()
+        self.compiles = 0
         self.ablate = False
         self.compile_only = False
         self.in_launch = 0
@@ -34,6 +36,7 @@ class Probes:
         self.launches.clear()
         self.op_elements.clear()
         self.op_calls.clear()
+        self.compiles = 0
 
     def install(self) -> None:
         import triton.runtime.interpreter as interp
@@ -41,12 +44,17 @@ class Probes:
         self._wrap(jit.JITFunction, "run", lambda fn, a, kw: kw.get("warmup", False), compiles=True)
         self._wrap(interp.InterpretedFunction, "run", lambda fn, a, kw: kw.get("warmup", False))
         self._wrap_autotuner()
+        original_compile, probes = jit.JITFunction._do_compile, self
+
+        def do_compile(fn, *args, **kwargs):
+            probes.compiles += 1
+            return original_compile(fn, *args, **kwargs)
+        jit.JITFunction._do_compile = do_compile
         try:
             from triton.compiler.compiler import CompiledKernel
         except ImportError:                                          # pragma: no cover - other triton
             return
         original_getitem = CompiledKernel.__getitem__
-        probes = self
 
         def getitem(kernel, grid):
             runner = original_getitem(kernel, grid)

@@ -141,6 +141,7 @@ class Timed(Reply):
     outputs: list[Entry] = Field(max_length=64)
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
     seconds: dict[Name, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went
+    compiles: Count = 0                     # Triton compiles inside the request (microbench warms them before)
 
 
 class Captured(Reply):

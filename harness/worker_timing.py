@@ -94,8 +94,8 @@ def timed(w: "Worker", msg: dict) -> dict:
                 if impl == "candidate" and rep == msg.get("check_rep", msg["reps"] - 1):
                     last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
     seconds["reps_s"] = time.perf_counter() - t0
-    return {"ok": True, "synced_ms": synced, "streamed_ms": streamed,
-            "outputs": w._save(last) if last else [], "op_calls": dict(w.probes.op_calls), "seconds": seconds}
+    return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "outputs": w._save(last) if last else [],
+            "op_calls": dict(w.probes.op_calls), "seconds": seconds, "compiles": w.probes.compiles}
 
 
 def burst(w: "Worker", msg: dict) -> dict:

@@ -30,6 +30,17 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
     print(bench.reason)
 
 
+def test_microbench_compiles_the_candidate_for_its_timed_inputs_before_it_holds_the_gpu_alone(evaluate_source):
+    """No Triton compile inside a timed request: the kernels for the very input sets timed were compiled in the
+    stage's shared part (the warm), so the GPU is not held alone while a compiler runs. The prefill families
+    specialize on lengths, which parity's own draws do not all meet."""
+    for source, op in ((C.REF_DECODE, "decode"), (C.REF_PREFILL, "prefill")):
+        bench = evaluate_source(source, until="microbench").stages[-1]
+        assert bench.name == "microbench" and bench.metrics.get("timed_warm_s", 0) > 0, bench.reason
+        compiles = {key: fig["worker_compiles"] for key, fig in case_figures(bench.metrics, op)}
+        assert len(compiles) == 3 and not any(compiles.values()), compiles
+
+
 def test_a_kernel_faster_than_torch_but_not_than_its_parent_stops_at_microbench(evaluate_source):
     """The parent's speedup is the bar: the reference decode against a parent as fast as itself (its own
     measured speedup) is not replayed, and the reason says it beat the baseline, not the parent."""

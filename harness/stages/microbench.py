@@ -1,9 +1,10 @@
 """Stage 4, microbench (CUDA only): is the candidate faster than the baseline, beyond noise, honestly?
 
 First the worker pays the trusted code's first uses (`_send_prime`, while this side draws every case's inputs and
-builds the cuDNN anchor's plans), on a GPU still shared with the other slots' untimed stages; then the stage asks for
-the GPU alone (`begin_timing`: harness/stages PREPARED_STAGES) and times candidate and baseline (twice: the noise band) interleaved, on
-rotated fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
+builds the cuDNN anchor's plans) and compiles the candidate for the input sets it will time (`_send_warm`), on a GPU
+still shared with the other slots' untimed stages; then the stage asks for the GPU alone (`begin_timing`:
+harness/stages PREPARED_STAGES) and times candidate and baseline (twice: the noise band) interleaved, on rotated
+fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
 CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
   - the reply fits its schema (harness/replies.py: finite times above zero, bounded) and holds exactly
@@ -47,7 +48,8 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import Timed
 from harness.stages.clock_check import burst_ms, check_clock, counted_ms
-from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.stages.common import (EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use,
+                                   no_library_compute)
 from harness.targets import Case
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
 
@@ -219,6 +221,7 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> di
            "candidate_rate": rate(cand), "baseline_rate": rate(base), "weight": case.weight,
            "bytes": nbytes, "flops": flops,
            "timing_s": timed_s, "clock_check_s": burst_s, "trusted_baseline_s": time.perf_counter() - t_here,
+           "worker_compiles": float(reply.compiles),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
     if m.anchor and spec.anchor is not None:
         key, t_anchor = _anchor_key(ctx, case), time.perf_counter()
@@ -285,6 +288,32 @@ def _collect_prime(ctx: EvalContext) -> dict[str, float]:
             "prime_failed": float(reply.failed)}
 
 
+def _send_warm(ctx: EvalContext, drawn: list[list]) -> float | None:
+    """Ask the worker to compile the candidate's kernels for the very input sets it will be timed on (harness/worker.py
+    `warm`: nothing launched, `stages.parity.warm_threads` compiles at once), in the shared part, after the prime.
+    Parity's warm met other lengths: a kernel that specializes on an integer argument, or picks constexprs from
+    lengths, met a new variant here and compiled it inside its first timed case, with the GPU held alone (H200,
+    run h200-two: about 1 s of a 4.5 s alone part). The time it was sent; None where warms are off."""
+    threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
+    if not threads:
+        return None
+    calls = [t.recipe(ctx) for trials in drawn for t in trials]
+    ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling for the timed inputs")
+    return time.monotonic()
+
+
+def _collect_warm(ctx: EvalContext, sent: float | None) -> dict[str, float]:
+    """The warm's reply, its calls held to `no_library_compute` like every call (their outputs are dropped), and
+    its figures."""
+    if sent is None:
+        return {}
+    reply = ctx.collect("compiling for the timed inputs", "warm")
+    if not reply.ok:
+        raise candidate_raised("microbench: compiling for the timed inputs", reply)
+    no_library_compute(ctx, "microbench (compiling for the timed inputs)", reply)
+    return {"timed_warm_s": time.monotonic() - sent, "worker_timed_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+
+
 def timing_plan(ctx: EvalContext) -> list[tuple[str, Case]]:
     """The served cases to time, op by op; a shape given twice is a HarnessError (its figures would share a key)."""
     plan = [(op, case) for op in ctx.ops for case in ctx.cases(op, boundary=False)]
@@ -307,7 +336,9 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     t0 = time.monotonic()
     _send_prime(ctx, plan)
     drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
-    metrics.update(draws_s=time.monotonic() - t0, anchor_build_s=_build_anchors(ctx, plan, drawn), **_collect_prime(ctx))
+    metrics["draws_s"] = time.monotonic() - t0
+    warming = _send_warm(ctx, drawn)
+    metrics.update(anchor_build_s=_build_anchors(ctx, plan, drawn), **_collect_prime(ctx), **_collect_warm(ctx, warming))
     ctx.begin_timing()          # until here the GPU was shared (nothing timed); from here nothing else of kevo's runs on it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit

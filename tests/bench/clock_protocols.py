@@ -19,6 +19,14 @@ torch baseline, on every served case of the embedded config:
            rows up with an nvidia-smi log of SM clock and power);
 each by wall clock ((wall of 2n calls - wall of n) / n), with its ratio to `events`, and then each
 protocol's speedup of the kernel over the baseline. It asserts nothing.
+
+    python tests/bench/clock_protocols.py --ab [--repeat 6] [--json PATH]
+
+instead compares ways of running the clock check itself (`VARIANTS`: rounds x rest before each round, the
+check's 10 ms bursts), each repeated `--repeat` times in turn per implementation and case: the median and spread
+of its time per call over the repeats, its ratio to `events`, its speedup over the baseline, and the seconds it
+took. Whether fewer rounds or a shorter rest clock the same as today's check (5 x 50 ms) is the question; a
+variant that lets the power cap bite reads slower, one with too few rounds spreads wider.
 """
 from __future__ import annotations
 
@@ -116,6 +124,26 @@ def measure(call_on, inputs: list[dict], flush, args) -> dict:
             "warm_600ms": long, "at": time.time()}
 
 
+VARIANTS = {"5x50ms": (5, 0.05), "3x50ms": (3, 0.05), "5x20ms": (5, 0.02), "3x20ms": (3, 0.02)}
+
+
+def ab(call_on, flush, args) -> dict:
+    """Each clock-check variant `args.repeat` times, the variants interleaved: per variant its per-call times, the
+    seconds one check took (median), beside the events' figure."""
+    ev = _time_here(lambda: call_on(0), args.reps, flush, args.cover)
+    per_graph = 10
+    graph = capture(lambda j: call_on(0), per_graph)
+    got: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    took: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for _ in range(args.repeat):
+        for v, (rounds, rest) in VARIANTS.items():
+            t0 = time.perf_counter()
+            got[v].append(short_ms(graph, per_graph, ev, rounds=rounds, rest_s=rest))
+            took[v].append(time.perf_counter() - t0)
+    return {"events": ev, **{v: {"median": statistics.median(x), "spread": max(x) / min(x) - 1, "all": x,
+                                 "seconds": statistics.median(took[v])} for v, x in got.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("files", nargs="*", default=DEFAULT)
@@ -123,6 +151,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cover", type=int, default=2_000_000)
     ap.add_argument("--json")
+    ap.add_argument("--ab", action="store_true", help="compare clock-check variants (VARIANTS) instead")
+    ap.add_argument("--repeat", type=int, default=6, help="--ab: checks per variant")
     args = ap.parse_args()
     cfg = load_config()
     device = torch.device("cuda")
@@ -148,6 +178,12 @@ def main() -> None:
                 return fns[i](*[inputs[i][n] for n in spec.arg_names])
             call_on(0)
             torch.cuda.synchronize()
+            if args.ab:
+                figures[name] = f = ab(call_on, flush, args)
+                print(f"{case.label} | {name:24s} events {f['events']:.4f} ms | " + " | ".join(
+                    f"{v} {f[v]['median']:.4f} ({f[v]['median'] / f['events']:.2f}, spread {f[v]['spread']:.1%}, "
+                    f"{f[v]['seconds']:.2f} s)" for v in VARIANTS), flush=True)
+                continue
             figures[name] = measure(call_on, inputs, flush, args)
             f = figures[name]
             print(f"{case.label} | {name:24s} events {f['events']:.4f} ms | " + " | ".join(
@@ -155,6 +191,11 @@ def main() -> None:
                 + f" | flush alone {f['flush']:.4f}; at {f['at']:.1f}; {copies} input copies of {nbytes(first) / 1e6:.1f} MB", flush=True)
         base = figures["baseline"]
         for name, f in figures.items():
+            if args.ab:
+                if name != "baseline":
+                    print(f"{case.label} | {name:24s} speedup events {base['events'] / f['events']:.2f}x | " + " | ".join(
+                        f"{v} {base[v]['median'] / f[v]['median']:.2f}x" for v in VARIANTS), flush=True)
+                continue
             if name != "baseline":
                 sp = {p: base[p] / f[p] for p in ("events", "short", "warm", "rotated", "flushed", "warm_600ms")}
                 print(f"{case.label} | {name:24s} speedup " + " | ".join(f"{p} {v:.2f}x" for p, v in sp.items())

@@ -240,6 +240,9 @@ class Watch:
                 self.first_claim_s, self.first_claim_at = float(m[1]), time.monotonic()
 
 
+ALONE_FIGURES = {"timing_s", "clock_check_s", "trusted_baseline_s", "anchor_s"}     # microbench's per-case seconds
+
+
 def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None) -> dict:
     if not (root / ".git").exists():                      # the run ended before its first commit
         return {"ledger": None, "wall_s": round(wall_s, 1)}
@@ -255,13 +258,27 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
                 for st in rnd.verdict.stages:
                     if st.seconds:
                         by_stage[st.name].append(st.seconds)
+    alone, compiles = [], 0.0        # microbench's part with the GPU held alone; Triton compiles inside it
+    for r in evaluated:
+        for rnd in r.rounds:
+            for st in rnd.verdict.stages:
+                if st.name == "microbench" and rnd.verdict.cached_from is None:
+                    per_case = [v for k, v in st.metrics.items() if k.rsplit(".", 1)[-1] in ALONE_FIGURES]
+                    if per_case:
+                        alone.append(sum(per_case))
+                    compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
+    judging_s = search_s - sum(by_stage.get("replay", [])) if search_s else None   # candidates' replays: whole GPU
     out = {"candidates": len(history), "pending": len(pending),
            "by_outcome": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
            "evaluated": len(evaluated), "wall_s": round(wall_s, 1), "stage_s": round(stage_s, 1),
            "candidates_per_hour": round(len(evaluated) / (wall_s / 3600), 1) if wall_s else None,
            "candidates_per_hour_after_first_claim": round(len(evaluated) / (search_s / 3600), 1) if search_s else None,
+           "candidates_per_hour_after_first_claim_outside_replays":
+               round(len(evaluated) / (judging_s / 3600), 1) if judging_s and judging_s > 0 else None,
            "stage_median_s": {k: round(sorted(v)[len(v) // 2], 2) for k, v in by_stage.items()},
+           "microbench_alone_median_s": round(sorted(alone)[len(alone) // 2], 2) if alone else None,
+           "compiles_while_timed": compiles,
            "stage_runs": {k: len(v) for k, v in by_stage.items()},
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
            "cached_verdicts": sum(1 for r in evaluated if r.rounds[-1].verdict.cached_from is not None),
