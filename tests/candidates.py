@@ -14,6 +14,7 @@ from pathlib import Path
 KNOWLEDGE = Path(__file__).resolve().parent.parent / "knowledge" / "attention"
 REF_DECODE = (KNOWLEDGE / "decode_paged_splitkv.py").read_text()
 REF_PREFILL = (KNOWLEDGE / "prefill_causal_tiled.py").read_text()
+TMA_PREFILL = (KNOWLEDGE / "prefill_causal_tma.py").read_text()
 
 
 def with_knobs(source: str, **knobs) -> str:
@@ -290,7 +291,21 @@ SKIPS_WORK_IN_GRAPHS = flattering_timer(0.9, """
     _mine[0] = 2
     return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 """)
-TMA_PREFILL = (KNOWLEDGE / "prefill_causal_tma.py").read_text()
+
+# The reference decode plus a one-element kernel specialized on the KV cache's size, which every draw sets anew
+# (its spare blocks follow the lengths drawn): a Triton kernel compiled for each new input, as a kernel that takes
+# a constexpr from the lengths is. Correct and as fast as the reference.
+SPECIALIZES_PER_DRAW = wrap_decode("""
+@triton.jit
+def _pool_mark(out_ptr, POOL: tl.constexpr):
+    offs = tl.arange(0, 1)
+    tl.store(out_ptr + offs, tl.load(out_ptr + offs))      # one element rewritten as it is
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    out = _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+    _pool_mark[(1,)](out, POOL=k_cache.shape[0])
+    return out
+""")
 
 # Slows the baseline down inside the worker (it patches SDPA, which the baseline calls), so the
 # candidate looks faster by comparison.

@@ -31,14 +31,14 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
 
 
 def test_microbench_compiles_the_candidate_for_its_timed_inputs_before_it_holds_the_gpu_alone(evaluate_source):
-    """No Triton compile inside a timed request: the kernels for the very input sets timed were compiled in the
-    stage's shared part (the warm), so the GPU is not held alone while a compiler runs. The prefill families
-    specialize on lengths, which parity's own draws do not all meet."""
-    for source, op in ((C.REF_DECODE, "decode"), (C.REF_PREFILL, "prefill")):
-        bench = evaluate_source(source, until="microbench").stages[-1]
-        assert bench.name == "microbench" and bench.metrics.get("timed_warm_s", 0) > 0, bench.reason
-        compiles = {key: fig["worker_compiles"] for key, fig in case_figures(bench.metrics, op)}
-        assert len(compiles) == 3 and not any(compiles.values()), compiles
+    """No Triton compile inside a timed request: a kernel compiled anew for every input drawn (parity's draws are
+    other draws) finds its variants for the very input sets timed compiled in the stage's shared part (the warm,
+    then the round of first calls), so the GPU is not held alone while a compiler runs."""
+    bench = evaluate_source(C.SPECIALIZES_PER_DRAW, until="microbench").stages[-1]
+    assert bench.name == "microbench", bench.reason
+    compiles = {key: fig["worker_compiles"] for key, fig in case_figures(bench.metrics, "decode")}
+    assert len(compiles) == 3 and not any(compiles.values()), compiles
+    assert bench.metrics["worker_timed_warm_compiles_s"] > 0 or bench.metrics["worker_first_calls_compiles"] > 0
 
 
 def test_a_kernel_faster_than_torch_but_not_than_its_parent_stops_at_microbench(evaluate_source):

@@ -1,9 +1,9 @@
 """Stage 4, microbench (CUDA only): is the candidate faster than the baseline, beyond noise, honestly?
 
-First the worker pays the trusted code's first uses (`_send_prime`, while this side draws every case's inputs and
-builds the cuDNN anchor's plans) and compiles the candidate for the input sets it will time (`_send_warm`), on a GPU
-still shared with the other slots' untimed stages; then the stage asks for the GPU alone (`begin_timing`:
-harness/stages PREPARED_STAGES) and times candidate and baseline (twice: the noise band) interleaved, on rotated
+First, on a GPU still shared with the other slots' untimed stages, this side draws every case's inputs and builds
+the cuDNN anchor's plans while the worker pays the trusted code's first uses, compiles the candidate for the input
+sets it will time and makes one untimed round of calls on them (harness/stages/microbench_prepare.py); then the
+stage asks for the GPU alone (`begin_timing`: harness/stages PREPARED_STAGES) and times candidate and baseline (twice: the noise band) interleaved, on rotated
 fresh input sets, with the L2 flushed, launch overhead hidden behind a spin kernel, and
 CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
@@ -38,7 +38,6 @@ keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too,
 from __future__ import annotations
 
 import re
-import secrets
 import statistics
 import time
 
@@ -48,10 +47,11 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import Timed
 from harness.stages.clock_check import burst_ms, check_clock, counted_ms
-from harness.stages.common import (EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use,
-                                   no_library_compute)
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
+                                               time_request)
 from harness.targets import Case
-from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
+from harness.transport import ProtocolError, read_arena
 
 
 def figure_metric(case: Case, figure: str) -> str:
@@ -157,20 +157,14 @@ def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> di
     """Time one served case; this side waits, computing nothing, while the worker times."""
     m = ctx.cfg.stages.microbench
     spec = ctx.target.ops[case.op]
-    impls = ["candidate", "baseline", "baseline"]
-    ctx.send({"cmd": "time", "op": case.op, "impls": impls, "sets": [t.recipe(ctx) for t in trials],
-              "warmup": m.warmup_reps, "reps": m.reps, "flush_bytes": m.l2_flush_bytes,
-              "cover_cycles": m.cover_cycles, "baseline": spec.baseline_name,
-              # whose outputs come back to be checked: drawn here, learnt only with the request, so a kernel
-              # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
-              "check_rep": secrets.randbelow(m.reps)}, f"timing {case.label}")
+    ctx.send(time_request(ctx, case, trials, m.warmup_reps, m.reps), f"timing {case.label}")
     t_send = time.perf_counter()
     reply = ctx.collect(f"timing {case.label}", "time")
     timed_s = time.perf_counter() - t_send
     if not reply.ok:
         raise candidate_raised(f"{case.label}: the candidate raised while being timed", reply)
     library_use(ctx, f"{case.op} (microbench, timed calls of {case.label})", reply, float("inf"), 1)
-    synced, stream = timed_medians(reply, impls, m.reps * len(trials), case.label)
+    synced, stream = timed_medians(reply, IMPLS, m.reps * len(trials), case.label)
     expect = {f"set{i}": (spec.output_shape(t.inputs), ctx.dtype) for i, t in enumerate(trials)}
     try:
         outs = read_arena([e.model_dump() for e in reply.outputs], ctx.device, reply.arenas, expect=expect)
@@ -267,53 +261,6 @@ def _build_anchors(ctx: EvalContext, plan: list[tuple[str, Case]], drawn: list[l
     return time.perf_counter() - t0
 
 
-def _send_prime(ctx: EvalContext, plan: list[tuple[str, Case]]) -> None:
-    """Ask the worker to pay the trusted code's first uses in its process (harness/worker_timing.py `prime`: the
-    baseline's kernels, the spin kernel, events) on each timed op's small compile
-    case, a public seed's inputs no check uses; sent without waiting, so it runs while this side draws the timed
-    inputs, and before any timing: the first case timed no longer pays them inside its `time` request."""
-    m = ctx.cfg.stages.microbench
-    calls = [{"case": ctx.target.compile_case(ctx.shapes, op), "dist": "normal", "seed": 0, "dtype": DTYPE_NAMES[ctx.dtype],
-              "baseline": ctx.target.ops[op].baseline_name} for op in dict.fromkeys(op for op, _ in plan)]
-    ctx.send({"cmd": "prime", "calls": calls, "flush_bytes": m.l2_flush_bytes}, "priming the timing")
-
-
-def _collect_prime(ctx: EvalContext) -> dict[str, float]:
-    """The prime's reply (its own seconds, and how long this side waited for it after its draws)."""
-    t0 = time.monotonic()
-    reply = ctx.collect("priming the timing", "prime")
-    if not reply.ok:
-        raise candidate_raised("the worker failed while priming the timing (before any candidate call)", reply)
-    return {"prime_s": reply.seconds.get("prime_s", 0.0), "prime_wait_s": time.monotonic() - t0,
-            "prime_failed": float(reply.failed)}
-
-
-def _send_warm(ctx: EvalContext, drawn: list[list]) -> float | None:
-    """Ask the worker to compile the candidate's kernels for the very input sets it will be timed on (harness/worker.py
-    `warm`: nothing launched, `stages.parity.warm_threads` compiles at once), in the shared part, after the prime.
-    Parity's warm met other lengths: a kernel that specializes on an integer argument, or picks constexprs from
-    lengths, met a new variant here and compiled it inside its first timed case, with the GPU held alone (H200,
-    run h200-two: about 1 s of a 4.5 s alone part). The time it was sent; None where warms are off."""
-    threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
-    if not threads:
-        return None
-    calls = [t.recipe(ctx) for trials in drawn for t in trials]
-    ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling for the timed inputs")
-    return time.monotonic()
-
-
-def _collect_warm(ctx: EvalContext, sent: float | None) -> dict[str, float]:
-    """The warm's reply, its calls held to `no_library_compute` like every call (their outputs are dropped), and
-    its figures."""
-    if sent is None:
-        return {}
-    reply = ctx.collect("compiling for the timed inputs", "warm")
-    if not reply.ok:
-        raise candidate_raised("microbench: compiling for the timed inputs", reply)
-    no_library_compute(ctx, "microbench (compiling for the timed inputs)", reply)
-    return {"timed_warm_s": time.monotonic() - sent, "worker_timed_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
-
-
 def timing_plan(ctx: EvalContext) -> list[tuple[str, Case]]:
     """The served cases to time, op by op; a shape given twice is a HarnessError (its figures would share a key)."""
     plan = [(op, case) for op in ctx.ops for case in ctx.cases(op, boundary=False)]
@@ -334,11 +281,12 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     lines, num, den, worst_noise = [], 0.0, 0.0, 0.0
     plan = timing_plan(ctx)
     t0 = time.monotonic()
-    _send_prime(ctx, plan)
+    send_prime(ctx, plan)
     drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
     metrics["draws_s"] = time.monotonic() - t0
-    warming = _send_warm(ctx, drawn)
-    metrics.update(anchor_build_s=_build_anchors(ctx, plan, drawn), **_collect_prime(ctx), **_collect_warm(ctx, warming))
+    warming = send_warm(ctx, drawn)
+    metrics.update(anchor_build_s=_build_anchors(ctx, plan, drawn), **collect_prime(ctx), **collect_warm(ctx, warming))
+    metrics.update(first_calls(ctx, plan, drawn))
     ctx.begin_timing()          # until here the GPU was shared (nothing timed); from here nothing else of kevo's runs on it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit

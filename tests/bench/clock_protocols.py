@@ -10,7 +10,7 @@ so at batch 4, 512..2048: its events 0.097 ms and clock 0.115 ms, the baseline's
 This prints, for FILE's op function(s) (default: the reference kernels and the TMA prefill family) and the
 torch baseline, on every served case of the embedded config:
   events   the worker's protocol (flush, synchronize, spin, events), median of `--reps`;
-  short    microbench's clock check: five rounds of 10 ms bursts, each after a 50 ms rest, the median;
+  short    the clock check until the eighteenth session: five rounds of 10 ms bursts, each after a 50 ms rest, the median;
   warm     graph bursts of back-to-back calls on one input set, 60 ms (the clock check until the fifteenth session);
   rotated  graph bursts cycling through copies of the inputs that together exceed the flush size, so that
            no call finds its inputs in the L2 (no flush to subtract);
@@ -25,7 +25,7 @@ protocol's speedup of the kernel over the baseline. It asserts nothing.
 instead compares ways of running the clock check itself (`VARIANTS`: rounds x rest before each round, the
 check's 10 ms bursts), each repeated `--repeat` times in turn per implementation and case: the median and spread
 of its time per call over the repeats, its ratio to `events`, its speedup over the baseline, and the seconds it
-took. Whether fewer rounds or a shorter rest clock the same as today's check (5 x 50 ms) is the question; a
+took. Whether fewer rounds or a shorter rest clock the same as the check of 5 x 50 ms is the question; a
 variant that lets the power cap bite reads slower, one with too few rounds spreads wider.
 """
 from __future__ import annotations
