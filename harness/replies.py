@@ -119,6 +119,7 @@ class Warmed(Reply):
     op_calls: dict[Name, Count] = Field(max_length=1024)
     failed: Count
     seconds: dict[Name, Seconds] = Field(max_length=8)
+    compiles: Count = 0                     # Triton compiles it made (a variant met for the first time)
 
 
 class Primed(Reply):

@@ -180,7 +180,8 @@ class Worker:
             called = time.perf_counter() - t0
         self._sync()
         return {"ok": True, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls),
-                "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called}}
+                "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called},
+                "compiles": self.probes.compiles}
 
     def profile(self, msg: dict) -> dict:
         op = msg["op"]

@@ -38,7 +38,8 @@ def test_microbench_compiles_the_candidate_for_its_timed_inputs_before_it_holds_
     assert bench.name == "microbench", bench.reason
     compiles = {key: fig["worker_compiles"] for key, fig in case_figures(bench.metrics, "decode")}
     assert len(compiles) == 3 and not any(compiles.values()), compiles
-    assert bench.metrics["worker_timed_warm_compiles_s"] > 0 or bench.metrics["worker_first_calls_compiles"] > 0
+    # and it did compile for them, before: the warm (or the first calls) met variants parity had not
+    assert bench.metrics["worker_timed_warm_compiles"] + bench.metrics["worker_first_calls_compiles"] > 0, bench.metrics
 
 
 def test_a_kernel_faster_than_torch_but_not_than_its_parent_stops_at_microbench(evaluate_source):

@@ -63,7 +63,8 @@ def collect_warm(ctx: EvalContext, sent: float | None) -> dict[str, float]:
     if not reply.ok:
         raise candidate_raised("microbench: compiling for the timed inputs", reply)
     no_library_compute(ctx, "microbench (compiling for the timed inputs)", reply)
-    return {"timed_warm_s": time.monotonic() - sent, "worker_timed_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
+    return {"timed_warm_s": time.monotonic() - sent, "worker_timed_warm_compiles_s": reply.seconds.get("compiles_s", 0.0),
+            "worker_timed_warm_compiles": float(reply.compiles)}
 
 
 def first_calls(ctx: EvalContext, plan: list[tuple[str, Case]], drawn: list[list]) -> dict[str, float]:
