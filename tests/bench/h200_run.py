@@ -252,21 +252,14 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
     evaluated = [r for r in history if r.rounds]
     stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
     by_stage = defaultdict(list)        # each stage's seconds per candidate that ran it (a cached verdict ran none)
-    for r in evaluated:
-        for rnd in r.rounds:
-            if rnd.verdict.cached_from is None:
-                for st in rnd.verdict.stages:
-                    if st.seconds:
-                        by_stage[st.name].append(st.seconds)
-    alone, compiles = [], 0.0        # microbench's part with the GPU held alone; Triton compiles inside it
-    for r in evaluated:
-        for rnd in r.rounds:
-            for st in rnd.verdict.stages:
-                if st.name == "microbench" and rnd.verdict.cached_from is None:
-                    per_case = [v for k, v in st.metrics.items() if k.rsplit(".", 1)[-1] in ALONE_FIGURES]
-                    if per_case:
-                        alone.append(sum(per_case))
-                    compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
+    alone, compiles = [], 0.0           # microbench's part with the GPU held alone; Triton compiles inside it
+    for st in (st for r in evaluated for rnd in r.rounds if rnd.verdict.cached_from is None for st in rnd.verdict.stages):
+        if st.seconds:
+            by_stage[st.name].append(st.seconds)
+        if st.name == "microbench":
+            if per_case := [v for k, v in st.metrics.items() if k.rsplit(".", 1)[-1] in ALONE_FIGURES]:
+                alone.append(sum(per_case))
+            compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
     judging_s = search_s - sum(by_stage.get("replay", [])) if search_s else None   # candidates' replays: whole GPU
     out = {"candidates": len(history), "pending": len(pending),
