@@ -164,12 +164,14 @@ class Worker:
         Its outputs are nobody's: dropped. A call that raises is counted, not reported: the check that runs it
         says why."""
         self.probes.reset()
-        failed, t0 = 0, time.perf_counter()
+        failed, t0, inputs_s = 0, time.perf_counter(), 0.0
         with self.probes.compiling(int(msg.get("threads", 1))):
             for recipe in msg["calls"]:
                 op = recipe["case"].op
+                t_in = time.perf_counter()
                 args = self.target.ops[op].make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device,
                                                       DTYPES[recipe["dtype"]])
+                inputs_s += time.perf_counter() - t_in
                 try:
                     self._watched(self._fn("candidate", op), op, args)
                 except Exception as e:
@@ -180,7 +182,8 @@ class Worker:
             called = time.perf_counter() - t0
         self._sync()
         return {"ok": True, "launches": dict(self.probes.launches), "op_calls": dict(self.probes.op_calls),
-                "failed": failed, "seconds": {"calls_s": called, "compiles_s": time.perf_counter() - t0 - called},
+                "failed": failed, "seconds": {"inputs_s": inputs_s, "calls_s": called - inputs_s,
+                            "compiles_s": time.perf_counter() - t0 - called},
                 "compiles": self.probes.compiles}
 
     def profile(self, msg: dict) -> dict:

@@ -140,3 +140,26 @@ def test_the_evaluator_hands_its_working_memory_back_for_the_replay_and_takes_it
     held = release(dev)
     assert held < want // 4, held
     assert reserve(cfg, dev).working_bytes == want and torch.cuda.memory_reserved(dev) >= want
+
+
+def test_prefill_calibration_errs_as_the_timed_baseline_does_on_fresh_lengths(cfg):
+    """Parity's prefill tolerance comes from SDPA without its cuDNN kernel (no plan per new length): on the same
+    fresh mixed-length inputs, in the served dtype, its error against float64 is the timed baseline's (whichever
+    kernel SDPA picks for that) within 2% on max-abs and relative L2, so the tolerance is the same bar."""
+    from harness.evaluate import device_shapes
+    from harness.stages.common import EvalContext, diff
+    from harness.targets import TARGETS
+    from harness.transport import DTYPES
+
+    dev = torch.device("cuda")
+    shapes = device_shapes(cfg, "attention", dev)
+    target = TARGETS["attention"]
+    op = target.ops["prefill"]
+    ctx = EvalContext(cfg=cfg, target=target, shapes=shapes, device=dev, dtype=DTYPES[shapes.dtype], pool=None,
+                      source="", ops=["prefill"])
+    for seed, case in enumerate(ctx.cases("prefill", limits=True)):
+        x = op.make_inputs(case, "normal", seed, dev, DTYPES[shapes.dtype])
+        ref = op.reference(**x)
+        timed, calibrated = diff(op.baseline(**x), ref), diff(op.calibrate(x), ref)
+        assert calibrated.max_abs == pytest.approx(timed.max_abs, rel=0.02), case.label
+        assert calibrated.rel_l2 == pytest.approx(timed.rel_l2, rel=0.02), case.label

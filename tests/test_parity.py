@@ -116,6 +116,25 @@ def test_the_served_distribution_is_the_served_models_own_queries_keys_and_value
     assert not torch.equal(q_bank, layers[1 - layer][0])                        # layers differ
 
 
+def test_a_checks_tolerance_is_set_by_its_ops_calibration_where_it_names_one_and_by_the_baseline_elsewhere(cfg):
+    """Prefill's tolerance comes from its calibration (the baseline without cuDNN's per-length plans, on a GPU),
+    decode's from its baseline: a calibration that errs by 0.25 everywhere sets a prefill check's max-abs
+    tolerance at tolerance_factor x 0.25, and leaves decode's and the timed baseline alone."""
+    from dataclasses import replace
+
+    from harness.stages.common import draw
+    prefill = ATTENTION.ops["prefill"]
+    assert ATTENTION.ops["decode"].calibration is None and prefill.calibration is not None
+    off = replace(prefill, calibration=lambda **x: prefill.baseline(**x) + 0.25)
+    ctx = _ctx(cfg)
+    ctx.target = replace(ATTENTION, ops={**ATTENTION.ops, "prefill": off})
+    case = next(c for c in ctx.cases("prefill") if c.weight > 0)
+    p = cfg.stages.parity
+    assert draw(ctx, case, "normal").tol.max_abs == pytest.approx(p.tolerance_factor * 0.25, rel=1e-3)
+    honest = draw(_ctx(cfg), case, "normal").tol.max_abs
+    assert honest < p.tolerance_factor * 0.01 and off.baseline is prefill.baseline
+
+
 def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(cfg):
     plan = _plan(_ctx(cfg))
     ops = [case.op for case, _ in plan]

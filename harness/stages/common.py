@@ -182,8 +182,7 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
         case = ctx.target.vary(case, dist, random.Random(seed), ctx)
     inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
     ref = op.reference(**inputs)
-    base = op.baseline(**inputs)
-    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(base, ref)))
+    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(inputs), ref)))
 
 
 def candidate_raised(what: str, reply: Reply) -> Rejected:

@@ -11,7 +11,8 @@ after each of the next two checks: it must not have changed (decode and prefill 
 one buffer are each right alone and wrong together in a served step). The worker poisons the
 allocator before each call and reports whether inputs changed; each call is repeated on identical
 inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
-same inputs times a factor, with a floor (config: stages.parity). Before the first check (begun by the compile
+same inputs (the op's `calibration` where it names a cheaper torch way that errs alike) times a factor,
+with a floor (config: stages.parity). Before the first check (begun by the compile
 stage once the candidate is imported: `begin`), the candidate's kernels are compiled for every shape class of the
 plan at once (`send_warm`; config warm_threads, warm_draws), while the trusted side draws the first checks (within
 `_ahead_bytes`); the warm's library use is judged here, after dispatch (`judge_warm`).
@@ -144,6 +145,8 @@ def collect_warm(ctx: EvalContext, sent: Warming) -> tuple[Reply, dict[str, floa
         raise candidate_raised("compiling the shape classes", reply)
     return reply, {"warm_s": round(time.monotonic() - sent.t0, 3), "warm_classes": float(sent.classes),
                    "warm_calls": float(sent.calls), "warm_failed": float(reply.failed),
+                   "worker_warm_inputs_s": reply.seconds.get("inputs_s", 0.0),
+                   "worker_warm_calls_s": reply.seconds.get("calls_s", 0.0),
                    "worker_warm_compiles_s": reply.seconds.get("compiles_s", 0.0)}
 
 

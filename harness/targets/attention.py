@@ -18,7 +18,7 @@ import torch
 
 from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
-                                                 prefill_anchor_inputs, prefill_baseline)
+                                                 prefill_anchor_inputs, prefill_baseline, prefill_calibration)
 from harness.targets.base import Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -355,6 +355,7 @@ DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm
             anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
 PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),
              make_inputs=prefill_inputs, reference=prefill_reference, baseline=prefill_baseline,
+             calibration=prefill_calibration,
              baseline_host=lambda x: {"bounds": x["cu_seqlens"].tolist()},
              cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape),
              anchor=prefill_anchor, anchor_inputs=prefill_anchor_inputs, anchor_name="cuDNN SDPA, one causal call per sequence", unit="TFLOP/s")

@@ -77,6 +77,14 @@ class Op:
     baseline_host: Callable[[Inputs], dict[str, Any]] | None = None
     # The torch ways to the op a config may choose among, by name (`with_baseline`); `baseline` is one of them.
     baselines: Mapping[str, Callable[..., torch.Tensor]] = field(default_factory=dict)
+    # What sets a parity check's tolerance: its error against the float64 reference on the check's inputs
+    # (None: the baseline's). An op names another torch way only where it errs as the baseline does and is
+    # cheaper to run on fresh inputs (harness/stages/common.py `draw`).
+    calibration: Callable[..., torch.Tensor] | None = None
+
+    def calibrate(self, inputs: Inputs) -> torch.Tensor:
+        """The output whose error against the reference sets a check's tolerance."""
+        return (self.calibration or self.baseline)(**inputs)
 
     @property
     def baseline_name(self) -> str:

@@ -142,6 +142,7 @@ class Service:
         return self.down_since is not None and time.monotonic() - self.down_since < self.outage[1]
 
     def _plan(self, body: dict) -> str:
+        time.sleep(self.answer_s / 2)       # the model's time first: a call the run cuts meanwhile hands out no claim
         with self.lock:
             i, self.current = self.answered, self.answered
             self.answered += 1
@@ -149,7 +150,6 @@ class Service:
             if self.outage and self.answered == self.outage[0]:
                 self.down_since = time.monotonic()
         op, _, text, s = self.steps[i]
-        time.sleep(self.answer_s / 2)
         return claim(s, op=op, hypothesis=text, evidence=[f"scripted step {i + 1} of the fake service"],
                      kill_test={"stage": "microbench", "observation": "no gain beyond the parent's bar"})
 
