@@ -182,10 +182,13 @@ def time_library(row, lib, causal, scale, rep, err_of, work, unit):
     if err_of is None and "ms" in row.get("cudnn", {}):
         for entry in row["kernels"].values():
             if "ms" in entry:
-                entry["vs_cudnn"] = row["cudnn"]["ms"] / entry["ms"]
+                entry["vs_cudnn"] = entry[unit] / row["cudnn"][unit]     # rates: a ragged row's bytes differ a little
 
 
-def decode_data(B, L, table_tokens, gen):
+def decode_data(B, L, table_tokens, gen, ragged=None):
+    """One decode row: every sequence L tokens, or with `ragged` lo (0 < lo <= 1) lengths drawn uniformly from
+    [lo x L, L] (kevo reads exactly those; the library reads contiguous K/V of their mean length: the bytes
+    the paged call reads, as the microbench's anchor)."""
     dev = DEV
     q = torch.randn(B, HQ, D, device=dev, generator=gen).to(DT)
     k = torch.randn(B, L, HKV, D, device=dev, generator=gen).to(DT)   # contiguous truth
@@ -202,13 +205,17 @@ def decode_data(B, L, table_tokens, gen):
     kc[idx] = k.view(B * pages, PAGE, HKV, D)
     vc[idx] = v.view(B * pages, PAGE, HKV, D)
     seq_lens = torch.full((B,), L, device=dev, dtype=torch.int32)
+    if ragged is not None:
+        seq_lens = torch.randint(max(1, math.ceil(ragged * L)), L + 1, (B,), device=dev, generator=gen, dtype=torch.int32)
     scale = 1.0 / math.sqrt(D)
-    # fp32 reference on the contiguous truth
+    # fp32 reference on the contiguous truth, each sequence to its length
     qg = q.float().view(B, HKV, HQ // HKV, D)
     s = torch.einsum("bkgd,blkd->bkgl", qg, k.float()) * scale
+    s = s.masked_fill(torch.arange(L, device=dev)[None, None, None, :] >= seq_lens[:, None, None, None], float("-inf"))
     ref = torch.einsum("bkgl,blkd->bkgd", s.softmax(-1), v.float()).reshape(B, HQ, D)
-    lib = (q[:, :, None, :].contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
-    return dict(q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens, scale=scale, ref=ref, lib=lib)
+    n = L if ragged is None else round(float(seq_lens.float().mean()))
+    lib = (q[:, :, None, :].contiguous(), k[:, :n].transpose(1, 2).contiguous(), v[:, :n].transpose(1, 2).contiguous())
+    return dict(q=q, kc=kc, vc=vc, table=table, seq_lens=seq_lens, scale=scale, ref=ref, lib=lib, lib_len=n)
 
 
 def prefill_data(B, N, gen):
@@ -231,14 +238,19 @@ def prefill_data(B, N, gen):
     return dict(q=q, k=k, v=v, cu=cu, N=N, scale=scale, ref=ref, lib=lib, heads=heads)
 
 
-def run_decode(kernels, rows, table_tokens, rep, gen):
+def run_decode(kernels, rows, table_tokens, rep, gen, ragged=None):
     results = []
     for B, L in rows:
-        x = decode_data(B, L, table_tokens, gen)
-        nbytes = 2 * B * L * HKV * D * 2 + 2 * B * HQ * D * 2
+        x = decode_data(B, L, table_tokens, gen, ragged)
+        nbytes = 2 * int(x["seq_lens"].sum()) * HKV * D * 2 + 2 * B * HQ * D * 2
+        lib_bytes = 2 * B * x["lib_len"] * HKV * D * 2 + 2 * B * HQ * D * 2
         row = {"B": B, "L": L, "table_tokens": x["table"].shape[1] * PAGE, "bytes": nbytes, "kernels": {}}
+        if ragged is not None:
+            row.update(ragged=ragged, lengths=x["seq_lens"].tolist(), library_length=x["lib_len"])
         lib = x["lib"]
-        time_library(row, lib, False, x["scale"], rep, lambda o: rel_l2(o[:, :, 0], x["ref"]), nbytes / 1e9, "TBps")
+        # ragged: the library runs other data (the mean length), so it has no error column
+        lib_err = (lambda o: rel_l2(o[:, :, 0], x["ref"])) if ragged is None else (lambda o: float("nan"))
+        time_library(row, lib, False, x["scale"], rep, lib_err, lib_bytes / 1e9, "TBps")
         for label, mod in kernels:
             if not hasattr(mod, "decode"):
                 continue
@@ -254,7 +266,7 @@ def run_decode(kernels, rows, table_tokens, rep, gen):
                 entry = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
                 traceback.print_exc(limit=2)
             row["kernels"][label] = entry
-        time_library(row, lib, False, x["scale"], rep, None, nbytes / 1e9, "TBps")
+        time_library(row, lib, False, x["scale"], rep, None, lib_bytes / 1e9, "TBps")
         results.append(row)
         del x
         if DEV == "cuda":
@@ -354,6 +366,8 @@ def main(argv=None):
     ap.add_argument("--table-tokens", type=int, default=max(L for _, L in DECODE_ROWS),
                     help="decode block-table width in tokens (at least each row's length)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
+    ap.add_argument("--ragged", type=float, default=None, metavar="LO",
+                    help="decode lengths drawn from [LO x L, L] per row (the library: contiguous K/V of their mean)")
     ap.add_argument("--no-refs", action="store_true", help="do not add the two reference kernels")
     ap.add_argument("--graphs", action="store_true",
                     help="time each call as a CUDA graph replay (no host Python or launch cost in the figure)")
@@ -384,7 +398,7 @@ def main(argv=None):
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s  "
           f"timing: {info['timing']}")
     decode = [] if args.only == "prefill" else run_decode(kernels, pick(DECODE_ROWS), args.table_tokens,
-                                                          args.rep, gen)
+                                                          args.rep, gen, args.ragged)
     prefill = [] if args.only == "decode" else run_prefill(kernels, pick(PREFILL_ROWS), args.rep, gen)
     summary(decode, prefill)
     if args.json:
