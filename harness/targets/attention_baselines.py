@@ -94,7 +94,7 @@ def prefill_calibration(q, k, v, cu_seqlens, max_seqlen, sm_scale) -> torch.Tens
     """`prefill_baseline` with SDPA's cuDNN kernel left out: what sets parity's prefill tolerance. cuDNN builds
     a plan for each sequence length it has not met, and a check's lengths are fresh: 20-45 ms a sequence on
     the H200, 4.8 s for the 129 prompts of the served-limit check; SDPA's flash kernel builds none, and its
-    error against float64 on the same inputs was cuDNN's (max_abs equal, rel L2 0.2-0.4% lower; H200,
+    error against float64 on the same inputs was cuDNN's (max_abs equal, rel L2 0.05-0.4% lower; H200,
     2026-12-04, docs/BENCHMARKS.md). The timed baseline and the served engine still run SDPA as chosen."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

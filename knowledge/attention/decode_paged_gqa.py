@@ -409,7 +409,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     balance = SPLIT_POLICY == 2
     persistent = bool(PERSISTENT) or balance
     grid = (programs,) if persistent else (splits, num_kv_heads, batch)
-    block_b, slots = triton.next_power_of_2(batch), balance_slots(q.device)
+    # the lengths vector only under policy 2: a batch-sized constexpr elsewhere would recompile per batch size
+    block_b, slots = (triton.next_power_of_2(batch), balance_slots(q.device)) if balance else (1, 1)
     _split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
         float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
