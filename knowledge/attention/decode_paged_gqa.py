@@ -34,7 +34,10 @@ What it does
     work, instead of equal split counts whose longest chunk sets the time. The grid
     is persistent, that many programs, and walks only the split layers that hold
     work (the most splits any sequence got); the host's split count is only the
-    bound from the table's width. Not yet measured on the H200.
+    bound from the table's width. Measured slower (H200, 2026-12-04, vs_library
+    --ragged 0.5: 0.65-0.78x cuDNN against policy 1's 0.86-0.95x on four rows);
+    why is not profiled (each program's lengths load before its first K/V load,
+    chunks sized for more programs than are resident, the persistent loop).
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
