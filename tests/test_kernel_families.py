@@ -139,32 +139,6 @@ def test_decode_launch_plan_caps_the_persistent_grid_at_sms_times_its_knob(knob_
     assert _load(DECODE, {"CPU_SM_COUNT": 132}, knob_dir).launch_plan(128, 8, 1, cpu) == (1024, 1024)
 
 
-# SPLIT_POLICY 2 on a pretend 1-SM device: 8 programs; the ragged batch's tokens x kv heads / 8 per split
-BALANCED = {"BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 16, "SPLIT_POLICY": 2, "PROGRAMS_PER_SM": 8, "CPU_SM_COUNT": 1}
-
-
-@pytest.mark.parametrize("hq,hkv,fused", [(4, 4, True), (4, 2, False), (4, 1, True), (4, 2, True)],
-                         ids=["gqa1_fused", "gqa2_combine_kernel", "gqa4_fused", "gqa2_fused"])
-def test_decode_balanced_splits_follow_the_batchs_real_lengths_and_merge_correctly(knob_dir, hq, hkv, fused):
-    """Policy 2: a persistent grid of the balance slots, each split sized on the device from the batch's total
-    tokens and only the split layers that hold work walked (a layer count one short leaves outputs unmerged:
-    this fails), every output right and every fused ticket back at zero. Whether the sizes balance the
-    programs' work is a speed question, for tests/bench/vs_library.py on the H200."""
-    mod = _load(DECODE, {**BALANCED, "FUSED_COMBINE": fused}, knob_dir)
-    q, kc, vc, bt, sl = make_decode_inputs(RAGGED, hq, hkv, 16, 8, extra_pages=6, q_scale=3.0, seed=71 + hkv)
-    splits = mod.grid_splits(len(RAGGED), hkv, bt.shape[1] * 8, q.device)
-    assert splits == mod.MAX_SPLITS or splits == -(-bt.shape[1] * 8 // 16)     # the bound from the table
-    assert mod.launch_plan(len(RAGGED), hkv, splits, q.device)[1] == mod.balance_slots(q.device) == 8
-    out = mod.decode(q, kc, vc, bt, sl, 0.25)
-    assert (out.double() - decode_reference(q, kc, vc, bt, sl, 0.25)).abs().max().item() < TOL
-    if fused:
-        assert int(mod._TICKETS[q.device].abs().sum()) == 0
-
-
-def test_decode_balanced_splits_handle_one_long_sequence_and_many_length_one(knob_dir):
-    run_decode(_load(DECODE, BALANCED, knob_dir), [1] * 9 + [300], 4, 2, 16, 8, extra_pages=2, seed=79)
-
-
 # ------------------------------------------------------------------ prefill
 
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])

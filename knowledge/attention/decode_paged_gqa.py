@@ -27,17 +27,6 @@ What it does
     holds work and the items past a short sequence's splits spread over the grid;
     the fused combine's ticket does not care which program ran which split. The
     grid, the item count and every buffer come from shapes, as before (capturable).
-    SPLIT_POLICY 2 (balanced): every program reads the batch's lengths (one vector
-    load) and cuts each sequence into chunks of about total tokens x kv heads /
-    (SMs x PROGRAMS_PER_SM x WAVES) (never under MIN_TOKENS_PER_SPLIT), so in a
-    ragged batch a long sequence gets more splits and every program about the same
-    work, instead of equal split counts whose longest chunk sets the time. The grid
-    is persistent, that many programs, and walks only the split layers that hold
-    work (the most splits any sequence got); the host's split count is only the
-    bound from the table's width. Measured slower (H200, 2026-12-04, vs_library
-    --ragged 0.5: 0.65-0.78x cuDNN against policy 1's 0.86-0.95x on four rows);
-    why is not profiled (each program's lengths load before its first K/V load,
-    chunks sized for more programs than are resident, the persistent loop).
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
@@ -67,6 +56,12 @@ Known limits
       (sequence, kv head) resets to zero; a launch killed mid-way would leave
       tickets behind (the next call would then mis-merge). Kernels that fault kill
       the process on CUDA anyway.
+    * Ragged batches (the served shapes): equal split counts per sequence, so the
+      longest chunk sets the time (0.86-0.95x cuDNN on rows of lengths 0.5-1 x L
+      against 0.94-0.99x at equal lengths, H200 2026-12-04). A balanced plan tried
+      then - every program reading the batch's lengths and cutting each sequence into
+      chunks of total tokens x kv heads / slots, on a persistent grid - read
+      0.65-0.78x and was dropped (docs/BENCHMARKS.md).
     * PERSISTENT: the stride hands out items by index, not by cost: a ragged batch
       of more (kv head, sequence) pairs than programs is not balanced longest first
       (a device-side sort of the lengths would be the next step), and each item
@@ -81,7 +76,7 @@ import triton.language as tl
 BLOCK_N = 64  # KV tokens per inner-loop step (power of two, 16..256)
 NUM_WARPS = 4  # warps per split program
 NUM_STAGES = 2  # software-pipelining depth of the K/V loads
-SPLIT_POLICY = 1  # 0: splits = cdiv(SMs x PROGRAMS_PER_SM, batch x kv heads); 1: fullest waves (see grid_splits); 2: balanced on device
+SPLIT_POLICY = 1  # 0: splits = cdiv(SMs x PROGRAMS_PER_SM, batch x kv heads); 1: fullest waves (see grid_splits)
 PROGRAMS_PER_SM = 4  # policy 0: split programs aimed at per SM; policy 1: programs resident per SM
 WAVES = 1  # policy 1: the most waves of SMs x PROGRAMS_PER_SM programs the split plan may fill
 MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
@@ -103,22 +98,6 @@ def _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N: tl.constexpr):
     chunk = tl.cdiv(tl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N
     n = tl.cdiv(seq_len, chunk)
     return n, chunk
-
-
-@triton.jit
-def _balanced_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, slots, max_splits,
-                   BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-    """SPLIT_POLICY 2, on the device: the finest split (tokens) that spreads the batch's K/V evenly over `slots`
-    programs (never under min_tokens), and the most splits any sequence gets with it (the split layers that hold
-    work: `_num_splits_of` is not monotonic in the length, so the most is taken over every sequence)."""
-    offs = tl.arange(0, BLOCK_B)
-    live = offs < batch
-    lens = tl.load(seqlens_ptr + offs, mask=live, other=1)
-    total = tl.sum(tl.where(live, lens, 0).to(tl.int64), 0)
-    per_program = tl.cdiv(total * num_kv_heads, slots).to(tl.int32)
-    finest = tl.maximum(min_tokens, per_program)
-    n, _ = _num_splits_of(lens, max_splits, finest, BLOCK_N)
-    return finest, tl.max(tl.where(live, n, 0), 0)
 
 
 @triton.jit
@@ -256,17 +235,13 @@ def _split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
     PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, BALANCE: tl.constexpr, BLOCK_B: tl.constexpr, slots,
+    PERSISTENT: tl.constexpr,
 ):
     # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head. PERSISTENT:
     # taken with a plain stride of the grid: the first batch x kv heads items (every sequence's first split)
     # all hold work, later layers only the longer sequences' splits (a stride over a split-fastest order
     # would hand programs p = s (mod splits) nothing but split s). Else one item, the program's own.
     per_layer = batch * num_kv_heads
-    if BALANCE:     # the split size from the batch's real lengths; only the split layers that hold work are walked
-        min_tokens, layers = _balanced_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, slots, max_splits,
-                                            BLOCK_N, BLOCK_B)
-        n_items = tl.minimum(n_items, layers * per_layer)
     if PERSISTENT:
         first, stop, step = tl.program_id(0), n_items, tl.num_programs(0)
     else:
@@ -293,14 +268,10 @@ def _combine_kernel(
     seqlens_ptr, out_ptr, po_ptr, pm_ptr,
     max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
     GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr, BALANCE: tl.constexpr, BLOCK_B: tl.constexpr,
-    batch, slots,
+    BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     pid_kvh = tl.program_id(0)
     pid_b = tl.program_id(1)
-    if BALANCE:
-        min_tokens, _ = _balanced_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, slots, max_splits,
-                                       BLOCK_N, BLOCK_B)
     seq_len = tl.load(seqlens_ptr + pid_b)
     n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
     row = (pid_b.to(tl.int64) * num_kv_heads + pid_kvh) * max_splits
@@ -337,8 +308,6 @@ def grid_splits(batch, num_kv_heads, table_tokens, device):
     by_len = -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))
     cap = max(1, min(by_len, MAX_SPLITS))
     slots = max(1, _sm_count(device) * PROGRAMS_PER_SM)
-    if SPLIT_POLICY == 2:   # the bound; the device splits each sequence by the batch's real lengths
-        return cap
     if SPLIT_POLICY == 0:
         return max(1, min(-(-slots // per_split), cap))
     best, best_fill = 1, 0.0
@@ -352,20 +321,11 @@ def grid_splits(batch, num_kv_heads, table_tokens, device):
     return best
 
 
-def balance_slots(device):
-    """SPLIT_POLICY 2: the programs the batch's K/V is spread over (SMs x PROGRAMS_PER_SM x WAVES)."""
-    return max(1, _sm_count(device) * PROGRAMS_PER_SM * max(1, WAVES))
-
-
 def launch_plan(batch, num_kv_heads, splits, device):
     """(work items, programs launched): items = splits x kv heads x batch (from shapes; the items past a
     sequence's real splits retire on the device). PERSISTENT 0 launches one program per item;
-    PERSISTENT k > 0 at most SMs x k programs, each looping over the items with the grid's stride.
-    SPLIT_POLICY 2 launches `balance_slots` programs (persistent): its grid's splits are a bound from the
-    table's width, and most items past the batch's real splits are never walked."""
+    PERSISTENT k > 0 at most SMs x k programs, each looping over the items with the grid's stride."""
     items = splits * num_kv_heads * batch
-    if SPLIT_POLICY == 2:
-        return items, max(1, min(items, balance_slots(device)))
     if not PERSISTENT:
         return items, items
     return items, max(1, min(items, _sm_count(device) * int(PERSISTENT)))
@@ -409,11 +369,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
     items, programs = launch_plan(batch, num_kv_heads, splits, q.device)
-    balance = SPLIT_POLICY == 2
-    persistent = bool(PERSISTENT) or balance
-    grid = (programs,) if persistent else (splits, num_kv_heads, batch)
-    # the lengths vector only under policy 2: a batch-sized constexpr elsewhere would recompile per batch size
-    block_b, slots = (triton.next_power_of_2(batch), balance_slots(q.device)) if balance else (1, 1)
+    grid = (programs,) if PERSISTENT else (splits, num_kv_heads, batch)
     _split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
         float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
@@ -424,8 +380,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
         PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
         SPLIT_CHUNK=split_chunk,
-        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=persistent,
-        BALANCE=balance, BLOCK_B=block_b, slots=slots,
+        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT),
         num_warps=NUM_WARPS, num_stages=stages,
     )
     if not single and not fused:
@@ -433,7 +388,6 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
             seq_lens, out, po, pm, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
             out.stride(0), out.stride(1),
             GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLIT_CHUNK=split_chunk,
-            BALANCE=balance, BLOCK_B=block_b, batch=batch, slots=slots,
             num_warps=4, num_stages=1,
         )
     return out
