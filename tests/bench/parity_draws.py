@@ -3,8 +3,9 @@
     python tests/bench/parity_draws.py [--rounds 2] [--json PATH]
 
 The trusted side draws every parity check itself (harness/stages/common.py `draw`): the inputs from a fresh
-seed (`make_inputs`, with the check's varied sm_scale and unused slots), the float64 reference, torch's baseline
-and the tolerance the baseline earns (its `diff` against the reference). In a cold `kevo-agent evaluate` these
+seed (`make_inputs`, with the check's varied sm_scale and unused slots), the float64 reference, the torch way
+that sets the tolerance (the op's `calibrate`: its baseline, or for prefill the baseline without cuDNN) and the
+tolerance it earns (its `diff` against the reference). In a cold `kevo-agent evaluate` these
 draws were most of the compile stage (14 draws, 4.0 s on the H200, eighteenth session). This times each part,
 synchronized, for every case and distribution of parity's plan on the configured device, `rounds` times
 (the first round pays first calls: allocations, cuBLAS/cuDNN handles), and prints per case the median seconds
@@ -34,7 +35,7 @@ from harness.stages.parity import _plan  # noqa: E402
 from harness.targets import TARGETS, configured  # noqa: E402
 from harness.transport import DTYPES  # noqa: E402
 
-PARTS = ("inputs", "reference", "baseline", "tolerance")
+PARTS = ("inputs", "reference", "calibration", "tolerance")
 
 
 def timed(device: torch.device, fn):
@@ -56,7 +57,7 @@ def one_draw(ctx: EvalContext, case, dist: str) -> dict[str, float]:
         case = ctx.target.vary(case, dist, random.Random(seed), ctx)
     inputs, t_in = timed(ctx.device, lambda: op.make_inputs(case, dist, seed, ctx.device, ctx.dtype))
     ref, t_ref = timed(ctx.device, lambda: op.reference(**inputs))
-    base, t_base = timed(ctx.device, lambda: op.baseline(**inputs))
+    base, t_base = timed(ctx.device, lambda: op.calibrate(inputs))
     _, t_tol = timed(ctx.device, lambda: tolerance(ctx, diff(base, ref)))
     return dict(zip(PARTS, (t_in, t_ref, t_base, t_tol)))
 
