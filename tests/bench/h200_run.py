@@ -190,7 +190,7 @@ class Sampler:
 
 
 def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None,
-                 ops: list[str] | None = None, slots: int | None = None) -> Path:
+                 ops: list[str] | None = None, slots: int | None = None, faults: bool = False) -> Path:
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     if slots:
         cfg["executor"]["slots_per_gpu"] = slots
@@ -206,7 +206,8 @@ def write_config(run_id: str, profile: str | None, url: str | None, minutes: flo
         cfg["providers"]["prices"][PLANNER] = cfg["providers"]["prices"][CODER] = {"input": 0.0, "output": 0.0}
         cfg["providers"]["retry"].update(attempts=3, initial_s=1.0, max_s=4.0)
         cfg["providers"]["outage"].update(wait_s=15.0, max_wait_s=60.0, give_up_s=3600.0)
-        cfg["stages"]["parity"]["timeout_s"] = 120      # a hung candidate costs this much of the run
+    if faults:      # a hung candidate costs this much of the run (only here: the stages' config is in a verdict's key)
+        cfg["stages"]["parity"]["timeout_s"] = 120
     path = ROOT / "runs" / f"{run_id}.config.yaml"
     path.parent.mkdir(exist_ok=True)
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
@@ -321,7 +322,8 @@ def main() -> None:
     if args.heads or args.llm_s is not None:
         args.kill_at = 0
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
-                          args.window, ["decode"] if args.heads else None, args.slots)
+                          args.window, ["decode"] if args.heads else None, args.slots,
+                          faults=service is not None and not args.heads and args.llm_s is None)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
     sampler, watch = Sampler(), Watch()
     t0 = time.monotonic()
