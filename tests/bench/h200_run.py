@@ -4,6 +4,8 @@
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
     python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
     python tests/bench/h200_run.py --run-id h200-llm30 --llm-s 30 [--minutes 20] [--slots 2]
+    python tests/bench/h200_run.py --run-id h200-20 --minutes 20 --stop-at 500 --archive a.tgz   # one segment
+    tar xzf a.tgz && python tests/bench/h200_run.py --run-id h200-20 --resume --stop-at 420 --archive b.tgz
 
 Writes the run's config to runs/<id>.config.yaml (config.yaml, plus `served.recorded_shapes` when a
 profile is given, and the served window when one is given) and runs the real command line
@@ -244,13 +246,21 @@ class Watch:
 ALONE_FIGURES = {"timing_s", "clock_check_s", "trusted_baseline_s", "anchor_s"}     # microbench's per-case seconds
 
 
-def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None) -> dict:
+def judged(root: Path) -> set[str]:
+    """The ids of the candidates the run's ledger holds a verdict for (none before its first commit)."""
+    return {r.id for r in Ledger(root).history() if r.rounds} if (root / ".git").exists() else set()
+
+
+def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None,
+            before: frozenset[str] = frozenset()) -> dict:
+    """The run's account from its ledger; the rates count only the candidates judged after `before` (a
+    resumed segment's own)."""
     if not (root / ".git").exists():                      # the run ended before its first commit
         return {"ledger": None, "wall_s": round(wall_s, 1)}
     ledger = Ledger(root)
     history = ledger.history()
     pending = ledger.pending()
-    evaluated = [r for r in history if r.rounds]
+    evaluated = [r for r in history if r.rounds and r.id not in before]
     stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
     by_stage = defaultdict(list)        # each stage's seconds per candidate that ran it (a cached verdict ran none)
     alone, compiles = [], 0.0           # microbench's part with the GPU held alone; Triton compiles inside it
@@ -263,7 +273,7 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
             compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
     judging_s = search_s - sum(by_stage.get("replay", [])) if search_s else None   # candidates' replays: whole GPU
-    out = {"candidates": len(history), "pending": len(pending),
+    out = {"candidates": len(history), "pending": len(pending), "judged_before_this_segment": len(before),
            "by_outcome": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
            "evaluated": len(evaluated), "wall_s": round(wall_s, 1), "stage_s": round(stage_s, 1),
            "candidates_per_hour": round(len(evaluated) / (wall_s / 3600), 1) if wall_s else None,
@@ -302,6 +312,10 @@ def main() -> None:
                     help="SIGKILL the run this long after the first claim, then resume it (--faults; 0: never)")
     ap.add_argument("--llm-s", type=float, default=None, metavar="S",
                     help="knob steps of the reference kernels from a fake service taking S seconds a proposal (no faults)")
+    ap.add_argument("--stop-at", type=float, default=None, metavar="S",
+                    help="SIGTERM the run S seconds after its start (a segment; see above)")
+    ap.add_argument("--grace", type=float, default=45.0, help="then SIGKILL it this many seconds later")
+    ap.add_argument("--resume", action="store_true", help="go on with runs/<run-id> (unpacked from an --archive)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--archive", default=None, metavar="PATH",
                     help="also write runs/<id>, its config and the verdict cache (runs/.verdicts) as one .tar.gz, to bring "
@@ -325,10 +339,17 @@ def main() -> None:
                           args.window, ["decode"] if args.heads else None, args.slots,
                           faults=service is not None and not args.heads and args.llm_s is None)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
+    root = ROOT / "runs" / args.run_id
+    if args.resume and not (root / ".git").exists():
+        sys.exit(f"--resume: no run at {root} (unpack its --archive in the project root first)")
+    before = frozenset(judged(root)) if args.resume else frozenset()
     sampler, watch = Sampler(), Watch()
     t0 = time.monotonic()
-    proc = launch(config, ["--target", "attention", *provider, "--run-id", args.run_id], env, watch)
+    proc = launch(config, ["--resume", args.run_id, *provider] if args.resume
+                  else ["--target", "attention", *provider, "--run-id", args.run_id], env, watch)
     events = []
+    if args.stop_at is not None:
+        threading.Thread(target=stop_at, args=(proc, t0, args.stop_at, args.grace, events), daemon=True).start()
     if service and args.kill_at:
         while proc.poll() is None and (service.first_answer is None or time.monotonic() - service.first_answer < args.kill_at):
             time.sleep(0.5)
@@ -345,8 +366,7 @@ def main() -> None:
     out = {"run": args.run_id, "rc": rc, "events": events, "first_claim_s": watch.first_claim_s,
            "gpu_busy_percent": sampler.busy(t0, t1),
            "gpu_busy_percent_after_first_claim": sampler.busy(watch.first_claim_at, t1) if watch.first_claim_at else None,
-           **account(ROOT / "runs" / args.run_id, wall, service,
-                     watch.first_claim_at - t0 if watch.first_claim_at else None)}
+           **account(root, wall, service, watch.first_claim_at - t0 if watch.first_claim_at else None, before)}
     if service is not None:
         service.fake.__exit__(None, None, None)
         out["service_requests"] = len(service.fake.seen)
@@ -355,6 +375,18 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=1))
     if args.archive:
         archive(args.run_id, Path(args.archive))
+
+
+def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: list[str]) -> None:
+    """End a segment: SIGTERM `at` seconds after t0, SIGKILL the process group `grace` seconds later."""
+    for sig, when in ((signal.SIGTERM, at), (signal.SIGKILL, at + grace)):
+        while proc.poll() is None and time.monotonic() - t0 < when:
+            time.sleep(0.2)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:      # it ended meanwhile
+            return
+        events.append(f"{sig.name} at {time.monotonic() - t0:.0f} s (end of the segment)")
 
 
 def archive(run_id: str, path: Path) -> None:
