@@ -226,14 +226,17 @@ def launch(config: Path, args: list[str], env: dict, watch: "Watch | None" = Non
 
 
 class Watch:
-    """The run's own output, passed through, and when it first proposed (its live view's clock, seconds
-    from the run's start: `[  36.5 s] proposing c001`) and when that was on this process's clock."""
+    """The run's own output, passed through; when it first proposed (its live view's clock, seconds from the
+    run's start: `[  36.5 s] proposing c001`) and when that was on this process's clock; and what the GPU was
+    held for from moment to moment (`phase_of` each live-view line), for the busy share of each phase."""
 
     FIRST = re.compile(r"\[\s*([\d.]+) s\] proposing c\d+")
+    LINE = re.compile(r"^\[\s*[\d.]+ s\] (.*)$")
 
     def __init__(self) -> None:
         self.first_claim_s: float | None = None
         self.first_claim_at: float | None = None
+        self.phases: list[tuple[float, str]] = []        # (monotonic time, phase from then on)
 
     def read(self, stream) -> None:
         for line in stream:
@@ -241,6 +244,37 @@ class Watch:
             sys.stdout.flush()
             if self.first_claim_s is None and (m := self.FIRST.search(line)):
                 self.first_claim_s, self.first_claim_at = float(m[1]), time.monotonic()
+            if (m := self.LINE.match(line)) and (phase := phase_of(m[1])) and (not self.phases or self.phases[-1][1] != phase):
+                self.phases.append((time.monotonic(), phase))
+
+
+SHARED = ("compile", "dispatch", "parity", "microbench-prepare")
+
+
+def phase_of(activity: str) -> str | None:
+    """What the GPU is held for, from one live-view activity: `heads` (the run judging its heads), `replay` (a
+    candidate's replay holds it whole), `timing` (a microbench holds it alone), `shared` (only compile, dispatch,
+    parity or microbench's untimed part running), `idle` (candidates only queued); None for a line that says
+    nothing of it (a proposal alone, a verdict)."""
+    if activity.startswith("evaluating the "):
+        return "heads"
+    if not activity.startswith("evaluating "):
+        return None
+    stages = {part.split(": ", 1)[1] for part in activity.removeprefix("evaluating ").split("; ")[0].split(", ")
+              if ": " in part}
+    return ("replay" if "replay" in stages else "timing" if "microbench" in stages
+            else "shared" if stages & set(SHARED) else "idle")
+
+
+def by_phase(phases: list[tuple[float, str]], samples: list[tuple[float, int, int]], t1: float) -> dict[str, dict]:
+    """Each phase's seconds (until t1) and the GPU's mean busy percent over the samples taken in it."""
+    out: dict[str, dict] = {}
+    for (t, phase), (t_next, _) in zip(phases, phases[1:] + [(t1, "")]):
+        row = out.setdefault(phase, {"s": 0.0, "samples": []})
+        row["s"] += max(0.0, t_next - t)
+        row["samples"] += [pct for at, _, pct in samples if t <= at < t_next]
+    return {k: {"s": round(v["s"], 1), "gpu_busy_percent": round(sum(v["samples"]) / len(v["samples"]), 1)
+                if v["samples"] else None} for k, v in out.items()}
 
 
 ALONE_FIGURES = {"timing_s", "clock_check_s", "trusted_baseline_s", "anchor_s"}     # microbench's per-case seconds
@@ -366,6 +400,7 @@ def main() -> None:
     out = {"run": args.run_id, "rc": rc, "events": events, "first_claim_s": watch.first_claim_s,
            "gpu_busy_percent": sampler.busy(t0, t1),
            "gpu_busy_percent_after_first_claim": sampler.busy(watch.first_claim_at, t1) if watch.first_claim_at else None,
+           "by_phase": by_phase(watch.phases, sampler.samples, t1),
            **account(root, wall, service, watch.first_claim_at - t0 if watch.first_claim_at else None, before)}
     if service is not None:
         service.fake.__exit__(None, None, None)
