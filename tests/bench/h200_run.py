@@ -27,9 +27,10 @@ of it, so that an accepted kernel becomes the head and the later candidates are 
 replay. (Knob steps of the reference decode alone were all rejected at microbench on the H200, none 3%
 faster than it: eleventh session.)
 
-While the run goes, nvidia-smi is sampled every 500 ms (the GPU's busy share over the run, and from its
-first proposal on) and the run's output is read for the time of its first proposal (its own clock: how
-long the heads took). `--llm-s S` drives the run through the same fake service with no fault: knob steps of the reference kernels,
+While the run goes, nvidia-smi is sampled every 500 ms (the GPU's busy share over the run, from its first
+proposal on, and in each phase of its live view: judging its heads, a replay holding the GPU whole, a microbench
+timing alone, only untimed stages running, nothing running) and the run's output is read for the time of its
+first proposal (its own clock: how long the heads took). `--llm-s S` drives the run through the same fake service with no fault: knob steps of the reference kernels,
 each proposal taking S seconds of the model's time (half in the planner's answer, half in the coder's), so
 the run must keep several proposals in flight (agent.proposals_in_flight) to keep the GPU fed.
 
@@ -413,12 +414,15 @@ def main() -> None:
 
 
 def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: list[str]) -> None:
-    """End a segment: SIGTERM `at` seconds after t0, SIGKILL the process group `grace` seconds later."""
+    """End a segment: SIGTERM to the run's own process `at` seconds after t0, as `kill PID` would (it finishes
+    and commits the candidates being judged; a signal to its whole process group would also end its slot
+    processes, whose jobs would then start again from their first stage), then SIGKILL to the whole process
+    group `grace` seconds later if it is still running."""
     for sig, when in ((signal.SIGTERM, at), (signal.SIGKILL, at + grace)):
         while proc.poll() is None and time.monotonic() - t0 < when:
             time.sleep(0.2)
         try:
-            os.killpg(proc.pid, sig)
+            os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig)
         except ProcessLookupError:      # it ended meanwhile
             return
         events.append(f"{sig.name} at {time.monotonic() - t0:.0f} s (end of the segment)")
