@@ -40,13 +40,16 @@ def row(cand_ms: float, weight: float) -> dict[str, float]:
             "baseline_rate": 0.5 / cand_ms}
 
 
-def head_timed_on(cases: list[tuple[Case, float]], keyed: bool = True) -> Kernel:
+def head_timed_on(cases: list[tuple[Case, float]], keyed: bool = True, told_apart: int | None = None) -> Kernel:
     """A decode head whose microbench timed `cases` (each with its candidate time), keyed by shape as microbench
-    writes them, or (`keyed` False) by position, as an older kevo wrote them."""
+    writes them, or (`keyed` False) by position, as an older kevo wrote them; the case at `told_apart` reported
+    as microbench words a case whose clock and events disagree."""
     metrics = {}
     for i, (case, ms) in enumerate(cases):
         metrics.update({(figure_metric(case, k) if keyed else f"decode{i}_{k}"): v for k, v in row(ms, case.weight).items()})
-    reason = "served mix 2.00x (bar 1.03x); " + "; ".join(f"{c.label}: 2.00x ({ms:.4f} vs {2 * ms:.4f} ms)" for c, ms in cases)
+    reason = "served mix 2.00x (bar 1.03x); " + "; ".join(
+        f"{c.label}: 2.00x" + (" by the clock, 2.10x by the events" if i == told_apart else "") + f" ({ms:.4f} vs {2 * ms:.4f} ms)"
+        for i, (c, ms) in enumerate(cases))
     bench = StageResult.passed("microbench", reason, speedup=2.0, bar=1.03, **metrics)
     verdict = Verdict.of([StageResult.passed(n, "ok") for n in ("compile", "dispatch", "parity")] + [bench])
     return Kernel(ref="head:decode", op="decode", path="heads/decode.py", source="# head\n", speedup=2.0, verdict=verdict)
@@ -82,6 +85,14 @@ def test_a_record_keyed_by_position_by_an_older_kevo_still_reads_and_says_its_fi
     lines = [line for line in kernel_figures(head, CFG, "attention", CPU) if " on decode served" in line]
     assert len(lines) == 2 and all("an older kevo's record, its figures kept by place" in line for line in lines)
     assert now[1].label in lines[0] and "4.0 us" in lines[0]
+
+
+def test_a_shape_whose_clock_and_events_disagree_keeps_its_label_and_the_shapes_after_it_theirs():
+    now = served_now()
+    other = decode_case(9, 1, 9, 0.5)
+    head = head_timed_on([(now[0], 0.004), (now[1], 0.006), (other, 0.008)], told_apart=1)
+    assert "by the clock, 2.10x by the events" in head.verdict.stages[-1].reason
+    assert [label for label, _, _ in speed(head.verdict, "decode").shapes] == [now[0].label, now[1].label, other.label]
 
 
 def test_a_served_shape_given_twice_is_refused_before_anything_is_timed(tmp_path):

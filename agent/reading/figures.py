@@ -41,8 +41,9 @@ def vs_cudnn(cases: list[dict]) -> float | None:
 def microbench_cases(metrics: dict[str, float], reason: str, op: str) -> list[dict]:
     """Per served shape of `op` that microbench timed, in its order: the figures, the shape's `key` (None in a
     record an older kevo keyed by position) and the label the same record's reason gives it (`<label>: 1.23x
-    (...)`, in the same order), else the key, else `<op> case <i>`."""
-    labels = re.findall(rf"(?:^|; )({re.escape(op)} [^;]*?): \d+\.\d+x \(", reason)
+    (...)`, or `<label>: 1.23x by the clock, 1.25x by the events (...)` where the two protocols told apart; in the
+    same order), else the key, else `<op> case <i>`."""
+    labels = re.findall(rf"(?:^|; )({re.escape(op)} [^;]*?): \d+\.\d+x(?: \(| by the clock, )", reason)
     cases = []
     for i, (key, figures) in enumerate(case_figures(metrics, op)):
         if "candidate_ms" in figures:
