@@ -30,9 +30,10 @@ faster than it: eleventh session.)
 While the run goes, nvidia-smi is sampled every 500 ms (the GPU's busy share over the run, from its first
 proposal on, and in each phase of its live view: judging its heads, a replay holding the GPU whole, a microbench
 timing alone, only untimed stages running, nothing running) and the run's output is read for the time of its
-first proposal (its own clock: how long the heads took). `--llm-s S` drives the run through the same fake service with no fault: knob steps of the reference kernels,
-each proposal taking S seconds of the model's time (half in the planner's answer, half in the coder's), so
-the run must keep several proposals in flight (agent.proposals_in_flight) to keep the GPU fed.
+first proposal (its own clock: how long the heads took). `--llm-s S` drives the run through the same fake
+service with no fault: knob steps of the reference kernels, each proposal taking S seconds of the model's time
+(half in the planner's answer, half in the coder's), so the run must keep several proposals in flight
+(agent.proposals_in_flight) to keep the GPU fed.
 
 Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
 faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
@@ -421,6 +422,8 @@ def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: 
     for sig, when in ((signal.SIGTERM, at), (signal.SIGKILL, at + grace)):
         while proc.poll() is None and time.monotonic() - t0 < when:
             time.sleep(0.2)
+        if proc.poll() is not None:     # it ended by itself
+            return
         try:
             os.kill(proc.pid, sig) if sig == signal.SIGTERM else os.killpg(proc.pid, sig)
         except ProcessLookupError:      # it ended meanwhile
