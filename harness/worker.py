@@ -22,6 +22,7 @@ import torch
 from harness.candidate import load_candidate
 from harness.probes import Probes
 from harness.targets import TARGETS
+from harness.targets.base import UNFILLED
 from harness.transport import DTYPES, recv_pickle, send_json, trim, write_arena
 from harness.worker_timing import burst, prime, timed
 
@@ -169,8 +170,8 @@ class Worker:
             for recipe in msg["calls"]:
                 op = recipe["case"].op
                 t_in = time.perf_counter()
-                args = self.target.ops[op].make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device,
-                                                      DTYPES[recipe["dtype"]])
+                args = self.target.ops[op].make_inputs(recipe["case"], UNFILLED, recipe["seed"], self.device,
+                                                      DTYPES[recipe["dtype"]])   # nothing launched: no payload
                 inputs_s += time.perf_counter() - t_in
                 try:
                     self._watched(self._fn("candidate", op), op, args)

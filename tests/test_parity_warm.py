@@ -15,7 +15,7 @@ from conftest import CUDA, RUNTIME_ONLY, config_with
 from harness.gpu_memory import Reserve
 from harness.stages.common import draw
 from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, _plan
-from test_parity import _ctx
+from test_parity import CPU, _ctx
 
 WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.warm_draws": {"cuda": 4, "cpu": 3},
         "stages.parity.checks_per_shape": 1}
@@ -169,3 +169,32 @@ def test_on_cuda_the_checks_drawn_during_the_warm_may_hold_a_share_of_the_evalua
     assert _ahead_bytes(ctx) == int(AHEAD_SHARE * cfg.worker.trusted_gpu_bytes) > 0
     ctx.reserved = None                                   # nothing reserved: nothing drawn ahead on the GPU
     assert _ahead_bytes(ctx) == 0
+
+
+def test_the_warms_unfilled_inputs_hold_every_shape_and_host_fact_of_each_distributions_draw(cfg):
+    """The warm compiles for what a drawn call will meet, so its inputs (targets.base.UNFILLED: no payload
+    written, nothing launched on them) must agree with every distribution's draw from the same seed on all a
+    kernel can specialize on or a wrapper can read on the host: the arguments, their shapes and dtypes, every
+    integer tensor (block tables, lengths, offsets) and every scalar."""
+    import random
+
+    from harness.targets.base import UNFILLED
+    ctx = _ctx(cfg)
+    checked = 0
+    for case, _ in _plan(ctx):
+        for dist in ("normal", "peaky", "shifted_keys", "served"):
+            seed = random.Random(f"{case.label}{dist}").getrandbits(62)
+            varied = ctx.target.vary(case, dist, random.Random(seed), ctx)
+            drawn = ctx.target.ops[case.op].make_inputs(varied, dist, seed, CPU, torch.float32)
+            bare = ctx.target.ops[case.op].make_inputs(varied, UNFILLED, seed, CPU, torch.float32)
+            assert drawn.keys() == bare.keys(), (case.label, dist)
+            for name, value in drawn.items():
+                other = bare[name]
+                if not isinstance(value, torch.Tensor):
+                    assert other == value, (case.label, dist, name)
+                elif value.dtype.is_floating_point:
+                    assert (other.shape, other.dtype, other.device) == (value.shape, value.dtype, value.device)
+                else:
+                    assert torch.equal(other, value), (case.label, dist, name)
+            checked += 1
+    assert checked >= 4 * 8

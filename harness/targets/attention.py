@@ -19,7 +19,7 @@ import torch
 from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
-from harness.targets.base import Case, Cost, Inputs, Op, Target
+from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
 decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale) -> Tensor
@@ -84,7 +84,9 @@ def _draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device)
 
 
-def _qkv(dist: str, q_shape, kv_shape, head_dim: int, gen: torch.Generator):
+def _qkv(dist: str, q_shape, kv_shape, head_dim: int, gen: torch.Generator, dtype: torch.dtype):
+    if dist == UNFILLED:          # nothing is drawn: the host facts drawn from `gen`'s CPU twin stay as they are
+        return tuple(torch.empty(s, dtype=dtype, device=gen.device) for s in (q_shape, kv_shape, kv_shape))
     q, k, v = _draw(q_shape, gen), _draw(kv_shape, gen), _draw(kv_shape, gen)
     if dist == "peaky":          # large-magnitude queries: a softmax dominated by a few keys
         q = q * 8.0
@@ -143,22 +145,23 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
     max_blocks = max(blocks_per_seq)
     used = sum(blocks_per_seq)
     pool = used + max(2, used // 4)                     # spare blocks nobody owns: garbage
-    q, k, v = _qkv(dist, (len(lengths), H, D), (pool, bs, KVH, D), D, dev_gen)
+    q, k, v = _qkv(dist, (len(lengths), H, D), (pool, bs, KVH, D), D, dev_gen, dtype)
     perm = torch.randperm(pool, generator=gen)          # shuffled, non-contiguous ownership
     table = torch.randint(0, pool, (len(lengths), max_blocks), generator=gen, dtype=torch.int32)
     starts = [0] + list(itertools.accumulate(blocks_per_seq))
     for b, nb in enumerate(blocks_per_seq):             # entries past nb stay garbage (in range)
         table[b, :nb] = perm[starts[b]:starts[b + 1]].to(torch.int32)
-    fill = torch.cat([(torch.tensor(n) - torch.arange(nb) * bs).clamp(max=bs)
-                      for n, nb in zip(lengths, blocks_per_seq)])   # tokens held by each owned block
-    valid = torch.zeros(pool, bs, dtype=torch.bool)
-    valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
     if dist == "served":                                # token t of sequence b where the table puts it
         q, ks, vs = _served_rows(case, lengths, gen, device, newest_q=True)   # the newest position queries
         slot = torch.cat([perm[starts[b] + torch.arange(n) // bs] * bs + torch.arange(n) % bs
                           for b, n in enumerate(lengths)]).to(device)
         k.view(-1, KVH, D)[slot], v.view(-1, KVH, D)[slot] = ks, vs
-    _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
+    if dist != UNFILLED:
+        fill = torch.cat([(torch.tensor(n) - torch.arange(nb) * bs).clamp(max=bs)
+                          for n, nb in zip(lengths, blocks_per_seq)])   # tokens held by each owned block
+        valid = torch.zeros(pool, bs, dtype=torch.bool)
+        valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
+        _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
     return {
         "q": q.to(device, dtype), "k_cache": k.to(device, dtype), "v_cache": v.to(device, dtype),
         "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
@@ -171,7 +174,7 @@ def prefill_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype
     gen, dev_gen = _gens(seed, device)
     lengths, H, KVH, D = _lengths(case, gen), p["q_heads"], p["kv_heads"], p["head_dim"]
     total = sum(lengths)
-    q, k, v = _qkv(dist, (total, H, D), (total, KVH, D), D, dev_gen)
+    q, k, v = _qkv(dist, (total, H, D), (total, KVH, D), D, dev_gen, dtype)
     if dist == "served":
         q, k, v = _served_rows(case, lengths, gen, device)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)

@@ -15,6 +15,11 @@ import torch
 
 Inputs = dict[str, Any]  # contract argument name -> Tensor or Python scalar
 
+# The distribution for calls that launch nothing (the worker's warm, which only compiles and drops its outputs):
+# an op's `make_inputs` returns every shape, dtype and host fact (lengths, block tables, offsets, sm_scale) that
+# any distribution would draw from the same seed, and leaves the payload as allocated, unwritten.
+UNFILLED = "unfilled"
+
 
 # The params a case's key names first, with their short tags, in this order; any other param follows under its
 # own name, and `size` (derived from these, for ordering cases) is left out.
