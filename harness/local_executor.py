@@ -126,8 +126,11 @@ class LocalExecutor:
 
     def _start(self, pin: Pin) -> tuple[subprocess.Popen, Connection]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # a session of its own: a signal to the run's process group (a service manager, `timeout`, `kill -- -PGID`)
+        # reaches the run, which finishes the jobs in flight, and not the slots judging them; `close` and the
+        # slot's death signal (harness/sandbox.py die_with_parent) are what end a slot
         proc = subprocess.Popen([sys.executable, "-m", "harness.slot", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL)
+                                cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
         theirs.close()
         self._procs[pin.name] = proc
         conn = Connection(ours.detach())

@@ -113,6 +113,47 @@ def test_a_slot_process_killed_mid_job_has_its_job_requeued_and_answered_once(lo
     assert local.submit(SLOW) is fut                       # the id is answered once
 
 
+# An executor in a process of its own, as a run holds one: SIGTERM only noted (a run finishes the candidates in
+# flight), one slow job submitted, "started" printed once it is judged, then how its verdict came.
+GROUP_RUN = """
+import json, signal, sys, threading
+sys.path.insert(0, "tests")
+from conftest import runtime_only
+from test_executors import SLOW
+from harness.local_executor import LocalExecutor
+from harness.pins import local_pins
+signal.signal(signal.SIGTERM, lambda *_: None)
+cfg = runtime_only(**{"executor.cpu_slots": 2})
+started = threading.Event()
+with LocalExecutor(cfg, "attention", local_pins(cfg)) as ex:
+    fut = ex.submit(SLOW, on_stage=lambda name: started.set())
+    started.wait(120)
+    print("started", flush=True)
+    done = fut.result(timeout=120)
+    print(json.dumps({"requeued": ex.requeued.get(SLOW.id, 0), "ok": done.verdict.ok, "removed": sorted(ex.removed)}))
+"""
+
+
+def test_a_sigterm_to_the_runs_process_group_leaves_its_slots_judging_the_jobs_in_flight():
+    """A service manager, `timeout` or `kill -- -PGID` stops a run by signalling its whole process group. The run
+    finishes the candidates in flight; its slots must not die under them (each death re-queues a job, counted
+    against executor.requeue_limit)."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", GROUP_RUN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "started", proc.stderr.read()[-2000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-2000:]
+    assert json.loads(out.strip().splitlines()[-1]) == {"requeued": 0, "ok": True, "removed": []}
+
+
 def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_killed(serial):
     from harness.cluster import TOPIC, DaskExecutor
     cfg = runtime_only(**{"executor.kind": "dask", "executor.cpu_slots": 2})
