@@ -160,8 +160,9 @@ class Worker:
 
     def warm(self, msg: dict) -> dict:
         """Compile the candidate's kernels for every call in `calls` (each a recipe: the shape classes parity
-        will run) before any is checked: each call runs watched with nothing launched, its kernels compiled
-        `threads` at once (`Probes.compiling`), so the checks that follow find them compiled in this process.
+        will run) before any is checked: each call runs watched with nothing launched, on inputs whose payload is
+        left unwritten (targets.base.UNFILLED: the recipe's shapes and host facts, nothing drawn), its kernels
+        compiled `threads` at once (`Probes.compiling`), so the checks that follow find them compiled in this process.
         Its outputs are nobody's: dropped. A call that raises is counted, not reported: the check that runs it
         says why."""
         self.probes.reset()

@@ -4,8 +4,11 @@ submission order, each job once — with a slot that cannot be used taken out, a
 killed mid-job re-queued."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -138,9 +141,6 @@ def test_a_sigterm_to_the_runs_process_group_leaves_its_slots_judging_the_jobs_i
     """A service manager, `timeout` or `kill -- -PGID` stops a run by signalling its whole process group. The run
     finishes the candidates in flight; its slots must not die under them (each death re-queues a job, counted
     against executor.requeue_limit)."""
-    import json
-    import subprocess
-    import sys
     proc = subprocess.Popen([sys.executable, "-c", GROUP_RUN], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -7,6 +7,8 @@ worker is still sent the same requests in the same order, and a warm that hangs 
 it was. Its speed shows on a GPU only: tests/bench/parity_warm.py."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from conftest import CUDA, RUNTIME_ONLY, config_with
 from harness.gpu_memory import Reserve
 from harness.stages.common import draw
 from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, _plan
+from harness.targets.base import UNFILLED
 from test_parity import CPU, _ctx
 
 WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.warm_draws": {"cuda": 4, "cpu": 3},
@@ -176,9 +179,6 @@ def test_the_warms_unfilled_inputs_hold_every_shape_and_host_fact_of_each_distri
     written, nothing launched on them) must agree with every distribution's draw from the same seed on all a
     kernel can specialize on or a wrapper can read on the host: the arguments, their shapes and dtypes, every
     integer tensor (block tables, lengths, offsets) and every scalar."""
-    import random
-
-    from harness.targets.base import UNFILLED
     ctx = _ctx(cfg)
     checked = 0
     for case, _ in _plan(ctx):

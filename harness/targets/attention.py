@@ -85,7 +85,7 @@ def _draw(shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
 
 
 def _qkv(dist: str, q_shape, kv_shape, head_dim: int, gen: torch.Generator, dtype: torch.dtype):
-    if dist == UNFILLED:          # nothing is drawn: the host facts drawn from `gen`'s CPU twin stay as they are
+    if dist == UNFILLED:          # nothing drawn (`gen` is the device's): the CPU generator's draws are unchanged
         return tuple(torch.empty(s, dtype=dtype, device=gen.device) for s in (q_shape, kv_shape, kv_shape))
     q, k, v = _draw(q_shape, gen), _draw(kv_shape, gen), _draw(kv_shape, gen)
     if dist == "peaky":          # large-magnitude queries: a softmax dominated by a few keys
