@@ -126,7 +126,7 @@ from test_executors import SLOW
 from harness.local_executor import LocalExecutor
 from harness.pins import local_pins
 signal.signal(signal.SIGTERM, lambda *_: None)
-cfg = runtime_only(**{"executor.cpu_slots": 2})
+cfg = runtime_only(**{"executor.cpu_slots": 1})
 started = threading.Event()
 with LocalExecutor(cfg, "attention", local_pins(cfg)) as ex:
     fut = ex.submit(SLOW, on_stage=lambda name: started.set())
