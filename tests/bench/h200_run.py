@@ -327,12 +327,15 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
                 alone.append(sum(per_case))
             compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
+    cached = sum(1 for r in evaluated if r.rounds[-1].verdict.cached_from is not None)
     judging_s = search_s - sum(by_stage.get("replay", [])) if search_s else None   # candidates' replays: whole GPU
     out = {"candidates": len(history), "pending": len(pending), "judged_before_this_segment": len(before),
            "by_outcome": dict(Counter(f"{r.outcome} at {r.stage}" for r in history)),
            "evaluated": len(evaluated), "wall_s": round(wall_s, 1), "stage_s": round(stage_s, 1),
            "candidates_per_hour": round(len(evaluated) / (wall_s / 3600), 1) if wall_s else None,
            "candidates_per_hour_after_first_claim": round(len(evaluated) / (search_s / 3600), 1) if search_s else None,
+           # the evaluator's own rate: a verdict from the cache (an earlier run's, a source proposed again) ran no stage
+           "judged_by_the_stages_per_hour": round((len(evaluated) - cached) / (wall_s / 3600), 1) if wall_s else None,
            "candidates_per_hour_after_first_claim_outside_replays":
                round(len(evaluated) / (judging_s / 3600), 1) if judging_s and judging_s > 0 else None,
            "stage_median_s": {k: round(sorted(v)[len(v) // 2], 2) for k, v in by_stage.items()},
@@ -340,7 +343,7 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "compiles_while_timed": compiles,
            "stage_runs": {k: len(v) for k, v in by_stage.items()},
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
-           "cached_verdicts": sum(1 for r in evaluated if r.rounds[-1].verdict.cached_from is not None),
+           "cached_verdicts": cached,
            "accepted": [r.id for r in history if r.outcome == "accepted"],
            "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
                             for s in rnd.verdict.stages if s.worker_lost],
