@@ -438,9 +438,9 @@ def main() -> None:
 
 def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: list[str]) -> None:
     """End a segment: SIGTERM to the run's own process `at` seconds after t0, as `kill PID` would (it finishes
-    and commits the candidates being judged; a signal to its whole process group would also end its slot
-    processes, whose jobs would then start again from their first stage), then SIGKILL to the whole process
-    group `grace` seconds later if it is still running."""
+    and commits the candidates being judged), then SIGKILL to the whole process group `grace` seconds later if it
+    is still running. (Before dd1d7ff a SIGTERM to the group also ended the slot processes, whose jobs started
+    again from compile; slots now run in a session of their own, and die with the run.)"""
     for sig, when in ((signal.SIGTERM, at), (signal.SIGKILL, at + grace)):
         while proc.poll() is None and time.monotonic() - t0 < when:
             time.sleep(0.2)
