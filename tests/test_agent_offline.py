@@ -89,9 +89,12 @@ def test_first_claim_moves_to_the_measured_faster_family_then_the_step_with_the_
     assert f"{gqa.family.over_reference:.2f}x over the reference kernel" in p.claim.evidence[-1]
 
     moved = record(p.id, head("decode"), "decode", p.knobs)              # passed, not timed (a CPU run)
-    q = prop.propose(state([moved]))
+    lean = prop.propose(state([moved]))                                  # the op's other family, its prior next
+    assert lean.parent == "head:decode" and lean.claim.hypothesis.startswith("family decode-paged-splitkv -> decode-paged-lean")
+    lean_moved = record(lean.id, head("decode"), "decode", lean.knobs)
+    q = prop.propose(state([moved, lean_moved]))
     assert q.parent == "head:prefill" and q.claim.hypothesis.startswith("family prefill-causal-tiled -> prefill-causal-tma")
-    r = prop.propose(state([moved, record(q.id, head("prefill"), "prefill", q.knobs)]))
+    r = prop.propose(state([moved, lean_moved, record(q.id, head("prefill"), "prefill", q.knobs)]))
     assert r.claim.hypothesis.startswith("SPLITS_PER_SM_TARGET 2 -> 4")       # the catalog's largest knob prior
     assert r.claim.ceiling == pytest.approx(ceiling(0.35, 1.06))
     assert all(any(ch.isdigit() for ch in line) for line in r.claim.evidence)
@@ -209,7 +212,7 @@ def test_exploring_it_searches_from_a_kernel_that_was_faster_inside_the_bar_and_
     while (p := prop.propose(st := state(history, heads, explore=True, **tiny))).parent == "head:decode":
         assert p.claim.expected_speedup > 4.21 / 4.10                         # predicted faster than near's steps
         history.append(record(p.id, heads["decode"], "decode", p.knobs, failed="microbench", speedup=3.9))
-        assert len(history) < 12
+        assert len(history) < 13                                             # the head's 11 steps predicted over 1.027x
     assert p.outcome == "ready" and p.parent == near.id and set(p.knobs) == set(near.knobs)
     assert "it must still beat head:decode beyond noise" in p.claim.evidence[-2]
     bars = []

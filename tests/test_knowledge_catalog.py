@@ -64,7 +64,8 @@ def test_a_catalog_naming_a_missing_file_or_a_foreign_default_is_refused(tmp_pat
 
 
 def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_of_the_op():
-    assert [e.id for e, _ in CATALOG.families("attention", "decode")] == ["decode-paged-splitkv", "decode-paged-gqa"]
+    assert [e.id for e, _ in CATALOG.families("attention", "decode")] == ["decode-paged-splitkv", "decode-paged-gqa",
+                                                                          "decode-paged-lean"]
     assert CATALOG.family("attention", "decode")[0].id == "decode-paged-splitkv"
     moved = CATALOG.heads_first("attention", {"decode": "decode-paged-gqa"})
     assert moved.family("attention", "decode")[0].id == "decode-paged-gqa"
@@ -72,5 +73,5 @@ def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_
     assert sorted(e.id for e in moved.entries) == sorted(e.id for e in CATALOG.entries)
     with pytest.raises(CatalogError, match=r"^agent.heads.decode: 'prefill-causal-tma' is not a kernel family of "
                                            r"attention.decode in knowledge/catalog.yaml \(known: decode-paged-splitkv, "
-                                           r"decode-paged-gqa\)$"):
+                                           r"decode-paged-gqa, decode-paged-lean\)$"):
         CATALOG.heads_first("attention", {"decode": "prefill-causal-tma"})

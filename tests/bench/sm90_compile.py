@@ -1,4 +1,4 @@
-"""Compile check (not a test): build decode_paged_gqa.py's split kernel for sm90 on a machine without a
+"""Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py) for sm90 on a machine without a
 GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared memory per program.
 
     python tests/bench/sm90_compile.py [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
@@ -33,14 +33,17 @@ CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_split_kernel(mod):
-    """(registers, stack bytes, shared bytes) of mod._split_kernel at the bench shape and mod's knobs."""
-    fn = mod._split_kernel
+    """(registers, stack bytes, shared bytes) of the module's decode kernel (decode_paged_gqa.py's
+    `_split_kernel`, decode_paged_lean.py's `_lean_kernel`) at the bench shape and mod's knobs."""
+    fn = getattr(mod, "_split_kernel", None) or mod._lean_kernel
     names = fn.arg_names
     page, block_n = 16, mod.BLOCK_N
+    knob = lambda name, default=0: getattr(mod, name, default)  # noqa: E731
     consts = dict(GROUP=4, BLOCK_G=16, GP=4, HEAD_DIM=128, BLOCK_N=block_n, PAGE_SIZE=page,
-                  PAGES=max(1, block_n // page), PAGE_LOADS=bool(mod.PAGE_LOADS) and block_n % page == 0,
-                  SINGLE=mod.MAX_SPLITS == 1, FUSED=bool(mod.FUSED_COMBINE) and mod.MAX_SPLITS != 1,
-                  SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(getattr(mod, "PERSISTENT", 0)))
+                  PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
+                  SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
+                  SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
+                  BLOCK_B=32, MERGE_CHUNK=knob("MERGE_CHUNK", 8))
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
            for n in names}
