@@ -52,7 +52,7 @@ Known limits
       The loop over a stretch's pieces costs about 40 of them (a one-piece
       variant compiles to 120); a cap at 128 (MAX_REGISTERS) fits 4 per SM but
       spills inside the K/V loop (440k local-memory requests) and gains nothing.
-    * NUM_STAGES 3 read 395 us at 64 x 4k against 275 at 2 (and 1% faster on
+    * NUM_STAGES 3 read 395 us at 64 x 4k against 275 at 2 (and 1-2% faster on
       the other rows): not understood; the default stays 2.
     * The ticket buffer (one int32 per (sequence, kv head)) is reset to zero by
       the merging program; a launch killed mid-way would leave tickets behind.
