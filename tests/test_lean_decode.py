@@ -71,7 +71,7 @@ def test_lean_output_does_not_depend_on_the_grid_for_ragged_lengths(knob_dir, pr
     assert (out.double() - again.double()).abs().max().item() < TOL
 
 
-def test_lean_a_short_batch_uses_fewer_programs_and_repeats_exactly(knob_dir):
+def test_lean_is_right_and_repeats_exactly_when_the_minimum_steps_leave_most_programs_idle(knob_dir):
     # 6 steps in all (2 + 1 per kv head), at least 2 a program: 3 of the 64 programs take work, the rest none
     mod = _load(LEAN, {"BLOCK_N": 16, "MIN_STEPS_PER_PROGRAM": 2, "CPU_SM_COUNT": 16, "PROGRAMS_PER_SM": 4},
                 knob_dir)

@@ -1,5 +1,6 @@
-"""Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py) for sm90 on a machine without a
-GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared memory per program.
+"""Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py) for
+sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared
+memory per program.
 
     python tests/bench/sm90_compile.py [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
 
