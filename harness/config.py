@@ -148,6 +148,7 @@ class MicrobenchConfig(Strict):
     clock_check_ratio: float = Field(gt=0, le=1)
     stream_escape_ratio: float = Field(gt=0, le=1)
     trusted_baseline_tolerance: float = Field(gt=0)
+    disagreement_tries: int = Field(ge=1, le=10)  # times a case is timed while two of its clocks disagree
     anchor: bool
     trusted_baseline_reps: int = Field(ge=5)     # the evaluator's own timing of the baseline, calls timed
     calls_per_graph: int = Field(ge=1, le=1000)  # calls captured in each CUDA graph of the clock check's bursts

@@ -59,7 +59,8 @@ def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_h
     """Whether the reference prefill beats per-sequence SDPA is a measurement (on the H200 it does not
     at 8k tokens); what must hold is that it is timed, never refused by a timer check, and that the
     baseline's time is device time: with the sequence bounds given on the host, the worker's events
-    and the evaluator's clock agree on it."""
+    and the evaluator's clock agree on it, on the input set the clock replays (the sets' lengths differ: on the
+    H200 the median over both sets read 0.208 ms at batch 4, the first set's clock 0.138 ms)."""
     v = evaluate_source(C.REF_PREFILL, until="microbench")
     bench = v.stages[-1]
     print(bench.reason)
@@ -69,7 +70,7 @@ def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_h
     cases = case_figures(bench.metrics, "prefill")
     assert len(cases) == 3, [key for key, _ in cases]
     for key, fig in cases:
-        events, clock = fig["baseline_ms"], fig["baseline_clock_ms"]
+        events, clock = fig["baseline_clocked_set_events_ms"], fig["baseline_clock_ms"]
         assert 0.75 < clock / events < 1.33, (key, events, clock)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import socket
+import statistics
 import textwrap
 import threading
 import time
@@ -195,6 +196,56 @@ def test_the_candidate_counts_at_the_slower_of_its_events_and_the_evaluators_clo
     assert math.isnan(cc.counted_ms(0.0677, 0.2617, NAN, 0.2490))     # a NaN from the clock never counts as fast
 
 
+def test_the_checks_between_two_clocks_reject_as_a_disagreement_the_others_do_not():
+    with pytest.raises(cc.Disagreement):
+        cc.check_clock("c", 0.1086, 0.1557, RATIO)      # c022 of run h200-r23: events against the clock
+    with pytest.raises(cc.Disagreement):
+        mb.check_trusted_baseline("c", 0.2311, 0.1724, 0.25)    # c026: the worker's baseline against the evaluator's
+    with pytest.raises(Rejected) as err:
+        mb.check_floor("c", 0.001, 0.01, "events")
+    assert not isinstance(err.value, cc.Disagreement)
+
+
+class _Tries:
+    """A measurement that disagrees on its first `disagree` calls, then returns the number of its call."""
+
+    def __init__(self, disagree: int, then: Exception | None = None) -> None:
+        self.calls, self.disagree, self.then = 0, disagree, then
+
+    def __call__(self) -> int:
+        self.calls += 1
+        if self.calls <= self.disagree:
+            raise cc.Disagreement(f"try {self.calls}: the clocks disagree", candidate_ms=0.1)
+        if self.then is not None:
+            raise self.then
+        return self.calls
+
+
+def test_a_disagreement_is_measured_again_and_the_first_try_that_agrees_counts():
+    measure = _Tries(disagree=2)
+    got, met = cc.agreeing(measure, 3)
+    assert (got, measure.calls) == (3, 3)
+    assert met == ["try 1: the clocks disagree", "try 2: the clocks disagree"]
+    assert cc.agreeing(_Tries(disagree=0), 3) == (1, [])
+
+
+def test_clocks_that_disagree_on_every_try_reject_saying_how_often_they_were_measured():
+    measure = _Tries(disagree=10)
+    with pytest.raises(cc.Disagreement, match=r"try 3: the clocks disagree \(measured 3 times, each disagreed\)") as err:
+        cc.agreeing(measure, 3)
+    assert measure.calls == 3
+    assert err.value.metrics == {"candidate_ms": 0.1, "timing_tries": 3.0}
+    with pytest.raises(cc.Disagreement, match=r"^try 1: the clocks disagree$"):
+        cc.agreeing(_Tries(disagree=10), 1)
+
+
+def test_any_other_rejection_is_not_measured_again():
+    measure = _Tries(disagree=1, then=Rejected("a timed call wrote a wrong output"))
+    with pytest.raises(Rejected, match="wrong output") as err:
+        cc.agreeing(measure, 3)
+    assert measure.calls == 2 and not isinstance(err.value, cc.Disagreement)
+
+
 @pytest.mark.parametrize("synced, streamed, words", [
     ({"candidate:0": [1.0]}, {"candidate:0": [1.0]}, "has keys ['candidate:0'], expected"),
     ({"candidate:0": [1.0, 1.0], "baseline:1": [1.0], "baseline:2": [1.0, 1.0]},
@@ -214,6 +265,25 @@ def test_a_timing_reply_holding_what_was_asked_gives_each_implementations_median
                            "streamed_ms": {k: [1.0, 3.0] for k in ("candidate:0", "baseline:1", "baseline:2")}})
     synced, streamed = mb.timed_medians(reply, ["candidate", "baseline", "baseline"], 2, "x")
     assert synced["candidate:0"] == 1.5 and streamed["baseline:2"] == 2.0
+
+
+def _reps(set_times: list[list[float]]) -> list[float]:
+    """Times as a timing reply holds them: rep by rep, within a rep one call per input set."""
+    return [t for rep in zip(*set_times) for t in rep]
+
+
+def test_two_input_sets_of_different_work_are_each_their_own_median_so_one_stall_moves_nothing():
+    # the baseline's two arms at batch 4, 512..2048 tokens: one draw 0.10 ms a call, the other 0.15 ms (run h200-r24)
+    light, heavy = [0.100 + 1e-4 * (i % 3) for i in range(30)], [0.150 + 1e-4 * (i % 5) for i in range(30)]
+    stalled = [0.300] + light[1:]                        # one call of the second arm's light set met a host stall
+    arm1, arm2 = _reps([light, heavy]), _reps([stalled, heavy])
+    assert statistics.median(arm2) / statistics.median(arm1) > 1.15          # one value moves the median of them all
+    assert mb.per_set_median(arm2, 2) == pytest.approx(mb.per_set_median(arm1, 2), rel=1e-3)
+    assert mb.per_set_median(arm1, 2) == pytest.approx((statistics.median(light) + statistics.median(heavy)) / 2)
+    reply = parse("time", {**TIME, "synced_ms": {"candidate:0": arm1, "baseline:1": arm1, "baseline:2": arm2},
+                           "streamed_ms": {"candidate:0": arm1, "baseline:1": arm1, "baseline:2": arm2}})
+    _, streamed = mb.timed_medians(reply, ["candidate", "baseline", "baseline"], 60, "x", sets=2)
+    assert abs(streamed["baseline:1"] - streamed["baseline:2"]) / streamed["baseline:1"] < 1e-3      # the noise band
 
 
 # -- records and the ledger -------------------------------------------------------------------------------

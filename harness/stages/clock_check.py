@@ -3,18 +3,47 @@ the evaluator's own clock, over short rounds of CUDA-graph bursts replayed in th
 rest (so that no burst starts at the GPU's power cap); one call of the candidate's graph, drawn after the
 capture, checked after the last round (a graph recording less work than its calls would be clocked fast);
 the check that the worker's events are not far under that clock; and the figure that counts, the slower of
-the two speedups (`counted_ms`). Not here: the events' timing (harness/worker_timing.py) or the verdict.
+the two speedups (`counted_ms`); and `Disagreement`, the rejection of a case whose measurements disagree, which
+microbench measures again before it names a kernel by it (`agreeing`). Not here: the events' timing
+(harness/worker_timing.py) or the verdict.
 """
 from __future__ import annotations
 
 import secrets
 import statistics
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from harness.stages.common import EvalContext, Rejected, Trial, candidate_raised, diff, drop_outputs, library_use
 from harness.transport import ProtocolError, read_arena
+
+T = TypeVar("T")
+
+
+class Disagreement(Rejected):
+    """Two of the evaluator's measurements of one served case disagree beyond their bound: the worker's events
+    against the evaluator's clock (`check_clock`), or the worker's baseline against the evaluator's own timing of
+    it (harness/stages/microbench.py `check_trusted_baseline`). An honest kernel's case can meet one once (a
+    stalled call: run h200-r24's c064, docs/EVALUATOR.md), so microbench times such a case again (`agreeing`);
+    a lie that made it disagree makes every try disagree."""
+
+
+def agreeing(measure: Callable[[], T], tries: int) -> tuple[T, list[str]]:
+    """`measure()`'s result from the first of up to `tries` calls that met no Disagreement, and the disagreements
+    met before it (their reasons, in order). The last try's Disagreement is raised, carrying `timing_tries`.
+    Any other rejection is raised at once: only a disagreement between two clocks is measured again."""
+    met: list[str] = []
+    while True:
+        try:
+            return measure(), met
+        except Disagreement as e:
+            met.append(str(e))
+            if len(met) >= tries:
+                again = f" (measured {tries} times, each disagreed)" if tries > 1 else ""
+                raise Disagreement(f"{e}{again}", e.failure, **{**e.metrics, "timing_tries": float(tries)}) from None
 
 
 def _clock() -> float:
@@ -28,8 +57,8 @@ def burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float, check: Tr
     `clock_check_rounds` short rounds each begun after the GPU rested, and whether the calls were replayed
     from a CUDA graph. The candidate must be capturable; the baseline may not be.
     With `check` (the trial of the burst's input set), the output of one of the graph's calls, drawn here
-    after the capture, must be right after the last burst: a graph that did less than the calls it
-    recorded would be clocked as faster than the candidate is."""
+    after the capture, must be right after one of the rounds' longer bursts (drawn too): a graph that did less
+    than the calls it recorded would be clocked as faster than the candidate is."""
     m = ctx.cfg.stages.microbench
     per_graph, baseline = m.calls_per_graph, ctx.target.ops[op].baseline_name
     prep = ctx.request({"cmd": "burst", "op": op, "impl": impl, "prepare": True, "per_graph": per_graph,
@@ -42,25 +71,27 @@ def burst_ms(ctx: EvalContext, op: str, impl: str, per_call_ms: float, check: Tr
             raise Rejected(f"{op}: the candidate cannot be captured in a CUDA graph ({prep.error}); "
                            "kevo clocks device time through graph replays, and serving engines replay decode the same way")
     n = per_graph * int(min(500, max(1, m.clock_check_ms / max(per_call_ms, 1e-3) / per_graph)))
-    per_call, pick = [], secrets.randbelow(per_graph)
+    # the call whose output is checked: one of the graph's, in one of the rounds' longer bursts, both drawn here
+    per_call, pick, checked_round = [], secrets.randbelow(per_graph), secrets.randbelow(m.clock_check_rounds)
     for r in range(m.clock_check_rounds):
         time.sleep(m.clock_check_rest_s)          # the GPU idles first: no burst starts at the power cap
         walls = []
         for k in (n, 2 * n):
             msg = {"cmd": "burst", "op": op, "impl": impl, "n": k, "baseline": baseline}
-            if check is not None and k == 2 * n and r == m.clock_check_rounds - 1:
+            checking = check is not None and k == 2 * n and r == checked_round
+            if checking:
                 msg["check"] = pick
             t0 = _clock()
             reply = ctx.request(msg, f"clock check of the {impl}", "burst")
             walls.append(_clock() - t0)
             if not reply.ok:
                 raise candidate_raised(f"{op}: the {impl} raised during the clock check", reply)
+            if checking:
+                _check_burst_output(ctx, op, impl, reply, check)
         if not walls[1] > walls[0]:
-            raise Rejected(f"{op}: by the evaluator's clock {2 * n} calls of the {impl} took {walls[1] * 1e3:.3f} ms, "
+            raise Disagreement(f"{op}: by the evaluator's clock {2 * n} calls of the {impl} took {walls[1] * 1e3:.3f} ms, "
                            f"no longer than {n} calls ({walls[0] * 1e3:.3f} ms): its time per call cannot be clocked")
         per_call.append((walls[1] - walls[0]) * 1e3 / n)
-    if check is not None:
-        _check_burst_output(ctx, op, impl, reply, check)
     return statistics.median(per_call), bool(prep.graph)
 
 
@@ -92,6 +123,6 @@ def check_clock(label: str, cand: float, wall_c: float, ratio: float, **metrics)
     """The worker's event time of the candidate against the evaluator's own clock (CUDA-graph bursts). A lie
     smaller than the bound gains nothing (`counted_ms`); this names the larger ones."""
     if not cand >= ratio * wall_c:
-        raise Rejected(f"{label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
+        raise Disagreement(f"{label}: the worker's events say {cand:.4f} ms per call, the evaluator's clock "
                        f"{wall_c:.4f} ms: the worker's timer is not to be believed", candidate_ms=cand,
                        candidate_clock_ms=wall_c, **metrics)
