@@ -196,56 +196,6 @@ def test_the_candidate_counts_at_the_slower_of_its_events_and_the_evaluators_clo
     assert math.isnan(cc.counted_ms(0.0677, 0.2617, NAN, 0.2490))     # a NaN from the clock never counts as fast
 
 
-def test_the_checks_between_two_clocks_reject_as_a_disagreement_the_others_do_not():
-    with pytest.raises(cc.Disagreement):
-        cc.check_clock("c", 0.1086, 0.1557, RATIO)      # c022 of run h200-r23: events against the clock
-    with pytest.raises(cc.Disagreement):
-        mb.check_trusted_baseline("c", 0.2311, 0.1724, 0.25)    # c026: the worker's baseline against the evaluator's
-    with pytest.raises(Rejected) as err:
-        mb.check_floor("c", 0.001, 0.01, "events")
-    assert not isinstance(err.value, cc.Disagreement)
-
-
-class _Tries:
-    """A measurement that disagrees on its first `disagree` calls, then returns the number of its call."""
-
-    def __init__(self, disagree: int, then: Exception | None = None) -> None:
-        self.calls, self.disagree, self.then = 0, disagree, then
-
-    def __call__(self) -> int:
-        self.calls += 1
-        if self.calls <= self.disagree:
-            raise cc.Disagreement(f"try {self.calls}: the clocks disagree", candidate_ms=0.1)
-        if self.then is not None:
-            raise self.then
-        return self.calls
-
-
-def test_a_disagreement_is_measured_again_and_the_first_try_that_agrees_counts():
-    measure = _Tries(disagree=2)
-    got, met = cc.agreeing(measure, 3)
-    assert (got, measure.calls) == (3, 3)
-    assert met == ["try 1: the clocks disagree", "try 2: the clocks disagree"]
-    assert cc.agreeing(_Tries(disagree=0), 3) == (1, [])
-
-
-def test_clocks_that_disagree_on_every_try_reject_saying_how_often_they_were_measured():
-    measure = _Tries(disagree=10)
-    with pytest.raises(cc.Disagreement, match=r"try 3: the clocks disagree \(measured 3 times, each disagreed\)") as err:
-        cc.agreeing(measure, 3)
-    assert measure.calls == 3
-    assert err.value.metrics == {"candidate_ms": 0.1, "timing_tries": 3.0}
-    with pytest.raises(cc.Disagreement, match=r"^try 1: the clocks disagree$"):
-        cc.agreeing(_Tries(disagree=10), 1)
-
-
-def test_any_other_rejection_is_not_measured_again():
-    measure = _Tries(disagree=1, then=Rejected("a timed call wrote a wrong output"))
-    with pytest.raises(Rejected, match="wrong output") as err:
-        cc.agreeing(measure, 3)
-    assert measure.calls == 2 and not isinstance(err.value, cc.Disagreement)
-
-
 @pytest.mark.parametrize("synced, streamed, words", [
     ({"candidate:0": [1.0]}, {"candidate:0": [1.0]}, "has keys ['candidate:0'], expected"),
     ({"candidate:0": [1.0, 1.0], "baseline:1": [1.0], "baseline:2": [1.0, 1.0]},

@@ -1,7 +1,7 @@
 """Microbench's second figure (harness/stages/microbench.py): the candidate's and the baseline's time per call by
 the evaluator's own clock, over short rounds of CUDA-graph bursts replayed in the worker, each round after a
-rest (so that no burst starts at the GPU's power cap); one call of the candidate's graph, drawn after the
-capture, checked after the last round (a graph recording less work than its calls would be clocked fast);
+rest (so that no burst starts at the GPU's power cap); one call of the candidate's graph in one round, both
+drawn after the capture, checked (a graph recording less work than its calls would be clocked fast);
 the check that the worker's events are not far under that clock; and the figure that counts, the slower of
 the two speedups (`counted_ms`); and `Disagreement`, the rejection of a case whose measurements disagree, which
 microbench measures again before it names a kernel by it (`agreeing`). Not here: the events' timing

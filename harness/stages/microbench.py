@@ -212,7 +212,7 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dic
     # The clock's bursts replay the first input set alone, and the sets' work differs (each draws its own lengths:
     # at batch 4, 512..2048 tokens, one set's causal FLOPs can be 1.5x another's), so the clock is held to that
     # set's events and floor, never to the median over every set.
-    k = m.input_sets
+    k = len(trials)
     events0 = _median(reply.streamed_ms["candidate:0"][0::k])
     base0 = _median(reply.streamed_ms["baseline:1"][0::k] + reply.streamed_ms["baseline:2"][0::k])
     floor0_ms = 1e3 * max(costs[0].bytes / m.hbm_bytes_per_s, costs[0].flops / m.peak_flops)
