@@ -52,6 +52,11 @@ Known limits
       The loop over a stretch's pieces costs about 40 of them (a one-piece
       variant compiles to 120); a cap at 128 (MAX_REGISTERS) fits 4 per SM but
       spills inside the K/V loop (440k local-memory requests) and gains nothing.
+      Compile-only variants (2026-12-04, same tool, not run on the GPU) point at the
+      partials: the loop storing only the [GROUP, D] tile compiles to 115-119;
+      storing any per-row vector after the K/V loop (the max, the sum or their
+      log-sum-exp) to 145-149, with or without the merge; MERGE_CHUNK,
+      NUM_STAGES and the outer loop's pipelining move it by at most 6.
     * NUM_STAGES 3 read 395 us at 64 x 4k against 275 at 2 (and 1-2% faster on
       the other rows): not understood; the default stays 2.
     * The ticket buffer (one int32 per (sequence, kv head)) is reset to zero by
