@@ -17,12 +17,15 @@ What it does
     split counts per sequence leave the longest chunk to set the time.
     MIN_STEPS_PER_PROGRAM: a batch with few steps uses fewer programs (each at
     least that many steps), so short contexts do not pay a merge per few tokens.
+    MERGE_LAUNCH: every piece writes one tile (normalised output; max and sum in
+    the padding rows) and a second launch merges each (sequence, kv head): one
+    store in the loop, 117 registers against 157 on sm90 (see Known limits).
     The grid and every buffer come from shapes; nothing is read on the host, so a
     call can be captured in a CUDA graph.
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, PROGRAMS_PER_SM, MIN_STEPS_PER_PROGRAM, MERGE_CHUNK, MAX_REGISTERS,
-    CPU_SM_COUNT.
+    MERGE_LAUNCH, CPU_SM_COUNT.
 
 Why (measured, H200, 2026-12-04, ncu 2025.3.1 and tests/bench/vs_library.py)
     cuDNN's SDPA decode splits long sequences and merges them in a second kernel
@@ -52,11 +55,9 @@ Known limits
       The loop over a stretch's pieces costs about 40 of them (a one-piece
       variant compiles to 120); a cap at 128 (MAX_REGISTERS) fits 4 per SM but
       spills inside the K/V loop (440k local-memory requests) and gains nothing.
-      Compile-only variants (2026-12-04, same tool, not run on the GPU) point at the
-      partials: the loop storing only the [GROUP, D] tile compiles to 115-119;
-      storing any per-row vector after the K/V loop (the max, the sum or their
-      log-sum-exp) to 145-149, with or without the merge; MERGE_CHUNK,
-      NUM_STAGES and the outer loop's pipelining move it by at most 6.
+      Compile-only (2026-12-04): one store in the loop over pieces compiles to
+      115-119, a second store of any kind to 145-149, the owner test's 64-bit
+      division ~30 more. MERGE_LAUNCH is the one-store form; not yet timed.
     * NUM_STAGES 3 read 395 us at 64 x 4k against 275 at 2 (and 1-2% faster on
       the other rows): not understood; the default stays 2.
     * The ticket buffer (one int32 per (sequence, kv head)) is reset to zero by
@@ -77,6 +78,7 @@ PROGRAMS_PER_SM = 3  # the grid: SMs x this many programs, each an equal stretch
 MIN_STEPS_PER_PROGRAM = 4  # on device: fewer programs when the batch has fewer steps than this per program
 MERGE_CHUNK = 8  # partials read per step of the merge loop (power of two)
 MAX_REGISTERS = 0  # 0: the compiler's choice; else a cap per thread (Triton's maxnreg), so that more programs fit per SM
+MERGE_LAUNCH = False  # True: every piece writes one tile and a second launch merges each (sequence, kv head)
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
@@ -174,16 +176,8 @@ def _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
 
 
 @triton.jit
-def _lean_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-    qk_scale, batch, num_kv_heads, grid_programs, min_steps,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_btb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-    CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    # The plan, from the real lengths: steps per (sequence, kv head); the line's total; the programs in use.
+def _plan(seqlens_ptr, batch, num_kv_heads, grid_programs, min_steps, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The plan, from the real lengths: steps per (sequence, kv head); the line's total; the programs in use."""
     offs_b = tl.arange(0, BLOCK_B)
     live_b = offs_b < batch
     lens = tl.load(seqlens_ptr + offs_b, mask=live_b, other=0)
@@ -191,6 +185,21 @@ def _lean_kernel(
     upto = tl.cumsum(steps, 0) * num_kv_heads                            # steps through sequence b's heads
     total = tl.sum(steps, 0) * num_kv_heads
     programs = tl.maximum(tl.minimum(grid_programs, tl.cdiv(total, min_steps)), 1)
+    return offs_b, live_b, lens, steps, upto, total, programs
+
+
+@triton.jit
+def _lean_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+    qk_scale, batch, num_kv_heads, grid_programs, min_steps,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_B: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    CG: tl.constexpr, DOT_PRECISION: tl.constexpr, SEPARATE: tl.constexpr,
+):
+    offs_b, live_b, lens, steps, upto, total, programs = _plan(seqlens_ptr, batch, num_kv_heads, grid_programs,
+                                                               min_steps, BLOCK_N, BLOCK_B)
     pid = tl.program_id(0)
     u0 = _stretch_start(tl.minimum(pid, programs), programs, total)
     u1 = _stretch_start(tl.minimum(pid + 1, programs), programs, total)   # programs past `programs`: empty
@@ -212,41 +221,103 @@ def _lean_kernel(
         u = tl.maximum(u0, seg_start)
         piece_end = tl.minimum(u1, seg_end)
 
-        heads = h * GROUP + offs_g
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=mask_g[:, None], other=0.0)
+        if SEPARATE:                                  # rows GROUP..2 GROUP-1: the same heads again
+            heads = h * GROUP + offs_g % GROUP
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=(offs_g < 2 * GROUP)[:, None], other=0.0)
+        else:
+            heads = h * GROUP + offs_g
+            q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=mask_g[:, None], other=0.0)
         acc, m_i, l_i = _attend(q, k_ptr + h.to(tl.int64) * stride_kh, v_ptr + h.to(tl.int64) * stride_vh,
                                 bt_ptr + b.to(tl.int64) * stride_btb, (u - seg_start) * BLOCK_N,
                                 tl.minimum((piece_end - seg_start) * BLOCK_N, len_b), qk_scale,
                                 stride_kb, stride_ks, stride_vb, stride_vs,
                                 BLOCK_G, HEAD_DIM, BLOCK_N, PAGE_SIZE, DOT_PRECISION)
-        first = _owner(seg_start, programs, total)
-        last = _owner(seg_end - 1, programs, total)
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        if first == last:                                                 # the whole (sequence, kv head)
+        whole = (u == seg_start) & (piece_end == seg_end)     # the piece is the whole (sequence, kv head)
+        if SEPARATE:
+            # One store of one tile (a second store in this loop costs ~30 registers a thread on sm90): rows below
+            # GROUP the normalised output, rows GROUP..2 GROUP-1 (the same heads) the max in column 0, the sum in
+            # column 1; at row block 2 x pid + 0 (the stretch's first piece) or 1 (its last), or, for a whole
+            # segment (its only piece), at 2 x grid programs + the segment.
             l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-            tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+            tile = tl.where(offs_g[:, None] < GROUP, acc / l_safe[:, None],
+                            tl.where(offs_d[None, :] == 0, m_i[:, None], l_i[:, None]))
+            at = tl.where(whole, 2 * grid_programs + s, pid * 2 + tl.where(u == u0, 0, 1)).to(tl.int64)
+            keep = (offs_g[:, None] < GROUP) | ((offs_g[:, None] < 2 * GROUP) & (offs_d[None, :] < 2))
+            tl.store(po_ptr + (at * (2 * GROUP) + offs_g)[:, None] * HEAD_DIM + offs_d[None, :], tile, mask=keep)
         else:
-            # partials: po [grid programs, 2, GROUP, D], pm [grid programs, 2, GROUP, 2] (max, sum)
-            part = pid.to(tl.int64) * 2 + tl.where(u == u0, 0, 1)
-            ml_off = part * GROUP + offs_g
-            tl.store(po_ptr + ml_off[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
-            tl.store(pm_ptr + 2 * ml_off, m_i, mask=mask_g)
-            tl.store(pm_ptr + 2 * ml_off + 1, l_i, mask=mask_g)
-            tl.debug_barrier()  # every thread's partial stores precede the ticket (release, gpu scope)
-            ticket = ticket_ptr + b.to(tl.int64) * num_kv_heads + h
-            done = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
-            if done == last - first:
-                tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # reset for the next call
-                o, l_run = _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
-                                  GROUP, GP, HEAD_DIM, MERGE_CHUNK, CG)
-                l_safe = tl.where(l_run > 0.0, l_run, 1.0)
-                offs_gp = tl.arange(0, GP)
-                m_ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_gp)[:, None] * stride_oh \
-                    + offs_d[None, :]
-                tl.store(m_ptrs, (o / l_safe[:, None]).to(out_ptr.dtype.element_ty),
-                         mask=(offs_gp < GROUP)[:, None])
+            o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            if whole:
+                l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+                tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+            else:
+                # partials: po [grid programs, 2, GROUP, D], pm [grid programs, 2, GROUP, 2] (max, sum)
+                part = pid.to(tl.int64) * 2 + tl.where(u == u0, 0, 1)
+                ml_off = part * GROUP + offs_g
+                tl.store(po_ptr + ml_off[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=mask_g[:, None])
+                tl.store(pm_ptr + 2 * ml_off, m_i, mask=mask_g)
+                tl.store(pm_ptr + 2 * ml_off + 1, l_i, mask=mask_g)
+                tl.debug_barrier()  # every thread's partial stores precede the ticket (release, gpu scope)
+                first = _owner(seg_start, programs, total)
+                last = _owner(seg_end - 1, programs, total)
+                ticket = ticket_ptr + b.to(tl.int64) * num_kv_heads + h
+                done = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+                if done == last - first:
+                    tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # reset for the next call
+                    o, l_run = _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
+                                      GROUP, GP, HEAD_DIM, MERGE_CHUNK, CG)
+                    l_safe = tl.where(l_run > 0.0, l_run, 1.0)
+                    offs_gp = tl.arange(0, GP)
+                    m_ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_gp)[:, None] * stride_oh \
+                        + offs_d[None, :]
+                    tl.store(m_ptrs, (o / l_safe[:, None]).to(out_ptr.dtype.element_ty),
+                             mask=(offs_gp < GROUP)[:, None])
 
+
+
+@triton.jit
+def _merge_kernel(po_ptr, out_ptr, seqlens_ptr, batch, num_kv_heads, grid_programs, min_steps, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_B: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """MERGE_LAUNCH: one program per (sequence, kv head) merges the tiles its pieces wrote (each normalised, with
+    its max and sum) by log-sum-exp, and writes the output."""
+    offs_b, live_b, lens, steps, upto, total, programs = _plan(seqlens_ptr, batch, num_kv_heads, grid_programs,
+                                                               min_steps, BLOCK_N, BLOCK_B)
+    s = tl.program_id(0)
+    b = s // num_kv_heads
+    h = s - b * num_kv_heads
+    here = offs_b == b
+    n_b = tl.sum(tl.where(here, steps, 0), 0)
+    seg_start = tl.sum(tl.where(here, upto, 0), 0) - (num_kv_heads - h) * n_b
+    first = _owner(seg_start, programs, total)
+    last = _owner(seg_start + n_b - 1, programs, total)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    m_run = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, HEAD_DIM], dtype=tl.float32)
+    for p0 in range(first, last + 1, MERGE_CHUNK):
+        progs = p0 + offs_c
+        starts = ((progs.to(tl.int64) * total) // programs).to(tl.int32)
+        at = tl.where(first == last, 2 * grid_programs + s, progs * 2 + tl.where(starts >= seg_start, 0, 1))
+        row = at.to(tl.int64)[:, None] * (2 * GROUP) + offs_g[None, :]
+        msk = (progs <= last)[:, None] & mask_g[None, :]
+        o_s = tl.load(po_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=msk[:, :, None], other=0.0)
+        m_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM, mask=msk, other=float("-inf"))
+        l_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM + 1, mask=msk, other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_ref)
+        w = l_s * tl.exp2(m_s - m_ref[None, :])
+        l_run = l_run * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        m_run = m_new
+    l_safe = tl.where(l_run > 0.0, l_run, 1.0)
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
 
 def _sm_count(device):
     if device.type == "cuda":
@@ -288,14 +359,19 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, "head_dim must be a power of two >= 16"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_table.stride(1) == 1
     group = num_q_heads // num_kv_heads
-    block_g = max(16, triton.next_power_of_2(group))
+    separate = bool(MERGE_LAUNCH)
+    block_g = max(16, triton.next_power_of_2(2 * group if separate else group))
     gp = triton.next_power_of_2(group)
     out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if batch == 0:
         return out
     programs = grid_programs(q.device)
-    po = torch.empty((programs, 2, group, head_dim), dtype=torch.float32, device=q.device)
-    pm = torch.empty((programs, 2, group, 2), dtype=torch.float32, device=q.device)
+    if separate:    # tiles: 2 per program (a stretch's first and last pieces), then 1 per (sequence, kv head)
+        po = pm = torch.empty((2 * programs + batch * num_kv_heads, 2 * group, head_dim), dtype=torch.float32,
+                              device=q.device)
+    else:
+        po = torch.empty((programs, 2, group, head_dim), dtype=torch.float32, device=q.device)
+        pm = torch.empty((programs, 2, group, 2), dtype=torch.float32, device=q.device)
     tickets = _tickets(q.device, batch * num_kv_heads)
     elem = k_cache.element_size()
     stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
@@ -309,7 +385,13 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
         BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=MERGE_CHUNK,
-        CG=q.device.type == "cuda", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CG=q.device.type == "cuda", DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SEPARATE=separate,
         num_warps=NUM_WARPS, num_stages=stages, **limits,
     )
+    if separate:
+        _merge_kernel[(batch * num_kv_heads,)](
+            po, out, seq_lens, batch, num_kv_heads, programs, max(1, int(MIN_STEPS_PER_PROGRAM)),
+            out.stride(0), out.stride(1), GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
+            BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=MERGE_CHUNK, num_warps=4,
+        )
     return out

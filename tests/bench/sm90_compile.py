@@ -44,7 +44,7 @@ def compile_split_kernel(mod):
                   PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
                   SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
                   SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
-                  BLOCK_B=32, MERGE_CHUNK=knob("MERGE_CHUNK", 8))
+                  BLOCK_B=32, MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")))
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
            for n in names}
