@@ -26,8 +26,8 @@ T = TypeVar("T")
 class Disagreement(Rejected):
     """Two of the evaluator's measurements of one served case disagree beyond their bound: the worker's events
     against the evaluator's clock (`check_clock`), or the worker's baseline against the evaluator's own timing of
-    it (harness/stages/microbench.py `check_trusted_baseline`). An honest kernel's case can meet one once (a
-    stalled call: run h200-r24's c064, docs/EVALUATOR.md), so microbench times such a case again (`agreeing`);
+    it (harness/stages/microbench.py `check_trusted_baseline`). An honest kernel's case can meet one once (run
+    h200-r24's c064, its cause not found: docs/EVALUATOR.md), so microbench times such a case again (`agreeing`);
     a lie that made it disagree makes every try disagree."""
 
 
