@@ -136,11 +136,23 @@ def _attend(q, k_head, v_head, bt_row, lo, hi, qk_scale, stride_kb, stride_ks, s
 
 
 @triton.jit
-def _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
+def _fold(m_run, l_run, acc, m_s, l_s, o_s):
+    """Log-sum-exp fold of a chunk of partials (max m_s, sum l_s, unnormalised output o_s; [chunk, rows(, D)])
+    into the running (max, sum, output) of one (sequence, kv head)."""
+    m_new = tl.maximum(m_run, tl.max(m_s, 0))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_run - m_ref)
+    w = tl.exp2(m_s - m_ref[None, :])
+    return m_new, l_run * alpha + tl.sum(w * l_s, 0), acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+
+
+@triton.jit
+def _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total, whole_at,
            GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-           CG: tl.constexpr):
+           CG: tl.constexpr, TILES: tl.constexpr):
     """Log-sum-exp merge of the partials programs first..last wrote for one (sequence, kv head): slot 0 of
-    a program whose stretch starts inside the segment (its first piece), slot 1 of the one before it."""
+    a program whose stretch starts inside the segment (its first piece), slot 1 of the one before it. TILES
+    (MERGE_LAUNCH): the partials are `_lean_kernel`'s SEPARATE tiles in po, a whole segment's at `whole_at`."""
     offs_c = tl.arange(0, MERGE_CHUNK)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -154,24 +166,25 @@ def _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
         starts = ((progs.to(tl.int64) * total) // programs).to(tl.int32)
         part = progs.to(tl.int64) * 2 + tl.where(starts >= seg_start, 0, 1)
         msk = live[:, None] & mask_g[None, :]
-        ml_off = part[:, None] * GROUP + offs_g[None, :]
-        if CG:
-            m_s = tl.load(pm_ptr + 2 * ml_off, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(pm_ptr + 2 * ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
-            o_s = tl.load(po_ptr + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=msk[:, :, None], other=0.0, cache_modifier=".cg")
+        if TILES:
+            row = tl.where(first == last, whole_at, part)[:, None] * (2 * GROUP) + offs_g[None, :]
+            m_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM, mask=msk, other=float("-inf"))
+            l_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM + 1, mask=msk, other=0.0)
+            o_s = tl.load(po_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=msk[:, :, None],
+                          other=0.0) * l_s[:, :, None]                   # a tile holds the normalised output
         else:
-            m_s = tl.load(pm_ptr + 2 * ml_off, mask=msk, other=float("-inf"))
-            l_s = tl.load(pm_ptr + 2 * ml_off + 1, mask=msk, other=0.0)
-            o_s = tl.load(po_ptr + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=msk[:, :, None], other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(m_s - m_ref[None, :])
-        l_run = l_run * alpha + tl.sum(w * l_s, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
-        m_run = m_new
+            ml_off = part[:, None] * GROUP + offs_g[None, :]
+            if CG:
+                m_s = tl.load(pm_ptr + 2 * ml_off, mask=msk, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(pm_ptr + 2 * ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
+                o_s = tl.load(po_ptr + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                              mask=msk[:, :, None], other=0.0, cache_modifier=".cg")
+            else:
+                m_s = tl.load(pm_ptr + 2 * ml_off, mask=msk, other=float("-inf"))
+                l_s = tl.load(pm_ptr + 2 * ml_off + 1, mask=msk, other=0.0)
+                o_s = tl.load(po_ptr + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                              mask=msk[:, :, None], other=0.0)
+        m_run, l_run, acc = _fold(m_run, l_run, acc, m_s, l_s, o_s)
     return acc, l_run
 
 
@@ -265,8 +278,8 @@ def _lean_kernel(
                 done = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
                 if done == last - first:
                     tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # reset for the next call
-                    o, l_run = _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total,
-                                      GROUP, GP, HEAD_DIM, MERGE_CHUNK, CG)
+                    o, l_run = _merge(po_ptr, pm_ptr, first, last, seg_start, programs, total, 0,
+                                      GROUP, GP, HEAD_DIM, MERGE_CHUNK, CG, False)
                     l_safe = tl.where(l_run > 0.0, l_run, 1.0)
                     offs_gp = tl.arange(0, GP)
                     m_ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_gp)[:, None] * stride_oh \
@@ -292,32 +305,15 @@ def _merge_kernel(po_ptr, out_ptr, seqlens_ptr, batch, num_kv_heads, grid_progra
     seg_start = tl.sum(tl.where(here, upto, 0), 0) - (num_kv_heads - h) * n_b
     first = _owner(seg_start, programs, total)
     last = _owner(seg_start + n_b - 1, programs, total)
-    offs_c = tl.arange(0, MERGE_CHUNK)
+    acc, l_run = _merge(po_ptr, po_ptr, first, last, seg_start, programs, total, 2 * grid_programs + s,
+                        GROUP, GP, HEAD_DIM, MERGE_CHUNK, False, True)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
-    m_run = tl.full([GP], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, HEAD_DIM], dtype=tl.float32)
-    for p0 in range(first, last + 1, MERGE_CHUNK):
-        progs = p0 + offs_c
-        starts = ((progs.to(tl.int64) * total) // programs).to(tl.int32)
-        at = tl.where(first == last, 2 * grid_programs + s, progs * 2 + tl.where(starts >= seg_start, 0, 1))
-        row = at.to(tl.int64)[:, None] * (2 * GROUP) + offs_g[None, :]
-        msk = (progs <= last)[:, None] & mask_g[None, :]
-        o_s = tl.load(po_ptr + row[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=msk[:, :, None], other=0.0)
-        m_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM, mask=msk, other=float("-inf"))
-        l_s = tl.load(po_ptr + (row + GROUP) * HEAD_DIM + 1, mask=msk, other=0.0)
-        m_new = tl.maximum(m_run, tl.max(m_s, 0))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_ref)
-        w = l_s * tl.exp2(m_s - m_ref[None, :])
-        l_run = l_run * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
-        m_run = m_new
     l_safe = tl.where(l_run > 0.0, l_run, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + (h * GROUP + offs_g)[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+
 
 def _sm_count(device):
     if device.type == "cuda":
