@@ -19,7 +19,7 @@ What it does
     least that many steps), so short contexts do not pay a merge per few tokens.
     MERGE_LAUNCH: every piece writes one tile (normalised output; max and sum in
     the padding rows) and a second launch merges each (sequence, kv head): one
-    store in the loop, 117 registers against 157 on sm90 (see Known limits).
+    store in the loop, fewer registers (see Known limits).
     The grid and every buffer come from shapes; nothing is read on the host, so a
     call can be captured in a CUDA graph.
 
@@ -35,31 +35,28 @@ Why (measured, H200, 2026-12-04, ncu 2025.3.1 and tests/bench/vs_library.py)
     of 207k) and drew 73% of DRAM peak, against 85% on equal lengths; this
     family's SMs 83-95% (173k/197k).
 
-Measured (bf16, 32 q / 8 kv heads, d 128, page 16, shuffled pages, a 32768-token
-table; do_bench median, L2 flushed; four processes agreed within 1%), defaults,
-    us, against the GQA family and cuDNN SDPA (contiguous K/V; ragged: of the mean length):
-    equal  32 x 4k 152.0 (GQA 139.3, cuDNN 132.6: 0.87x), 16 x 8k 149.4 (141.6,
-           132.4: 0.89x), 128 x 1k 154.4 (137.7, 135.5: 0.88x), 64 x 4k 275.4
-           (253.0, 249.6: 0.91x), 8 x 32k 274.8 (259.1, 251.2: 0.91x)
-    ragged 32 x 4k 114.6-115.1 (GQA 116.4-116.5, cuDNN 100.0: 0.87x), 16 x 8k
-           120.2-121.5 (121.9-122.8, 105.8-106.4: 0.88x), 128 x 1k 126.6-127.2
-           (118.7-119.2, 111.8-112.5: 0.88x), 8 x 32k 215.5 (221.5, 198.3: 0.92x),
-           64 x 4k 211.8 (211.4, 189.8: 0.90x)
-    So it evens out ragged batches (a few % over the GQA family on three of five
-    ragged rows) but loses 5-11% on equal lengths: see the first limit.
+Measured (H200 2026-12-04, tests/bench/vs_library.py: bf16, 32 q / 8 kv heads, d 128,
+page 16, shuffled pages, a 32768-token table; do_bench median, L2 flushed), defaults
+with the register cap, us and x cuDNN SDPA (contiguous K/V; ragged: of the mean length):
+    equal  32 x 4k 152.4 (0.87x; GQA family 0.95x), 64 x 4k 277.9 (0.90x; 0.99x),
+           128 x 1k 154.1 (0.88x; 0.99x), 8 x 32k 273.7 (0.92x; 0.97x), 16 x 8k 150.8 (0.88x; 0.93x)
+    ragged 32 x 4k 114.9 (0.87x; 0.86x), 64 x 4k 213.9 (0.89x; 0.90x), 128 x 1k 124.6
+           (0.86x; 0.91x), 8 x 32k 214.9 (0.92x; 0.90x), 16 x 8k 117.7 (0.90x; 0.86x)
+    So it evens out ragged batches (ahead of the GQA family on three of five
+    ragged rows) but loses 6-13% to it on equal lengths: see the first limit.
 
 Known limits
-    * Registers: 159 a thread at the defaults (sm90, tests/bench/sm90_compile.py),
-      so 3 programs fit per SM against up to 5 for the GQA family (96); ncu at
-      32 x 4k: achieved occupancy 18% against 24%, DRAM 76% of peak against 85%.
-      The loop over a stretch's pieces costs about 40 of them (a one-piece
-      variant compiles to 120); a cap at 128 (MAX_REGISTERS) fits 4 per SM but
-      spills inside the K/V loop (440k local-memory requests) and gains nothing.
-      Compile-only (2026-12-04): one store in the loop over pieces compiles to
-      115-119, a second store of any kind to 145-149, the owner test's 64-bit
-      division ~30 more. MERGE_LAUNCH is the one-store form; not yet timed.
-    * NUM_STAGES 3 read 395 us at 64 x 4k against 275 at 2 (and 1-2% faster on
-      the other rows): not understood; the default stays 2.
+    * Registers decide how many programs reside, and the grid is one wave of
+      SMs x PROGRAMS_PER_SM: a program that does not fit runs its stretch after
+      the others. The compiler's count moves with each launch's specialisation
+      (BLOCK_B, the batch a multiple of 16): 157-185 a thread at the defaults,
+      117-157 with MERGE_LAUNCH (sm90, tests/bench/sm90_compile.py --batch B,
+      equal to the H200's). So the kernel is launched with maxnreg =
+      register_cap(): 168 for 3 per SM, 128 for 4 (2-24 bytes of spills). Before
+      the cap, batch 64 compiled to 185 (2 per SM): 395.5 us at 64 x 4k against
+      277.9 with it (tests/bench/kernel_variants.py, H200 2026-12-04); other rows
+      within 1%. MERGE_LAUNCH with PROGRAMS_PER_SM 4: 0.90-0.94x cuDNN on four
+      equal rows, 0.83x at 128 x 1k (its second launch and tiles per segment).
     * The ticket buffer (one int32 per (sequence, kv head)) is reset to zero by
       the merging program; a launch killed mid-way would leave tickets behind.
     * Pieces are cut at BLOCK_N steps, so programs differ by at most one step;
@@ -77,7 +74,7 @@ NUM_STAGES = 2  # software-pipelining depth of the K/V loads
 PROGRAMS_PER_SM = 3  # the grid: SMs x this many programs, each an equal stretch of the batch's steps
 MIN_STEPS_PER_PROGRAM = 4  # on device: fewer programs when the batch has fewer steps than this per program
 MERGE_CHUNK = 8  # partials read per step of the merge loop (power of two)
-MAX_REGISTERS = 0  # 0: the compiler's choice; else a cap per thread (Triton's maxnreg), so that more programs fit per SM
+MAX_REGISTERS = 0  # a lower cap per thread than register_cap() derives from PROGRAMS_PER_SM (0: that one)
 MERGE_LAUNCH = False  # True: every piece writes one tile and a second launch merges each (sequence, kv head)
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
@@ -339,6 +336,15 @@ def grid_programs(device):
     return max(1, _sm_count(device) * int(PROGRAMS_PER_SM))
 
 
+def register_cap():
+    """Triton's maxnreg for the lean kernel: the most registers a thread at which the grid's PROGRAMS_PER_SM
+    programs are all resident (65,536 an SM, to a multiple of 8), lowered by MAX_REGISTERS; None if no cap binds.
+    The grid is one wave of equal stretches: a program that does not fit runs its stretch after the others."""
+    fit = min(255, 65536 // (max(1, int(PROGRAMS_PER_SM)) * NUM_WARPS * 32) // 8 * 8)
+    cap = min(fit, int(MAX_REGISTERS)) if MAX_REGISTERS else fit
+    return cap if cap < 255 else None
+
+
 def _tickets(device, n):
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
@@ -371,7 +377,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     tickets = _tickets(q.device, batch * num_kv_heads)
     elem = k_cache.element_size()
     stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
-    limits = {"maxnreg": int(MAX_REGISTERS)} if MAX_REGISTERS and q.device.type == "cuda" else {}
+    cap = register_cap()
+    limits = {"maxnreg": cap} if cap and q.device.type == "cuda" else {}
     _lean_kernel[(programs,)](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
         float(sm_scale) * _LOG2E, batch, num_kv_heads, programs, max(1, int(MIN_STEPS_PER_PROGRAM)),

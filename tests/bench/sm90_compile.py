@@ -2,7 +2,7 @@
 sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared
 memory per program.
 
-    python tests/bench/sm90_compile.py [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
+    python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
 
 It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128, page 16,
 several splits (partials), every stride a multiple of 16 as on those tensors. The figures are the
@@ -33,9 +33,11 @@ POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i3
 CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_split_kernel(mod):
+def compile_split_kernel(mod, batch=32):
     """(registers, stack bytes, shared bytes) of the module's decode kernel (decode_paged_gqa.py's
-    `_split_kernel`, decode_paged_lean.py's `_lean_kernel`) at the bench shape and mod's knobs."""
+    `_split_kernel`, decode_paged_lean.py's `_lean_kernel`) at the bench shape, `batch` sequences (as a launch
+    specialises it: BLOCK_B its next power of two, `batch` marked a multiple of 16 when it is one) and mod's
+    knobs, with the register cap the module launches it with (`register_cap()`, where it has one)."""
     fn = getattr(mod, "_split_kernel", None) or mod._lean_kernel
     names = fn.arg_names
     page, block_n = 16, mod.BLOCK_N
@@ -44,15 +46,17 @@ def compile_split_kernel(mod):
                   PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
                   SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
                   SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
-                  BLOCK_B=32, MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")))
+                  BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")))
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
            for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
-                           if n in POINTERS or n.startswith("stride_")})
+                           if n in POINTERS or n.startswith("stride_") or (n == "batch" and batch % 16 == 0)})
+    cap = mod.register_cap() if hasattr(mod, "register_cap") else None
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES})
+                            options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
+                                     **({"maxnreg": cap} if cap else {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -63,11 +67,14 @@ def compile_split_kernel(mod):
 
 
 def main(argv=None):
-    specs = (argv if argv is not None else sys.argv[1:]) or [str(DEFAULT)]
+    args = list(argv if argv is not None else sys.argv[1:])
+    batch = int(args.pop(args.index("--batch") + 1)) if "--batch" in args else 32
+    args = [a for a in args if a != "--batch"]
+    specs = args or [str(DEFAULT)]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
         label, mod = load_spec(spec, tmp)
-        regs, stack, shared = compile_split_kernel(mod)
+        regs, stack, shared = compile_split_kernel(mod, batch)
         per_sm = min(65536 // (regs * 32 * mod.NUM_WARPS), 233472 // (shared + 1024))
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM")
