@@ -10,7 +10,9 @@ hook could hide library work) and the elements produced outside launches (`op_el
 applies the audit to every call it makes for the candidate, in every stage. Runs in the untrusted
 process: the compile stage's allowlist leaves a candidate no name to detect or switch off the audit with
 (torch.utils, torch._C, private attributes); the trusted comparisons and clocks in the stages are what
-holds if it is subverted anyway.
+holds if it is subverted anyway. `used` keeps each compiled kernel launched since the last `reset`, for
+`resources`: its registers and spills a thread, shared memory and warps, as the driver loaded it (figures
+the stages only report, never judge by).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ class Probes:
         self.op_elements: Counter[str] = Counter()
         self.op_calls: Counter[str] = Counter()
         self.compiles = 0
+        self.used: dict[int, object] = {}       # id -> CompiledKernel launched since the last reset
         self.ablate = False
         self.compile_only = False
         self.in_launch = 0
@@ -37,6 +40,7 @@ class Probes:
         self.op_elements.clear()
         self.op_calls.clear()
         self.compiles = 0
+        self.used.clear()
 
     def install(self) -> None:
         import triton.runtime.interpreter as interp
@@ -57,7 +61,8 @@ class Probes:
         original_getitem = CompiledKernel.__getitem__
 
         def getitem(kernel, grid):
-            runner = original_getitem(kernel, grid)
+            runner = original_getitem(kernel, grid)         # loads the binary: its registers are known from here
+            probes.used.setdefault(id(kernel), kernel)
 
             def launch(*args, **kwargs):
                 probes.launches[kernel.name] += 1
@@ -86,8 +91,22 @@ class Probes:
                         original(fn, *args, **{**kwargs, "warmup": True})
                 return None
             with probes.launching():
-                return original(fn, *args, **kwargs)
+                kernel = original(fn, *args, **kwargs)      # a JIT launch returns the compiled kernel it ran
+            if hasattr(kernel, "metadata"):
+                probes.used.setdefault(id(kernel), kernel)
+            return kernel
         setattr(cls, attr, run)
+
+    def resources(self, most: int = 32) -> list[dict]:
+        """The compiled kernels launched since the last reset (at most `most`): name, registers and spilled 32-bit
+        words a thread, static shared memory, warps; a kernel whose figures the driver did not give is left out."""
+        out = []
+        for kernel in list(self.used.values())[:most]:
+            regs, spills, meta = getattr(kernel, "n_regs", None), getattr(kernel, "n_spills", None), kernel.metadata
+            if isinstance(regs, int) and isinstance(spills, int):
+                out.append({"name": str(kernel.name)[:256], "registers": regs, "spills": spills,
+                            "shared_bytes": int(meta.shared), "warps": int(meta.num_warps)})
+        return out
 
     @contextlib.contextmanager
     def launching(self):

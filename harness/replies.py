@@ -135,6 +135,15 @@ class Profiled(Reply):
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
 
 
+class KernelUse(_Strict):
+    """A compiled kernel a timed request launched, as the worker's driver loaded it (reported, never judged by)."""
+    name: Name
+    registers: Annotated[int, Field(ge=0, le=1 << 16)]    # a thread (sm90 allows at most 255)
+    spills: Annotated[int, Field(ge=0, le=1 << 20)]       # 32-bit words of local memory a thread
+    shared_bytes: Annotated[int, Field(ge=0, le=1 << 20)]
+    warps: Annotated[int, Field(ge=1, le=32)]
+
+
 class Timed(Reply):
     ok: Literal[True]
     synced_ms: dict[Name, list[Millis]] = Field(max_length=8)
@@ -143,6 +152,7 @@ class Timed(Reply):
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
     seconds: dict[Name, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went
     compiles: Count = 0                     # Triton compiles inside the request (microbench warms them before)
+    kernels: list[KernelUse] = Field(default_factory=list, max_length=32)   # what its timed calls launched
 
 
 class Captured(Reply):

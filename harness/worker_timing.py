@@ -95,7 +95,8 @@ def timed(w: "Worker", msg: dict) -> dict:
                     last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
     seconds["reps_s"] = time.perf_counter() - t0
     return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "outputs": w._save(last) if last else [],
-            "op_calls": dict(w.probes.op_calls), "seconds": seconds, "compiles": w.probes.compiles}
+            "op_calls": dict(w.probes.op_calls), "seconds": seconds, "compiles": w.probes.compiles,
+            "kernels": w.probes.resources()}
 
 
 def burst(w: "Worker", msg: dict) -> dict:

@@ -13,7 +13,8 @@ from harness.errors import HarnessError
 from harness.evaluate import device_shapes
 from harness.records import StageResult, Verdict
 from harness.stages.common import EvalContext
-from harness.stages.microbench import case_figures, figure_metric, timing_plan
+from harness.replies import KernelUse
+from harness.stages.microbench import case_figures, figure_metric, programs_per_sm, timing_plan
 from harness.targets import TARGETS, Case
 
 from agent.reading.figures import microbench_cases, speed
@@ -114,3 +115,26 @@ def test_a_served_shape_given_twice_is_refused_before_anything_is_timed(tmp_path
         timing_plan(ctx)
     assert len(timing_plan(EvalContext(cfg=CFG, target=TARGETS["attention"], shapes=device_shapes(CFG, "attention", CPU),
                                        device=CPU, dtype=torch.float32, pool=None, source="", ops=["decode"]))) == 2
+
+
+@pytest.mark.parametrize("registers, shared_kb, warps, fit", [
+    (185, 38, 4, 2),      # the lean decode kernel at batch 64 before its register cap: 395.5 us at 64 x 4k (H200)
+    (168, 38, 4, 3),      # capped for 3 a SM: 277.9 us
+    (128, 38, 4, 4),
+    (96, 38, 4, 5),       # the GQA family: five by registers, five by shared memory
+    (96, 120, 4, 1),      # shared memory binds
+    (16, 0, 32, 2),       # threads bind: 1024 a program (registers would allow 4)
+])
+def test_programs_per_sm_are_bounded_by_registers_shared_memory_and_threads(registers, shared_kb, warps, fit):
+    k = KernelUse(name="_k", registers=registers, spills=0, shared_bytes=shared_kb * 1024, warps=warps)
+    assert programs_per_sm(k) == fit
+
+
+def test_the_planner_sees_how_many_programs_of_a_timed_kernel_fit_per_sm():
+    case = served_now()[0]
+    head = head_timed_on([(case, 0.004)])
+    bench = head.verdict.stages[-1]
+    bench.metrics.update({figure_metric(case, "kernel_registers"): 185.0, figure_metric(case, "kernel_spills"): 0.0,
+                          figure_metric(case, "kernel_programs_per_sm"): 2.0})
+    line = next(line for line in kernel_figures(head, CFG, "attention", CPU) if case.label in line)
+    assert "up to 185 registers a thread, 0 spilled words, 2 programs per SM" in line, line

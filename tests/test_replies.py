@@ -90,6 +90,10 @@ WARM = {"ok": True, "launches": {"_k": 1}, "op_calls": {}, "failed": 0, "seconds
     ("time", {**TIME, "streamed_ms": {"candidate:0": [-0.5]}}, "field streamed_ms.candidate:0.0: Input should be greater than 0"),
     ("time", {**TIME, "streamed_ms": {"candidate:0": [1e12]}}, "field streamed_ms.candidate:0.0: Input should be less than or equal"),
     ("time", {**TIME, "streamed_ms": {"candidate:0": 0.9}}, "field streamed_ms.candidate:0: Input should be a valid list"),
+    ("time", {**TIME, "kernels": [{"name": "_k", "registers": 1 << 17, "spills": 0, "shared_bytes": 0, "warps": 4}]},
+     "field kernels.0.registers: Input should be less than or equal to 65536"),
+    ("time", {**TIME, "kernels": [{"name": "_k", "registers": 96, "spills": 0, "shared_bytes": 0, "warps": 0}]},
+     "field kernels.0.warps: Input should be greater than or equal to 1"),
     ("load", {"ok": True}, "field ops: Field required"),
     ("capture", {"ok": True}, "field graph: Field required"),
     ("profile", {"ok": True, "kernels": {"k": float("inf")}, "launches": {}}, "field kernels.k: Input should be a finite number"),
@@ -107,6 +111,8 @@ def test_a_failing_reply_is_accepted_for_any_request_and_well_formed_ones_parse(
     assert parse("time", {"ok": False, "error": "boom", "fatal": True}).error == "boom"
     assert parse("call", CALL, wall_s=0.5).wall_s == 0.5
     assert parse("warm", WARM).failed == 0
+    use = {"name": "_lean_kernel", "registers": 185, "spills": 0, "shared_bytes": 38912, "warps": 4}
+    assert parse("time", {**TIME, "kernels": [use]}).kernels[0].registers == 185
     assert parse("call", {**CALL, "wall_s": 99.0}, wall_s=0.5).wall_s == 0.5       # the evaluator's clock, not the worker's
     assert parse("load", {"ok": False, "ops": [], "error": "defines none"}).ops == []
 

@@ -58,8 +58,9 @@ def derivation_lines(op: str, base: dict[str, float], heads: dict[str, Kernel], 
 
 def kernel_figures(kernel: Kernel, cfg: Config, target: str, device: torch.device) -> list[str]:
     """The kernel's measured figures per served shape its microbench timed, kevo/cuDNN first, as lines with
-    numbers; or why there are none. Each shape is named as the record that timed it names it, and one that is
-    not among the config's served shapes now says so: figures are never paired with today's shapes by place."""
+    numbers (with its kernels' registers and programs per SM where the worker reported them); or why there are
+    none. Each shape is named as the record that timed it names it, and one that is not among the config's served
+    shapes now says so: figures are never paired with today's shapes by place."""
     verdict = kernel.verdict
     bench = next((s for s in verdict.stages if s.name == "microbench"), None) if verdict else None
     if bench is None or not bench.metrics:
@@ -76,7 +77,10 @@ def kernel_figures(kernel: Kernel, cfg: Config, target: str, device: torch.devic
                  else " (an older kevo's record, its figures kept by place: the shape as that record names it)")
         lines.append(f"{kernel.ref} on {c['label']}{where} (weight {c.get('weight', float('nan')):.2f}): {anchor}"
                      f"{c['baseline_ms'] / c['candidate_ms']:.3f}x torch; {c['candidate_ms'] * 1e3:.1f} us, "
-                     f"{c['candidate_rate']:.2f} {unit} vs torch {c['baseline_rate']:.2f} {unit}")
+                     f"{c['candidate_rate']:.2f} {unit} vs torch {c['baseline_rate']:.2f} {unit}"
+                     + (f"; its kernels (the worker's report): up to {c['kernel_registers']:.0f} registers a thread, "
+                        f"{c['kernel_spills']:.0f} spilled words, {c['kernel_programs_per_sm']:.0f} programs per SM (the tightest kernel)"
+                        if "kernel_programs_per_sm" in c else ""))
     return lines
 
 

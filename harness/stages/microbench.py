@@ -45,7 +45,7 @@ import torch
 
 from harness.errors import HarnessError
 from harness.records import StageResult
-from harness.replies import Timed
+from harness.replies import KernelUse, Timed
 from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
 from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
@@ -75,6 +75,30 @@ def case_figures(metrics: dict[str, float], op: str) -> list[tuple[str | None, d
         if m := re.fullmatch(rf"{re.escape(op)}(\d+)_(.+)", name):
             placed.setdefault(int(m[1]), {})[m[2]] = value
     return [(None, placed[i]) for i in sorted(placed)]
+
+
+def programs_per_sm(k: KernelUse, regs_sm: int = 65536, smem_sm: int = 233472, threads_sm: int = 2048,
+                    warp: int = 32) -> int:
+    """How many programs of kernel `k` fit on one SM at once, by registers (allocated 8 a thread at a time),
+    shared memory (1 KB reserved a program) and threads; the defaults are sm90's (the H100 and H200)."""
+    threads = warp * k.warps
+    return min(regs_sm // (max(8, -(-k.registers // 8) * 8) * threads), smem_sm // (k.shared_bytes + 1024),
+               threads_sm // threads, 32)
+
+
+def launched_resources(kernels: list[KernelUse], device: torch.device) -> dict[str, float]:
+    """What a case's timed calls launched, as the worker reported it (shown, never judged by): the most registers
+    and spilled 32-bit words a thread among its kernels, and the fewest programs of any one of them that fit on an
+    SM of this device at once. A persistent grid sized for more programs than fit runs the rest as a second wave
+    (knowledge/attention/decode.md)."""
+    if not kernels or device.type != "cuda":
+        return {}
+    props = torch.cuda.get_device_properties(device)
+    limits = (getattr(props, "regs_per_multiprocessor", 0) or 65536, props.shared_memory_per_multiprocessor,
+              props.max_threads_per_multi_processor, getattr(props, "warp_size", 0) or 32)
+    return {"kernel_registers": float(max(k.registers for k in kernels)),
+            "kernel_spills": float(max(k.spills for k in kernels)),
+            "kernel_programs_per_sm": float(min(programs_per_sm(k, *limits) for k in kernels))}
 
 
 def _median(xs: list[float]) -> float:
@@ -241,6 +265,7 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dic
            "bytes": nbytes, "flops": flops,
            "timing_s": timed_s, "clock_check_s": burst_s, "trusted_baseline_s": time.perf_counter() - t_here,
            "worker_compiles": float(reply.compiles),
+           **launched_resources(reply.kernels, ctx.device),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
     if m.anchor and spec.anchor is not None:
         key, t_anchor = _anchor_key(ctx, case), time.perf_counter()
