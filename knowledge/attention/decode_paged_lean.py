@@ -52,11 +52,11 @@ Known limits
       (BLOCK_B, the batch a multiple of 16): 157-185 a thread at the defaults,
       117-157 with MERGE_LAUNCH (sm90, tests/bench/sm90_compile.py --batch B,
       equal to the H200's). So the kernel is launched with maxnreg =
-      register_cap(): 168 for 3 per SM, 128 for 4 (2-24 bytes of spills). Before
+      register_cap(): 168 for 3 per SM, 128 for 4 (0-24 spilled words). Before
       the cap, batch 64 compiled to 185 (2 per SM): 395.5 us at 64 x 4k against
       277.9 with it (tests/bench/kernel_variants.py, H200 2026-12-04); other rows
       within 1%. MERGE_LAUNCH with PROGRAMS_PER_SM 4: 0.90-0.94x cuDNN on four
-      equal rows, 0.83x at 128 x 1k (its second launch and tiles per segment).
+      equal rows, 0.83x at 128 x 1k (not profiled: 1024 segments, one tile each).
     * The ticket buffer (one int32 per (sequence, kv head)) is reset to zero by
       the merging program; a launch killed mid-way would leave tickets behind.
     * Pieces are cut at BLOCK_N steps, so programs differ by at most one step;

@@ -430,10 +430,10 @@ def main() -> None:
         service.fake.__exit__(None, None, None)
         out["service_requests"] = len(service.fake.seen)
     print(json.dumps(out, indent=1))
+    if args.archive:            # before the json: a poller that waits for the json finds the archive whole
+        archive(args.run_id, Path(args.archive))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    if args.archive:
-        archive(args.run_id, Path(args.archive))
 
 
 def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: list[str]) -> None:
@@ -454,11 +454,15 @@ def stop_at(proc: subprocess.Popen, t0: float, at: float, grace: float, events: 
 
 
 def archive(run_id: str, path: Path) -> None:
-    """The run's ledger, its config and the verdict cache in one .tar.gz, paths relative to the project root."""
-    with tarfile.open(path, "w:gz") as tar:
+    """The run's ledger, its config and the verdict cache in one .tar.gz, paths relative to the project root;
+    written under a temporary name and renamed, so the path never holds a part of one (the twenty-fifth session
+    copied one mid-write)."""
+    partial = path.with_name(path.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
         for part in (f"runs/{run_id}", f"runs/{run_id}.config.yaml", "runs/.verdicts"):
             if (ROOT / part).exists():
                 tar.add(ROOT / part, arcname=part)
+    partial.replace(path)
     print(f"archived {run_id} (ledger, config, verdict cache) to {path}", file=sys.stderr)
 
 
