@@ -306,6 +306,15 @@ def judged(root: Path) -> set[str]:
     return {r.id for r in Ledger(root).history() if r.rounds} if (root / ".git").exists() else set()
 
 
+def claims_in_ledger(ledger: Ledger, history: list, pending: list) -> dict:
+    """The claims the run's ledger holds (judged, pending, and paid claims whose code the run's stop cut), and the
+    calls its providers say the stop cut (summary.json)."""
+    paid = [cid for cid, (exchanges, proposal) in ledger.unjudged_exchanges().items()
+            if proposal is None and any(e.role == "planner" and e.purpose == "claim" for e in exchanges)]
+    cut = sum(p.get("cut", 0) for p in ledger.summary().get("providers", {}).values())
+    return {"claims_in_ledger": len(history) + len(pending) + len(paid), "paid_claims_cut": paid, "calls_cut": cut}
+
+
 def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None,
             before: frozenset[str] = frozenset()) -> dict:
     """The run's account from its ledger; the rates count only the candidates judged after `before` (a
@@ -352,7 +361,10 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
                               if (note := json.loads(line).get("note"))]}
     if service is not None:
         out["claims_answered"] = service.answered
-        out["every_answer_in_ledger"] = service.answered == len(history) + len(pending)
+        out.update(claims_in_ledger(ledger, history, pending))
+        # the service counts a claim once its model time is over, even when the run cut the call meanwhile
+        out["every_answer_in_ledger"] = (out["claims_in_ledger"] <= service.answered
+                                         <= out["claims_in_ledger"] + out["calls_cut"])
     return out
 
 
