@@ -27,6 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from vs_library import load_spec  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from harness.replies import KernelUse  # noqa: E402
+from harness.stages.microbench import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
             "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "ticket_ptr": "*i32"}
@@ -75,7 +78,8 @@ def main(argv=None):
     for spec in specs:
         label, mod = load_spec(spec, tmp)
         regs, stack, shared = compile_split_kernel(mod, batch)
-        per_sm = min(65536 // (regs * 32 * mod.NUM_WARPS), 233472 // (shared + 1024))
+        per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
+                                           warps=mod.NUM_WARPS))        # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM")
     return 0
