@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -111,3 +112,55 @@ def test_objects_are_written_by_kevo_itself_so_no_git_child_is_left_writing_half
     assert any(line.startswith("tag") for line in ran), ran          # the logging git is the one gitpython ran
     assert [line for line in ran if line.startswith(("hash-object", "mktree", "commit-tree"))] == []
     assert git(tmp_path / "r1", "fsck", "--strict", "--no-dangling").returncode == 0
+
+
+def test_every_git_child_leaves_kevos_group_holding_ctrl_c_and_sigterm(tmp_path):
+    """A signal to kevo's process group (Ctrl-C, `timeout`) must never reach a git child: CI (2026-12-04) saw
+    `git tag` die of SIGINT in the moment after Python's spawn unblocks signals and before the child's setsid.
+    A `git` on PATH records the signals each child runs with held and the session it runs in."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
+    bin_dir.mkdir()
+    real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
+    (bin_dir / "git").write_text(f'#!/bin/sh\necho "$(grep SigBlk /proc/$$/status | cut -f2)'
+                                 f' $(cut -d" " -f6 /proc/$$/stat) $1" >> {log}\nexec {real} "$@"\n')
+    (bin_dir / "git").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)
+    children = [line.split() for line in log.read_text().splitlines()]
+    children = [c for c in children if c[2] != "version"]      # gitpython's own, as `import git` runs
+    assert {"init", "tag", "cat-file"} <= {command for _, _, command in children}, children
+    held = {signal.SIGINT, signal.SIGTERM}
+    for mask, session, command in children:
+        assert {s for s in held if int(mask, 16) >> (s - 1) & 1} == held, (command, mask)
+        assert int(session) != os.getsid(0), command
+
+
+SPAWNS_GIT = """
+import signal, sys, time
+from pathlib import Path
+from agent.ledger.store import init_repo
+signal.signal(signal.SIGINT, lambda *_: None)          # kevo's own handler: it stops in order, later
+repo, died, spawned = init_repo(Path(sys.argv[1])), 0, 0
+print("ready", flush=True)
+t0 = time.monotonic()
+while time.monotonic() - t0 < 6:
+    try:
+        repo.git.execute(["git", "--version"])
+    except Exception:
+        died += 1
+    spawned += 1
+signal.signal(signal.SIGINT, signal.SIG_IGN)           # the burst goes on until this process has ended
+print(spawned, died, flush=True)
+"""
+
+
+def test_a_burst_of_ctrl_c_to_kevos_group_kills_none_of_the_git_children_it_starts(tmp_path):
+    """The race itself: without the hold, about one git child in 150 started under this burst died of it."""
+    proc = subprocess.Popen([sys.executable, "-c", SPAWNS_GIT, str(tmp_path / "r")], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True, cwd=TESTS.parent)
+    assert proc.stdout.readline() == "ready\n"
+    while proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.003)
+    spawned, died = map(int, proc.stdout.read().split())
+    assert proc.returncode == 0 and spawned > 200 and died == 0, (spawned, died)

@@ -43,7 +43,7 @@ from pydantic import ValidationError
 from harness.sandbox import redact
 
 from agent.ledger import messages
-from agent.ledger.store import open_repo
+from agent.ledger.store import init_repo, open_repo
 from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
 from agent.run.session import LOCK_NAME
 
@@ -169,7 +169,7 @@ class Ledger:
         if folder_state(root) != "new":
             raise LedgerError(f"{root} already exists; give another --run-id (the same one resumes a kevo run)")
         root.mkdir(parents=True, exist_ok=True)
-        git.Repo.init(root)
+        init_repo(root)
         ledger = cls(root)
         ledger.exclude(LOCK_NAME)
         files = {"run.json": header.model_dump_json(indent=1), "config.yaml": config_yaml,
