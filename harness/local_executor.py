@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from harness.config import PROJECT_ROOT, Config
+from harness.detach import spawn_detached
 from harness.errors import HarnessError
 from harness.executors import EvaluationLost, OnStage, settle
 from harness.lease import Holding, Lease, Parked, mode_of
@@ -129,8 +130,8 @@ class LocalExecutor:
         # a session of its own: a signal to the run's process group (a service manager, `timeout`, `kill -- -PGID`)
         # reaches the run, which finishes the jobs in flight, and not the slots judging them; `close` and the
         # slot's death signal (harness/sandbox.py die_with_parent) are what end a slot
-        proc = subprocess.Popen([sys.executable, "-m", "harness.slot", str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = spawn_detached([sys.executable, "-m", "harness.slot", str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                              cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL)
         theirs.close()
         self._procs[pin.name] = proc
         conn = Connection(ours.detach())

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.config import PROJECT_ROOT, WorkerConfig
+from harness.detach import spawn_detached
 from harness.errors import HarnessError
 from harness.isolation import sandbox_spec
 from harness.records import Span
@@ -110,10 +111,9 @@ class Pool:
             extra["TRITON_INTERPRET"] = "1"
         log = open(self.root / "zygote.log", "wb")
         try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "harness.zygote", str(theirs.fileno()), self.device],
-                                         pass_fds=[theirs.fileno()], env=clean_env(self.cfg.env_passthrough, extra),
-                                         cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         start_new_session=True)
+            self.proc = spawn_detached([sys.executable, "-m", "harness.zygote", str(theirs.fileno()), self.device],
+                                       pass_fds=[theirs.fileno()], env=clean_env(self.cfg.env_passthrough, extra),
+                                       cwd=self.root, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         except OSError as e:
             ours.close()
             self.close()

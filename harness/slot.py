@@ -339,10 +339,12 @@ def serve(fd: int) -> None:
     its GPU's lease, held by the executor; or ("park", name): it ends the job there (`Parked`: the candidate's
     worker closed on the way out of `evaluate`), hands its memory back and answers ("parked", job id).
     SIGTERM ends it with its pool closed; SIGINT is left to the process that started it."""
+    from harness.detach import release_group_signals
     from harness.sandbox import die_with_parent
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    release_group_signals()
     conn = Connection(fd)
     cfg_json, target, pin_json = conn.recv()
     slot = Slot(Config.model_validate_json(cfg_json), target, Pin.model_validate_json(pin_json))

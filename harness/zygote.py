@@ -122,8 +122,10 @@ def _reap(pid: int, timeout: float) -> str:
 
 
 def main() -> None:
+    from harness.detach import release_group_signals
     from harness.sandbox import die_with_parent
     die_with_parent()
+    release_group_signals()
     ctl = socket.socket(fileno=int(sys.argv[1]))
     device = sys.argv[2]
     import torch  # noqa: F401  - the reason this process exists: import once, fork many

@@ -143,7 +143,7 @@ signal.signal(signal.SIGINT, lambda *_: None)          # kevo's own handler: it 
 repo, died, spawned = init_repo(Path(sys.argv[1])), 0, 0
 print("ready", flush=True)
 t0 = time.monotonic()
-while time.monotonic() - t0 < 6:
+while time.monotonic() - t0 < 4:
     try:
         repo.git.execute(["git", "--version"])
     except Exception:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from harness import replies
 from harness.config import PROJECT_ROOT, Config
+from harness.detach import foreign, spawn_detached
 from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
 from harness.served.limits import plan_for
@@ -225,9 +226,9 @@ def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[
     if device == "cpu":
         extra["TRITON_INTERPRET"] = "1"
     log = _log()
-    proc = subprocess.Popen([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
-                            pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    proc = spawn_detached([sys.executable, "-m", "harness.served.server", str(sock.fileno()), str(workdir / "spec.json")],
+                          pass_fds=[sock.fileno()], env=clean_env(cfg.worker.env_passthrough, extra), cwd=workdir,
+                          stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     sock.close()
     h = ServerHandle(proc, f"http://127.0.0.1:{port}/v1", spec["model_name"], workdir, False, cfg.worker.log_tail_chars, log)
     return wait_ready(h, cfg.served.start_timeout_s) if wait else h
@@ -246,10 +247,14 @@ def start_external(cfg: Config, source: str | None, wait: bool = True) -> Server
     argv = [a.replace("{port}", str(port)) for a in ext.command]
     env = clean_env(cfg.worker.env_passthrough + ext.env_passthrough,
                     {"KEVO_CANDIDATE": candidate, "KEVO_PORT": str(port), "HOME": os.environ.get("HOME", str(workdir))})
+    program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    if not program or not os.access(workdir / program, os.X_OK):   # it starts through harness/detach.py
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise ServerFailure(f"cannot start the external server {shlex.join(argv)}: no executable {argv[0]}"
+                            + ("" if "/" in argv[0] else " on its PATH"))
     log = _log()
     try:
-        proc = subprocess.Popen(argv, env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True)
+        proc = spawn_detached(foreign(argv), env=env, cwd=workdir, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     except OSError as e:
         shutil.rmtree(workdir, ignore_errors=True)
         os.close(log)

@@ -322,8 +322,10 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
 
 
 def main() -> None:
+    from harness.detach import release_group_signals
     from harness.sandbox import die_with_parent
     die_with_parent()
+    release_group_signals()
     fd, spec = int(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     # every file the served process runs, read before the sandbox hides it, and written into its own folder
     files = {"candidate": spec["candidate"]} if spec["candidate"] else {}
