@@ -97,18 +97,24 @@ ledger.commit_beside({{"replay/replay.json": "{{}}"}}, "replay", "")
 """
 
 
+def _writes_three_through_a_logging_git(tmp_path, echo: str) -> list[str]:
+    """WRITES_THREE run with a `git` first on PATH that appends `echo` (shell words) to a log, then runs the
+    real git; the log's lines, one per git child the ledger's writes started."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
+    bin_dir.mkdir()
+    real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
+    (bin_dir / "git").write_text(f'#!/bin/sh\necho {echo} >> {log}\nexec {real} "$@"\n')
+    (bin_dir / "git").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)
+    return log.read_text().splitlines()
+
+
 def test_objects_are_written_by_kevo_itself_so_no_git_child_is_left_writing_half_an_object(tmp_path):
     """What the random kills above once caught (CI, 2026-11-30): gitpython's default store pipes each object
     into a `git hash-object --stdin` child, and a kill mid-pipe left that child to write an empty commit.
     A `git` on PATH that logs its arguments shows which git commands a ledger's writes run."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
-    bin_dir.mkdir()
-    real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
-    (bin_dir / "git").write_text(f'#!/bin/sh\necho "$@" >> {log}\nexec {real} "$@"\n')
-    (bin_dir / "git").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)
-    ran = log.read_text().splitlines()
+    ran = _writes_three_through_a_logging_git(tmp_path, '"$@"')
     assert any(line.startswith("tag") for line in ran), ran          # the logging git is the one gitpython ran
     assert [line for line in ran if line.startswith(("hash-object", "mktree", "commit-tree"))] == []
     assert git(tmp_path / "r1", "fsck", "--strict", "--no-dangling").returncode == 0
@@ -118,15 +124,9 @@ def test_every_git_child_leaves_kevos_group_holding_ctrl_c_and_sigterm(tmp_path)
     """A signal to kevo's process group (Ctrl-C, `timeout`) must never reach a git child: CI (2026-12-04) saw
     `git tag` die of SIGINT in the moment after Python's spawn unblocks signals and before the child's setsid.
     A `git` on PATH records the signals each child runs with held and the session it runs in."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
-    bin_dir.mkdir()
-    real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
-    (bin_dir / "git").write_text(f'#!/bin/sh\necho "$(grep SigBlk /proc/$$/status | cut -f2)'
-                                 f' $(cut -d" " -f6 /proc/$$/stat) $1" >> {log}\nexec {real} "$@"\n')
-    (bin_dir / "git").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)
-    children = [line.split() for line in log.read_text().splitlines()]
+    ran = _writes_three_through_a_logging_git(
+        tmp_path, '"$(grep SigBlk /proc/$$/status | cut -f2) $(cut -d" " -f6 /proc/$$/stat) $1"')
+    children = [line.split() for line in ran]
     children = [c for c in children if c[2] != "version"]      # gitpython's own, as `import git` runs
     assert {"init", "tag", "cat-file"} <= {command for _, _, command in children}, children
     held = {signal.SIGINT, signal.SIGTERM}
