@@ -225,3 +225,30 @@ def test_a_prefill_candidates_server_decodes_with_the_decode_head_it_is_handed()
         ops = s.stats()["ops"]
     assert ops["prefill"]["candidate"] == ops["prefill"]["calls"] > 0
     assert ops["decode"]["other_head"] == ops["decode"]["calls"] > 0 and ops["decode"]["candidate"] == 0
+
+
+def _live_threads(pid: int) -> list[str]:
+    """The threads of `pid` that have not exited (a zombie first thread has exited; the others have not)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return []
+    live = []
+    for t in tasks:
+        try:
+            state = open(f"/proc/{pid}/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state not in "ZX":
+            live.append(f"{t} {state}")
+    return live
+
+
+def test_a_stopped_server_is_gone_with_every_thread_of_its_sandboxed_process_when_stop_returns():
+    # On the H200 the sandboxed server's first thread was a zombie while the others still held the GPU's memory
+    # in the driver, for over a minute: the next replay's servers then did not fit beside it.
+    s = start_server(CFG, "cpu", None)
+    inner = s._inner_pid()
+    assert inner is not None and len(os.listdir(f"/proc/{inner}/task")) > 1    # PID 1 of its namespace, threaded
+    s.stop()
+    assert _live_threads(inner) == []

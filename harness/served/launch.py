@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import select
 import shlex
 import shutil
 import signal
@@ -39,6 +41,10 @@ from harness.sandbox import clean_env, redact
 from harness.served.limits import plan_for
 
 
+log = logging.getLogger(__name__)
+GONE_TIMEOUT_S = 180.0               # a stopped server's threads, to leave the driver
+
+
 class ServerFailure(Exception):
     """A served process that did not start, or died; the message says how (and its last output)."""
 
@@ -51,6 +57,16 @@ def with_output(what: str, tail: str) -> str:
         return what
     last = "".join(c for c in tail.strip().splitlines()[-1].strip() if c.isprintable())
     return f"{what}: {last[:300]}; its last output:\n{tail}"
+
+
+def _watch(pid: int | None) -> int | None:
+    """A pidfd on `pid` (None when there is none to watch): readable once every thread of it has exited."""
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:                  # gone already
+        return None
 
 
 def _describe(code: int | None) -> str:
@@ -105,8 +121,11 @@ class ServerHandle:
 
     def stop(self) -> None:
         """Stop the server's process group (an external server first gets SIGTERM and 30 s to shut down
-        gracefully) and wait until it is gone, its GPU memory with it."""
-        inner = self._inner_pid()
+        gracefully) and wait until it is gone, its GPU memory with it: every thread of the sandboxed server
+        (PID 1 of its namespace, whose exit waits for the namespace's other processes) has exited. Its first
+        thread is a zombie before that: on the H200 the others were still in the driver, giving the GPU's
+        memory back (docs/BENCHMARKS.md, 2026-12-04, twenty-seventh session)."""
+        inner = _watch(self._inner_pid())
         if self.external and self.alive():
             try:
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -118,14 +137,13 @@ class ServerHandle:
         except ProcessLookupError:
             pass
         self.proc.wait()
-        deadline = time.monotonic() + 30
-        while inner and time.monotonic() < deadline:         # the sandboxed server, PID 1 of its namespace
+        if inner is not None:
             try:
-                if Path(f"/proc/{inner}/stat").read_text().split(")")[-1].split()[0] in "ZX":
-                    break
-            except OSError:
-                break
-            time.sleep(0.05)
+                if not select.select([inner], [], [], GONE_TIMEOUT_S)[0]:
+                    log.warning("a stopped server's process still had threads %.0f s after its SIGKILL (its GPU "
+                                "memory may not be free yet)", GONE_TIMEOUT_S)
+            finally:
+                os.close(inner)
         shutil.rmtree(self.workdir, ignore_errors=True)
         if self.log >= 0:
             os.close(self.log)

@@ -18,6 +18,8 @@ the row's kernels and counted at its faster time (clock or thermal drift never f
 --graphs times every call (kevo's and the library's) as the replay of one CUDA graph captured from it,
 so the host's Python and launch cost leave the figure (one graph launch stays), as in the served
 engine's decode; a call that cannot be captured is an error in its cell, not an eager figure.
+--pages in-order gives each sequence consecutive pages of the pool (the served layout, [page, 16, kv heads, D],
+unscattered): what kevo loses to the scatter, apart from the layout.
 It prints numbers and asserts nothing. Needs only torch and triton (runs on the H200 image as is).
 """
 from __future__ import annotations
@@ -51,6 +53,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 REF_HEADS = [0, 1, 2, 3, 28, 29, 30, 31]
 DEV, DT = "cuda", torch.bfloat16
 GRAPHS = False                       # --graphs: time the replay of a CUDA graph of each call
+PAGES_IN_ORDER = False               # --pages in-order: each sequence's pages consecutive in the pool
 
 
 def run_specs(run: pathlib.Path) -> list[tuple[str, str]]:
@@ -196,7 +199,7 @@ def decode_data(B, L, table_tokens, gen, ragged=None):
     pages = L // PAGE
     width = max(pages, -(-table_tokens // PAGE))
     pool = B * pages + 64
-    perm = torch.randperm(pool, device=dev, generator=gen)
+    perm = torch.arange(pool, device=dev) if PAGES_IN_ORDER else torch.randperm(pool, device=dev, generator=gen)
     table = torch.randint(0, pool, (B, width), device=dev, generator=gen, dtype=torch.int32)
     table[:, :pages] = perm[:B * pages].view(B, pages).to(torch.int32)
     kc = torch.randn(pool, PAGE, HKV, D, device=dev, generator=gen).to(DT)  # spare pages: noise
@@ -355,7 +358,7 @@ def copy_ceiling():
 
 
 def main(argv=None):
-    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS
+    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS, PAGES_IN_ORDER
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
     ap.add_argument("--run", type=pathlib.Path, action="append", default=[],
@@ -373,8 +376,10 @@ def main(argv=None):
                     help="time each call as a CUDA graph replay (no host Python or launch cost in the figure)")
     ap.add_argument("--dry-run", action="store_true",
                     help="check this script on the CPU: Triton's interpreter, float32, tiny rows, no timing")
+    ap.add_argument("--pages", choices=["shuffled", "in-order"], default="shuffled",
+                    help="decode: each sequence's pages drawn at random from the pool (default), or consecutive")
     args = ap.parse_args(argv)
-    GRAPHS = args.graphs
+    GRAPHS, PAGES_IN_ORDER = args.graphs, args.pages == "in-order"
     if args.dry_run:
         DEV, DT = "cpu", torch.float32
         DECODE_ROWS, PREFILL_ROWS = [(2, 48)], [(2, 40)]
@@ -393,10 +398,11 @@ def main(argv=None):
     info = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "triton": triton.__version__,
-            "specs": specs, "argv": sys.argv[1:], "timing": "cuda-graph replay" if GRAPHS else "eager calls"}
+            "specs": specs, "argv": sys.argv[1:], "timing": "cuda-graph replay" if GRAPHS else "eager calls",
+            "pages": args.pages}
     info["copy_TBps"] = copy_ceiling()
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s  "
-          f"timing: {info['timing']}")
+          f"timing: {info['timing']}  pages: {args.pages}")
     decode = [] if args.only == "prefill" else run_decode(kernels, pick(DECODE_ROWS), args.table_tokens,
                                                           args.rep, gen, args.ragged)
     prefill = [] if args.only == "decode" else run_prefill(kernels, pick(PREFILL_ROWS), args.rep, gen)
