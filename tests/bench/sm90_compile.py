@@ -11,6 +11,7 @@ compiler's, not a measurement: how many programs fit per SM follows from them (6
 """
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 import subprocess
@@ -70,10 +71,12 @@ def compile_split_kernel(mod, batch=32):
 
 
 def main(argv=None):
-    args = list(argv if argv is not None else sys.argv[1:])
-    batch = int(args.pop(args.index("--batch") + 1)) if "--batch" in args else 32
-    args = [a for a in args if a != "--batch"]
-    specs = args or [str(DEFAULT)]
+    ap = argparse.ArgumentParser(description="Compile a decode family's kernel for sm90 without a GPU; print its "
+                                             "registers, stack (spills) and shared memory per program.")
+    ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the GQA decode family")
+    ap.add_argument("--batch", type=int, default=32, help="sequences in the launch the kernel is specialised for")
+    args = ap.parse_args(argv)
+    batch, specs = args.batch, args.specs or [str(DEFAULT)]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
         label, mod = load_spec(spec, tmp)

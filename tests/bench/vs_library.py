@@ -78,13 +78,18 @@ def load_spec(spec: str, tmp: pathlib.Path, label: str | None = None):
     """(label, module) for `path[:K=V,...]`; knob lines `^K = ...` are rewritten in a temp copy."""
     path, _, knob_text = spec.partition(":")
     path = pathlib.Path(path)
+    if not path.is_file():
+        raise SystemExit(f"{spec}: no kernel file {path}")
     text = path.read_text()
     knobs = {}
     for item in filter(None, knob_text.split(",")):
         name, _, value = item.partition("=")
         value = {"True": True, "False": False}.get(value, value)
         if isinstance(value, str):
-            value = float(value) if "." in value else int(value)
+            try:
+                value = float(value) if "." in value else int(value)
+            except ValueError:
+                raise SystemExit(f"{spec}: knob {name} needs True, False or a number, not {value!r}") from None
         pattern = re.compile(rf"^({name}) = ([^#\n]*?)(\s*#.*)?$", re.MULTILINE)
         text, n = pattern.subn(lambda m: f"{m.group(1)} = {value!r}{m.group(3) or ''}", text, count=1)
         if n != 1:
