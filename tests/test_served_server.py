@@ -245,8 +245,8 @@ def _live_threads(pid: int) -> list[str]:
 
 
 def test_a_stopped_server_is_gone_with_every_thread_of_its_sandboxed_process_when_stop_returns():
-    # On the H200 the sandboxed server's first thread was a zombie while the others still held the GPU's memory
-    # in the driver, for over a minute: the next replay's servers then did not fit beside it.
+    # On the H200 the sandboxed server's first thread was a zombie while others were still in the driver, giving
+    # the GPU's memory back; in the served GPU test the next replay's servers then did not fit (docs/BENCHMARKS.md).
     s = start_server(CFG, "cpu", None)
     inner = s._inner_pid()
     assert inner is not None and len(os.listdir(f"/proc/{inner}/task")) > 1    # PID 1 of its namespace, threaded
