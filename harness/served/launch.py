@@ -41,7 +41,7 @@ from harness.sandbox import clean_env, redact
 from harness.served.limits import plan_for
 
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)   # not `log`: here that names a server's output file
 GONE_TIMEOUT_S = 180.0               # a stopped server's threads, to leave the driver
 
 
@@ -140,7 +140,7 @@ class ServerHandle:
         if inner is not None:
             try:
                 if not select.select([inner], [], [], GONE_TIMEOUT_S)[0]:
-                    log.warning("a stopped server's process still had threads %.0f s after its SIGKILL (its GPU "
+                    logger.warning("a stopped server's process still had threads %.0f s after its SIGKILL (its GPU "
                                 "memory may not be free yet)", GONE_TIMEOUT_S)
             finally:
                 os.close(inner)
