@@ -21,7 +21,7 @@ from harness.pool import Pool
 from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.sandbox import redact
-from harness.stages import PREPARED_STAGES, STAGE_NAMES, STAGES, preparing
+from harness.stages import PREPARED_STAGES, STAGE_NAMES, STAGES, TIMED_STAGES, preparing
 from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS, configured
 from harness.transport import DTYPES
@@ -182,14 +182,16 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
         for name, stage in STAGES:
             ctx.stage, ctx.worker_s = name, 0.0
             prepared = name in PREPARED_STAGES and name in ctx.to_run and device.type == "cuda"   # a CPU skips it
-            ask(preparing(name) if prepared else name)        # a prepared stage asks for its timing later
+            waited = [ask(preparing(name) if prepared else name)]    # a prepared stage asks for its timing later
             ctx.reserved = ctx.reserved or reserve(cfg, device)    # first taken within a stage, before any worker
             ctx.deadline = time.monotonic() + getattr(cfg.stages, name).timeout_s
             before = sched_s()
-            t0, waited = time.monotonic(), []
+            t0 = time.monotonic()
+            alone_since = [t0] if name in TIMED_STAGES and not prepared and device.type == "cuda" else []
 
             def begin_timing(name: str = name) -> float:
                 waited.append(ask(name))
+                alone_since.append(time.monotonic())
                 ctx.deadline += waited[-1]          # the stage's timeout counts its own work, not the queue
                 return waited[-1]
             ctx.begin_timing = begin_timing if prepared else (lambda: 0.0)
@@ -200,9 +202,12 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             except WorkerFailure as e:
                 result = StageResult.failed(name, str(e), e.kind)
             pool.settle_spare()                     # the spare's warm-up ends within this stage (and its time)
-            result.seconds = round(time.monotonic() - t0 - sum(waited), 3)    # not the wait for its timing's grant
-            if waited:
+            ended = time.monotonic()
+            result.seconds = round(ended - t0 - sum(waited[1:]), 3)    # not the waits for its grants
+            if result.status != "skipped":          # where the slot's time went (agent/reading/pace.py)
                 result.metrics["lease_wait_s"] = round(sum(waited), 3)
+                if alone_since:
+                    result.metrics["alone_s"] = round(ended - alone_since[0], 3)
             if ctx.worker_s:
                 result.metrics["worker_s"] = round(ctx.worker_s, 3)
             if result.status != "skipped" and (now := sched_s()):

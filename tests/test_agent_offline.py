@@ -296,6 +296,12 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
     assert summary["untimed"] == again.untimed and again.untimed.startswith("3 candidate(s) passed the correctness stages")
     assert "nothing was timed or accepted here" in Ledger(again.ledger).committed("summary.md")
     assert summary["best"]["decode"]["vs_cudnn"] is None and "no cuDNN anchor timed" in summary["best"]["decode"]["vs_cudnn_note"]
+    ledger = Ledger(again.ledger)                 # the pace is of the whole run, both sessions, the heads' stages too
+    ran = [s for v in [k.verdict for k in ledger.heads(at_start=True).values()] + [r.verdict for r in again.history]
+           for s in v.stages]
+    assert summary["pace"]["candidates"] == 3
+    assert summary["pace"]["stage_s"]["parity"] == round(sum(s.seconds for s in ran if s.name == "parity"), 1)
+    assert f"Pace: {again.pace}" in ledger.committed("summary.md") and again.pace.startswith("3 candidates in ")
 
 
 def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_judges(pool, tmp_path):

@@ -323,6 +323,8 @@ def test_report_is_one_self_contained_page_with_every_plot_and_the_best_kernel_a
     rows = text[text.index("<table class='rows'>"):]
     assert "<th>vs cuDNN</th><th>vs torch</th>" in rows and f"<td class='num'>{mix:.3f}x</td>" in rows
     assert "head:prefill" in page.sections["best-prefill"]["text"]          # nothing beat the prefill head
+    pace = " ".join(page.sections["stage-time"]["text"].split())           # no run time in this ledger: no rate
+    assert "Pace: 6 candidates; the stages ran " in pace and " an hour" not in pace
     assert ledger.repo.head.commit.hexsha == before and not ledger.repo.is_dirty(untracked_files=True)
 
 
@@ -407,3 +409,46 @@ def test_the_live_view_reports_each_candidate_and_the_best_over_cudnn_first_and_
     board = io.StringIO()
     Console(file=board, width=300).print(view)
     assert "decode: head:decode no cuDNN anchor timed (nothing timed: needs CUDA)" in board.getvalue()
+
+
+# -- the pace ---------------------------------------------------------------------------------------
+
+def waited(v: Verdict, wait_s: float, alone_s: float) -> Verdict:
+    """`v` with the lease figures harness/evaluate.py gives each stage that ran on a GPU shared by slots: each
+    stage waited `wait_s` for its grant; microbench and the replay held the GPU alone `alone_s`."""
+    return Verdict.of([StageResult(**{**s.model_dump(), "metrics": {
+        **s.metrics, "lease_wait_s": wait_s, **({"alone_s": alone_s} if s.name in ("microbench", "replay") else {})}})
+        for s in v.stages])
+
+
+def test_the_pace_counts_each_candidate_judged_and_adds_the_stage_time_of_every_verdict_the_stages_reached():
+    from harness.records import CachedFrom
+
+    from agent.reading.pace import pace
+    cached = verdict("decode", speedup=1.02).model_copy(update={"cached_from": CachedFrom(
+        key="k", job="c001", where="host/gpu0", reached="2026-12-04T00:00:00Z")})
+    heads = {"decode": head("decode", verdict("decode", speedup=1.10))}   # 1.5, 0.6, 4 s; microbench 20, replay 90
+    history = [record("c001", "decode", 1, [verdict("decode", "compile"), verdict("decode", "dispatch")]),   # two rounds
+               record("c002", "decode", 2, [cached]),                   # its stages ran in an earlier evaluation
+               record("c003", "decode", 3, c=claim("decode", 1.05), outcome="unevaluated", stage="budget")]
+    p = pace(heads, history, elapsed_s=600.0)
+    assert (p.candidates, p.from_cache, p.per_hour) == (2, 1, 12.0)
+    assert p.stage_s == {"compile": 1.5 + 1.5 + 1.5, "dispatch": 0.6 + 0.6, "parity": 4.0, "microbench": 20.0, "replay": 90.0}
+    assert (p.lease_wait_s, p.alone_s) == (0.0, 0.0)
+    moved = {"decode": Kernel(**{**heads["decode"].model_dump(), "ref": "c009"})}   # an accepted candidate's: in history
+    assert pace(moved, history, 600.0).stage_s == {"compile": 1.5 + 1.5, "dispatch": 0.6}
+
+
+def test_the_pace_says_how_long_the_stages_waited_for_their_gpu_and_held_it_alone():
+    from agent.reading.pace import pace, pace_words
+    history = [record("c001", "decode", 1, [waited(verdict("decode", speedup=1.32, replay="failed"), 2.0, 3.0)]),
+               record("c002", "decode", 2, [waited(verdict("decode", "parity"), 1.0, 0.0)])]
+    p = pace({}, history, elapsed_s=120.0)
+    assert (p.lease_wait_s, p.alone_s) == (5 * 2.0 + 3 * 1.0, 3.0 + 3.0)
+    words = pace_words(p.record())
+    stages = 2 * (1.5 + 0.6 + 4.0) + 20.0 + 90.0
+    assert words.startswith(f"2 candidates in 2.0 min (60 an hour); the stages ran {stages:.1f} s: compile 2%, dispatch 1%, ")
+    assert f"they waited 13.0 s more for their turn on the device ({13.0 / (stages + 13.0):.0%} of their time)" in words
+    assert "a GPU was held alone 6.0 s (5% of the run's time)" in words
+    bare = pace_words(pace({}, [history[1]], 60.0).record())
+    assert "held alone" not in bare and "waited 3.0 s" in bare

@@ -29,6 +29,9 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
         assert 0 < fig["anchor_rate"] < 4.8 and (fig["anchor_reused"] == 1.0 or fig["anchor_s"] > 0), (key, fig)
         # what its kernels hold, as the worker's driver loaded them (shown to the planner, never judged by)
         assert 16 <= fig["kernel_registers"] <= 255 and 1 <= fig["kernel_programs_per_sm"] <= 32, (key, fig)
+    # the part that held the GPU alone (from its timing's grant: not the draws and warm before it) is a run's pace
+    assert 0 < bench.metrics["alone_s"] < bench.seconds and bench.metrics["lease_wait_s"] >= 0, bench.metrics
+    assert not any("alone_s" in s.metrics for s in v.stages[:-1])          # the shared stages hold it with others
     print(bench.reason)
 
 

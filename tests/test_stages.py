@@ -126,6 +126,24 @@ def test_correct_kernel_with_other_blocking_and_summation_order_passes(evaluate_
     assert v.ok, v.reason
 
 
+def test_each_stage_records_its_wait_for_the_grant_apart_from_its_own_seconds(cfg, pool):
+    """A slot's stage starts once `on_stage` returns (the executor grants its GPU's lease there): that wait is the
+    stage's `lease_wait_s`, never part of its seconds or its timeout (agent/reading/pace.py reads both)."""
+    from harness.evaluate import evaluate
+
+    def granted_late(name: str) -> None:
+        if name == "dispatch":
+            time.sleep(1.5)
+    t0 = time.monotonic()
+    v = evaluate(C.REF_DECODE, "attention", cfg, pool, until="dispatch", on_stage=granted_late)
+    wall = time.monotonic() - t0
+    assert v.ok, v.reason
+    compile_, dispatch = v.stages
+    assert dispatch.metrics["lease_wait_s"] >= 1.5 and compile_.metrics["lease_wait_s"] < 1.0
+    assert dispatch.seconds < wall - 1.5 - compile_.seconds
+    assert "alone_s" not in dispatch.metrics          # a shared stage, on a CPU besides
+
+
 def test_until_stops_after_the_named_stage(evaluate_source):
     v = evaluate_source(C.REF_DECODE, until="compile")
     assert [s.name for s in v.stages] == ["compile"] and v.ok

@@ -2,8 +2,8 @@
 (the plots are inline SVG from agent/plots, the CSS is inline) — that a person reads after the run.
 
 The page: the run's header and why it stopped; the stages that did not run on its machine and why;
-five plots (best-so-far over time, the rejection funnel, time per stage, predicted against observed
-speedup, cost over time), each replaced by a sentence saying why when the ledger holds nothing to
+five plots (best-so-far over time, the rejection funnel, time per stage with the run's pace under it,
+predicted against observed speedup, cost over time), each replaced by a sentence saying why when the ledger holds nothing to
 plot (a CPU run times nothing); per op the best kernel's source with its verdict and its microbench
 figures per served shape, kevo over the cuDNN anchor first and over the torch baseline second; the
 ledger's rows (agent/table) with each candidate's kevo/cuDNN. On a run that timed nothing, the page
@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 from agent.reading import plots
+from agent.reading.pace import pace, pace_words
 from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
 from agent.ledger.repository import Ledger
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
@@ -144,7 +145,8 @@ def render(ledger: Ledger) -> str:
                      + (f"<span id='untimed'>{e(untimed_words(passed))}.</span>" if only_correct else "") + "</div>")
     figures = {"best-so-far": _plot(plots.best_so_far(header, started, history), no_timing),
                "funnel": _plot(plots.funnel(history)),
-               "stage-time": _plot(plots.stage_time(header, history, _exchanges(ledger, history))),
+               "stage-time": _plot(plots.stage_time(header, history, _exchanges(ledger, history)))
+               + f"<p id='pace'>Pace: {e(pace_words(pace(started, history, summary.get('elapsed_s', 0.0)).record()))}.</p>",
                "predicted-observed": _plot(plots.predicted_observed(history), no_timing),
                "cost": _plot(plots.cost(header, history))}
     parts += [f"<section class='plot' id='{pid}'><h2>{title}</h2>{figures[pid]}</section>" for pid, title in PLOTS]

@@ -136,6 +136,8 @@ def print_summary(result, console: Console | None = None) -> None:
         verdict = ("no candidate beat it" if k.ref.startswith("head:") else "the fastest candidate that passed every stage that ran")
         console.print(escape(f"best {op}: {k.ref}, served mix {speed(k.verdict, op).words()} ({verdict}): {where}"),
                       soft_wrap=True)
+    if getattr(result, "pace", ""):
+        console.print(escape(f"pace: {result.pace}"), soft_wrap=True)
     console.print(escape(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
                   soft_wrap=True)
     for line in getattr(result, "providers", []):

@@ -12,6 +12,7 @@ from pathlib import Path
 from harness.stages import STAGE_NAMES
 
 from agent.reading.figures import nothing_timed, speed_words, untimed_pass, untimed_words
+from agent.reading.pace import pace_words
 from agent.records import CandidateRecord, Kernel
 
 FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
@@ -31,6 +32,7 @@ class RunResult:
     signal: int = 0                 # the signal that stopped the run, if one did
     providers: list[str] = field(default_factory=list)      # how each LLM provider fared, a line each
     untimed: str = ""               # on a machine that timed nothing: what its passes mean (figures.untimed_words)
+    pace: str = ""                  # how fast it judged, and where the evaluator's time went (pace.pace_words)
 
 
 def funnel(history: list[CandidateRecord]) -> dict[str, int]:
@@ -60,11 +62,12 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[st
 
 
 def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: list[str], notes: list[str]) -> str:
-    """The end commit's message and summary.md: why it stopped, the best per op, what is left to evaluate, how
-    the LLM providers fared, the stages not run here."""
+    """The end commit's message and summary.md: why it stopped, the best per op, the run's pace, what is left to
+    evaluate, how the LLM providers fared, the stages not run here."""
     best = [f"- {op}: {b['ref']}, {speed_words(b)}" for op, b in summary["best"].items()]
     return "\n".join([f"# {run_id}: ended", "", f"Stopped: {stop}", "",
                       "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
+                      f"Pace: {pace_words(summary['pace'])}", "",
                       *([summary["untimed"], ""] if summary["untimed"] else []),
                       *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
                         if pending else []),

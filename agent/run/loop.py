@@ -36,6 +36,7 @@ from agent.run.evaluators import evaluator_for
 from agent.roles.conclusion import served_over_torch
 from agent.roles.evaluator import device_seconds, evaluate_head, head_source, now, others_of
 from agent.reading.figures import speed
+from agent.reading.pace import pace, pace_words
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.messages import fit_subject
 from agent.ledger.repository import Ledger, discard_unstarted, folder_state, id_number
@@ -82,6 +83,7 @@ class Run:
             raise RunError(f"{self.root} exists and is not a kevo run; give another --run-id")
         self.history: list[CandidateRecord] = []
         self.elapsed_before, self.last_id, self.head_device_s = 0.0, 0, 0.0
+        self.start_heads: dict[str, Kernel] = {}    # the heads the run began from, as judged then (its pace)
         self._ledger_lock = threading.Lock()        # commits come from this thread, paid ones from any
         self._kept: set[str] = set()                # proposals committed (once each)
 
@@ -145,6 +147,7 @@ class Run:
                 "best": {op: {"ref": k.ref, **speed(k.verdict, op).record(), "speedup": k.speedup, "path": self._path(k)}
                          for op, k in best.items()},
                 "untimed": untimed_note(self.heads, self.history),
+                "pace": pace(self.start_heads, self.history, self.elapsed()).record(),
                 "stopped": stop}
 
     def _path(self, k: Kernel) -> str:
@@ -167,6 +170,7 @@ class Run:
                 self.view.update(activity=f"evaluating the {op} head (reference kernel)")
                 self.heads[op] = self.head(op)
             self.head_device_s = device_seconds(self.heads, [])
+            self.start_heads = dict(self.heads)
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads)
             s = self.settings
             header = RunHeader(id=s.run_id, target=s.target, provider=s.provider,
@@ -201,6 +205,7 @@ class Run:
             raise RunError(f"{self.root} is a run of {header.target} ({', '.join(header.ops)}); "
                            "resume it with the same target and agent.ops")
         self.heads, self.history, self.profile = self.ledger.heads(), self.ledger.history(), self.ledger.profile()
+        self.start_heads = self.ledger.heads(at_start=True)
         done = self.ledger.summary()
         self.meter.cost_usd = done.get("cost_usd", 0.0)
         self.meter.input_tokens, self.meter.output_tokens = done.get("input_tokens", 0), done.get("output_tokens", 0)
@@ -313,7 +318,8 @@ class Run:
                                 **({"Providers": "; ".join(fared)} if fared else {})})
         best = {op: best_kernel(op, self.heads[op], self.history) for op in self.heads}
         return RunResult(self.root, stop, fatal, self.history, self.heads, best, self.meter.cost_usd,
-                         funnel(self.history), notes, self.stop.signum, fared, summary["untimed"])
+                         funnel(self.history), notes, self.stop.signum, fared, summary["untimed"],
+                         pace_words(summary["pace"]))
 
     def __call__(self, pool=None) -> RunResult:
         try:

@@ -67,6 +67,7 @@ from fakes.flaky import FlakyLLM  # noqa: E402
 from fakes.scripts import claim, code  # noqa: E402
 
 from agent.ledger.repository import Ledger  # noqa: E402
+from agent.reading.pace import pace  # noqa: E402
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 
@@ -354,6 +355,8 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
            "cached_verdicts": cached,
            "accepted": [r.id for r in history if r.outcome == "accepted"],
+           # the whole run's, as its summary.md says it: every session, the heads' stages, the waits for the GPU
+           "pace": pace(ledger.heads(at_start=True), history, ledger.summary().get("elapsed_s", 0.0)).record(),
            "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
                             for s in rnd.verdict.stages if s.worker_lost],
            "exchange_notes": [f"{r.id}: {note}" for r in history
