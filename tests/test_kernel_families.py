@@ -60,6 +60,34 @@ def test_decode_kernel_compiled_for_sm90_keeps_the_programs_its_grid_counts_on_r
     assert int(line.split("at most ")[1].split()[0]) >= per_sm, line
 
 
+def sm90_figures(spec: str, batch: int = 32) -> str:
+    """tests/bench/sm90_compile.py's line for `spec`: registers, stack, shared memory, programs per SM."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), spec],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("path", [DECODE, LEAN], ids=["gqa", "lean"])
+def test_the_deepest_pipelining_the_catalog_offers_a_decode_family_double_buffers_its_kv_tiles(path):
+    """The catalog says why each NUM_STAGES is offered: the page index loads a stage ahead of the K/V tiles it
+    addresses, so the tiles get a second buffer only at the deepest depth offered, not at the one below it
+    (compiled for sm90 by Triton's own ptxas: shared memory per program against two K and two V tiles)."""
+    import yaml
+    catalog = yaml.safe_load((ROOT / "knowledge" / "catalog.yaml").read_text())
+    rel = str(path.relative_to(ROOT / "knowledge"))
+    knobs = next(e["family"]["knobs"] for e in catalog["entries"] if rel in e.get("files", []) and "family" in e)
+    *_, below, deepest = knobs["NUM_STAGES"]["values"]
+    block_n = int(next(line.split("=")[1].split("#")[0] for line in path.read_text().splitlines()
+                       if line.startswith("BLOCK_N =")))
+    double = 2 * 2 * block_n * 128 * 2 / 1024                  # two K and two V tiles, bf16, head_dim 128, KB
+    shared = {d: float(sm90_figures(f"{path}:NUM_STAGES={d}").split(" KB shared")[0].split()[-1]) for d in (below, deepest)}
+    assert shared[deepest] >= double > shared[below], (shared, double)
+
+
 # ------------------------------------------------------------------ decode
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (4, 1)], ids=["gqa1", "gqa2", "gqa4"])
