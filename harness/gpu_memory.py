@@ -37,6 +37,31 @@ class Reserve:
 
 
 _HELD: dict[str, Reserve] = {}
+# What a slot keeps on its GPU outside every cap: three CUDA contexts (its own, its worker's, its pool's spare
+# worker's), taken as 0.5 GiB each (an assumption, not measured here), and microbench's L2 flush buffer.
+CONTEXT_BYTES = 512 << 20
+MIN_RESERVE_BYTES = 1 << 30
+
+
+def reserve_bytes(cfg: Config, total: int) -> int:
+    """The working memory this process reserves on a GPU of `total` bytes: `worker.trusted_gpu_bytes`, or less
+    where slots share the GPU. Its workers' caps take `worker.gpu_memory_fraction` of it (each slot's
+    `gpu_memory_fraction` is its 1/n share: harness/pins.py slot_config); of the rest a slot may reserve its
+    share (`gpu_share`), less what it keeps outside any cap, so that every slot's reserve and every worker at its
+    cap fit at once: a candidate's out-of-memory error then comes from its own cap, never from a GPU the slots
+    over-promised (which would reject it for memory another slot held). A HarnessError, naming the figures,
+    when that leaves under MIN_RESERVE_BYTES (too many slots for the GPU)."""
+    w = cfg.worker
+    outside = 3 * CONTEXT_BYTES + cfg.stages.microbench.l2_flush_bytes
+    share = int(total * (w.gpu_share - w.gpu_memory_fraction)) - outside
+    working = min(w.trusted_gpu_bytes, share)
+    if w.trusted_gpu_bytes and working < min(w.trusted_gpu_bytes, MIN_RESERVE_BYTES):
+        n, gib = round(1 / w.gpu_share), 1 << 30
+        raise HarnessError(f"{n} slots share a GPU of {total / gib:.1f} GiB: each may reserve {max(share, 0) / gib:.2f} "
+                           f"GiB beside its workers' caps (executor.slots_per_gpu {n}, worker.gpu_memory_fraction "
+                           f"{w.gpu_memory_fraction * n:g} of the GPU in all), under the {MIN_RESERVE_BYTES / gib:g} GiB "
+                           "the evaluator needs; give fewer slots per GPU or a smaller worker.gpu_memory_fraction")
+    return working
 
 
 def reserve(cfg: Config, device: torch.device) -> Reserve | None:
@@ -46,7 +71,7 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
         return None
     key = str(device)
     held = _HELD.get(key)
-    working = cfg.worker.trusted_gpu_bytes
+    working = reserve_bytes(cfg, torch.cuda.get_device_properties(device).total_memory)
     if held is None or held.working_bytes < working:
         if held is None:                  # segments whose free pages `release` can give back, live tensors or not
             settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings

@@ -77,9 +77,11 @@ def slot_config(cfg: Config, pin: Pin, pins: list[Pin]) -> Config:
     """The config a slot runs under: on a GPU that n slots share, each worker's allocator may hold
     worker.gpu_memory_fraction / n of it, so that one candidate cannot take the memory another slot's
     candidate, references or replay servers need (a slot's own workers, one at a time, keep the whole
-    share). The cap is in the worker section, so it is part of each verdict's cache key."""
+    share), and the slot's own reserve is bounded by its 1/n of the rest (`gpu_share`: harness/gpu_memory.py
+    `reserve_bytes`), so that every slot's reserve and every worker at its cap fit on the GPU at once. The cap is
+    in the worker section, so it is part of each verdict's cache key."""
     n = sum(1 for p in pins if p.device == "cuda" and (p.lease or p.name) == (pin.lease or pin.name))
     if pin.device != "cuda" or n <= 1:
         return cfg
-    worker = cfg.worker.model_copy(update={"gpu_memory_fraction": cfg.worker.gpu_memory_fraction / n})
+    worker = cfg.worker.model_copy(update={"gpu_memory_fraction": cfg.worker.gpu_memory_fraction / n, "gpu_share": 1 / n})
     return cfg.model_copy(update={"worker": worker})

@@ -248,8 +248,37 @@ def test_slots_sharing_a_gpu_split_its_memory_cap_so_one_candidate_cannot_take_a
     share = [slot_config(cfg, p, pins).worker.gpu_memory_fraction for p in pins]
     whole = cfg.worker.gpu_memory_fraction
     assert share == [whole / 2, whole / 2, whole, whole]
-    assert slot_config(cfg, pins[0], pins).worker.model_dump(exclude={"gpu_memory_fraction"}) == cfg.worker.model_dump(
-        exclude={"gpu_memory_fraction"}) and cfg.worker.gpu_memory_fraction == whole       # nothing else changed
+    assert slot_config(cfg, pins[0], pins).worker.model_dump(exclude={"gpu_memory_fraction", "gpu_share"}) == cfg.worker.model_dump(
+        exclude={"gpu_memory_fraction", "gpu_share"}) and cfg.worker.gpu_memory_fraction == whole   # nothing else changed
+
+
+@pytest.mark.parametrize("gib", [80, 141])
+def test_every_slots_reserve_and_every_worker_at_its_cap_fit_on_a_gpu_however_many_slots_share_it(gib):
+    """A candidate's out-of-memory error is its own only if its cap was there to be had: the reserves of the
+    slots sharing a GPU are bounded so that all of them, what each keeps outside any cap, and every worker at its
+    cap fit at once. Two slots (the default) keep the configured reserve on an H200, less on an 80 GB GPU; too many for
+    the GPU is a harness error."""
+    from harness.errors import HarnessError
+    from harness.gpu_memory import CONTEXT_BYTES, reserve_bytes
+    cfg, total = runtime_only(), gib << 30
+    outside = 3 * CONTEXT_BYTES + cfg.stages.microbench.l2_flush_bytes
+    fits = []
+    for n in range(1, 17):
+        pins = [Pin(name=f"gpu0.{k}", device="cuda", visible="0", lease="gpu:0") for k in range(n)]
+        slot = slot_config(cfg, pins[0], pins)
+        try:
+            working = reserve_bytes(slot, total)
+        except HarnessError as e:
+            assert f"{n} slots share a GPU of {gib:.1f} GiB" in str(e) and "fewer slots per GPU" in str(e)
+            break
+        assert n * (working + outside) + n * slot.worker.gpu_memory_fraction * total <= total, n
+        assert working >= 1 << 30
+        fits.append(n)
+    else:
+        pytest.fail("sixteen slots fit beside their workers' caps")
+    assert fits[:2] == [1, 2]
+    two = reserve_bytes(slot_config(cfg, pins[0], pins[:2]), total)          # on an H200 the configured 16 GiB fits
+    assert two == cfg.worker.trusted_gpu_bytes if gib == 141 else two < cfg.worker.trusted_gpu_bytes
 
 
 # -- real slots sharing one lease -------------------------------------------------------------------
