@@ -40,9 +40,7 @@ class WorkerConfig(Strict):
     cpu_address_space_bytes: int = Field(ge=4 << 30)  # RLIMIT_AS, on the CPU device only
     gpu_memory_fraction: float = Field(gt=0, le=1)   # of the GPU's memory, the most a worker's allocator may hold
     trusted_gpu_bytes: int = Field(ge=0)             # held by the evaluator before any candidate runs (harness/gpu_memory.py)
-    # Set by the executor, not in config.yaml: the slot's share of its GPU where n slots share it (1/n), which
-    # bounds its reserve beside the others' (harness/pins.py slot_config, harness/gpu_memory.py reserve_bytes)
-    gpu_share: float = Field(default=1.0, gt=0, le=1)
+    gpu_share: float = Field(default=1.0, gt=0, le=1)  # set per slot: 1/n of a GPU n slots share (pins.slot_config)
 
     @field_validator("env_passthrough")
     @classmethod

@@ -54,10 +54,11 @@ def reserve_bytes(cfg: Config, total: int) -> int:
     w = cfg.worker
     outside = 3 * CONTEXT_BYTES + cfg.stages.microbench.l2_flush_bytes
     share = int(total * (w.gpu_share - w.gpu_memory_fraction)) - outside
-    working = min(w.trusted_gpu_bytes, share)
+    working = max(0, min(w.trusted_gpu_bytes, share))
     if w.trusted_gpu_bytes and working < min(w.trusted_gpu_bytes, MIN_RESERVE_BYTES):
         n, gib = round(1 / w.gpu_share), 1 << 30
-        raise HarnessError(f"{n} slots share a GPU of {total / gib:.1f} GiB: each may reserve {max(share, 0) / gib:.2f} "
+        who = f"{n} slots share a GPU" if n > 1 else "one slot has a GPU"
+        raise HarnessError(f"{who} of {total / gib:.1f} GiB: each may reserve {max(share, 0) / gib:.2f} "
                            f"GiB beside its workers' caps (executor.slots_per_gpu {n}, worker.gpu_memory_fraction "
                            f"{w.gpu_memory_fraction * n:g} of the GPU in all), under the {MIN_RESERVE_BYTES / gib:g} GiB "
                            "the evaluator needs; give fewer slots per GPU or a smaller worker.gpu_memory_fraction")
