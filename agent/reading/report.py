@@ -14,7 +14,6 @@ table (table), which kernel is best (state.best_kernel).
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 
 from agent.reading import plots
@@ -43,16 +42,6 @@ td.passed,td.accepted{color:#116329;font-weight:600}
 pre{background:#f6f8fa;padding:1em;overflow:auto;max-height:36em;font-size:12px;line-height:1.35;border-radius:6px}
 .path{color:#57606a;font-family:monospace}
 """
-
-
-def first_heads(ledger: Ledger) -> dict[str, Kernel]:
-    """The heads the run started from, as its first commit holds them (later heads are accepted candidates)."""
-    root = ledger.repo.git.rev_list("--max-parents=0", "HEAD").split()[0]
-    out = {}
-    for op in ledger.header().ops:
-        data = json.loads(ledger.repo.git.show(f"{root}:heads/{op}.json"))
-        out[op] = Kernel(**data, source=ledger.repo.git.show(f"{root}:{data['path']}"))
-    return out
 
 
 def _plot(p: plots.Plot, context: str = "") -> str:
@@ -122,7 +111,7 @@ def _exchanges(ledger: Ledger, history: list[CandidateRecord]) -> list[Exchange]
 
 def render(ledger: Ledger) -> str:
     header, summary, heads, history = ledger.header(), ledger.summary(), ledger.heads(), ledger.history()
-    started = first_heads(ledger)
+    started = ledger.heads(at_start=True)
     skipped = not_run(started, history)
     untimed = all(r.speedup is None for r in history) and all(k.speedup is None for k in started.values())
     only_correct = nothing_timed([k.verdict for k in started.values()] + [r.verdict for r in history])
