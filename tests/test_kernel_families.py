@@ -71,7 +71,8 @@ def sm90_figures(spec: str, batch: int = 32) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("path", [DECODE, LEAN], ids=["gqa", "lean"])
+@pytest.mark.parametrize("path", [DECODE, LEAN, ROOT / "knowledge" / "attention" / "decode_paged_splitkv.py"],
+                         ids=["gqa", "lean", "reference"])
 def test_the_deepest_pipelining_the_catalog_offers_a_decode_family_double_buffers_its_kv_tiles(path):
     """The catalog says why each NUM_STAGES is offered: the page index loads a stage ahead of the K/V tiles it
     addresses, so the tiles get a second buffer only at the deepest depth offered, not at the one below it

@@ -1,11 +1,12 @@
-"""Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py) for
-sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared
-memory per program.
+"""Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
+reference decode_paged_splitkv.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print
+its registers, stack (spills) and shared memory per program.
 
     python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
 
 It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128, page 16,
-several splits (partials), every stride a multiple of 16 as on those tensors. The figures are the
+several splits (partials), every stride a multiple of 16 and a unit stride the constant 1, as a launch on those
+tensors specialises them. The figures are the
 compiler's, not a measurement: how many programs fit per SM follows from them (65,536 registers and
 228 KB of shared memory per SM on the H200). Needs only torch and triton.
 """
@@ -33,16 +34,19 @@ from harness.replies import KernelUse  # noqa: E402
 from harness.stages.microbench import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
-            "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "ticket_ptr": "*i32"}
+            "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32"}
+# strides of 1 on the bench's contiguous tensors, which a launch specialises as the constant 1 (the reference's)
+UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_pod", "stride_btp")
 CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def compile_split_kernel(mod, batch=32):
     """(registers, stack bytes, shared bytes) of the module's decode kernel (decode_paged_gqa.py's
-    `_split_kernel`, decode_paged_lean.py's `_lean_kernel`) at the bench shape, `batch` sequences (as a launch
-    specialises it: BLOCK_B its next power of two, `batch` marked a multiple of 16 when it is one) and mod's
+    `_split_kernel`, decode_paged_lean.py's `_lean_kernel`, the reference decode_paged_splitkv.py's
+    `_decode_split_kernel`) at the bench shape, `batch` sequences (as a launch specialises it: BLOCK_B its next
+    power of two, `batch` marked a multiple of 16 when it is one, unit strides the constant 1) and mod's
     knobs, with the register cap the module launches it with (`register_cap()`, where it has one)."""
-    fn = getattr(mod, "_split_kernel", None) or mod._lean_kernel
+    fn = getattr(mod, "_split_kernel", None) or getattr(mod, "_lean_kernel", None) or mod._decode_split_kernel
     names = fn.arg_names
     page, block_n = 16, mod.BLOCK_N
     knob = lambda name, default=0: getattr(mod, name, default)  # noqa: E731
@@ -50,13 +54,14 @@ def compile_split_kernel(mod, batch=32):
                   PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
                   SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
                   SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
-                  BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")))
+                  BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")),
+                  SINGLE_SPLIT=False, **dict.fromkeys(UNIT_STRIDES, 1))
     consts = {k: v for k, v in consts.items() if k in names}
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
            for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
-                           if n in POINTERS or n.startswith("stride_") or (n == "batch" and batch % 16 == 0)})
+                           if n in POINTERS or (n.startswith("stride_") and n not in consts) or (n == "batch" and batch % 16 == 0)})
     cap = mod.register_cap() if hasattr(mod, "register_cap") else None
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
