@@ -50,13 +50,7 @@ def test_decode_kernel_compiled_for_sm90_keeps_the_programs_its_grid_counts_on_r
     and PERSISTENT plans count on as many per SM. Compiled for sm90 (Triton's own ptxas, no GPU needed) as a
     launch at `batch` sequences specialises it, the kernel's registers must let that many programs reside on an
     SM, or the ones that do not fit run their work after the others."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), spec],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    line = done.stdout.strip().splitlines()[-1]
+    line = sm90_figures(spec, batch)
     assert int(line.split("at most ")[1].split()[0]) >= per_sm, line
 
 
