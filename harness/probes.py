@@ -5,8 +5,8 @@ compile (`compiles`: a specialization met for the first time in the process), ca
 skip them all ("ablate": is the kernel what produces the output?), can turn them into compiles only
 ("compiling": each JIT kernel is compiled for the call's specialization, every config of an autotuned
 one, in a thread pool through Triton's AsyncCompileMode, and nothing is launched), and audits the aten ops a candidate
-issues with a TorchDispatchMode: every op by name (`op_calls`, inside Triton launches too, where a launch
-hook could hide library work) and the elements produced outside launches (`op_elements`). The worker
+issues with a TorchDispatchMode: every op by name (`op_calls`) and the elements each produced (`op_elements`),
+inside Triton launches too (a launch runs candidate code: a callable grid, a hook, a global's comparison). The worker
 applies the audit to every call it makes for the candidate, in every stage. Runs in the untrusted
 process: the compile stage's allowlist leaves a candidate no name to detect or switch off the audit with
 (torch.utils, torch._C, private attributes); the trusted comparisons and clocks in the stages are what
@@ -33,7 +33,6 @@ class Probes:
         self.used: dict[int, object] = {}       # id -> CompiledKernel launched since the last reset
         self.ablate = False
         self.compile_only = False
-        self.in_launch = 0
 
     def reset(self) -> None:
         self.launches.clear()
@@ -68,8 +67,7 @@ class Probes:
                 probes.launches[kernel.name] += 1
                 if probes.ablate or probes.compile_only:
                     return None
-                with probes.launching():
-                    return runner(*args, **kwargs)
+                return runner(*args, **kwargs)
             return launch
         CompiledKernel.__getitem__ = getitem
 
@@ -79,19 +77,16 @@ class Probes:
 
         def run(fn, *args, **kwargs):
             if is_warmup(fn, args, kwargs):
-                with probes.launching():
-                    return original(fn, *args, **kwargs)
+                return original(fn, *args, **kwargs)
             name = getattr(fn, "__name__", None) or getattr(getattr(fn, "fn", None), "__name__", "?")
             probes.launches[name] += 1
             if probes.ablate:
                 return None
             if probes.compile_only:                  # compiled for this call's specialization, not launched
                 if compiles:
-                    with probes.launching():
-                        original(fn, *args, **{**kwargs, "warmup": True})
+                    original(fn, *args, **{**kwargs, "warmup": True})
                 return None
-            with probes.launching():
-                kernel = original(fn, *args, **kwargs)      # a JIT launch returns the compiled kernel it ran
+            kernel = original(fn, *args, **kwargs)          # a JIT launch returns the compiled kernel it ran
             if hasattr(kernel, "metadata"):
                 probes.used.setdefault(id(kernel), kernel)
             return kernel
@@ -107,14 +102,6 @@ class Probes:
                 out.append({"name": str(kernel.name)[:256], "registers": regs, "spills": spills,
                             "shared_bytes": int(meta.shared), "warps": int(meta.num_warps)})
         return out
-
-    @contextlib.contextmanager
-    def launching(self):
-        self.in_launch += 1
-        try:
-            yield
-        finally:
-            self.in_launch -= 1
 
     def _wrap_autotuner(self) -> None:
         """While compiling only, an autotuned kernel compiles every config it would time (its `warmup`), and
@@ -134,8 +121,7 @@ class Probes:
             probes.launches[getattr(inner, "__name__", "?")] += 1
             if isinstance(inner, jit.JITFunction):   # the interpreter compiles nothing
                 kwargs.pop("warmup", None)
-                with probes.launching():
-                    tuner.warmup(*args, **kwargs)
+                tuner.warmup(*args, **kwargs)
             return None
         Autotuner.run = run
 
@@ -187,7 +173,8 @@ class _Audit(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        self.probes.op_calls[name] += 1             # inside a launch too: a hook run there is no hiding place
-        if not self.probes.in_launch:               # Triton's own plumbing (the interpreter's copies) is not work
-            self.probes.op_elements[name] += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.probes.op_calls[name] += 1
+        # Inside a Triton launch too: candidate code runs there (a callable grid, a global's __eq__ when the JIT
+        # checks its globals, a tensor-like's data_ptr); the interpreter's own copies there are plumbing ops.
+        self.probes.op_elements[name] += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
         return out

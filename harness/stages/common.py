@@ -192,7 +192,7 @@ def candidate_raised(what: str, reply: Reply) -> Rejected:
 
 
 def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls: int) -> float:
-    """Judge the aten ops the worker saw the candidate issue outside its Triton launches on `calls` calls
+    """Judge the aten ops the worker saw the candidate issue (inside its Triton launches too) on `calls` calls
     (every call it makes for the candidate is watched, in every stage: a candidate cannot save its library
     calls for when no check is looking). Rejected for any library compute op, for torch compute beyond
     `aux_work_fraction` of the calls' multiply-adds, or, where `launches` counts, for a call that launched no
