@@ -19,16 +19,21 @@ outside this surface (config `stages.compile`, each entry with its reason):
   - no `@` operator outside a `@triton.jit` function while `matmul` is a forbidden attribute (`a @ b` is
     `a.matmul(b)` on tensors; `tl.dot` in a kernel);
   - nothing a wildcard module or a listed name leads to that lives outside the allowlisted packages,
-    followed on the real modules here (`tl.core.inspect` is the `inspect` module triton imported).
+    followed on the real modules here (`tl.core.inspect` is the `inspect` module triton imported);
+  - no name the file reads from its module's namespace that nothing in it binds and that is no builtin,
+    scope by scope as Python resolves it (symtable): whatever a library put there at run time would be
+    reached past this list (Triton's interpreter once copied `inspect` and `np` into a kernel's module).
 A refusal names the line and the name. Not covered: what allowed calls do at run time (how much torch work
 a candidate issues, which aten ops run): the worker's audit sees every call (harness/stages/common.py).
 """
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib
 import inspect
 import re
+import symtable
 from dataclasses import dataclass, field
 
 DUNDER = re.compile(r"^__\w+__$")
@@ -277,8 +282,30 @@ def _home(obj) -> str:
     return type(obj).__module__
 
 
+def unbound_names(tree: ast.Module) -> set[str]:
+    """The names `tree` reads from its module's namespace (at module level, or as globals in a function or class)
+    that no statement of it binds there (an assignment, a def, an import, a `global` assignment anywhere)."""
+    bound, read, tables = set(), set(), [symtable.symtable(ast.unparse(tree), "<candidate>", "exec")]
+    while tables:
+        table = tables.pop()
+        tables.extend(table.get_children())
+        for sym in table.get_symbols():
+            if table.get_type() == "module" or sym.is_global():
+                if sym.is_assigned() or sym.is_imported():
+                    bound.add(sym.get_name())
+                if sym.is_referenced():
+                    read.add(sym.get_name())
+    return read - bound
+
+
 def check(tree: ast.Module, rules: Rules) -> None:
     """Raise Refused for the first thing `tree` names outside `rules`."""
     checker = _Checker(rules)
     checker.imports(tree)
     checker.walk(tree)
+    unbound = unbound_names(tree) - set(dir(builtins)) - rules.dunders
+    if unbound:
+        first = min((n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in unbound),
+                    key=lambda n: (n.lineno, n.col_offset))
+        raise Refused(first.lineno, first.id, "a name the file never binds and no builtin (what a library puts in "
+                                              "the module at run time is not the allowlist's to give)")

@@ -44,6 +44,31 @@ def test_sdpa_on_any_call_past_the_allowlist_is_a_rejection_at_the_first_call_th
     assert v.stages[-1].failure == "library_ops"
 
 
+def test_torch_attention_inside_a_launchs_grid_callable_counts_as_torch_work_outside_the_kernel(evaluate_source):
+    """Triton calls a callable grid from within its launch; the audit once took all of a launch for Triton's own
+    plumbing and counted nothing there, so this passed compile, dispatch, parity and the replay's gates."""
+    v = evaluate_source(attack("grid_callable"), until="parity")
+    assert v.failed_stage == "compile", v.reason
+    assert "torch ops outside the kernel produce" in v.stages[-1].reason, v.stages[-1].reason
+
+
+def test_a_name_the_file_never_binds_is_refused_before_it_runs(evaluate_source):
+    source = attack("interpreter_globals").replace("@BIND@", "")
+    v = evaluate_source(source, until="compile")
+    line = next(i for i, text in enumerate(source.splitlines(), 1) if "inspect.getmembers" in text)
+    assert v.failed_stage == "compile", v.reason
+    assert v.stages[-1].reason.startswith(f"line {line}: inspect: a name the file never binds"), v.stages[-1].reason
+
+
+def test_the_interpreter_leaves_no_module_of_its_own_in_a_kernels_module(evaluate_source):
+    """A name bound only on a branch that never runs passes the reader; at run time it is unbound, as Python has
+    it, and not the interpreter's `inspect` (on a GPU, nothing is copied in to begin with)."""
+    v = evaluate_source(attack("interpreter_globals").replace("@BIND@", "if len(__name__) < 0:\n    inspect = None"),
+                        until="compile")
+    assert v.failed_stage == "compile", v.reason
+    assert "NameError" in v.stages[-1].reason and "'inspect' is not defined" in v.stages[-1].reason, v.stages[-1].reason
+
+
 # -- on the GPU ---------------------------------------------------------------------------------------------
 
 NAN_TIMER = C.wrap_decode("""
