@@ -67,20 +67,28 @@ def sm90_figures(spec: str, batch: int = 32) -> str:
 
 @pytest.mark.parametrize("path", [DECODE, LEAN, ROOT / "knowledge" / "attention" / "decode_paged_splitkv.py"],
                          ids=["gqa", "lean", "reference"])
-def test_the_deepest_pipelining_the_catalog_offers_a_decode_family_double_buffers_its_kv_tiles(path):
+def test_the_catalog_offers_the_depth_at_which_a_decode_familys_kv_tiles_first_get_a_second_buffer(path):
     """The catalog says why each NUM_STAGES is offered: the page index loads a stage ahead of the K/V tiles it
-    addresses, so the tiles get a second buffer only at the deepest depth offered, not at the one below it
-    (compiled for sm90 by Triton's own ptxas: shared memory per program against two K and two V tiles)."""
+    addresses, so the tiles get a second buffer a depth later than the depth suggests (5 in Triton 3.6). The
+    catalog must offer that depth, not only the ones below it, which all keep one buffer (compiled for sm90 by
+    Triton's own ptxas: shared memory per program against two K and two V tiles)."""
     import yaml
     catalog = yaml.safe_load((ROOT / "knowledge" / "catalog.yaml").read_text())
     rel = str(path.relative_to(ROOT / "knowledge"))
     knobs = next(e["family"]["knobs"] for e in catalog["entries"] if rel in e.get("files", []) and "family" in e)
-    *_, below, deepest = knobs["NUM_STAGES"]["values"]
+    depths = knobs["NUM_STAGES"]["values"]
     block_n = int(next(line.split("=")[1].split("#")[0] for line in path.read_text().splitlines()
                        if line.startswith("BLOCK_N =")))
     double = 2 * 2 * block_n * 128 * 2 / 1024                  # two K and two V tiles, bf16, head_dim 128, KB
-    shared = {d: float(sm90_figures(f"{path}:NUM_STAGES={d}").split(" KB shared")[0].split()[-1]) for d in (below, deepest)}
-    assert shared[deepest] >= double > shared[below], (shared, double)
+    shared = {}
+    for d in depths:                                            # from the shallowest, to the first with two
+        shared[d] = float(sm90_figures(f"{path}:NUM_STAGES={d}").split(" KB shared")[0].split()[-1])
+        if shared[d] >= double:
+            break
+    first = max(shared)
+    assert shared[first] >= double and first > depths[0], (shared, double)
+    one_less = float(sm90_figures(f"{path}:NUM_STAGES={first - 1}").split(" KB shared")[0].split()[-1])
+    assert one_less < double, (shared, one_less, double)       # offered where the second buffer first appears
 
 
 # ------------------------------------------------------------------ decode
@@ -123,11 +131,30 @@ def test_decode_ignores_nan_in_unused_slots_of_a_wide_table(knob_dir):
         {"PAGE_LOADS": True, "BLOCK_N": 32},                        # page 8 divides 32: 4 pages a step
         {"BLOCK_N": 32, "NUM_WARPS": 2, "NUM_STAGES": 1, "MIN_TOKENS_PER_SPLIT": 32, "WAVES": 3},
         {"MAX_SPLITS": 1},
+        {"KV_TMA": True, "NUM_STAGES": 8},                         # page 8 divides 64: a page a step
+        {"KV_TMA": True, "BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 16, "PROGRAMS_PER_SM": 16},
     ],
-    ids=["page_loads_bn16", "page_loads_bn32", "bn32_waves3", "single_split"],
+    ids=["page_loads_bn16", "page_loads_bn32", "bn32_waves3", "single_split", "kv_tma", "kv_tma_many_splits"],
 )
 def test_decode_knob_variants_stay_correct(knob_dir, knobs):
     run_decode(_load(DECODE, knobs, knob_dir), [1, 7, 8, 64, 33], 4, 2, 16, 8, q_scale=3.0, seed=43)
+
+
+def test_decode_takes_whole_pages_through_tensor_descriptors_where_the_cache_allows_and_masks_the_last(knob_dir):
+    """KV_TMA: the launch is specialised for descriptors (the compiled-launch record says so) on a cache whose rows
+    TMA can address, pointer loads on one whose heads are a strided view; the unused rows of a sequence's last page
+    hold NaN here (make_decode_inputs), which must not reach the output."""
+    mod = _load(DECODE, {"KV_TMA": True, "MAX_SPLITS": 1}, knob_dir)
+    q, kc, vc, bt, sl = make_decode_inputs([3, 9, 17], 4, 2, 16, 8, extra_pages=2, seed=53)
+    assert torch.isnan(kc).any() and torch.isnan(vc).any()
+    run_decode(mod, [3, 9, 17], 4, 2, 16, 8, extra_pages=2, seed=53)
+    assert [dict(key[0])["KV_TMA"] for key in mod._DEPTHS] == [True]
+    def spread(c):                                              # the same values, each head 2 x head_dim apart
+        return torch.stack([c, c], dim=3).flatten(2, 3)[:, :, ::2]
+    assert mod._page_rows_ok(kc) and not mod._page_rows_ok(spread(kc))
+    out = mod.decode(q, spread(kc), spread(vc), bt, sl, 0.25)
+    assert (out.double() - decode_reference(q, kc, vc, bt, sl, 0.25)).abs().max().item() < TOL
+    assert sorted(dict(key[0])["KV_TMA"] for key in mod._DEPTHS) == [False, True]
 
 
 def test_decode_is_stable_for_peaky_queries_and_head_dim_32_page_4(knob_dir):

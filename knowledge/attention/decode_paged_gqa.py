@@ -1,67 +1,48 @@
 """Paged GQA decode with device-side split sizing (a kernel family for kevo's proposer).
 
 What it does
-    One query token per sequence attends over its paged KV cache. One program per
-    (split, kv head, sequence) holds the whole GQA group of query heads (padded up
-    to 16 rows so `tl.dot` runs on tensor cores), so K/V are read once per kv head.
-    The grid's split count is an upper bound from shapes alone (block-table width,
-    batch x kv heads against the SM count); each program then sizes its sequence's
-    splits from the *real* length on the device: n = min(grid splits,
-    cdiv(seq_len, MIN_TOKENS_PER_SPLIT)), equal BLOCK_N-aligned chunks over
-    [0, seq_len), and programs past n exit at once. A short sequence in a wide
-    block table therefore costs one or two programs, not a row of empty splits,
-    and no host sync is needed.
-    PAGE_LOADS: one block-table read per page (pages x slots offsets), instead of
-    one per token (needs the page size to divide BLOCK_N; else per token).
-    Partials (unnormalised output, running max, sum; exp2 domain, sm_scale folded
-    with log2 e) are merged by a log-sum-exp merge over all heads of the group at
-    once: FUSED_COMBINE lets the last split program of each (sequence, kv head),
-    found with an atomic ticket, merge them in the same launch (no second kernel);
-    otherwise a small second kernel merges them. A sequence with one split writes
-    its output directly.
-    PERSISTENT k > 0: the same work items (split, kv head, sequence) and the same
-    device-side split sizing, but a 1-D grid of min(items, SMs x k) programs, each
-    taking items p, p + grid, p + 2 grid, ... (a plain stride; no order computed on
-    the host, which would need the lengths there). The items run split-major (all
-    first splits, then all second splits, ...), so a program's first item always
-    holds work and the items past a short sequence's splits spread over the grid;
-    the fused combine's ticket does not care which program ran which split. The
-    grid, the item count and every buffer come from shapes, as before (capturable).
+    One query token per sequence attends over its paged KV cache. One program per (split, kv head, sequence) holds
+    the whole GQA group of query heads (padded up to 16 rows so `tl.dot` runs on tensor cores), so K/V are read once
+    per kv head. The grid's split count is an upper bound from shapes alone (block-table width, batch x kv heads
+    against the SM count); each program then sizes its sequence's splits from the *real* length on the device: n =
+    min(grid splits, cdiv(seq_len, MIN_TOKENS_PER_SPLIT)), equal BLOCK_N-aligned chunks over [0, seq_len), and
+    programs past n exit at once (no host sync).
+    PAGE_LOADS: one block-table read per page (pages x slots offsets), instead of one per token (needs the page size
+    to divide BLOCK_N; else per token).
+    KV_TMA: K/V come a whole page at a time through host-built tensor descriptors over the cache seen as [blocks x
+    page, kv heads x head_dim] (TMA on sm90: one thread issues each copy, no per-token addresses in registers), one
+    page per inner step; only a sequence's last, partial page is masked (its unused rows are zeroed before they meet
+    V). Needs the page size to divide BLOCK_N and a cache whose rows are 16-byte aligned; else the pointer loads.
+    Partials (unnormalised output, running max, sum; exp2 domain, sm_scale folded with log2 e) are merged by a
+    log-sum-exp merge over all heads of the group at once: FUSED_COMBINE lets the last split program of each (sequence,
+    kv head), found with an atomic ticket, merge them in the same launch (no second kernel); otherwise a small
+    second kernel merges them. A sequence with one split writes its output directly.
+    PERSISTENT k > 0: the same work items (split, kv head, sequence), a 1-D grid of min(items, SMs x k) programs, each
+    taking items p, p + grid, ... split-major, so a program's first item holds work. Grid, items and buffers come
+    from shapes, as before (capturable). NUM_STAGES deeper than the device's shared memory holds is lowered.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES,
-    MIN_TOKENS_PER_SPLIT, MAX_SPLITS, PAGE_LOADS, FUSED_COMBINE, PERSISTENT, RESIDENCY_CAP, CPU_SM_COUNT.
+    BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS,
+    PAGE_LOADS, KV_TMA, FUSED_COMBINE, PERSISTENT, RESIDENCY_CAP, CPU_SM_COUNT.
 
 What bounds it
-    Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V
-    plus partials (G x head_dim x 4 bytes per split program: < 1% at >= 256
-    tokens per split).
-    Measured (H200, 2026-12-01, tests/bench/vs_library.py: bf16, 32 q / 8 kv
-    heads, d 128, page 16, shuffled pages, a 32768-token block table; do_bench
-    median, L2 flushed), default knobs, TB/s and x cuDNN SDPA on contiguous KV:
-    32 x 4k 3.86 (0.96), 64 x 4k 4.26 (1.00), 8 x 32k 4.14 (0.98), 16 x 8k
-    3.80 (0.94), 128 x 1k 3.90 (0.99); the reference kernel 2.94, 4.23, 3.78,
-    1.92 and 3.86. Rows of 2048-token programs read ~3.8 TB/s, of 4096-token ones
-    ~4.1-4.3: a per-program start and drain cost (inferred, not profiled).
+    Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V plus partials (G x head_dim x 4
+    bytes per split program: < 1% at >= 256 tokens per split).
+    Measured (H200, 2026-12-01, tests/bench/vs_library.py: bf16, 32 q / 8 kv heads, d 128, page 16, shuffled pages;
+    do_bench median, L2 flushed), default knobs, TB/s (x cuDNN SDPA on contiguous KV): 32 x 4k 3.86 (0.96), 64 x 4k
+    4.26 (1.00), 8 x 32k 4.14 (0.98), 16 x 8k 3.80 (0.94), 128 x 1k 3.90 (0.99).
 
 Known limits
-    * The grid is sized from the block-table width; a batch whose lengths are far
-      under that width still launches (and instantly retires) the empty programs.
-    * FUSED_COMBINE keeps a per-device ticket buffer that the last program of each
-      (sequence, kv head) resets to zero; a launch killed mid-way would leave
-      tickets behind (the next call would then mis-merge). Kernels that fault kill
-      the process on CUDA anyway.
-    * Ragged batches (the served shapes): equal split counts per sequence, so the
-      longest chunk sets the time (0.86-0.95x cuDNN on rows of lengths 0.5-1 x L
-      against 0.94-0.99x at equal lengths, H200 2026-12-04). A balanced plan (chunks
-      of total tokens x kv heads / slots, persistent grid) read 0.65-0.78x: dropped.
-    * PERSISTENT: the stride hands out items by index, not by cost: a ragged batch
-      of more (kv head, sequence) pairs than programs is not balanced longest first
-      (a device-side sort of the lengths would be the next step), and each item
-      past a sequence's splits still costs its program one seq_lens load.
-    * Residency: uncapped, PAGE_LOADS, BLOCK_N 128 or NUM_WARPS 8 fit 2 programs
-      per SM where policy 1 counts 4. RESIDENCY_CAP fits them by registers (not
-      yet timed); shared memory can still bound it (tests/bench/sm90_compile.py).
+    * The grid is sized from the block-table width; a batch whose lengths are far under that width still launches
+      (and instantly retires) the empty programs. PERSISTENT hands out items by index, not by cost.
+    * FUSED_COMBINE keeps a per-device ticket buffer that the last program of each (sequence, kv head) resets to
+      zero; a launch killed mid-way would leave tickets behind (the next call would then mis-merge).
+    * Ragged batches (the served shapes): equal split counts per sequence, so the longest chunk sets the time
+      (0.86-0.95x cuDNN on rows of lengths 0.5-1 x L against 0.94-0.99x at equal lengths, H200 2026-12-04). A
+      balanced plan (chunks of total tokens x kv heads / slots, persistent grid) read 0.65-0.78x: dropped.
+    * Residency: uncapped, PAGE_LOADS, BLOCK_N 128 or NUM_WARPS 8 fit 2 programs per SM where policy 1 counts 4.
+      RESIDENCY_CAP fits them by registers (not yet timed); shared memory can still bound it
+      (tests/bench/sm90_compile.py).
 """
 import torch
 import triton
@@ -76,6 +57,7 @@ WAVES = 1  # policy 1: the most waves of SMs x PROGRAMS_PER_SM programs the spli
 MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
 MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
 PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
+KV_TMA = False  # True: K/V a whole page a step through tensor descriptors (TMA); False: pointer loads
 FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
 PERSISTENT = 0  # 0: one program per work item; k > 0: min(items, SMs x k) programs loop over the items
 RESIDENCY_CAP = False  # True: registers capped so the programs counted on per SM fit (see register_cap)
@@ -83,6 +65,12 @@ CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
 _TICKETS = {}
+_DEPTHS = {}
+
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # older Triton: pointer loads only
+    TensorDescriptor = None
 
 
 @triton.jit
@@ -96,9 +84,23 @@ def _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b, pid_kvh,
-                 GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr):
+def _scores(q, k, m_i, l_i, qk_scale, mask_n, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K tile's online-softmax step (exp2 domain): (p, the rescale of acc, the new max, the new sum); MASKED:
+    tokens off mask_n weigh nothing."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _merge_store(
+    po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b, pid_kvh, GROUP: tl.constexpr, GP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
     """Log-sum-exp merge of n_split partials [split, group, d] of one (sequence, kv head)."""
     offs_c = tl.arange(0, SPLIT_CHUNK)
     offs_g = tl.arange(0, GP)
@@ -111,16 +113,11 @@ def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b
         offs_s = s0 + offs_c
         msk = (offs_s[:, None] < n_split) & mask_g[None, :]
         ml_off = offs_s[:, None] * GROUP + offs_g[None, :]
-        if CG:
-            m_s = tl.load(pm_base + 2 * ml_off, mask=msk, other=float("-inf"), cache_modifier=".cg")
-            l_s = tl.load(pm_base + 2 * ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
-            o_s = tl.load(po_base + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=msk[:, :, None], other=0.0, cache_modifier=".cg")
-        else:
-            m_s = tl.load(pm_base + 2 * ml_off, mask=msk, other=float("-inf"))
-            l_s = tl.load(pm_base + 2 * ml_off + 1, mask=msk, other=0.0)
-            o_s = tl.load(po_base + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=msk[:, :, None], other=0.0)
+        # .cg: from L2, past this SM's L1 (the fused merge reads partials other SMs wrote in this launch)
+        m_s = tl.load(pm_base + 2 * ml_off, mask=msk, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(pm_base + 2 * ml_off + 1, mask=msk, other=0.0, cache_modifier=".cg")
+        o_s = tl.load(po_base + ml_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=msk[:, :, None], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m_run, tl.max(m_s, 0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # every split holds >= 1 token; guard anyway
         alpha = tl.exp2(m_run - m_ref)
@@ -137,62 +134,67 @@ def _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b
 
 @triton.jit
 def _split_item(
-    q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-    qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
-    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_btb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
+    num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk, stride_qb, stride_qh, stride_kb, stride_ks,
+    stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, stride_ob, stride_oh, GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One work item: split pid_s (< n_split) of kv head pid_kvh of sequence pid_b, then its partial
-    (or, with one split, its output; with FUSED, the merge if it is the item's last split to finish)."""
+    """One work item: split pid_s (< n_split) of kv head pid_kvh of sequence pid_b, then its partial (or, with one
+    split, its output; with FUSED, the merge if it is the item's last split to finish)."""
     start = pid_s * chunk
     end = tl.minimum(start + chunk, seq_len)
-
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
     mask_g = offs_g < GROUP
     heads = pid_kvh * GROUP + offs_g
     q = tl.load(q_ptr + pid_b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_g[:, None], other=0.0)
-
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-
     bt_row = bt_ptr + pid_b.to(tl.int64) * stride_btb
     k_head = k_ptr + pid_kvh.to(tl.int64) * stride_kh
     v_head = v_ptr + pid_kvh.to(tl.int64) * stride_vh
     n_pages = tl.cdiv(seq_len, PAGE_SIZE)
     # Every step holds >= 1 valid token (its first), so m_i is finite after the first step.
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        if PAGE_LOADS:
-            pages = start_n // PAGE_SIZE + tl.arange(0, PAGES)
-            phys = tl.load(bt_row + pages, mask=pages < n_pages, other=0).to(tl.int64)
-            slots = tl.arange(0, PAGE_SIZE)
-            k_rows = tl.reshape(phys[:, None] * stride_kb + slots[None, :] * stride_ks, [BLOCK_N])
-            v_rows = tl.reshape(phys[:, None] * stride_vb + slots[None, :] * stride_vs, [BLOCK_N])
-        else:
-            page = offs_n // PAGE_SIZE
-            phys = tl.load(bt_row + page, mask=mask_n, other=0).to(tl.int64)
-            slot = offs_n % PAGE_SIZE
-            k_rows = phys * stride_kb + slot * stride_ks
-            v_rows = phys * stride_vb + slot * stride_vs
-        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if KV_TMA:  # whole pages (start is page-aligned): unmasked, then the last page's valid rows
+        col = pid_kvh * HEAD_DIM
+        pos = tl.arange(0, PAGE_SIZE)
+        full = start + (end - start) // PAGE_SIZE * PAGE_SIZE
+        for p0 in range(start, full, PAGE_SIZE):
+            kv_row = tl.load(bt_row + p0 // PAGE_SIZE) * PAGE_SIZE
+            p, alpha, m_i, l_i = _scores(q, k_desc.load([kv_row, col]), m_i, l_i, qk_scale, pos, False, DOT_PRECISION)
+            v = v_desc.load([kv_row, col])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        if full < end:
+            kv_row = tl.load(bt_row + full // PAGE_SIZE) * PAGE_SIZE
+            mask_p = full + pos < end
+            p, alpha, m_i, l_i = _scores(q, k_desc.load([kv_row, col]), m_i, l_i, qk_scale, mask_p, True, DOT_PRECISION)
+            v = tl.where(mask_p[:, None], v_desc.load([kv_row, col]), 0.0)  # unused rows may hold NaN
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            if PAGE_LOADS:
+                pages = start_n // PAGE_SIZE + tl.arange(0, PAGES)
+                phys = tl.load(bt_row + pages, mask=pages < n_pages, other=0).to(tl.int64)
+                slots = tl.arange(0, PAGE_SIZE)
+                k_rows = tl.reshape(phys[:, None] * stride_kb + slots[None, :] * stride_ks, [BLOCK_N])
+                v_rows = tl.reshape(phys[:, None] * stride_vb + slots[None, :] * stride_vs, [BLOCK_N])
+            else:
+                page = offs_n // PAGE_SIZE
+                phys = tl.load(bt_row + page, mask=mask_n, other=0).to(tl.int64)
+                slot = offs_n % PAGE_SIZE
+                k_rows = phys * stride_kb + slot * stride_ks
+                v_rows = phys * stride_vb + slot * stride_vs
+            k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            p, alpha, m_i, l_i = _scores(q, k, m_i, l_i, qk_scale, mask_n, True, DOT_PRECISION)
+            v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 
     if SINGLE:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -215,27 +217,21 @@ def _split_item(
             if done == n_split - 1:
                 tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")  # reset for the next call
                 _merge_store(po_base, pm_base, out_ptr, n_split, stride_ob, stride_oh, pid_b, pid_kvh,
-                             GROUP, GP, HEAD_DIM, SPLIT_CHUNK, CG)
+                             GROUP, GP, HEAD_DIM, SPLIT_CHUNK)
 
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-    qk_scale, max_splits, min_tokens, num_kv_heads, batch, n_items,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_btb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, GP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, CG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr,
+    q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh, stride_btb, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr,
+    PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
-    # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head. PERSISTENT:
-    # taken with a plain stride of the grid: the first batch x kv heads items (every sequence's first split)
-    # all hold work, later layers only the longer sequences' splits (a stride over a split-fastest order
-    # would hand programs p = s (mod splits) nothing but split s). Else one item, the program's own.
+    # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head. PERSISTENT: taken with a
+    # plain stride of the grid: the first batch x kv heads items (every sequence's first split) all hold work, later
+    # ones only the longer sequences' splits (a split-fastest order would hand program p only split p mod splits).
     per_layer = batch * num_kv_heads
     if PERSISTENT:
         first, stop, step = tl.program_id(0), n_items, tl.num_programs(0)
@@ -250,20 +246,18 @@ def _split_kernel(
         seq_len = tl.load(seqlens_ptr + pid_b)
         n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
         if pid_s < n_split:
-            _split_item(q_ptr, k_ptr, v_ptr, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
+            _split_item(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
                         qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                         stride_btb, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, SINGLE, FUSED,
-                        SPLIT_CHUNK, CG, DOT_PRECISION)
+                        GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, KV_TMA, SINGLE,
+                        FUSED, SPLIT_CHUNK, DOT_PRECISION)
 
 
 @triton.jit
 def _combine_kernel(
-    seqlens_ptr, out_ptr, po_ptr, pm_ptr,
-    max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    seqlens_ptr, out_ptr, po_ptr, pm_ptr, max_splits, min_tokens, num_kv_heads, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
 ):
     pid_kvh = tl.program_id(0)
     pid_b = tl.program_id(1)
@@ -271,7 +265,7 @@ def _combine_kernel(
     n_split, chunk = _num_splits_of(seq_len, max_splits, min_tokens, BLOCK_N)
     row = (pid_b.to(tl.int64) * num_kv_heads + pid_kvh) * max_splits
     _merge_store(po_ptr + row * (GROUP * HEAD_DIM), pm_ptr + row * (GROUP * 2), out_ptr, n_split,
-                 stride_ob, stride_oh, pid_b, pid_kvh, GROUP, GP, HEAD_DIM, SPLIT_CHUNK, False)
+                 stride_ob, stride_oh, pid_b, pid_kvh, GROUP, GP, HEAD_DIM, SPLIT_CHUNK)
 
 
 def _sm_count(device):
@@ -280,16 +274,20 @@ def _sm_count(device):
     return CPU_SM_COUNT
 
 
-def _fit_stages(device, stages, smem_per_stage, smem_fixed):
-    """Lower the pipelining depth until the K/V ring buffer fits in shared memory."""
-    stages = max(1, int(stages))
-    if device.type != "cuda":
-        return stages
-    props = torch.cuda.get_device_properties(device)
-    budget = int((getattr(props, "shared_memory_per_block_optin", 0) or 101376) * 0.9)
-    while stages > 1 and smem_fixed + stages * smem_per_stage > budget:
-        stages -= 1
-    return stages
+def _launch_fitted(kernel, grid, args, consts, stages, **options):
+    """Launch at the deepest pipelining from `stages` down whose shared memory the device holds: the compiler's own
+    verdict (its OutOfResources before anything launches), remembered per launch specialization."""
+    key = (tuple(consts.items()), tuple(options.items()), stages)
+    depth = _DEPTHS.get(key, max(1, int(stages)))
+    while True:
+        try:
+            kernel[grid](*args, **consts, num_stages=depth, **options)
+            _DEPTHS[key] = depth
+            return
+        except triton.runtime.OutOfResources:
+            if depth == 1:
+                raise
+            depth -= 1
 
 
 def grid_splits(batch, num_kv_heads, table_tokens, device):
@@ -317,9 +315,9 @@ def grid_splits(batch, num_kv_heads, table_tokens, device):
 
 
 def launch_plan(batch, num_kv_heads, splits, device):
-    """(work items, programs launched): items = splits x kv heads x batch (from shapes; the items past a
-    sequence's real splits retire on the device). PERSISTENT 0 launches one program per item;
-    PERSISTENT k > 0 at most SMs x k programs, each looping over the items with the grid's stride."""
+    """(work items, programs launched): items = splits x kv heads x batch (from shapes; the items past a sequence's
+    real splits retire on the device). PERSISTENT 0 launches one program per item; PERSISTENT k > 0 at most SMs x
+    k programs, each looping over the items with the grid's stride."""
     items = splits * num_kv_heads * batch
     if not PERSISTENT:
         return items, items
@@ -327,12 +325,21 @@ def launch_plan(batch, num_kv_heads, splits, device):
 
 
 def register_cap():
-    """RESIDENCY_CAP's maxnreg: the most registers a thread (65,536 an SM, to a multiple of 8) at which the
-    programs the grid counts on per SM are resident (policy 1: PROGRAMS_PER_SM; PERSISTENT k: k); None if
-    off, none is counted on or no cap binds. Uncapped, PAGE_LOADS compiled to 236 and BLOCK_N 128 to 181."""
+    """RESIDENCY_CAP's maxnreg: the most registers a thread (65,536 an SM, to a multiple of 8) at which the programs
+    the grid counts on per SM are resident (policy 1: PROGRAMS_PER_SM; PERSISTENT k: k); None if off, none is
+    counted on or no cap binds. Uncapped, PAGE_LOADS compiled to 236 and BLOCK_N 128 to 181."""
     per_sm = int(PERSISTENT) or (int(PROGRAMS_PER_SM) if SPLIT_POLICY == 1 else 0)
     fit = min(255, 65536 // (max(1, per_sm) * NUM_WARPS * 32) // 8 * 8) if per_sm and RESIDENCY_CAP else 255
     return fit if fit < 255 else None
+
+
+def _page_rows_ok(cache):
+    """KV_TMA's view of a [blocks, page, kv heads, d] cache as [blocks x page, kv heads x d] rows: each page's rows
+    one stride apart, each row's heads contiguous, 16-byte aligned (TMA's rule)."""
+    blocks, page, heads, d = cache.shape
+    return TensorDescriptor is not None and cache.stride(3) == 1 and cache.stride(2) == d \
+        and cache.stride(0) == page * cache.stride(1) and cache.data_ptr() % 16 == 0 \
+        and (cache.stride(1) * cache.element_size()) % 16 == 0
 
 
 def _tickets(device, n):
@@ -346,8 +353,7 @@ def _tickets(device, n):
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     batch, num_q_heads, head_dim = q.shape
     num_blocks, page_size, num_kv_heads, head_dim_k = k_cache.shape
-    assert head_dim_k == head_dim and v_cache.shape == k_cache.shape
-    assert num_q_heads % num_kv_heads == 0
+    assert head_dim_k == head_dim and v_cache.shape == k_cache.shape and num_q_heads % num_kv_heads == 0
     assert head_dim >= 16 and (head_dim & (head_dim - 1)) == 0, "head_dim must be a power of two >= 16"
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and block_table.stride(1) == 1
     group = num_q_heads // num_kv_heads
@@ -362,38 +368,33 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     page_loads = bool(PAGE_LOADS) and page_size <= BLOCK_N and BLOCK_N % page_size == 0 \
         and (page_size & (page_size - 1)) == 0
     fused = bool(FUSED_COMBINE) and not single
+    k_src, v_src = k_cache, v_cache
+    if KV_TMA and BLOCK_N % page_size == 0 and _page_rows_ok(k_cache) and _page_rows_ok(v_cache):
+        k_src, v_src = (TensorDescriptor(c, [num_blocks * page_size, num_kv_heads * head_dim], [c.stride(1), 1],
+                                         [page_size, head_dim]) for c in (k_cache, v_cache))
     if single:
         po = pm = tickets = out
     else:
         po = torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32, device=q.device)
         pm = torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
         tickets = _tickets(q.device, batch * num_kv_heads) if fused else out
-    elem = k_cache.element_size()
-    stages = _fit_stages(q.device, NUM_STAGES, 2 * BLOCK_N * head_dim * elem, block_g * head_dim * elem)
     dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     split_chunk = max(2, min(8, triton.next_power_of_2(splits)))
     items, programs = launch_plan(batch, num_kv_heads, splits, q.device)
     grid = (programs,) if PERSISTENT else (splits, num_kv_heads, batch)
     cap = register_cap()
     limits = {"maxnreg": cap} if cap and q.device.type == "cuda" else {}
-    _split_kernel[grid](
-        q, k_cache, v_cache, block_table, seq_lens, out, po, pm, tickets,
-        float(sm_scale) * _LOG2E, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
-        PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, SINGLE=single, FUSED=fused,
-        SPLIT_CHUNK=split_chunk,
-        CG=q.device.type == "cuda", DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT),
-        num_warps=NUM_WARPS, num_stages=stages, **limits,
-    )
+    args = (q, k_cache, v_cache, k_src, v_src, block_table, seq_lens, out, po, pm, tickets, float(sm_scale) * _LOG2E,
+            splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items, q.stride(0), q.stride(1),
+            *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), out.stride(0), out.stride(1))
+    consts = dict(GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
+                  PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, KV_TMA=k_src is not k_cache,
+                  SINGLE=single, FUSED=fused, SPLIT_CHUNK=split_chunk,
+                  DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT))
+    _launch_fitted(_split_kernel, grid, args, consts, NUM_STAGES, num_warps=NUM_WARPS, **limits)
     if not single and not fused:
         _combine_kernel[(num_kv_heads, batch)](
-            seq_lens, out, po, pm, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads,
-            out.stride(0), out.stride(1),
-            GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLIT_CHUNK=split_chunk,
-            num_warps=4, num_stages=1,
-        )
+            seq_lens, out, po, pm, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, out.stride(0),
+            out.stride(1), GROUP=group, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, SPLIT_CHUNK=split_chunk,
+            num_warps=4, num_stages=1)
     return out

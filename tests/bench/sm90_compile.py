@@ -52,13 +52,15 @@ def compile_split_kernel(mod, batch=32):
     knob = lambda name, default=0: getattr(mod, name, default)  # noqa: E731
     consts = dict(GROUP=4, BLOCK_G=16, GP=4, HEAD_DIM=128, BLOCK_N=block_n, PAGE_SIZE=page,
                   PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
+                  KV_TMA=bool(knob("KV_TMA")) and block_n % page == 0,
                   SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
                   SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
                   BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")),
                   SINGLE_SPLIT=False, **dict.fromkeys(UNIT_STRIDES, 1))
     consts = {k: v for k, v in consts.items() if k in names}
-    sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else "i32")
-           for n in names}
+    desc = f"tensordesc<bf16[{page}, 128]>" if consts.get("KV_TMA") else "*bf16"   # KV_TMA: a page a copy
+    sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else
+                                  desc if n.endswith("_desc") else "i32") for n in names}
     src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
                            if n in POINTERS or (n.startswith("stride_") and n not in consts) or (n == "batch" and batch % 16 == 0)})
