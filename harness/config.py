@@ -330,6 +330,7 @@ class ServedConfig(Strict):
     recorded_shapes: str | None              # a profile JSON whose served_shapes replace the placeholders
     logprobs: int = Field(ge=2, le=20)       # top logprobs the embedded engine serves and the replay client asks for
     stall_ms: float = Field(gt=0)            # a candidate call holding the server's host this long is counted a stall
+    audit_share: float = Field(ge=0, le=1)   # served candidate calls audited as the worker audits every call
     gpu_memory_fraction: float = Field(gt=0, le=1)   # the most an embedded server's allocator may hold (harness/gpu_memory.py)
     gpu_overhead_bytes: int = Field(ge=0)    # what a server needs beside that share (CUDA context, libraries)
     random_init: RandomInit
@@ -390,8 +391,7 @@ def load_config(path: Path | str | None = None) -> Config:
         raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} not valid YAML") from None
+        raise ConfigError(f"{path}:{f' line {mark.line + 1}' if mark else ''} not valid YAML") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level")
     try:

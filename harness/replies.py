@@ -177,6 +177,12 @@ class OpStats(_Strict):
     stalls: Count
     stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
     worst_stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+    # its calls watched as the worker watches every call (harness/served/ops.py): over the server's life
+    audited: Count = 0
+    no_launch: Count = 0                      # calls that launched no Triton kernel
+    audit_madds: Elements = 0.0               # the audited calls' multiply-adds (the torch-work cap's yardstick)
+    op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
+    op_elements: dict[Name, Elements] = Field(default_factory=dict, max_length=1024)
 
 
 class ServedStats(Reply):

@@ -19,6 +19,7 @@ from harness.profile import profile_served
 from harness.served.engine import make_engine, run_requests
 from harness.served.launch import embedded_spec
 from harness.served.model import random_weights
+from harness.probes import Probes
 from harness.served.ops import AttentionOps
 from harness.served.traces import TraceRequest
 from harness.stages.clock_check import burst_ms
@@ -112,6 +113,23 @@ def test_a_candidate_call_is_a_stall_over_stall_ms_and_not_under_it(tmp_path):
         _decode_call(ops)
     assert every.stats()["decode"]["stalls"] == 1 and never.stats()["decode"]["stalls"] == 0
     assert embedded_spec(config_with(**{"served.stall_ms": 7.5}), "cpu", None, tmp_path)["stall_ms"] == 7.5
+
+
+def test_served_calls_are_audited_all_through_the_warm_up_and_at_the_configured_share_after():
+    """AttentionOps in a served process: every candidate call's launches counted; its aten ops audited on every call
+    until serving begins (`audit_all`), then on `audit_share` of the calls (0 and 1 here, so the count is exact)."""
+    candidate = SimpleNamespace(decode=lambda q, *rest: (q * 2.0).clone())      # torch work, no Triton launch
+    ops = AttentionOps(candidate, probes=Probes(), audit_share=0.0)
+    for _ in range(3):
+        _decode_call(ops)
+    ops.audit_all = False
+    for share, calls in ((0.0, 5), (1.0, 4)):
+        ops.audit_share = share
+        for _ in range(calls):
+            _decode_call(ops)
+    books = ops.stats()["decode"]
+    assert (books["audited"], books["no_launch"], books["op_calls"]["mul"]) == (7, 12, 7), books
+    assert books["audit_madds"] == 7 * 2.0 * 1 * 4 * 16 and books["op_elements"]["mul"] == 7 * 64, books
 
 
 def test_the_random_weights_take_the_configured_gains(tmp_path):

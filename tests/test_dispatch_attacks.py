@@ -10,7 +10,7 @@ import pytest
 import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with, runtime_only
 from harness.stages.common import Rejected
-from harness.stages.replay import run_replay
+from harness.stages.replay import run_gates, run_replay
 
 ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
 
@@ -67,6 +67,22 @@ def test_the_interpreter_leaves_no_module_of_its_own_in_a_kernels_module(evaluat
                         until="compile")
     assert v.failed_stage == "compile", v.reason
     assert "NameError" in v.stages[-1].reason and "'inspect' is not defined" in v.stages[-1].reason, v.stages[-1].reason
+
+
+@pytest.mark.parametrize("decoy, words, judged_by", [
+    ("False", "of its calls launched no Triton kernel", run_gates),
+    ("True", "torch ops outside the kernel produce", run_gates),
+    ("True", "torch ops outside the kernel produce", run_replay),
+], ids=["torch-alone-cpu-gates", "torch-beside-a-decoy-launch-cpu-gates", "torch-beside-a-decoy-launch-paired"])
+def test_a_kernel_that_runs_torch_attention_only_where_it_is_served_is_rejected_by_its_served_calls(
+        decoy, words, judged_by):
+    """It tells the served process from parity by the cache it is handed, and passed compile, dispatch, parity and
+    the replay's gates (the tokens are right: it is torch attention). Its served calls are now watched as its calls
+    in the worker are, and held to the same rules: by the CPU's gates-only replay and by the paired one."""
+    source = C.wrap_decode((ADVERSARIAL / "served_only_torch_body.py").read_text().replace("@DECOY@", decoy))
+    with pytest.raises(Rejected) as e:
+        judged_by(config_with(), "cpu", source)
+    assert str(e.value).startswith("decode in the candidate's served process") and words in str(e.value), str(e.value)
 
 
 # -- on the GPU ---------------------------------------------------------------------------------------------

@@ -123,18 +123,17 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
 
 
 def test_a_candidate_call_that_holds_the_host_in_the_window_is_named_in_the_verdict(warm_calls):
-    # torch's decode, fast on the tiny model; one call past the warm-up sleeps as a compile would
-    stalls_once = f"""
+    # the reference decode (its served calls must launch a kernel); one call past the warm-up sleeps as a compile would
+    stalls_once = C.wrap_decode(f"""
 import time
-from harness.targets.attention import decode_baseline
 _calls = [0]
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     _calls[0] += 1
     if _calls[0] == {warm_calls + 3}:
         time.sleep(0.4)
-    return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
-"""
+    return _ref_decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+""")
     outcome = run_gates(CFG, "cpu", stalls_once)
     assert outcome.metrics["candidate_stalls"] >= 1 and outcome.metrics["candidate_stall_ms"] >= 400
     assert "held the host over served.stall_ms in the window" in outcome.reason

@@ -1,11 +1,14 @@
 """What a candidate's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
 for the replay's verdict: the share of its own ops' calls that fell back, the calls that held the host
-in the window, whether it decoded from CUDA graphs. Each gives metrics and words for the reason. The
-process the candidate runs in wrote these figures: the replay validates them (harness/replies.py) before
-they get here, and only the fallbacks decide anything (any at all means no acceptance). Not covered:
-fetching the stats (launch.py) or judging tokens and timings (score.py).
+in the window, whether it decoded from CUDA graphs, and its calls as watched there (`dispatch`). Each gives
+metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
+them (harness/replies.py) before they get here; the fallbacks (any at all means no acceptance) and the watched
+calls (held to the worker's dispatch rules) decide. Not covered: fetching the stats (launch.py) or judging
+tokens and timings (score.py).
 """
 from __future__ import annotations
+
+from harness.stages.common import Rejected, dispatch_rules
 
 
 def fallbacks(stats: dict | None) -> tuple[float, str]:
@@ -24,6 +27,26 @@ def fallbacks(stats: dict | None) -> tuple[float, str]:
         calls, declined = calls + n, declined + fell
         words.append(f"{op}: {fell} of {n} calls fell back" if fell else f"{op}: all {n} calls the candidate's")
     return (declined / calls if calls else float("nan")), "; ".join(words)
+
+
+def dispatch(stats: dict | None, rules) -> dict[str, float]:
+    """The candidate's calls in its served process held to the rules its calls in the worker met (`rules`: config
+    stages.dispatch; harness/stages/common.py `dispatch_rules`): every call launched a Triton kernel, and its
+    audited calls (all of the warm-up and graph captures, a secret share of the served ones) issued no library
+    compute and torch compute within its share. Rejected otherwise; the audited calls per op as metrics."""
+    ops = stats.get("ops") if isinstance(stats, dict) else None
+    metrics = {}
+    for op, s in (ops or {}).items():
+        if not isinstance(s, dict) or not s.get("implemented"):
+            continue
+        where = f"{op} in the candidate's served process"
+        if s.get("no_launch"):
+            raise Rejected(f"{where}: {s['no_launch']} of its calls launched no Triton kernel (every call in parity "
+                           "did): the output is computed elsewhere when served", "library_ops")
+        dispatch_rules(rules, f"{where} ({s.get('audited', 0)} calls audited)", s.get("op_calls") or {},
+                       s.get("op_elements") or {}, float(s.get("audit_madds", 0.0)))
+        metrics[f"served_{op}_audited_calls"] = float(s.get("audited", 0))
+    return metrics
 
 
 def stalls(stats: dict | None) -> tuple[dict[str, float], str]:

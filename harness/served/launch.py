@@ -217,6 +217,7 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
             "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
+            "audit_share": cfg.served.audit_share,
             "gpu_memory_fraction": cfg.served.gpu_memory_fraction,
             "random_init": cfg.served.random_init.model_dump(), "logprobs": cfg.served.logprobs}
 

@@ -9,8 +9,12 @@ baseline runs and the call is counted as a fallback. An op the candidate does no
 head beside it if one is given (counted `other_head`; the head's own `supports` may decline a shape, and
 then the baseline runs), else to the baseline. The counts, and the shapes served, are what the replay and the
 profile read. The candidate's outputs are checked for shape, dtype and device here; their values
-are judged by the replay's gates. This module runs inside the served process, next to the
-candidate: it keeps the books, it does not judge.
+are judged by the replay's gates. With `probes` (harness/probes.py, installed in the served process) each
+candidate call is also watched as the worker's stages watch every call: its Triton launches counted, and its
+aten ops audited (`audits`) on every call of the warm-up and the graph captures (`audit_all`) and on a share
+of the served calls drawn in secret (`audit_share`), since the served process must not be a place where a
+candidate runs otherwise than where parity looked. This module runs inside the served process, next to the
+candidate: it keeps the books, it does not judge (the replay holds the books to the dispatch rules).
 
 Under CUDA graphs (harness/served/graphs.py) the ops run only while a decode step is captured, on
 the bucket's shapes: `supports()` then sees the bucket's batch and the width bucket's max_seq_len
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
+import secrets
 import time
 from collections import Counter
 from pathlib import Path
@@ -46,7 +52,8 @@ def load_candidate(path: Path | str, name: str = "candidate") -> ModuleType:
 
 class AttentionOps:
     def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32", *, target: Target = TARGET,
-                 stall_ms: float = math.inf, other_heads: dict[str, ModuleType] | None = None) -> None:
+                 stall_ms: float = math.inf, other_heads: dict[str, ModuleType] | None = None, probes=None,
+                 audit_share: float = 0.0) -> None:
         """`target`: the attention target with its configured baselines (harness.targets.configured); `stall_ms`:
         a candidate call that holds the host this long (config served.stall_ms; inf: none counted) compiled (a
         shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
@@ -57,6 +64,10 @@ class AttentionOps:
         self.other_heads = {op: (getattr(m, op), getattr(m, "supports", None)) for op, m in (other_heads or {}).items()
                        if op in TARGET.ops and self.impl[op] is None and callable(getattr(m, op, None))}
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
+        self.probes, self.audit_share, self.audit_all = probes, audit_share, True   # audit_all: until served
+        self._draw = random.Random(secrets.randbits(64)).random   # which served calls are audited: no one can know
+        self.audits = {op: {"audited": 0, "no_launch": 0, "audit_madds": 0.0, "op_calls": Counter(),
+                            "op_elements": Counter()} for op in TARGET.ops}   # the server's whole life: never reset
         self.reset()
 
     def reset(self) -> None:
@@ -80,12 +91,29 @@ class AttentionOps:
         self.calls[op]["candidate"] += 1
         return fn
 
-    def _timed(self, op: str, fn, *args):
+    def _timed(self, op: str, madds: float, fn, *args):
+        probes = self.probes
+        watch = probes is not None and (self.audit_all or self._draw() < self.audit_share)
+        launched = probes.launches.total() if probes is not None else 0
+        if watch:
+            calls, elements = Counter(probes.op_calls), Counter(probes.op_elements)
         t = time.perf_counter()
-        out = fn(*args)
+        if watch:
+            with probes.audit():
+                out = fn(*args)
+        else:
+            out = fn(*args)
         ms = (time.perf_counter() - t) * 1e3
         if ms > self.stall_ms:
             self.stalls[op].append(ms)
+        if probes is not None:
+            books = self.audits[op]
+            books["no_launch"] += probes.launches.total() == launched
+            if watch:
+                books["audited"] += 1
+                books["audit_madds"] += madds
+                books["op_calls"].update(probes.op_calls - calls)
+                books["op_elements"].update(probes.op_elements - elements)
         return out
 
     @staticmethod
@@ -106,7 +134,9 @@ class AttentionOps:
             return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
         if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
             return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
-        return self._checked("decode", self._timed("decode", fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
+        madds = 2.0 * sum(lens) * H * D                        # as the target's cost model counts them
+        return self._checked("decode", self._timed("decode", madds, fn, q, k_cache, v_cache, block_table, seq_lens,
+                                                   sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
         T, H, D = q.shape
@@ -118,7 +148,8 @@ class AttentionOps:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
         if fn is not self.impl["prefill"]:
             return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
-        return self._checked("prefill", self._timed("prefill", fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
+        madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D
+        return self._checked("prefill", self._timed("prefill", madds, fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
     def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
         """A CUDA graph replay: the calls per op its capture made, on the real lengths served."""
@@ -136,5 +167,6 @@ class AttentionOps:
             st = self.stalls[op]
             out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
                        "not_implemented": c["not_implemented"], "other_head": c["other_head"], "implemented": self.impl[op] is not None,
-                       "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0)}
+                       "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0),
+                       **{k: dict(v) if isinstance(v, Counter) else v for k, v in self.audits[op].items()}}
         return out

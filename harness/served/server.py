@@ -289,6 +289,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     import torch
     from aiohttp import web
 
+    from harness.probes import Probes
     from harness.served.engine import make_engine, warm_up
     from harness.served.limits import GraphPlan
     from harness.served.ops import TARGET, AttentionOps, load_candidate
@@ -296,15 +297,18 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
         torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), torch.cuda.current_device())
+    probes = Probes()
+    probes.install()                   # before the candidate's code runs: its launches counted, its calls audited
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
     other_heads = {op: load_candidate(path, f"{op}_head") for op, path in spec.get("other_heads", {}).items()}
     ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"],
-                       other_heads=other_heads)
+                       other_heads=other_heads, probes=probes, audit_share=float(spec["audit_share"]))
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
                          root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
+    ops.audit_all = False              # serving from here: a share of the calls audited, drawn in secret
     gc.collect()
     gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
     loop = EngineLoop(engine)

@@ -194,29 +194,33 @@ def candidate_raised(what: str, reply: Reply) -> Rejected:
 def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls: int) -> float:
     """Judge the aten ops the worker saw the candidate issue (inside its Triton launches too) on `calls` calls
     (every call it makes for the candidate is watched, in every stage: a candidate cannot save its library
-    calls for when no check is looking). Rejected for any library compute op, for torch compute beyond
-    `aux_work_fraction` of the calls' multiply-adds, or, where `launches` counts, for a call that launched no
-    Triton kernel. Returns the elements torch compute ops produced."""
-    d = ctx.cfg.stages.dispatch
-    no_library_compute(ctx, where, reply)
-    elements = reply.get("op_elements") or {}
-    plumbing = set(d.plumbing_ops)          # config: ops that move or select memory, no arithmetic
-    compute = {n: e for n, e in elements.items() if n not in plumbing}
-    work = float(sum(compute.values()))
-    if not work <= d.aux_work_fraction * madds * calls:
-        top = ", ".join(f"aten::{n} ({e:.0f} elements)" for n, e in sorted(compute.items(), key=lambda x: -x[1])[:5])
-        raise Rejected(f"{where}: torch ops outside the kernel produce {work:.0f} elements, more than "
-                       f"{d.aux_work_fraction:.0%} of the op's {madds * calls:.0f} multiply-adds: {top}")
-    return work
+    calls for when no check is looking) by `dispatch_rules`. Returns the elements torch compute ops produced."""
+    return dispatch_rules(ctx.cfg.stages.dispatch, where, reply.get("op_calls") or {}, reply.get("op_elements") or {},
+                          madds * calls)
 
 
 def no_library_compute(ctx: EvalContext, where: str, reply: Reply) -> None:
     """Rejected if the worker saw the candidate issue any library compute op (dispatch.forbidden_ops)."""
-    op_calls = reply.get("op_calls") or {}
-    forbidden = sorted(n for n in op_calls if n in set(ctx.cfg.stages.dispatch.forbidden_ops))
+    dispatch_rules(ctx.cfg.stages.dispatch, where, reply.get("op_calls") or {}, {}, float("inf"))
+
+
+def dispatch_rules(d, where: str, op_calls: dict, op_elements: dict, madds: float) -> float:
+    """The rule every watched call of a candidate is held to, in the worker's stages and in its served process
+    (the replay): Rejected for any library compute op (`d.forbidden_ops`, config stages.dispatch), and for torch
+    compute beyond `d.aux_work_fraction` of the calls' `madds` multiply-adds (`d.plumbing_ops` are free). Returns
+    the elements torch compute ops produced."""
+    forbidden = sorted(n for n in op_calls if n in set(d.forbidden_ops))
     if forbidden:
         listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
         raise Rejected(f"{where}: library compute instead of the candidate's kernel: {listed}", "library_ops")
+    plumbing = set(d.plumbing_ops)          # config: ops that move or select memory, no arithmetic
+    compute = {n: e for n, e in op_elements.items() if n not in plumbing}
+    work = float(sum(compute.values()))
+    if not work <= d.aux_work_fraction * madds:
+        top = ", ".join(f"aten::{n} ({e:.0f} elements)" for n, e in sorted(compute.items(), key=lambda x: -x[1])[:5])
+        raise Rejected(f"{where}: torch ops outside the kernel produce {work:.0f} elements, more than "
+                       f"{d.aux_work_fraction:.0%} of the op's {madds:.0f} multiply-adds: {top}")
+    return work
 
 
 def no_launch(where: str) -> Rejected:
@@ -271,5 +275,5 @@ def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "dispatch_rules", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]
