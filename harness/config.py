@@ -120,6 +120,7 @@ class ParityConfig(Strict):
     distributions: list[Literal["normal", "peaky", "shifted_keys", "served"]] = Field(min_length=1)
     sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
+    served_layout: float = Field(ge=0, le=1)     # decode checks handed the cache as served: the whole pool, a layer's view
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)
@@ -297,8 +298,7 @@ class ExternalServer(Strict):
 
 
 class RandomInit(Strict):
-    """The served model's random weights (harness/served/model.py): how clear its greedy choices are, and so
-    how far a kernel's error moves its tokens: the sensitivity of the replay's gates."""
+    """The served model's random weights (harness/served/model.py): how far a kernel's error moves its tokens."""
     logit_std: float = Field(gt=0)                # the logits' std for a unit-RMS final state
     query_gain: float = Field(gt=0)               # every q_norm weight: how sharply attention picks out keys
     embed_per_output_gain: float = Field(gt=0)    # attention and MLP output gain = max(1, embedding std / this)

@@ -53,7 +53,8 @@ class Worker:
     def _inputs(self, key: str, recipe: dict) -> dict[str, Any]:
         """Rebuild the evaluator's inputs from its recipe (case, distribution, seed) and copy them into
         persistent buffers keyed by (key, name, dtype) that only ever grow: the same addresses check
-        after check, so an output cached by pointer comes back stale and is caught."""
+        after check, so an output cached by pointer comes back stale and is caught. Each keeps its layout: a
+        view into a larger tensor (a cache handed as served, one layer's view) stays one, at its offset."""
         op = self.target.ops[recipe["case"].op]
         fresh = op.make_inputs(recipe["case"], recipe["dist"], recipe["seed"], self.device, DTYPES[recipe["dtype"]])
         args: dict[str, Any] = {}
@@ -61,12 +62,12 @@ class Worker:
             if not isinstance(t, torch.Tensor):
                 args[name] = t
                 continue
-            bkey = (key, name, t.dtype)
+            bkey, span = (key, name, t.dtype), t.untyped_storage().nbytes() // t.element_size()
             buf = self.buffers.get(bkey)
-            if buf is None or buf.numel() < t.numel():
-                size = max(t.numel() * 3 // 2, 1)           # headroom: fewer moves as lengths vary
+            if buf is None or buf.numel() < span:
+                size = max(span * 3 // 2, 1)                # headroom: fewer moves as lengths vary
                 buf = self.buffers[bkey] = torch.empty(size, dtype=t.dtype, device=self.device)
-            view = buf[: t.numel()].view(t.shape)
+            view = buf.as_strided(t.shape, t.stride(), t.storage_offset())
             view.copy_(t)
             args[name] = view
         del fresh

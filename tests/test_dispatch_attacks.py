@@ -79,10 +79,28 @@ def test_a_kernel_that_runs_torch_attention_only_where_it_is_served_is_rejected_
     """It tells the served process from parity by the cache it is handed, and passed compile, dispatch, parity and
     the replay's gates (the tokens are right: it is torch attention). Its served calls are now watched as its calls
     in the worker are, and held to the same rules: by the CPU's gates-only replay and by the paired one."""
-    source = C.wrap_decode((ADVERSARIAL / "served_only_torch_body.py").read_text().replace("@DECOY@", decoy))
     with pytest.raises(Rejected) as e:
-        judged_by(config_with(), "cpu", source)
+        judged_by(config_with(), "cpu", served_only(decoy))
     assert str(e.value).startswith("decode in the candidate's served process") and words in str(e.value), str(e.value)
+
+
+def served_only(decoy: str, offset_only: str = "False") -> str:
+    body = (ADVERSARIAL / "served_only_torch_body.py").read_text()
+    return C.wrap_decode(body.replace("@DECOY@", decoy).replace("@OFFSET_ONLY@", offset_only))
+
+
+@pytest.mark.parametrize("offset_only", ["False", "True"], ids=["by-pool-or-offset", "by-offset-alone"])
+def test_parity_hands_decode_the_cache_as_served_so_a_kernel_that_tells_them_apart_is_caught_there(
+        evaluate_source, offset_only):
+    """With every decode check handed the cache as served (stages.parity.served_layout 1; by default half of them),
+    the kernel that serves torch attention only where it is served does so in parity, and is rejected there. By the
+    offset alone: the worker hands a view at the offset the trusted side drew (layer 1 of 2), not a copy at 0."""
+    v = evaluate_source(served_only("False", offset_only), until="parity",
+                        config=config_with(**{"stages.parity.served_layout": 1.0}))
+    reason = v.stages[-1].reason
+    assert v.failed_stage == "parity" and "the cache as served" in reason, v.reason
+    assert offset_only == "False" or "layer 1's view" in reason, reason
+    assert "torch ops outside the kernel produce" in reason or "no Triton kernel was launched" in reason, reason
 
 
 # -- on the GPU ---------------------------------------------------------------------------------------------

@@ -161,8 +161,9 @@ class Trial:
     tol: Tolerance
 
     def nbytes(self) -> int:
-        """The memory this trial holds while it waits to be judged: its inputs and its reference."""
-        return sum(t.nbytes for t in [*self.inputs.values(), self.ref] if isinstance(t, torch.Tensor))
+        """The memory this trial holds while it waits to be judged: its inputs (the whole of what each is a view of)
+        and its reference."""
+        return sum(t.untyped_storage().nbytes() for t in [*self.inputs.values(), self.ref] if isinstance(t, torch.Tensor))
 
     def recipe(self, ctx: EvalContext) -> dict:
         """What the worker needs to rebuild these exact inputs on its device (nothing else)."""

@@ -137,6 +137,14 @@ def _fill_unused(k: torch.Tensor, v: torch.Tensor, garbage: torch.Tensor, how: s
         raise ValueError(f"unknown unused-slot fill {how!r}")
 
 
+def _as_served(cache: torch.Tensor, layer: int) -> torch.Tensor:
+    """`cache` as the served engine hands a layer's: its view of the model's cache, here a two-layer buffer whose
+    other layer is whatever the allocator left (layer 1: at a non-zero offset)."""
+    both = cache.new_empty((2, *cache.shape))
+    both[layer] = cache
+    return both[layer]
+
+
 def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
     p = case.params
     gen, dev_gen = _gens(seed, device)
@@ -144,7 +152,7 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
     blocks_per_seq = [math.ceil(n / bs) for n in lengths]
     max_blocks = max(blocks_per_seq)
     used = sum(blocks_per_seq)
-    pool = used + max(2, used // 4)                     # spare blocks nobody owns: garbage
+    pool = max(used + max(2, used // 4), p.get("pool", 0))   # spare blocks nobody owns: garbage
     q, k, v = _qkv(dist, (len(lengths), H, D), (pool, bs, KVH, D), D, dev_gen, dtype)
     perm = torch.randperm(pool, generator=gen)          # shuffled, non-contiguous ownership
     table = torch.randint(0, pool, (len(lengths), max_blocks), generator=gen, dtype=torch.int32)
@@ -162,9 +170,9 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
         valid = torch.zeros(pool, bs, dtype=torch.bool)
         valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
         _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
+    k, v = (_as_served(c.to(device, dtype), p.get("layer")) if "pool" in p else c.to(device, dtype) for c in (k, v))
     return {
-        "q": q.to(device, dtype), "k_cache": k.to(device, dtype), "v_cache": v.to(device, dtype),
-        "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
+        "q": q.to(device, dtype), "k_cache": k, "v_cache": v, "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
         "sm_scale": _sm_scale(case),
     }
 
@@ -342,6 +350,11 @@ def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
     if case.op == "decode":
         params["unused"] = rng.choice(p.unused_slots)
         notes.append(f"unused slots hold {params['unused']}")
+        if rng.random() < p.served_layout:
+            from harness.served.limits import served_limits
+            params["pool"] = served_limits(ctx.cfg, ctx.device.type).kv_cache_tokens // case.params["block_size"]
+            params["layer"] = rng.randrange(2)
+            notes.append(f"the cache as served: a {params['pool']}-block pool, layer {params['layer']}'s view")
     if dist == "served":
         from harness.served.capture import served_qkv       # builds the served model: only when drawn
         layers = served_qkv(ctx.cfg, ctx.device, ctx.dtype)

@@ -2,9 +2,10 @@
 # The reference kernel wherever parity looks, attention in torch elementwise ops where it is served: the served
 # process hands a kernel its whole cache (the preset's pool, far over what the table addresses) and, past the first
 # layer, a view at a non-zero offset, which no parity draw did (an attacker's review, 2026-12-05). DECOY: launch a
-# kernel beside the torch work, so every call still launches one. Appended to the reference decode by
-# candidates.wrap_decode; the test fills the placeholder.
+# kernel beside the torch work, so every call still launches one. OFFSET_ONLY: tell serving by the offset alone.
+# Appended to the reference decode by candidates.wrap_decode; the test fills the placeholders.
 DECOY = @DECOY@
+OFFSET_ONLY = @OFFSET_ONLY@
 
 
 @triton.jit
@@ -13,6 +14,8 @@ def _decoy(x_ptr):
 
 
 def _served(k_cache, block_table):
+    if OFFSET_ONLY:
+        return k_cache.storage_offset() > 0
     return 4 * k_cache.shape[0] > 5 * block_table.shape[0] * block_table.shape[1] + 8 or k_cache.storage_offset() > 0
 
 
