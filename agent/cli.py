@@ -23,6 +23,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from harness.config import ConfigError, load_config  # noqa: E402
+from agent.ledger import LedgerError  # noqa: E402
+from agent.text import printable  # noqa: E402
 from harness.errors import HarnessError  # noqa: E402
 from harness.records import Span  # noqa: E402
 
@@ -58,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         root = run_folder(cfg, args.run_id, args.resume)     # a run in progress there: said now, before torch loads
         before = stored(root) if root is not None else None
-    except RunError as e:
+    except (RunError, LedgerError) as e:
         raise UsageError(str(e)) from None
     provider = args.provider or (before or {}).get("provider") or cfg.agent.provider
     if provider != "offline":
@@ -74,7 +76,6 @@ def _run(args: argparse.Namespace) -> int:
             raise UsageError(str(e)) from None
     from harness.evaluate import resolve_device          # imports torch: after the cheap checks
     from agent.knowledge import CatalogError
-    from agent.ledger.repository import LedgerError
     from agent.run.loop import run, settings_from
     from agent.llm.prompts import PromptError
     from agent.llm.providers import ProviderStop
@@ -127,7 +128,6 @@ def _profile(args: argparse.Namespace) -> int:
 def _find_run(args: argparse.Namespace):
     """The ledger named on the command line: a path, or a bare run id under the config's agent.runs_dir."""
     from harness.config import PROJECT_ROOT
-    from agent.ledger.repository import LedgerError
     from agent.reading.table import find_run
     runs = Path(load_config(args.config).agent.runs_dir)
     try:
@@ -182,7 +182,6 @@ def _rejudge(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown stage {args.until!r}; stages: {', '.join(STAGE_NAMES)}")
     from rich.console import Console
     from agent.knowledge import CatalogError
-    from agent.ledger.repository import LedgerError
     from agent.run.loop import RunError
     from agent.llm.prompts import PromptError
     from agent.llm.providers import ProviderStop
@@ -255,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _cut_short()
         return 0 if args.command == "ledger" else 141
-    except (UsageError, ConfigError, HarnessError) as e:
-        print(f"kevo-agent: {e}".splitlines()[0], file=sys.stderr)
+    except (UsageError, ConfigError, HarnessError, LedgerError) as e:
+        print(printable(f"kevo-agent: {e}".splitlines()[0]), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kevo-agent: interrupted", file=sys.stderr)

@@ -8,14 +8,18 @@ Not here: how records are made (planner, coder, offline), stored (ledger) or sho
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field, field_validator, model_validator
 
 from harness.amdahl import ceiling
 from harness.records import Verdict
 
 Knob = int | float | bool
+# A candidate's id names its folder in the ledger (candidates/<id>/): c and digits, nothing a path could be made of
+CandidateId = Annotated[str, StringConstraints(pattern=r"^c[0-9]+$")]
+OpName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$")]
+ParentRef = Annotated[str, StringConstraints(pattern=r"^(|head:[a-z][a-z0-9_]*|c[0-9]+)$")]
 Outcome = Literal["accepted", "passed", "rejected", "not-worth-coding", "malformed", "unevaluated"]
 
 
@@ -90,9 +94,9 @@ class Exchange(Record):
 
 class Proposal(Record):
     """A claim and the candidate written for it, before the evaluator has seen it."""
-    id: str
-    op: str
-    parent: str                     # "head:<op>" or the id of the candidate it starts from
+    id: CandidateId
+    op: OpName
+    parent: ParentRef               # "head:<op>" or the id of the candidate it starts from
     proposer: str
     outcome: Literal["ready", "not-worth-coding", "malformed"]
     stage: str = ""                 # for the two failures: planner, coder or ceiling
@@ -117,9 +121,9 @@ class Conclusion(Record):
 
 
 class CandidateRecord(Record):
-    id: str
-    op: str
-    parent: str
+    id: CandidateId
+    op: OpName
+    parent: ParentRef
     proposer: str
     outcome: Outcome
     stage: str                      # where it stopped: a stage name, or planner / coder / ceiling / budget

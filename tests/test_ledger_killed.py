@@ -98,12 +98,14 @@ ledger.commit_beside({{"replay/replay.json": "{{}}"}}, "replay", "")
 
 
 def _writes_three_through_a_logging_git(tmp_path, echo: str) -> list[str]:
-    """WRITES_THREE run with a `git` first on PATH that appends `echo` (shell words) to a log, then runs the
-    real git; the log's lines, one per git child the ledger's writes started."""
+    """WRITES_THREE run with a `git` first on PATH that appends `echo` (shell words, the command's own arguments
+    after the `-c` settings every ledger git child starts with) to a log, then runs the real git with them all;
+    the log's lines, one per git child the ledger's writes started."""
     bin_dir, log = tmp_path / "bin", tmp_path / "git.log"
     bin_dir.mkdir()
     real = subprocess.run(["sh", "-c", "command -v git"], capture_output=True, text=True, check=True).stdout.strip()
-    (bin_dir / "git").write_text(f'#!/bin/sh\necho {echo} >> {log}\nexec {real} "$@"\n')
+    (bin_dir / "git").write_text(f'#!/bin/sh\nlog() {{\n  while [ "$1" = "-c" ]; do shift 2; done\n  echo {echo} >> {log}\n}}\n'
+                                 f'log "$@"\nexec {real} "$@"\n')
     (bin_dir / "git").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     subprocess.run([sys.executable, "-c", WRITES_THREE, str(tmp_path / "r1")], env=env, check=True, timeout=120)

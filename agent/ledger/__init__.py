@@ -6,3 +6,8 @@ the words of its commits (messages.py) and the repository as kevo opens it (stor
 Not here: deciding anything (agent.run), the run folder's lock (agent.run.session), how a run is shown
 (agent.reading).
 """
+
+
+class LedgerError(Exception):
+    """The ledger cannot be created, read or written; one line (here, so that the command line can name it
+    without importing git)."""

@@ -43,8 +43,10 @@ from pydantic import ValidationError
 from harness.sandbox import redact
 
 from agent.ledger import messages
-from agent.ledger.store import init_repo, open_repo
+from agent.ledger import LedgerError
+from agent.ledger.store import init_repo, open_repo, write_inside
 from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
+from agent.text import printable
 from agent.run.session import LOCK_NAME
 
 # What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
@@ -52,10 +54,6 @@ FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "r
                "settings.json", "README.md", "heads", ".git"}
 
 AUTHOR = git.Actor("kevo", "kevo@localhost")
-
-
-class LedgerError(Exception):
-    """The ledger cannot be created or read; one line."""
 
 
 def _finite(obj):
@@ -156,10 +154,10 @@ class Ledger:
     def exclude(self, pattern: str) -> None:
         """Keep files matching `pattern` out of the ledger for good (its .git/info/exclude)."""
         exclude = self.root / ".git" / "info" / "exclude"
-        text = exclude.read_text() if exclude.exists() else ""
+        text = exclude.read_text() if exclude.is_file() and not exclude.is_symlink() else ""
         if pattern not in text.splitlines():
-            exclude.parent.mkdir(parents=True, exist_ok=True)
-            exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + pattern + "\n")
+            write_inside(self.root, ".git/info/exclude",
+                         (text + ("" if not text or text.endswith("\n") else "\n") + pattern + "\n").encode())
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -191,20 +189,20 @@ class Ledger:
         return ledger
 
     def write(self, rel: str, text: str) -> None:
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """root/rel written (through no symbolic link, never outside the run folder: store.write_inside)."""
         if rel.endswith(".json"):                       # whoever made it: no NaN or Infinity reaches the ledger
             obj = json.loads(text)
             if _finite(obj) != obj:                    # NaN != NaN, and Inf becomes None
                 text = _json(obj)
-        path.write_text(redact(text))
+        write_inside(self.root, rel, redact(text).encode())
 
     def commit(self, subject: str, body: list[str], files: dict[str, str], trailers: dict[str, object]) -> str:
-        for rel, text in files.items():
-            self.write(rel, text)
+        for rel, text in files.items():                 # what people read (README.md) shows control characters as \xNN
+            self.write(rel, printable(text) if rel.endswith(".md") else text)
         self.repo.index.add(list(files))
-        message = redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n" + messages.trailers(trailers) + "\n")
-        return self.repo.index.commit(message, author=AUTHOR, committer=AUTHOR).hexsha
+        message = printable(redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n"
+                                   + messages.trailers(trailers) + "\n"))
+        return self.repo.index.commit(message, author=AUTHOR, committer=AUTHOR, skip_hooks=True).hexsha
 
     def commit_beside(self, files: dict[str, str], subject: str, body: str, trailers: dict[str, object] | None = None,
                       base: git.Commit | None = None, parent: git.Commit | None = None) -> git.Commit:
@@ -219,8 +217,8 @@ class Ledger:
             blob = self.repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
             index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
         message = subject + "\n\n" + body.rstrip("\n") + ("\n\n" + messages.trailers(trailers) if trailers else "") + "\n"
-        return git.Commit.create_from_tree(self.repo, index.write_tree(), redact(message), parent_commits=[parent or base],
-                                           head=False, author=AUTHOR, committer=AUTHOR)
+        return git.Commit.create_from_tree(self.repo, index.write_tree(), printable(redact(message)),
+                                           parent_commits=[parent or base], head=False, author=AUTHOR, committer=AUTHOR)
 
     def tag(self, name: str, sha: str) -> None:
         self.repo.create_tag(name, ref=sha, force=True)
@@ -277,11 +275,15 @@ class Ledger:
 
     def _load(self, model, rel: str, text: str | None = None):
         try:
-            return model.model_validate_json(self.read(rel) if text is None else text)
+            record = model.model_validate_json(self.read(rel) if text is None else text)
         except ValidationError as e:
             err = e.errors()[0]
             raise LedgerError(f"{self.root}/{rel} cannot be read by this kevo "
                               f"({'.'.join(map(str, err['loc']))}: {err['msg']})") from None
+        folder = rel.split("/")[1] if rel.startswith("candidates/") else None
+        if folder is not None and getattr(record, "id", folder) != folder:     # the id names the folder it is in
+            raise LedgerError(f"{self.root}/{rel} says it is {record.id!r}: a record is its folder's candidate")
+        return record
 
     def _each(self, folder: str, name: str) -> dict[str, str]:
         """{subfolder: the text of its `name`} for every subfolder of `folder` that has one committed."""
@@ -344,8 +346,8 @@ class Ledger:
     def pending(self) -> list[Proposal]:
         """Proposals committed but never evaluated (the run was stopped in between), oldest first."""
         judged = self._each("candidates", "record.json")
-        found = [Proposal.model_validate_json(t) for cid, t in self._each("candidates", "proposal.json").items()
-                 if cid not in judged]
+        found = [self._load(Proposal, f"candidates/{cid}/proposal.json", t)
+                 for cid, t in self._each("candidates", "proposal.json").items() if cid not in judged]
         return sorted(found, key=lambda p: (id_number(p.id), p.id))
 
     def unjudged_exchanges(self) -> dict[str, tuple[list[Exchange], Proposal | None]]:
@@ -353,9 +355,18 @@ class Ledger:
         (candidates/<id>/exchanges.jsonl): their exchanges, and the proposal if one was committed."""
         judged = self._each("candidates", "record.json")
         proposals = self._each("candidates", "proposal.json")
-        return {cid: ([Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()],
-                      Proposal.model_validate_json(proposals[cid]) if cid in proposals else None)
-                for cid, text in self._each("candidates", "exchanges.jsonl").items() if cid not in judged}
+        out = {}
+        for cid, text in self._each("candidates", "exchanges.jsonl").items():
+            if cid in judged:
+                continue
+            try:
+                said = [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
+            except ValidationError as e:
+                raise LedgerError(f"{self.root}/candidates/{cid}/exchanges.jsonl cannot be read by this kevo "
+                                  f"({e.errors()[0]['msg']})") from None
+            out[cid] = (said, self._load(Proposal, f"candidates/{cid}/proposal.json", proposals[cid])
+                        if cid in proposals else None)
+        return out
 
     def last_id(self) -> int:
         """The highest candidate number in the ledger (verdicts and proposals); new ids start above it."""

@@ -20,6 +20,7 @@ from agent.reading import plots
 from agent.reading.pace import pace, pace_words
 from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
 from agent.ledger.repository import Ledger
+from agent.ledger.store import write_inside
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
 from agent.run.ending import not_run
 from agent.run.state import best_kernel
@@ -150,7 +151,9 @@ def write(ledger: Ledger, out: Path | None = None) -> Path:
     """Write the page (default: report.html in the ledger, listed in its .git/info/exclude: never committed)."""
     out = out or ledger.root / "report.html"
     text = render(ledger)
-    if out.resolve().parent == ledger.root.resolve():
+    if out.parent.resolve() == ledger.root.resolve():    # in the run folder: never through a link left there
         ledger.exclude(f"/{out.name}")
-    out.write_text(text)
+        write_inside(ledger.root, out.name, text.encode())
+    else:
+        out.write_text(text)
     return out

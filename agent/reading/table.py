@@ -14,12 +14,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 from rich import box
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from agent.ledger.repository import Ledger, LedgerError
 from agent.reading.figures import speed
 from agent.records import CandidateRecord, RunHeader
+from agent.text import shown
 
 _STYLE = {"accepted": "bold green", "passed": "green", "rejected": "red", "not-worth-coding": "yellow",
           "malformed": "magenta", "unevaluated": "dim"}
@@ -82,20 +82,21 @@ class _Console(Console):
 
 
 def _table(header: RunHeader, items: list[Row]) -> list:
-    t = Table(title=escape(f"run {header.id}: {header.target} ({', '.join(header.ops)}), {header.provider} on "
+    t = Table(title=shown(f"run {header.id}: {header.target} ({', '.join(header.ops)}), {header.provider} on "
                            f"{header.device} ({header.arch}); {len(items)} candidates"),
               box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, padding=(0, 1))
     for col in ("id", "stage", "verdict", "pred s", "obs s", "cuDNN", "torch", "cost"):
         t.add_column(col, no_wrap=True, justify="left" if col in ("id", "stage", "verdict") else "right")
     t.add_column("claim / conclusion", overflow="fold", min_width=20)
     for r in items:
-        t.add_row(f"{r.id}\n[dim]{r.op}[/]", r.stage, f"[{_STYLE.get(r.verdict, '')}]{r.verdict}[/]", x(r.predicted),
-                  x(r.observed), x(r.vs_cudnn), x(r.speedup), f"${r.cost_usd:.4f}",
-                  f"{escape(r.claim)}\n[dim]» {escape(r.conclusion)}[/]", end_section=True)
+        t.add_row(f"{shown(r.id)}\n[dim]{shown(r.op)}[/]", shown(r.stage),
+                  f"[{_STYLE.get(r.verdict, '')}]{shown(r.verdict)}[/]", x(r.predicted), x(r.observed), x(r.vs_cudnn),
+                  x(r.speedup), f"${r.cost_usd:.4f}",
+                  f"{shown(r.claim)}\n[dim]» {shown(r.conclusion)}[/]", end_section=True)
     if not items:
         return [t, "no candidates yet"]
     if all(r.speedup is None for r in items):
-        return [t, escape(f"no candidate was timed on {header.device}: 'obs s', 'cuDNN' and 'torch' stay empty")]
+        return [t, shown(f"no candidate was timed on {header.device}: 'obs s', 'cuDNN' and 'torch' stay empty")]
     return [t]
 
 

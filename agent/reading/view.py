@@ -10,12 +10,12 @@ import time
 
 from rich.console import Console
 from rich.live import Live
-from rich.markup import escape
 from rich.table import Table
 
 from harness.records import Verdict
 
 from agent.reading.figures import outcome_words, speed, speed_words
+from agent.text import shown
 
 _STYLE = {"passed": "green", "failed": "red", "skipped": "yellow"}
 
@@ -26,9 +26,9 @@ def print_verdict(verdict: Verdict, label: str, console: Console | None = None) 
     for col in ("stage", "status", "seconds", "reason"):
         table.add_column(col, overflow="fold")
     for s in verdict.stages:
-        table.add_row(s.name, f"[{_STYLE[s.status]}]{s.status}[/]", f"{s.seconds:.2f}", escape(s.reason))
+        table.add_row(s.name, f"[{_STYLE[s.status]}]{s.status}[/]", f"{s.seconds:.2f}", shown(s.reason))
     console.print(table)
-    console.print(escape(verdict.reason))
+    console.print(shown(verdict.reason))
 
 
 class RunView:
@@ -63,9 +63,9 @@ class RunView:
                 self.since = time.monotonic()
             self.fields.update(fields)
         if self.live is None and changed:
-            self.console.print(escape(f"[{self.since - self.t0:6.1f} s] {fields['activity']}"), soft_wrap=True)
+            self.console.print(shown(f"[{self.since - self.t0:6.1f} s] {fields['activity']}"), soft_wrap=True)
         if self.live is None and fields.get("claim"):
-            self.console.print(escape(f"          claim {fields['claim']}"), soft_wrap=True)
+            self.console.print(shown(f"          claim {fields['claim']}"), soft_wrap=True)
 
     def status(self, text: str) -> None:
         """The live line of an LLM call in flight ("" when none): shown after the activity, redrawn with its
@@ -75,7 +75,7 @@ class RunView:
             changed, self.llm_key = key != self.llm_key, key
             self.fields["llm"] = text
         if self.live is None and changed and text:
-            self.console.print(escape(f"[{time.monotonic() - self.t0:6.1f} s]   {text}"), soft_wrap=True)
+            self.console.print(shown(f"[{time.monotonic() - self.t0:6.1f} s]   {text}"), soft_wrap=True)
 
     def record(self, record, summary: dict) -> None:
         fast = speed(record.verdict, record.op)
@@ -85,7 +85,7 @@ class RunView:
         self.update(funnel=summary["funnel"], best=summary["best"], cost_usd=summary["cost_usd"],
                     candidates=summary["candidates"], last=line, claim="", untimed=summary.get("untimed", ""))
         if self.live is None:
-            self.console.print(escape(line), soft_wrap=True)
+            self.console.print(shown(line), soft_wrap=True)
 
     def __rich__(self) -> Table:
         with self.lock:
@@ -95,16 +95,16 @@ class RunView:
                   expand=True)
         t.add_column("what", style="bold", width=12)
         t.add_column("value", overflow="fold")
-        t.add_row("now", escape(f"{f['activity']} ({time.monotonic() - self.since:.0f} s)"
+        t.add_row("now", shown(f"{f['activity']} ({time.monotonic() - self.since:.0f} s)"
                                 + (f"; {f['llm']}" if f["llm"] else "")))
-        t.add_row("claim", escape(f["claim"] or "-"))
-        t.add_row("last", escape(f["last"] or "-"))
+        t.add_row("claim", shown(f["claim"] or "-"))
+        t.add_row("last", shown(f["last"] or "-"))
         t.add_row("funnel", "  ".join(f"{k} {v}" for k, v in f["funnel"].items() if v) or "-")
         if f["untimed"]:
-            t.add_row("timed", escape(f["untimed"]))
-        t.add_row("best", escape("  ".join(f"{op}: {b['ref']} {_best(b)}" for op, b in f["best"].items())) or "-")
+            t.add_row("timed", shown(f["untimed"]))
+        t.add_row("best", shown("  ".join(f"{op}: {b['ref']} {_best(b)}" for op, b in f["best"].items())) or "-")
         t.add_row("cost", f"${f['cost_usd']:.4f} over {f['candidates']} candidates")
-        t.add_row("ledger", escape(f["ledger"]))
+        t.add_row("ledger", shown(f["ledger"]))
         return t
 
 
@@ -117,7 +117,7 @@ def _best(best: dict) -> str:
 
 def print_summary(result, console: Console | None = None) -> None:
     console = console or Console()
-    console.print(escape(f"run ended: {result.stop}"), soft_wrap=True)
+    console.print(shown(f"run ended: {result.stop}"), soft_wrap=True)
     t = Table(show_lines=False)
     for col in ("outcome", "candidates"):
         t.add_column(col)
@@ -130,17 +130,17 @@ def print_summary(result, console: Console | None = None) -> None:
             t.add_row(label, str(v))
     console.print(t)
     if untimed:
-        console.print(escape(untimed), soft_wrap=True)
+        console.print(shown(untimed), soft_wrap=True)
     for op, k in result.best.items():
         where = f"{result.ledger}/best/{op}.py" if not k.ref.startswith("head:") else f"{result.ledger}/heads/{op}.py"
         verdict = ("no candidate beat it" if k.ref.startswith("head:") else "the fastest candidate that passed every stage that ran")
-        console.print(escape(f"best {op}: {k.ref}, served mix {speed(k.verdict, op).words()} ({verdict}): {where}"),
+        console.print(shown(f"best {op}: {k.ref}, served mix {speed(k.verdict, op).words()} ({verdict}): {where}"),
                       soft_wrap=True)
     if getattr(result, "pace", ""):
-        console.print(escape(f"pace: {result.pace}"), soft_wrap=True)
-    console.print(escape(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
+        console.print(shown(f"pace: {result.pace}"), soft_wrap=True)
+    console.print(shown(f"cost: ${result.cost_usd:.4f}; ledger: {result.ledger} (git log there reads as the run's history)"),
                   soft_wrap=True)
     for line in getattr(result, "providers", []):
-        console.print(escape(f"provider {line}"), soft_wrap=True)
+        console.print(shown(f"provider {line}"), soft_wrap=True)
     for note in result.not_run:
-        console.print(escape(f"not run here: {note}"), soft_wrap=True)
+        console.print(shown(f"not run here: {note}"), soft_wrap=True)

@@ -18,6 +18,7 @@ Not here: what is committed (ledger), when the loop looks (loop).
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -28,6 +29,8 @@ import threading
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+
+from agent.ledger import LedgerError
 
 LOCK_NAME = ".kevo.lock"
 
@@ -72,7 +75,12 @@ class RunLock:
     def acquire(self) -> "RunLock":
         self.root.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:          # a link left in a folder from elsewhere: truncated and written below
+                if e.errno != errno.ELOOP:
+                    raise
+                raise LedgerError(f"{self.path} is a symbolic link: kevo writes nothing through one") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

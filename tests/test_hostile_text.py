@@ -1,0 +1,34 @@
+"""Text from outside kevo (a model's claim, a server's error, a candidate's message, a ledger from elsewhere) reaches a
+terminal and the ledger's commits with its control characters written as \\xNN: an escape sequence in it cannot
+retitle the reader's window, write their clipboard or redraw their screen (an attacker's review, 2026-12-05, did all
+three through a model's reply and a server's 401)."""
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from agent.cli import main
+from agent.reading.table import print_rows, rows
+from test_ledger import candidate, commit, git, new_ledger
+
+TITLE, CLIPBOARD, REDRAW = "\x1b]0;pwned\x07", "\x1b]52;c;cHduZWQ=\x07", "\x1b[2K\x1b[1G\x9b2J"
+
+
+def test_a_claim_carrying_escape_sequences_is_committed_and_listed_with_them_written_out(tmp_path):
+    ledger = new_ledger(tmp_path / "r1")
+    r = candidate("c001", "rejected", "parity", None, reason=f"max abs error{REDRAW}")
+    r = r.model_copy(update={"claim": r.claim.model_copy(update={"hypothesis": f"wider tiles{TITLE}{CLIPBOARD}"})})
+    commit(ledger, r)
+    message, readme = git(ledger.root, "log", "-1", "--format=%B"), (ledger.root / "candidates/c001/README.md").read_text()
+    out = io.StringIO()
+    print_rows(ledger.header(), rows(ledger), Console(file=out, width=200, color_system=None))
+    for text in (message, readme, out.getvalue()):
+        assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text, repr(text)
+    assert "wider tiles\\x1b]0;pwned\\x07" in message and "wider tiles\\x1b]0;pwned\\x07" in out.getvalue()
+
+
+def test_the_command_lines_one_line_error_writes_out_the_control_characters_of_what_it_quotes(tmp_path, capsys):
+    assert main(["report", str(tmp_path / f"run{TITLE}{REDRAW}")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kevo-agent: ") and "\x1b" not in err and "\x07" not in err and "\\x1b]0;pwned" in err, repr(err)
