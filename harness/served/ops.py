@@ -134,7 +134,7 @@ class AttentionOps:
             return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
         if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
             return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
-        madds = 2.0 * sum(lens) * H * D                        # as the target's cost model counts them
+        madds = 2.0 * sum(lens) * H * D     # the target's cost model (decode_cost), from host lengths: no device read
         return self._checked("decode", self._timed("decode", madds, fn, q, k_cache, v_cache, block_table, seq_lens,
                                                    sm_scale), q)
 
@@ -148,7 +148,7 @@ class AttentionOps:
             return fn(q, k, v, cu_seqlens, max_seqlen, sm_scale, bounds=[0, *itertools.accumulate(lens)])
         if fn is not self.impl["prefill"]:
             return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
-        madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D
+        madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D     # as prefill_cost counts them, from host lengths
         return self._checked("prefill", self._timed("prefill", madds, fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
 
     def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
