@@ -45,9 +45,8 @@ class WorkerConfig(Strict):
     @field_validator("env_passthrough")
     @classmethod
     def _no_secrets(cls, names: list[str]) -> list[str]:
-        for name in names:
-            if SECRET_NAME.search(name):
-                raise ValueError(f"{name} looks like a secret and may not reach a candidate")
+        for name in filter(SECRET_NAME.search, names):
+            raise ValueError(f"{name} looks like a secret and may not reach a candidate")
         return names
 
 
@@ -121,6 +120,7 @@ class ParityConfig(Strict):
     sm_scale: tuple[float, float]                # per check, a factor of 1/sqrt(head_dim) drawn log-uniformly from [lo, hi]
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
     served_layout: float = Field(ge=0, le=1)     # decode checks handed the cache as served: the whole pool, a layer's view
+    batch_drawn: float = Field(ge=0, le=1)       # served-shape checks at a batch drawn from 1..max_running + 1
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)

@@ -110,6 +110,7 @@ class Called(Reply):
     op_elements: dict[Name, Elements] = Field(max_length=1024)
     op_calls: dict[Name, Count] = Field(max_length=1024)
     inputs_modified: list[Name] = Field(max_length=16)
+    unlaunched: Count = 0                      # calls of the request that launched no Triton kernel
     seconds: dict[Name, Seconds] = Field(max_length=64)
 
 

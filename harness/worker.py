@@ -134,8 +134,9 @@ class Worker:
         self.probes.reset()
         outs: dict[str, torch.Tensor] = {}
         seconds = {"inputs_s": time.perf_counter() - t0}
+        unlaunched = 0
         for i in range(repeat):
-            t0 = time.perf_counter()
+            t0, launched = time.perf_counter(), self.probes.launches.total()
             self._poison(out_shape, DTYPES[msg["inputs"]["dtype"]])
             if mode == "ablate":
                 with self.probes.ablated():
@@ -145,6 +146,7 @@ class Worker:
             else:
                 out = self._call(self._fn(msg["impl"], op, args), op, args)
             self._sync()
+            unlaunched += self.probes.launches.total() == launched
             outs[f"out{i}"] = out
             seconds[f"call{i}_s"] = time.perf_counter() - t0
         for key in msg.get("recheck", ()):            # earlier outputs as they are now: no later call may change them
@@ -157,7 +159,7 @@ class Worker:
         modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
-                "inputs_modified": modified, "seconds": seconds}
+                "inputs_modified": modified, "unlaunched": unlaunched, "seconds": seconds}
 
     def warm(self, msg: dict) -> dict:
         """Compile the candidate's kernels for every call in `calls` (each a recipe: the shape classes parity

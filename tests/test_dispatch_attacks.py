@@ -103,6 +103,20 @@ def test_parity_hands_decode_the_cache_as_served_so_a_kernel_that_tells_them_apa
     assert "torch ops outside the kernel produce" in reason or "no Triton kernel was launched" in reason, reason
 
 
+def test_a_kernel_wrong_only_at_batches_no_fixed_shape_had_is_caught_at_a_drawn_batch(evaluate_source):
+    """Every served-shape check at a drawn batch here (stages.parity.batch_drawn 1, six checks a shape; by default
+    half of them, two a shape): 12 draws from 1..17 miss the band 6-15 with odds of 2e-5."""
+    cfg = config_with(**{"stages.parity.batch_drawn": 1.0, "stages.parity.checks_per_shape": 6})
+    v = evaluate_source(attack("batch_band"), until="parity", config=cfg)
+    assert v.failed_stage == "parity" and " drawn, " in v.stages[-1].reason, v.reason
+
+
+def test_a_call_answered_from_a_cache_launching_nothing_is_rejected_though_the_request_launched_enough(
+        evaluate_source):
+    v = evaluate_source(attack("repeat_from_cache"), until="parity")
+    assert v.failed_stage in ("dispatch", "parity") and "no Triton kernel was launched" in v.stages[-1].reason, v.reason
+
+
 # -- on the GPU ---------------------------------------------------------------------------------------------
 
 NAN_TIMER = C.wrap_decode("""

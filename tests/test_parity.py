@@ -145,7 +145,7 @@ def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(
 
 @pytest.mark.parametrize("fixture, words, never", [
     ("ignores_sm_scale.py", "sm_scale", "(1/sqrt("),
-    ("big_batch_path.py", "decode at the served limits: batch", None),
+    ("big_batch_path.py", ("decode at the served limits: batch", "drawn"), None),     # a drawn batch may come first
     ("masks_unused_by_nan.py", "unused slots hold", "unused slots hold nan"),
     ("right_only_to_old_longest_prefill.py", "prefill at the served limits", None),
     ("shared_output_buffer.py", "its output changed after it was returned", None),
@@ -154,7 +154,7 @@ def test_adversarial_fixture_is_rejected_at_parity_for_its_flaw(evaluate_source,
     v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
     assert v.failed_stage == "parity", v.reason
     reason = v.stages[-1].reason
-    assert words in reason, reason
+    assert any(w in reason for w in ((words,) if isinstance(words, str) else words)), reason
     assert never is None or never not in reason.split(", output shape")[0], reason
 
 

@@ -252,7 +252,7 @@ def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1,
         raise candidate_raised(f"{trial.case.label}: the candidate raised", reply)
     op = ctx.target.ops[trial.case.op]
     library_use(ctx, f"{trial.case.op} ({ctx.stage}, {trial.case.label})", reply, op.cost(trial.inputs).madds, repeat)
-    if sum(reply.launches.values()) < repeat:
+    if reply.unlaunched or sum(reply.launches.values()) < repeat:     # each call: a repeat answered from a cache too
         raise no_launch(f"{trial.case.op} ({ctx.stage}, {trial.case.label})")
     expect = {f"out{i}": (shape, ctx.dtype) for i in range(repeat)}
     expect.update({name: (tuple(s), ctx.dtype) for name, s in (also or {}).items()})

@@ -19,6 +19,7 @@ import torch
 from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
+from harness.served.limits import served_limits
 from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -121,8 +122,7 @@ def _sm_scale(case: Case) -> float:
 
 
 def _fill_unused(k: torch.Tensor, v: torch.Tensor, garbage: torch.Tensor, how: str, gen: torch.Generator) -> None:
-    """What unused slots hold: NaN; zeros (a fresh served cache); stale keys and values of other
-    sequences (recycled blocks); or finite randoms (left as drawn)."""
+    """What unused slots hold: NaN; zeros (a fresh served cache); other sequences' stale keys and values; or randoms."""
     if how == "nan":
         k[garbage], v[garbage] = float("nan"), float("nan")
     elif how == "zeros":
@@ -138,8 +138,7 @@ def _fill_unused(k: torch.Tensor, v: torch.Tensor, garbage: torch.Tensor, how: s
 
 
 def _as_served(cache: torch.Tensor, layer: int) -> torch.Tensor:
-    """`cache` as the served engine hands a layer's: its view of the model's cache, here a two-layer buffer whose
-    other layer is whatever the allocator left (layer 1: at a non-zero offset)."""
+    """`cache` as served: layer `layer`'s view of a two-layer buffer (the other layer whatever the allocator left)."""
     both = cache.new_empty((2, *cache.shape))
     both[layer] = cache
     return both[layer]
@@ -336,23 +335,33 @@ def limit_cases(shapes, limits) -> list[Case]:
     return cases
 
 
+def _batch_drawn(case: Case, batch: int) -> Case:
+    """A served shape at another batch, its lengths scaled to the shape's own tokens (no more memory held)."""
+    (lo, hi), budget = case.params["length_range"], case.params["batch"] * case.params["length_range"][1]
+    lo = max(1, min(lo, budget // batch))
+    lengths = (lo, max(lo, min(hi, budget // batch)))
+    return replace(case, params={**case.params, "batch": batch, "length_range": lengths, "max_total": budget})
+
+
 def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
-    """One check's draws from its secret seed (config: stages.parity): sm_scale, 1/sqrt(head_dim) times
-    a factor drawn log-uniformly from the range (one check in four exactly the served 1/sqrt(head_dim));
-    for decode, what unused cache slots hold; for the served distribution, which layer of the served
-    model's captured q, k, v. Each is named in the case's label, so feedback says what was drawn."""
-    p = ctx.cfg.stages.parity
+    """One check's draws from its secret seed (config: stages.parity): a served shape's batch (a share of checks);
+    sm_scale, 1/sqrt(head_dim) times a factor drawn log-uniformly (one check in four exactly 1/sqrt(head_dim)); for
+    decode, what unused cache slots hold and the cache's layout; for the served distribution, which layer of the
+    served model's captured q, k, v. Each is named in the case's label, so feedback says what was drawn."""
+    p, limits = ctx.cfg.stages.parity, served_limits(ctx.cfg, ctx.device.type)
+    drawn = case.weight > 0 and "length_range" in case.params and rng.random() < p.batch_drawn  # serving sends them all
+    case = _batch_drawn(case, rng.randint(1, limits.max_running + 1)) if drawn else case
     D = case.params["head_dim"]
     lo, hi = p.sm_scale
     factor = 1.0 if rng.random() < 0.25 else math.exp(rng.uniform(math.log(lo), math.log(hi)))
     params = {**case.params, "sm_scale": factor / math.sqrt(D)}
-    notes = [f"sm_scale {params['sm_scale']:.4g} ({factor:.3g}/sqrt({D}))"]
+    notes = [f"batch {params['batch']} drawn"] if drawn else []
+    notes.append(f"sm_scale {params['sm_scale']:.4g} ({factor:.3g}/sqrt({D}))")
     if case.op == "decode":
         params["unused"] = rng.choice(p.unused_slots)
         notes.append(f"unused slots hold {params['unused']}")
         if rng.random() < p.served_layout:
-            from harness.served.limits import served_limits
-            params["pool"] = served_limits(ctx.cfg, ctx.device.type).kv_cache_tokens // case.params["block_size"]
+            params["pool"] = limits.kv_cache_tokens // case.params["block_size"]
             params["layer"] = rng.randrange(2)
             notes.append(f"the cache as served: a {params['pool']}-block pool, layer {params['layer']}'s view")
     if dist == "served":
