@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         root = run_folder(cfg, args.run_id, args.resume)     # a run in progress there: said now, before torch loads
         before = stored(root) if root is not None else None
-    except (RunError, LedgerError) as e:
+    except RunError as e:                                # a LedgerError there is main's one line too
         raise UsageError(str(e)) from None
     provider = args.provider or (before or {}).get("provider") or cfg.agent.provider
     if provider != "offline":

@@ -65,7 +65,8 @@ def test_kevo_writes_nothing_through_a_symbolic_link_left_in_the_run_folder(tmp_
     victim.mkdir()
     (victim / "notes.txt").write_text("mine\n")
     target = victim if planted == "candidates" else victim / "notes.txt"
-    (ledger.root / planted).unlink() if (ledger.root / planted).is_file() else None
+    if (ledger.root / planted).is_file():
+        (ledger.root / planted).unlink()
     os.symlink(target, ledger.root / planted)
     with pytest.raises(LedgerError, match="is a symbolic link: kevo writes nothing through one"):
         if planted == "report.html":
