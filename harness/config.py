@@ -3,9 +3,8 @@
 One pydantic model per top-level section; unknown keys are rejected and the errors come back as one
 line (`ConfigError`), every one of them, each naming its key. Here: the sections a verdict depends on
 (the worker pool, the stages, the targets' served shapes, the served scenario), the top-level `Config`
-with its cross-section checks, and `load_config`. The sections that drive a run (agent, providers,
-executor) are in harness/config_run.py; the base model and the error line in harness/config_base.py;
-every name is importable from here as before.
+with its cross-section checks, and `load_config`. The sections that drive a run (agent, providers, executor)
+are in harness/config_run.py, the base model and the error line in harness/config_base.py: all importable here.
 """
 from __future__ import annotations
 
@@ -121,6 +120,7 @@ class ParityConfig(Strict):
     unused_slots: list[Literal["nan", "zeros", "stale", "random"]] = Field(min_length=1)   # drawn per check
     served_layout: float = Field(ge=0, le=1)     # decode checks handed the cache as served: the whole pool, a layer's view
     batch_drawn: float = Field(ge=0, le=1)       # served-shape checks at a batch drawn from 1..max_running + 1
+    twins: float = Field(ge=0, le=1)             # odds that a served-shape check is followed by its twin
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)

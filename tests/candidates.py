@@ -27,8 +27,16 @@ def with_knobs(source: str, **knobs) -> str:
 
 
 def wrap_decode(body: str) -> str:
-    assert REF_DECODE.count("\ndef decode(") == 1
-    return REF_DECODE.replace("\ndef decode(", "\ndef _ref_decode(") + "\n\n" + textwrap.dedent(body)
+    return wrap(REF_DECODE, "decode", body)
+
+
+def wrap(reference: str, op: str, body: str) -> str:
+    """`body` appended to a reference kernel whose op function is renamed `_ref_<op>` (in the body, `@OP@`, `@REF@` and
+    `@ARGS@` stand for the op, that function and the contract's arguments)."""
+    assert reference.count(f"\ndef {op}(") == 1
+    args = reference.split(f"\ndef {op}(", 1)[1].split(")", 1)[0]
+    return (reference.replace(f"\ndef {op}(", f"\ndef _ref_{op}(") + "\n\n"
+            + textwrap.dedent(body).replace("@OP@", op).replace("@REF@", f"_ref_{op}").replace("@ARGS@", args))
 
 
 # A correct kernel with a different blocking and summation order: 16-token tiles, no split-KV.

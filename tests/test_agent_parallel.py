@@ -54,7 +54,7 @@ def scripted(codes: list[str], claims: list[str]) -> FakeLLM:
 def llm_config(fake: FakeLLM, runs, **more):
     return config_with(**{
         "agent.runs_dir": str(runs), "agent.ops": ["decode"], "agent.compile_repair_rounds": 1,
-        "stages.parity.checks_per_shape": 1,
+        "stages.parity.checks_per_shape": 1, "stages.parity.twins": 1.0,    # a plan of a fixed length: records compare
         "providers.openai.base_url": fake.openai_url, "providers.openai.planner_model": PLANNER,
         "providers.openai.coder_model": CODER, "providers.retry.initial_s": 0.01, "providers.retry.max_s": 0.05,
         f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},

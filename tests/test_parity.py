@@ -136,11 +136,11 @@ def test_a_checks_tolerance_is_set_by_its_ops_calibration_where_it_names_one_and
 
 
 def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(cfg):
-    plan = _plan(_ctx(cfg))
-    ops = [case.op for case, _ in plan]
+    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0})))      # twins: tests/test_parity_twins.py
+    ops = [check.case.op for check in plan]
     assert ops[:6] == ["decode", "prefill"] * 3
     for op in ("decode", "prefill"):
-        assert {dist for case, dist in plan if case.op == op} == set(cfg.stages.parity.distributions)
+        assert {check.dist for check in plan if check.case.op == op} == set(cfg.stages.parity.distributions)
 
 
 @pytest.mark.parametrize("fixture, words, never", [
@@ -171,13 +171,13 @@ def test_the_same_two_ops_with_outputs_of_their_own_pass_interleaved(evaluate_so
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA): the fixtures' thresholds there are the old CUDA maxima")
 @pytest.mark.parametrize("fixture, words", [
-    ("big_batch_path.py", "batch 128 (max_running)"),
-    ("right_only_to_old_longest_prefill.py", "one prompt of 16384 tokens"),
+    ("big_batch_path.py", ("batch 128 (max_running)", " drawn,")),     # a served check's drawn batch may come first
+    ("right_only_to_old_longest_prefill.py", ("one prompt of 16384 tokens",)),
 ], ids=["big-batch-path", "old-longest-prefill"])
 def test_on_cuda_the_served_limits_reject_what_only_the_old_cuda_maxima_let_through(evaluate_source, fixture, words):
     v = evaluate_source((ADVERSARIAL / fixture).read_text(), until="parity")
     assert v.failed_stage == "parity", v.reason
-    assert words in v.stages[-1].reason, v.stages[-1].reason
+    assert any(w in v.stages[-1].reason for w in words), v.stages[-1].reason
 
 
 def test_one_op_reusing_its_own_output_buffer_is_rejected_too(evaluate_source):

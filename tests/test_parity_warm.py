@@ -21,7 +21,7 @@ from harness.targets.base import UNFILLED
 from test_parity import CPU, _ctx
 
 WARM = {"stages.parity.warm_threads": {"cuda": 8, "cpu": 2}, "stages.parity.warm_draws": {"cuda": 4, "cpu": 3},
-        "stages.parity.checks_per_shape": 1}
+        "stages.parity.checks_per_shape": 1, "stages.parity.twins": 1.0}   # every served check twinned: a fixed plan
 # The reference decode, but with a library matmul on the served-limit batches (16 sequences and more), shapes the
 # compile stage's one call never shows it: only a watched call on those shapes sees it.
 LIBRARY_ON_LARGE_BATCHES = C.wrap_decode("""
@@ -38,7 +38,7 @@ def test_the_warm_calls_each_shape_class_on_fresh_lengths_and_the_verdict_is_unc
     assert verdict.ok, verdict.reason
     parity = verdict.stages[-1].metrics
     ctx = _ctx(cfg, ops=("decode",))
-    classes = {c.label for c, _ in _plan(ctx)}
+    classes = {check.case.label for check in _plan(ctx)}
     assert parity["warm_classes"] == len(classes) and parity["warm_failed"] == 0
     later, _ = seen()
     warm = [msg for kind, _, msg in later if kind == "send" and msg.get("cmd") == "warm"]
@@ -75,7 +75,7 @@ def seen(monkeypatch):
     import harness.stages.parity as parity
     from harness.worker_handle import WorkerHandle
     events: list[tuple] = []
-    send, collect, draw = WorkerHandle.send, WorkerHandle.collect, parity.draw
+    send, collect, draw, draw_twin = WorkerHandle.send, WorkerHandle.collect, parity.draw, parity.draw_twin
 
     def spy_send(self, msg, doing):
         events.append(("send", self, msg))
@@ -85,14 +85,17 @@ def seen(monkeypatch):
         events.append(("collect", self, doing))           # before it waits: what was drawn by then came first
         return collect(self, timeout, doing)
 
-    def spy_draw(*args, **kwargs):
-        trial = draw(*args, **kwargs)
-        events.append(("draw", None, trial))
-        return trial
+    def spying(drawing):
+        def spy_draw(*args, **kwargs):
+            trial = drawing(*args, **kwargs)
+            events.append(("draw", None, trial))
+            return trial
+        return spy_draw
 
     monkeypatch.setattr(WorkerHandle, "send", spy_send)
     monkeypatch.setattr(WorkerHandle, "collect", spy_collect)
-    monkeypatch.setattr(parity, "draw", spy_draw)
+    monkeypatch.setattr(parity, "draw", spying(draw))
+    monkeypatch.setattr(parity, "draw_twin", spying(draw_twin))
 
     def from_the_warm() -> tuple[list[tuple], list]:
         """The events from the warm request on: the draws and the warmed worker's sends and collects."""
@@ -156,7 +159,7 @@ def test_a_worker_that_dies_in_the_warm_is_a_verdict_naming_the_signal_and_the_w
 def test_the_checks_drawn_during_the_warm_stop_at_the_memory_bound_or_when_its_reply_waits(cfg):
     ctx = _ctx(cfg, ops=("decode",))
     plan = _plan(ctx)
-    trials = [draw(ctx, case, dist, vary=True) for case, dist in plan]
+    trials = [draw(ctx, check.case, check.dist, vary=True) for check in plan]
     drawn = trials.__getitem__
     assert list(_draw_ahead(len(plan), drawn, 1 << 40, lambda: False)) == trials          # all of them, in order
     two = trials[0].nbytes() + 1                          # over the first's bytes: the second reaches the bound
@@ -181,7 +184,7 @@ def test_the_warms_unfilled_inputs_hold_every_shape_and_host_fact_of_each_distri
     integer tensor (block tables, lengths, offsets) and every scalar."""
     ctx = _ctx(cfg)
     checked = 0
-    for case, _ in _plan(ctx):
+    for case, *_ in _plan(ctx):
         for dist in ("normal", "peaky", "shifted_keys", "served"):
             seed = random.Random(f"{case.label}{dist}").getrandbits(62)
             varied = ctx.target.vary(case, dist, random.Random(seed), ctx)

@@ -177,10 +177,22 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
     tampered generator) can only make the candidate's output disagree with this reference. With
     `vary` (parity), the target draws the rest of the check from the same seed (sm_scale, what
     unused cache slots hold, ...) into the case the worker is sent."""
-    op = ctx.target.ops[case.op]
     seed = secrets.randbits(62)
     if vary and ctx.target.vary is not None:
         case = ctx.target.vary(case, dist, random.Random(seed), ctx)
+    return _trial(ctx, case, dist, seed)
+
+
+def draw_twin(ctx: EvalContext, earlier: Trial) -> Trial:
+    """`earlier`'s check again with one part of its inputs redrawn from a new secret seed (the target's `twin`
+    picks the part from that seed and names it in the label): an output kept from the earlier call and handed
+    back on a key the part does not enter is wrong there."""
+    seed = secrets.randbits(62)
+    return _trial(ctx, ctx.target.twin(earlier.case, earlier.seed, earlier.inputs, random.Random(seed)), earlier.dist, seed)
+
+
+def _trial(ctx: EvalContext, case: Case, dist: str, seed: int) -> Trial:
+    op = ctx.target.ops[case.op]
     inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
     ref = op.reference(**inputs)
     return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(inputs), ref)))
@@ -276,5 +288,5 @@ def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "dispatch_rules", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "dispatch_rules", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "draw_twin", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

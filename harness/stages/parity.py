@@ -25,14 +25,14 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from harness.records import StageResult
 from harness.replies import Reply
 from harness.stages.common import (EvalContext, Rejected, Trial, candidate_raised, collect_trial, diff,
-                                   draw, no_library_compute, send_trial)
+                                   draw, draw_twin, no_library_compute, send_trial)
 from harness.targets import Case
 from harness.transport import DTYPE_NAMES
 
@@ -66,15 +66,31 @@ def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
     return max(d.max_abs / trial.tol.max_abs, d.rel_l2 / trial.tol.rel_l2)
 
 
-def _plan(ctx: EvalContext) -> list[tuple[Case, str]]:
-    """Each op's checks with its distributions rotated from a secret start, the ops interleaved."""
-    p = ctx.cfg.stages.parity
+class Check(NamedTuple):
+    """One check of the plan: a case and its distribution, or (`twin`) the check before it again with a part of its
+    inputs redrawn (harness/stages/common.py `draw_twin`)."""
+    case: Case
+    dist: str
+    twin: bool = False
+
+
+def _plan(ctx: EvalContext) -> list[Check]:
+    """Each op's checks with its distributions rotated from a secret start, the ops interleaved; a served-shape
+    check is followed by its twin with the odds `twins` (config), drawn in secret: which calls are twins, and so
+    which calls a cache keyed on part of the inputs must not answer, is known only here."""
+    p, coin = ctx.cfg.stages.parity, secrets.SystemRandom()
     per_op = []
     for op in ctx.ops:
         cases = [c for c in ctx.cases(op, limits=True) for _ in range(p.checks_per_shape if c.weight > 0 else 1)]
         start = secrets.randbelow(len(p.distributions))
-        per_op.append([(c, p.distributions[(start + j) % len(p.distributions)]) for j, c in enumerate(cases)])
-    return [check for round_ in itertools.zip_longest(*per_op) for check in round_ if check is not None]
+        per_op.append([Check(c, p.distributions[(start + j) % len(p.distributions)]) for j, c in enumerate(cases)])
+    plan = [check for round_ in itertools.zip_longest(*per_op) for check in round_ if check is not None]
+    with_twins = []
+    for check in plan:
+        with_twins.append(check)
+        if ctx.target.twin is not None and check.case.weight > 0 and coin.random() < p.twins:
+            with_twins.append(check._replace(twin=True))
+    return with_twins
 
 
 def _ahead_bytes(ctx: EvalContext) -> int:
@@ -113,7 +129,7 @@ class Warming:
     t0: float
 
 
-def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
+def send_warm(ctx: EvalContext, plan: list[Check]) -> Warming | None:
     """Ask the worker to compile the candidate's kernels for each shape class of the plan at once, before the
     first check (config stages.parity.warm_threads, per device; 0: skipped, None returned): `warm_draws` calls per
     class, each on fresh lengths (so that more of the class's specializations are met), with nothing launched,
@@ -124,7 +140,7 @@ def send_warm(ctx: EvalContext, plan: list[tuple[Case, str]]) -> Warming | None:
     threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
     if not threads:
         return None
-    classes = list({(case.op, case.label): case for case, _ in plan}.values())
+    classes = list({(check.case.op, check.case.label): check.case for check in plan}.values())
     calls = []
     for case in classes:
         for _ in range(max(1, getattr(ctx.cfg.stages.parity.warm_draws, ctx.device.type))):   # fresh lengths each
@@ -163,17 +179,21 @@ class Start:
     """Parity begun (`begin`): its plan, the warm's reply and metrics, the first checks drawn while the worker
     compiled, what the draws took so far. The compile stage begins it once the candidate is imported, so that the
     first call it makes finds its kernels compiled, in parallel, with every class parity will check."""
-    plan: list[tuple[Case, str]]
+    plan: list[Check]
     ahead: deque
     drawing: dict[str, float]
     warm_reply: Reply | None = None
     warmed: dict[str, float] = field(default_factory=dict)
+    last: Trial | None = None              # the check drawn last (a twin's check)
 
 
 def _drawn(ctx: EvalContext, start: Start, i: int) -> Trial:
+    """Check i of the plan, drawn (checks are drawn in order: a twin's check is the one drawn last)."""
     t0 = time.monotonic()
-    trial = draw(ctx, *start.plan[i], vary=True)
+    check = start.plan[i]
+    trial = draw_twin(ctx, start.last) if check.twin else draw(ctx, check.case, check.dist, vary=True)
     start.drawing["draw_s"] += time.monotonic() - t0
+    start.last = trial
     return trial
 
 
@@ -228,7 +248,9 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         pending = (i, trial, rechecks)
     if pending is not None:
         worst = max(worst, settle(*pending))
-    return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance, interleaved "
-                                        f"over {', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
-                              checks=float(len(plan)), worst_error_over_tolerance=worst, **spent, **warmed,
+    twins = sum(check.twin for check in plan)
+    return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance ({twins} of them an "
+                                        f"earlier check's inputs with a part redrawn), interleaved over "
+                                        f"{', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
+                              checks=float(len(plan)), twins=float(twins), worst_error_over_tolerance=worst, **spent, **warmed,
                               **{k: round(v, 3) for k, v in drawing.items()})

@@ -1,11 +1,10 @@
 """The `attention` target: paged decode and varlen causal prefill.
 
 Everything about the target lives here: the contract text, float64 references, input generators
-(four distributions, one of them the served model's own q, k, v; unused cache slots holding NaN,
-zeros, other sequences' stale values or finite randoms; shuffled block tables; sm_scale drawn per
-check), served, boundary and served-limit cases, and the cost model.
-Not covered here: the torch baselines and cuDNN anchors (harness/targets/attention_baselines.py), how
-inputs travel to a worker, how outputs are compared (harness/stages).
+(four distributions, one of them the served model's own q, k, v; unused cache slots holding NaN, zeros,
+other sequences' stale values or finite randoms; shuffled block tables; sm_scale drawn per check),
+served, boundary and served-limit cases, and the cost model. Elsewhere: the torch baselines and cuDNN
+anchors (attention_baselines.py), twin checks (attention_twins.py), how outputs are compared (harness/stages).
 """
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
 from harness.served.limits import served_limits
+from harness.targets.attention_twins import twin, twinned
 from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -185,10 +185,8 @@ def prefill_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype
     if dist == "served":
         q, k, v = _served_rows(case, lengths, gen, device)
     cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
-    return {
-        "q": q.to(device, dtype), "k": k.to(device, dtype), "v": v.to(device, dtype),
-        "cu_seqlens": cu.to(device), "max_seqlen": max(lengths), "sm_scale": _sm_scale(case),
-    }
+    return {"q": q.to(device, dtype), "k": k.to(device, dtype), "v": v.to(device, dtype),
+            "cu_seqlens": cu.to(device), "max_seqlen": max(lengths), "sm_scale": _sm_scale(case)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,12 +372,12 @@ def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
 
 
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
-            make_inputs=decode_inputs, reference=decode_reference, baseline=decode_clamped, baselines=DECODE_BASELINES,
+            make_inputs=twinned(decode_inputs), reference=decode_reference, baseline=decode_clamped, baselines=DECODE_BASELINES,
             baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()},
             cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape),
             anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
 PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),
-             make_inputs=prefill_inputs, reference=prefill_reference, baseline=prefill_baseline,
+             make_inputs=twinned(prefill_inputs), reference=prefill_reference, baseline=prefill_baseline,
              calibration=prefill_calibration,
              baseline_host=lambda x: {"bounds": x["cu_seqlens"].tolist()},
              cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape),
@@ -397,4 +395,5 @@ TARGET = Target(
     contract=CONTRACT,
     limit_cases=limit_cases,
     vary=vary,
+    twin=twin,
 )

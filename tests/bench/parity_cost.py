@@ -1,6 +1,6 @@
 """Benchmark (not a test): the parity stage's cost on the reference kernels, three times each.
 
-    python tests/bench/parity_cost.py
+    python tests/bench/parity_cost.py [--twins ODDS ...]   # each odds of stages.parity.twins in turn (default: config's)
 
 One warm worker pool; a first evaluation warms it (first compiles, the served model's q/k/v
 capture); then each reference kernel is judged through parity three times, and the stage's wall
@@ -21,10 +21,16 @@ from harness.evaluate import evaluate, open_pool  # noqa: E402
 
 
 def main() -> None:
-    cfg = load_config()
-    with open_pool(cfg, "attention") as pool:
-        evaluate(C.REF_DECODE, "attention", cfg, pool, until="parity")
-        for name, source in (("decode_paged_splitkv", C.REF_DECODE), ("prefill_causal_tiled", C.REF_PREFILL)):
+    base = load_config()
+    odds = [float(x) for x in sys.argv[sys.argv.index("--twins") + 1:]] if "--twins" in sys.argv else [None]
+    cfg = base
+    with open_pool(base, "attention") as pool:
+        evaluate(C.REF_DECODE, "attention", base, pool, until="parity")
+        for twins, (name, source) in ((t, k) for t in odds for k in (("decode_paged_splitkv", C.REF_DECODE),
+                                                                     ("prefill_causal_tiled", C.REF_PREFILL))):
+            if twins is not None:
+                parity = base.stages.parity.model_copy(update={"twins": twins})
+                cfg = base.model_copy(update={"stages": base.stages.model_copy(update={"parity": parity})})
             wall, cpu, checks = [], [], 0
             for _ in range(3):
                 parity = evaluate(source, "attention", cfg, pool, until="parity").stages[-1]
@@ -32,7 +38,7 @@ def main() -> None:
                 wall.append(parity.seconds)
                 cpu.append(parity.metrics.get("cpu_s", 0.0))
                 checks = int(parity.metrics["checks"])
-            print(f"{name} ({pool.device}): {checks} checks; parity wall s min {min(wall):.2f} median "
+            print(f"{name} ({pool.device}, twins {cfg.stages.parity.twins}): {checks} checks; parity wall s min {min(wall):.2f} median "
                   f"{statistics.median(wall):.2f}; cpu_s min {min(cpu):.2f} median {statistics.median(cpu):.2f}; "
                   f"load average {os.getloadavg()[0]:.2f}", flush=True)
 

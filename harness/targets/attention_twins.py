@@ -1,0 +1,87 @@
+"""Twin checks for the attention target: an earlier parity check's inputs again, one part of them redrawn.
+
+An output kept from an earlier call and handed back when a cheap key matches (the shape, the lengths, sm_scale,
+a few rows of q) is right on every check whose inputs are all fresh, so fresh draws alone never see it. A twin
+is the check before it sent again with the same lengths, block table, sm_scale and unused slots, and one band
+of one sequence redrawn from the twin's own secret seed: decode, its query (every head) or a band of its keys
+and values; prefill, a band of its rows (q, k and v; one token or many). A key that skips that band returns the
+earlier output, which is wrong there by the band's whole share of the attention.
+
+The part is chosen by `twin` (trusted side, from the twin's seed) and named in the case's params and label;
+`twinned` wraps an op's `make_inputs`, so the trusted side and the worker rebuild the same inputs from the
+recipe: the earlier check's inputs from its seed, a fresh draw at the same lengths from the twin's seed, and
+the band copied from the second into the first. The fresh draw keeps the check's distribution (the served
+model's rows included) and leaves out the served layout (only its values are read).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Callable
+
+import torch
+
+from harness.targets.base import UNFILLED, Case, Inputs
+
+MakeInputs = Callable[[Case, str, int, torch.device, torch.dtype], Inputs]
+
+
+def _lengths(op: str, inputs: Inputs) -> list[int]:
+    if op == "decode":
+        return [int(n) for n in inputs["seq_lens"].tolist()]
+    cu = inputs["cu_seqlens"].tolist()
+    return [e - s for s, e in zip(cu[:-1], cu[1:])]
+
+
+def twin(case: Case, seed: int, inputs: Inputs, rng: random.Random) -> Case:
+    """The check drawn from `seed` as `case` (its inputs `inputs`) again, with one band of one sequence redrawn:
+    which, from `rng` (the twin's seed)."""
+    lengths = _lengths(case.op, inputs)
+    b = rng.randrange(len(lengths))
+    n = lengths[b]
+    start = rng.randrange(n)
+    if case.op == "prefill":        # one token's rows, or a band of them
+        part, end = "rows", start + 1 if rng.random() < 0.25 else rng.randint(start + 1, n)
+    elif rng.random() < 0.25:       # the query: a useful cache keys on it (it is new at every step), so seldom
+        part, start, end = "query", 0, n
+    else:                           # a band of its keys and values, wide enough to move the output past bf16's error
+        part, end = "keys and values", rng.randint(start + 1, n)
+    what = f"sequence {b}'s query" if part == "query" else f"sequence {b}'s {part} {start}..{end - 1} of {n}"
+    spec = {"of": seed, "lengths": lengths, "seq": b, "part": part, "start": start, "end": end}
+    return replace(case, label=f"{case.label}; the check before it again with {what} redrawn",
+                   params={**case.params, "twin": spec})
+
+
+def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> torch.Tensor:
+    """The flat cache slots (block * block_size + offset) of sequence b's tokens start..end-1."""
+    t = torch.arange(start, end, device=table.device)
+    return table[b].long()[t // block] * block + t % block
+
+
+def twinned(make: MakeInputs) -> MakeInputs:
+    """`make` that builds a twin's inputs (a case whose params hold `twin`) as the module docstring says."""
+    def make_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
+        spec = case.params.get("twin")
+        if spec is None:
+            return make(case, dist, seed, device, dtype)
+        base = {k: v for k, v in case.params.items() if k != "twin"}
+        x = make(replace(case, params=base), dist, spec["of"], device, dtype)
+        if dist == UNFILLED:
+            return x
+        at = {k: v for k, v in base.items() if k not in ("pool", "layer")} | {"lengths": spec["lengths"]}
+        fresh = make(replace(case, params=at), dist, seed, device, dtype)
+        b, s, e = spec["seq"], spec["start"], spec["end"]
+        if spec["part"] == "query":
+            x["q"][b] = fresh["q"][b]
+        elif spec["part"] == "keys and values":
+            block = x["k_cache"].shape[1]
+            into = _slots(x["block_table"], b, s, e, block)
+            src = _slots(fresh["block_table"], b, s, e, block)
+            for name in ("k_cache", "v_cache"):
+                x[name].view(-1, *x[name].shape[2:])[into] = fresh[name].view(-1, *fresh[name].shape[2:])[src]
+        else:
+            first = int(x["cu_seqlens"][b])
+            for name in ("q", "k", "v"):
+                x[name][first + s:first + e] = fresh[name][first + s:first + e]
+        return x
+    return make_inputs
