@@ -1,10 +1,10 @@
 """Load and validate config.yaml.
 
-One pydantic model per top-level section; unknown keys are rejected and the errors come back as one
-line (`ConfigError`), every one of them, each naming its key. Here: the sections a verdict depends on
-(the worker pool, the stages, the targets' served shapes, the served scenario), the top-level `Config`
-with its cross-section checks, and `load_config`. The sections that drive a run (agent, providers, executor)
-are in harness/config_run.py, the base model and the error line in harness/config_base.py: all importable here.
+One pydantic model per top-level section; unknown keys are rejected and the errors come back as one line
+(`ConfigError`), every one of them, each naming its key. Here: the sections a verdict depends on (the worker
+pool, the stages, the targets' served shapes, the served scenario), the top-level `Config` with its checks
+across sections, and `load_config`. The sections that drive a run (agent, providers, executor) are in
+harness/config_run.py, the base model and the error line in harness/config_base.py: all importable here.
 """
 from __future__ import annotations
 
@@ -331,6 +331,7 @@ class ServedConfig(Strict):
     logprobs: int = Field(ge=2, le=20)       # top logprobs the embedded engine serves and the replay client asks for
     stall_ms: float = Field(gt=0)            # a candidate call holding the server's host this long is counted a stall
     audit_share: float = Field(ge=0, le=1)   # served candidate calls audited as the worker audits every call
+    spot_share: float = Field(ge=0, le=1)    # served candidate calls checked against the float64 reference
     gpu_memory_fraction: float = Field(gt=0, le=1)   # the most an embedded server's allocator may hold (harness/gpu_memory.py)
     gpu_overhead_bytes: int = Field(ge=0)    # what a server needs beside that share (CUDA context, libraries)
     random_init: RandomInit
@@ -343,8 +344,7 @@ class ServedConfig(Strict):
             if name not in self.presets:
                 raise ValueError(f"{dev}.preset {name!r} is not one of the presets ({', '.join(self.presets)})")
         if 3 * self.gpu_memory_fraction > 1:
-            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction:g} x 3 (the replay's servers at once) is over "
-                             "the whole GPU: at most 0.333")
+            raise ValueError(f"gpu_memory_fraction {self.gpu_memory_fraction:g} x 3 (the replay's servers) is over the GPU: at most 0.333")
         return self
 
 

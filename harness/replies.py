@@ -184,6 +184,11 @@ class OpStats(_Strict):
     audit_madds: Elements = 0.0               # the audited calls' multiply-adds (the torch-work cap's yardstick)
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
     op_elements: dict[Name, Elements] = Field(default_factory=dict, max_length=1024)
+    # a secret share of its served calls checked against the float64 reference (harness/served/spot.py)
+    spot_checked: Count = 0
+    spot_failed: Count = 0
+    spot_worst: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] = 0.0    # the worst error over tolerance
+    spot_first: Annotated[str, Field(max_length=600)] = ""                            # the first failure, said
 
 
 class ServedStats(Reply):

@@ -26,6 +26,7 @@ from harness.stages.replay import continuation_pass, draw, judge, replay_stage, 
 from harness.targets.attention import TARGET
 
 CFG = config_with(**CPU_GATES)
+GATES_ALONE = config_with(**CPU_GATES, **{"served.spot_share": 0.0})    # the spot checks would reject these first
 ADVERSARIAL = ROOT / "tests" / "adversarial"
 
 
@@ -60,7 +61,7 @@ def test_each_replay_draws_its_own_prompts_and_weights(references):
     pytest.param(C.DROPS_NEWEST_TOKEN, id="drops-the-newest-token"),
 ])
 def test_kernel_wrong_only_in_serving_fails_the_gates(source):
-    outcome = run_gates(CFG, "cpu", source)
+    outcome = run_gates(GATES_ALONE, "cpu", source)
     assert not outcome.gate.passed and not outcome.accepted
     assert outcome.reason.startswith("the served tokens differ from the reference's: ")
     with pytest.raises(Rejected) as err:
@@ -318,7 +319,7 @@ def test_segments_cut_the_window_by_arrival_and_every_request_is_in_one():
 
 
 def test_replay_stage_on_a_cpu_runs_the_gates_and_times_nothing():
-    ctx = EvalContext(cfg=CFG, target=TARGET, shapes=CFG.targets.attention.cpu, device=torch.device("cpu"),
+    ctx = EvalContext(cfg=GATES_ALONE, target=TARGET, shapes=CFG.targets.attention.cpu, device=torch.device("cpu"),
                       dtype=torch.float32, pool=None, source=C.recent_window(8))
     with pytest.raises(Rejected, match="the served tokens differ from the reference's"):
         replay_stage(ctx)

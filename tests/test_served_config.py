@@ -34,7 +34,7 @@ def edited(tmp_path, old: str, new: str):
      "served.cuda_graphs.batch_buckets: must be positive and strictly increasing, got [0, 2]"),
     ("cuda_graphs: {enabled: true,", "cuda_graphs: {enabled: true, buckets: [1],", "served.cuda_graphs.buckets: unknown key"),
     ("  gpu_memory_fraction: 0.29\n", "  gpu_memory_fraction: 0.4\n",
-     "served: gpu_memory_fraction 0.4 x 3 (the replay's servers at once) is over the whole GPU: at most 0.333"),
+     "served: gpu_memory_fraction 0.4 x 3 (the replay's servers) is over the GPU: at most 0.333"),
 ], ids=["unknown-preset", "heads-not-served", "heads-do-not-divide", "typo", "negative-margin", "one-segment", "secret-to-external",
         "graph-buckets-unordered", "graph-bucket-zero", "graph-unknown-key", "server-shares-over-the-gpu"])
 def test_a_served_config_mistake_is_one_line_naming_the_key(tmp_path, old, new, words):

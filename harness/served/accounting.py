@@ -49,6 +49,22 @@ def dispatch(stats: dict | None, rules) -> dict[str, float]:
     return metrics
 
 
+def spot_checks(stats: dict | None) -> dict[str, float]:
+    """The candidate's served calls checked against the float64 reference (harness/served/spot.py: a secret share, one
+    sequence each): Rejected if any fell outside parity's tolerance; the calls checked per op as metrics."""
+    ops = stats.get("ops") if isinstance(stats, dict) else None
+    metrics = {}
+    for op, s in (ops or {}).items():
+        if not isinstance(s, dict) or not s.get("implemented"):
+            continue
+        if s.get("spot_failed"):
+            raise Rejected(f"{op} in the candidate's served process: {s['spot_failed']} of the {s['spot_checked']} "
+                           f"served calls checked (a secret share) differ from the float64 reference beyond parity's "
+                           f"tolerance; the first: {s.get('spot_first', '')}")
+        metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
+    return metrics
+
+
 def stalls(stats: dict | None) -> tuple[dict[str, float], str]:
     """The candidate's calls that held the server's host in the window (compiles inside it, or waits
     on the GPU): metrics, and a clause for the reason (empty when there were none)."""

@@ -217,7 +217,9 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
             "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
-            "audit_share": cfg.served.audit_share,
+            "audit_share": cfg.served.audit_share, "spot_share": cfg.served.spot_share,
+            "spot_tolerance": [cfg.stages.parity.tolerance_factor, cfg.stages.parity.floors[dtype].max_abs,
+                               cfg.stages.parity.floors[dtype].rel_l2],
             "gpu_memory_fraction": cfg.served.gpu_memory_fraction,
             "random_init": cfg.served.random_init.model_dump(), "logprobs": cfg.served.logprobs}
 

@@ -13,7 +13,8 @@ are judged by the replay's gates. With `probes` (harness/probes.py, installed in
 candidate call is also watched as the worker's stages watch every call: its Triton launches counted, and its
 aten ops audited (`audits`) on every call of the warm-up and the graph captures (`audit_all`) and on a share
 of the served calls drawn in secret (`audit_share`), since the served process must not be a place where a
-candidate runs otherwise than where parity looked. This module runs inside the served process, next to the
+candidate runs otherwise than where parity looked; and a share of its served calls is checked against the float64
+reference (`spot`, harness/served/spot.py). This module runs inside the served process, next to the
 candidate: it keeps the books, it does not judge (the replay holds the books to the dispatch rules).
 
 Under CUDA graphs (harness/served/graphs.py) the ops run only while a decode step is captured, on
@@ -36,6 +37,7 @@ from types import ModuleType
 import torch
 
 from harness.served.shapes import ShapeRecorder
+from harness.served.spot import SpotChecks
 from harness.candidate import load_candidate as load
 from harness.targets.attention import TARGET
 from harness.targets.base import Target
@@ -53,11 +55,12 @@ def load_candidate(path: Path | str, name: str = "candidate") -> ModuleType:
 class AttentionOps:
     def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32", *, target: Target = TARGET,
                  stall_ms: float = math.inf, other_heads: dict[str, ModuleType] | None = None, probes=None,
-                 audit_share: float = 0.0) -> None:
+                 audit_share: float = 0.0, spot: SpotChecks | None = None) -> None:
         """`target`: the attention target with its configured baselines (harness.targets.configured); `stall_ms`:
         a candidate call that holds the host this long (config served.stall_ms; inf: none counted) compiled (a
         shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
-        `other_heads`: per op, the module of the head that serves it where the candidate does not define it."""
+        `other_heads`: per op, the module of the head that serves it where the candidate does not define it.
+        `spot`: the spot checks of its served calls (None: none)."""
         self.dtype, self.target, self.stall_ms = dtype, target, stall_ms
         self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
         self.supports = getattr(candidate, "supports", None) if candidate else None
@@ -65,6 +68,7 @@ class AttentionOps:
                        if op in TARGET.ops and self.impl[op] is None and callable(getattr(m, op, None))}
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
         self.probes, self.audit_share, self.audit_all = probes, audit_share, True   # audit_all: until served
+        self.spot = spot
         self._draw = random.Random(secrets.randbits(64)).random   # which served calls are audited: no one can know
         self.audits = {op: {"audited": 0, "no_launch": 0, "audit_madds": 0.0, "op_calls": Counter(),
                             "op_elements": Counter()} for op in TARGET.ops}   # the server's whole life: never reset
@@ -91,8 +95,9 @@ class AttentionOps:
         self.calls[op]["candidate"] += 1
         return fn
 
-    def _timed(self, op: str, madds: float, fn, *args):
+    def _timed(self, op: str, madds: float, lens: list[int], fn, *args):
         probes = self.probes
+        pending = self.spot.before(op, args, lens) if self.spot is not None and not self.audit_all else None
         watch = probes is not None and (self.audit_all or self._draw() < self.audit_share)
         launched = probes.launches.total() if probes is not None else 0
         if watch:
@@ -114,6 +119,8 @@ class AttentionOps:
                 books["audit_madds"] += madds
                 books["op_calls"].update(probes.op_calls - calls)
                 books["op_elements"].update(probes.op_elements - elements)
+        if pending is not None:
+            self.spot.after(op, pending, self._checked(op, out, args[0]))
         return out
 
     @staticmethod
@@ -135,8 +142,8 @@ class AttentionOps:
         if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
             return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
         madds = 2.0 * sum(lens) * H * D     # the target's cost model (decode_cost), from host lengths: no device read
-        return self._checked("decode", self._timed("decode", madds, fn, q, k_cache, v_cache, block_table, seq_lens,
-                                                   sm_scale), q)
+        return self._checked("decode", self._timed("decode", madds, lens, fn, q, k_cache, v_cache, block_table,
+                                                   seq_lens, sm_scale), q)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
         T, H, D = q.shape
@@ -149,7 +156,8 @@ class AttentionOps:
         if fn is not self.impl["prefill"]:
             return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
         madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D     # as prefill_cost counts them, from host lengths
-        return self._checked("prefill", self._timed("prefill", madds, fn, q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
+        return self._checked("prefill", self._timed("prefill", madds, lens, fn, q, k, v, cu_seqlens, max_seqlen,
+                                                    sm_scale), q)
 
     def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
         """A CUDA graph replay: the calls per op its capture made, on the real lengths served."""
@@ -162,11 +170,12 @@ class AttentionOps:
         """Per op: calls, how many the candidate served, fell back (declined shapes), or were never the
         candidate's (ops it does not define: `other_head` of them its head's, the rest the baseline's); and the
         candidate's calls that held the host over stall_ms (how many, their total and the worst, in ms)."""
-        out = {}
+        out, spot = {}, self.spot.results() if self.spot is not None else {}
         for op, c in self.calls.items():
             st = self.stalls[op]
             out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
                        "not_implemented": c["not_implemented"], "other_head": c["other_head"], "implemented": self.impl[op] is not None,
                        "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0),
-                       **{k: dict(v) if isinstance(v, Counter) else v for k, v in self.audits[op].items()}}
+                       **{k: dict(v) if isinstance(v, Counter) else v for k, v in self.audits[op].items()},
+                       **spot.get(op, {})}
         return out

@@ -293,6 +293,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.served.engine import make_engine, warm_up
     from harness.served.limits import GraphPlan
     from harness.served.ops import TARGET, AttentionOps, load_candidate
+    from harness.served.spot import SpotChecks
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
@@ -301,8 +302,11 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     probes.install()                   # before the candidate's code runs: its launches counted, its calls audited
     module = load_candidate(spec["candidate"]) if spec["candidate"] else None
     other_heads = {op: load_candidate(path, f"{op}_head") for op, path in spec.get("other_heads", {}).items()}
-    ops = AttentionOps(module, spec["dtype"], target=TARGET.configured(spec["baselines"]), stall_ms=spec["stall_ms"],
-                       other_heads=other_heads, probes=probes, audit_share=float(spec["audit_share"]))
+    target = TARGET.configured(spec["baselines"])
+    factor, *floor = spec["spot_tolerance"]
+    ops = AttentionOps(module, spec["dtype"], target=target, stall_ms=spec["stall_ms"], other_heads=other_heads,
+                       probes=probes, audit_share=float(spec["audit_share"]),
+                       spot=SpotChecks(target, float(spec["spot_share"]), float(factor), (float(floor[0]), float(floor[1]))))
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],

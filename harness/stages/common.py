@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from harness.compare import Diff, Tolerance, diff  # noqa: F401  (the stages' names for them)
 from harness.config import Config
 from harness import replies
 from harness.gpu_memory import Reserve
@@ -104,50 +105,10 @@ class EvalContext:
         return [c for c in out if c.op == op]
 
 
-@dataclass(frozen=True)
-class Diff:
-    max_abs: float
-    rel_l2: float
-    nonfinite: int
-    first_bad: list[str]
-
-    def describe(self) -> str:
-        bad = f"; first mismatches {', '.join(self.first_bad)}" if self.first_bad else ""
-        nf = f"{self.nonfinite} NaN/Inf values; " if self.nonfinite else ""
-        return f"{nf}max abs error {self.max_abs:.3g}, relative L2 error {self.rel_l2:.3g}{bad}"
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    max_abs: float
-    rel_l2: float
-
-    def admits(self, d: Diff) -> bool:
-        return d.nonfinite == 0 and d.max_abs <= self.max_abs and d.rel_l2 <= self.rel_l2
-
-
-def diff(out: torch.Tensor, ref: torch.Tensor, atol: float | None = None) -> Diff:
-    out64, ref64 = out.double(), ref.double()
-    err = (out64 - ref64).abs()
-    nonfinite = int((~torch.isfinite(out64)).sum())
-    err = torch.where(torch.isfinite(err), err, torch.full_like(err, float("inf")))
-    max_abs = float(err.max()) if err.numel() else 0.0
-    rel = float(torch.linalg.vector_norm(torch.nan_to_num(out64 - ref64, nan=1e30)) /
-                torch.linalg.vector_norm(ref64).clamp_min(1e-30)) if err.numel() else 0.0
-    first = []
-    if atol is not None:
-        bad = (err > atol).flatten().nonzero()[:3, 0].tolist()
-        for flat in bad:
-            idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), out.shape))
-            first.append(f"{list(idx)}: got {float(out64.flatten()[flat]):.4g}, expected {float(ref64.flatten()[flat]):.4g}")
-    return Diff(max_abs, min(rel, 1e30), nonfinite, first)
-
-
 def tolerance(ctx: EvalContext, baseline_diff: Diff) -> Tolerance:
     p = ctx.cfg.stages.parity
     floor = p.floors[DTYPE_NAMES[ctx.dtype]]
-    return Tolerance(max(p.tolerance_factor * baseline_diff.max_abs, floor.max_abs),
-                     max(p.tolerance_factor * baseline_diff.rel_l2, floor.rel_l2))
+    return Tolerance.beside(baseline_diff, p.tolerance_factor, floor.max_abs, floor.rel_l2)
 
 
 @dataclass

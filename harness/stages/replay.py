@@ -52,7 +52,7 @@ from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
 from harness.served.launch import ServerHandle
-from harness.served.accounting import dispatch, fallbacks, graphs, stalls
+from harness.served.accounting import dispatch, fallbacks, graphs, spot_checks, stalls
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
 from harness.stages.arms import Servers, served_lines
@@ -200,7 +200,8 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     fallback_share, fallback_words = fallbacks(stats)
     stall_metrics, stall_words = stalls(stats)
     graph_metrics, graph_words = graphs(stats)
-    stall_metrics, stall_words = stall_metrics | graph_metrics | dispatch(stats, cfg.stages.dispatch), stall_words + graph_words
+    stall_metrics, stall_words = (stall_metrics | graph_metrics | dispatch(stats, cfg.stages.dispatch)
+                                    | spot_checks(stats)), stall_words + graph_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
                "fallback_share": fallback_share, "gain": speed.gain, "gain_lower": speed.lower,
@@ -259,7 +260,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
         head_metrics = _gate_metrics("head_", head_gate)
     fallback_share, fallback_words = fallbacks(stats)
     stall_metrics, stall_words = stalls(stats)
-    stall_metrics |= dispatch(stats, cfg.stages.dispatch)
+    stall_metrics |= dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)
     metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), **head_metrics, "fallback_share": fallback_share,
                "stage_s": time.monotonic() - t0} | stall_metrics
     if not gate.passed:
