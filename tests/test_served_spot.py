@@ -74,3 +74,16 @@ def test_a_spot_check_reads_the_inputs_as_they_were_before_the_call():
     args[1].fill_(0.0)                                                   # the cache, changed after the call
     spot.after("decode", pending, out)
     assert spot.results()["decode"]["spot_failed"] == 0
+
+
+def test_prefill_checks_reach_every_row_of_a_sequence_over_their_draws_and_always_its_last():
+    spot = SpotChecks(ATTENTION, 1.0, 2.0, (1e-4, 2e-5))
+    q, k, v = torch.randn(105, 4, 16), torch.randn(105, 2, 16), torch.randn(105, 2, 16)
+    args = (q, k, v, torch.tensor([0, 3, 103, 105], dtype=torch.int32), 100, 0.25)
+    seen = set()
+    for _ in range(300):
+        rows = spot.before("prefill", args, [3, 100, 2]).rows.tolist()     # the check draws one of the three
+        if len(rows) > 3:
+            assert len(rows) == 17 and rows[-1] == 102 and all(3 <= r <= 102 for r in rows), rows
+            seen.update(rows)
+    assert seen == set(range(3, 103))

@@ -5,7 +5,7 @@ layer's prefill rows but each sequence's last reach no logit, and an error withi
 kernel that tells serving from parity (the objects a step's layers share, the call order) could be wrong where
 only serving sends it. Here, on a share of the candidate's eager served calls drawn in secret (config
 served.spot_share), before the call, one sequence is drawn and what the reference needs of it is copied: decode,
-its query and its keys; prefill, up to ROWS drawn query rows and its last, and its keys. After the call its
+its query and its keys; prefill, ROWS query rows at a secret phase and its last, and its keys. After the call its
 output rows are compared, as parity compares (harness/compare.py), with the float64 reference, the tolerance being
 `factor` times the error of torch's SDPA in the served dtype on the same rows, with parity's floors. (Not the op's
 configured baseline: a decode check through it, with the float64 reference, cost 50-65 ms on the H200, cause not
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from harness.compare import Tolerance, diff
 from harness.targets.base import Target
 
-ROWS = 16           # prefill query rows drawn per check (and the sequence's last)
+ROWS = 16           # prefill query rows per check (and the sequence's last)
 
 
 @dataclass
@@ -69,21 +69,29 @@ def _decode(q, k_cache, v_cache, block_table, sm_scale, lens: list[int], b: int)
     n, (_, bs, KVH, D) = lens[b], k_cache.shape
     pages = block_table[b, :math.ceil(n / bs)].long()
     k, v = k_cache[pages].reshape(-1, KVH, D)[:n], v_cache[pages].reshape(-1, KVH, D)[:n]
-    last = torch.tensor([n - 1], device=q.device)
+    last = torch.full((1,), n - 1, device=q.device, dtype=torch.long)      # no copy from the host: see _rows
     qb = q[b:b + 1]
     return Pending(Kept(f"decode batch {len(lens)}, sequence {b} of length {n}, all {q.shape[1]} heads", None,
                         _rows_attention(qb, k, v, last, sm_scale, torch.float64),
                         _rows_attention(qb, k, v, last, sm_scale, q.dtype)), slice(b, b + 1))
 
 
+def _rows(n: int, rng: random.Random, device: torch.device) -> torch.Tensor:
+    """ROWS of a sequence's n rows, evenly spaced from a secret phase, and its last: each row as likely as any.
+    Made on the device (arange, full): a tensor copied from the host would wait for the serving stream."""
+    if n <= ROWS:
+        return torch.arange(n, device=device)
+    spaced = torch.arange(ROWS, device=device, dtype=torch.float64) * (n / ROWS) + rng.random() * (n / ROWS)
+    return torch.cat([spaced.floor().long(), torch.full((1,), n - 1, device=device, dtype=torch.long)])
+
+
 def _prefill(q, k, v, sm_scale, lens: list[int], b: int, rng: random.Random) -> Pending:
     start, n = sum(lens[:b]), lens[b]
-    picked = sorted(set(rng.sample(range(n), min(ROWS, n))) | {n - 1})
-    rows = torch.tensor(picked, device=q.device)
+    rows = _rows(n, rng, q.device)
     qr, kb, vb = q[start + rows], k[start:start + n], v[start:start + n]
     ref = _rows_attention(qr, kb, vb, rows, sm_scale, torch.float64)
     torch_rows = _rows_attention(qr, kb, vb, rows, sm_scale, q.dtype)
-    return Pending(Kept(f"prefill of {len(lens)} sequences, sequence {b} of length {n}, {len(picked)} of its rows "
+    return Pending(Kept(f"prefill of {len(lens)} sequences, sequence {b} of length {n}, {len(rows)} of its rows "
                         f"(the last among them)", None, ref, torch_rows), start + rows)
 
 
