@@ -87,3 +87,16 @@ def test_prefill_checks_reach_every_row_of_a_sequence_over_their_draws_and_alway
             assert len(rows) == 17 and rows[-1] == 102 and all(3 <= r <= 102 for r in rows), rows
             seen.update(rows)
     assert seen == set(range(3, 103))
+
+
+def test_the_checks_kept_are_bounded_and_sampled_from_the_whole_window():
+    spot = SpotChecks(ATTENTION, 1.0, 2.0, (1e-4, 2e-5), keep=5)
+    fn = ATTENTION.ops["decode"].baseline
+    args, lens = _call("decode", 0)
+    for call in range(60):
+        pending = spot.before("decode", args, lens)
+        pending.kept.what = str(call)
+        spot.after("decode", pending, fn(*args))
+    kept = [int(k.what) for k in spot.kept["decode"]]
+    assert len(kept) == 5 and spot.made["decode"] == 60 and max(kept) >= 5, kept
+    assert spot.results()["decode"]["spot_checked"] == 5

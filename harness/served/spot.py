@@ -12,7 +12,8 @@ configured baseline: a decode check through it, with the float64 reference, cost
 profiled; a prefill check through this path cost 1.1-1.7 ms, docs/BENCHMARKS.md.)
 
 Nothing waits on the GPU during serving: the reference, torch's rows and the candidate's rows are computed on the
-serving stream and kept (small: one sequence's heads, a few rows); the comparisons run when the books are read
+serving stream and kept (small: one sequence's heads, a few rows; at most KEEP per op, a uniform sample of the
+checks made, so a long window cannot fill the server's memory); the comparisons run when the books are read
 (`results`, GET /kevo/stats after the window). Calls replayed from CUDA graphs run no Python and are not checked.
 This module runs in the served process beside the candidate, as harness/served/ops.py does: it keeps books.
 """
@@ -30,6 +31,7 @@ from harness.compare import Tolerance, diff
 from harness.targets.base import Target
 
 ROWS = 16           # prefill query rows per check (and the sequence's last)
+KEEP = 256          # checks kept per op for judging, a uniform sample of those made (a prefill check: ~0.4 MB)
 
 
 @dataclass
@@ -96,10 +98,13 @@ def _prefill(q, k, v, sm_scale, lens: list[int], b: int, rng: random.Random) -> 
 
 
 class SpotChecks:
-    def __init__(self, target: Target, share: float, factor: float, floor: tuple[float, float]) -> None:
+    def __init__(self, target: Target, share: float, factor: float, floor: tuple[float, float],
+                 keep: int = KEEP) -> None:
         """`share`: of the candidate's eager served calls, checked; `factor` and `floor` (max abs, relative L2):
-        the tolerance, as parity's (config stages.parity.tolerance_factor and floors of the served dtype)."""
-        self.target, self.share, self.factor, self.floor = target, share, factor, floor
+        the tolerance, as parity's (config stages.parity.tolerance_factor and floors of the served dtype); `keep`:
+        the checks kept per op, however long the server runs (a reservoir: each check made as likely as any)."""
+        self.target, self.share, self.factor, self.floor, self.keep = target, share, factor, floor, keep
+        self.made = {op: 0 for op in target.ops}
         self._rng = random.Random(secrets.randbits(64))     # which calls, sequences and rows: no one can know
         self.kept: dict[str, list[Kept]] = {op: [] for op in target.ops}
         self._judged: dict[str, dict] | None = None
@@ -118,10 +123,16 @@ class SpotChecks:
         return _prefill(q, k, v, sm_scale, lens, b, self._rng)
 
     def after(self, op: str, pending: Pending | None, out: torch.Tensor) -> None:
-        if pending is not None:
-            pending.kept.got = out[pending.rows].clone()
-            self.kept[op].append(pending.kept)
-            self._judged = None
+        if pending is None:
+            return
+        pending.kept.got = out[pending.rows].clone()
+        self.made[op] += 1
+        kept, slot = self.kept[op], self._rng.randrange(self.made[op])
+        if len(kept) < self.keep:
+            kept.append(pending.kept)
+        elif slot < self.keep:
+            kept[slot] = pending.kept
+        self._judged = None
 
     def results(self) -> dict[str, dict]:
         """Per op: calls checked, how many fell outside the tolerance, the worst error over it, and the first
