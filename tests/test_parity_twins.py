@@ -49,7 +49,7 @@ def test_a_twin_is_the_check_before_it_with_only_the_band_its_label_names_redraw
     ctx = _ctx(cfg)
     parts = set()
     for case in (c for c in ctx.cases("decode") + ctx.cases("prefill") if c.weight > 0):
-        for _ in range(6):
+        for _ in range(16):     # enough that each part is drawn (a decode query at odds 1/4: 0.75^32 it is not)
             earlier = draw(ctx, case, dist, vary=True)
             twin = draw_twin(ctx, earlier)
             spec = twin.case.params["twin"]
@@ -59,6 +59,7 @@ def test_a_twin_is_the_check_before_it_with_only_the_band_its_label_names_redraw
             x, y = earlier.inputs, twin.inputs
             assert x.keys() == y.keys()
             masks = _band(x, spec, case.op)
+            kept, drawn = 0, 0                          # the band's elements equal to the earlier ones, and all
             for name, a in x.items():
                 if name not in masks:                   # lengths, block table, offsets, sm_scale: the earlier ones
                     assert torch.equal(a, y[name]) if isinstance(a, torch.Tensor) else a == y[name], name
@@ -66,7 +67,10 @@ def test_a_twin_is_the_check_before_it_with_only_the_band_its_label_names_redraw
                 m = masks[name]
                 same = (a == y[name]) | (a.isnan() & y[name].isnan())
                 assert same[~m].all(), (name, spec)     # outside the band: bit for bit the earlier inputs
-                assert not same[m].any(), (name, spec)  # inside it: every element drawn again
+                kept, drawn = kept + int(same[m].sum()), drawn + int(m.sum())
+                assert dist == "served" or not same[m].any(), (name, spec)   # inside it: every element drawn again
+            # the served model's rows drawn again: values repeat (a token's v has no position in it), few do
+            assert kept <= drawn // 2, (kept, drawn, spec)
             assert not torch.equal(earlier.ref, twin.ref)
     assert parts == {"query", "keys and values", "rows"}
 

@@ -24,6 +24,7 @@ import torch
 from harness.targets.base import UNFILLED, Case, Inputs
 
 MakeInputs = Callable[[Case, str, int, torch.device, torch.dtype], Inputs]
+TRIES = 8           # fresh draws of a twin's band, until one differs from the earlier check's
 
 
 def _lengths(op: str, inputs: Inputs) -> list[int]:
@@ -58,8 +59,22 @@ def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> tor
     return table[b].long()[t // block] * block + t % block
 
 
+def _band(x: Inputs, spec: dict) -> list[tuple[torch.Tensor, object]]:
+    """Where the twin's band lies in inputs `x`: (a view of a tensor, the index of the band in it) per tensor."""
+    b, s, e = spec["seq"], spec["start"], spec["end"]
+    if spec["part"] == "query":
+        return [(x["q"], b)]
+    if spec["part"] == "keys and values":
+        slots = _slots(x["block_table"], b, s, e, x["k_cache"].shape[1])
+        return [(x[name].view(-1, *x[name].shape[2:]), slots) for name in ("k_cache", "v_cache")]
+    first = int(x["cu_seqlens"][b])
+    return [(x[name], slice(first + s, first + e)) for name in ("q", "k", "v")]
+
+
 def twinned(make: MakeInputs) -> MakeInputs:
-    """`make` that builds a twin's inputs (a case whose params hold `twin`) as the module docstring says."""
+    """`make` that builds a twin's inputs (a case whose params hold `twin`) as the module docstring says. A fresh
+    draw whose band equals the earlier one (the served distribution reads windows of a few hundred captured
+    rows, so a window can start where the earlier one did) is drawn again from the next seed, up to TRIES."""
     def make_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype: torch.dtype) -> Inputs:
         spec = case.params.get("twin")
         if spec is None:
@@ -69,19 +84,12 @@ def twinned(make: MakeInputs) -> MakeInputs:
         if dist == UNFILLED:
             return x
         at = {k: v for k, v in base.items() if k not in ("pool", "layer")} | {"lengths": spec["lengths"]}
-        fresh = make(replace(case, params=at), dist, seed, device, dtype)
-        b, s, e = spec["seq"], spec["start"], spec["end"]
-        if spec["part"] == "query":
-            x["q"][b] = fresh["q"][b]
-        elif spec["part"] == "keys and values":
-            block = x["k_cache"].shape[1]
-            into = _slots(x["block_table"], b, s, e, block)
-            src = _slots(fresh["block_table"], b, s, e, block)
-            for name in ("k_cache", "v_cache"):
-                x[name].view(-1, *x[name].shape[2:])[into] = fresh[name].view(-1, *fresh[name].shape[2:])[src]
-        else:
-            first = int(x["cu_seqlens"][b])
-            for name in ("q", "k", "v"):
-                x[name][first + s:first + e] = fresh[name][first + s:first + e]
+        into = _band(x, spec)
+        for tries in range(TRIES):
+            src = _band(make(replace(case, params=at), dist, seed + tries, device, dtype), spec)
+            if not all(torch.equal(a[i], f[j]) for (a, i), (f, j) in zip(into, src)):
+                break
+        for (a, i), (f, j) in zip(into, src):
+            a[i] = f[j]
         return x
     return make_inputs
