@@ -119,8 +119,9 @@ class AttentionOps:
                 books["audit_madds"] += madds
                 books["op_calls"].update(probes.op_calls - calls)
                 books["op_elements"].update(probes.op_elements - elements)
+        out = self._checked(op, out, args[0])
         if pending is not None:
-            self.spot.after(op, pending, self._checked(op, out, args[0]))
+            self.spot.after(op, pending, out)
         return out
 
     @staticmethod
@@ -142,8 +143,7 @@ class AttentionOps:
         if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
             return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
         madds = 2.0 * sum(lens) * H * D     # the target's cost model (decode_cost), from host lengths: no device read
-        return self._checked("decode", self._timed("decode", madds, lens, fn, q, k_cache, v_cache, block_table,
-                                                   seq_lens, sm_scale), q)
+        return self._timed("decode", madds, lens, fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale)
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
         T, H, D = q.shape
@@ -156,8 +156,7 @@ class AttentionOps:
         if fn is not self.impl["prefill"]:
             return self._checked("prefill", fn(q, k, v, cu_seqlens, max_seqlen, sm_scale), q)
         madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D     # as prefill_cost counts them, from host lengths
-        return self._checked("prefill", self._timed("prefill", madds, lens, fn, q, k, v, cu_seqlens, max_seqlen,
-                                                    sm_scale), q)
+        return self._timed("prefill", madds, lens, fn, q, k, v, cu_seqlens, max_seqlen, sm_scale)
 
     def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
         """A CUDA graph replay: the calls per op its capture made, on the real lengths served."""

@@ -103,7 +103,7 @@ class SpotChecks:
         """`share`: of the candidate's eager served calls, checked; `factor` and `floor` (max abs, relative L2):
         the tolerance, as parity's (config stages.parity.tolerance_factor and floors of the served dtype); `keep`:
         the checks kept per op, however long the server runs (a reservoir: each check made as likely as any)."""
-        self.target, self.share, self.factor, self.floor, self.keep = target, share, factor, floor, keep
+        self.share, self.factor, self.floor, self.keep = share, factor, floor, keep
         self.made = {op: 0 for op in target.ops}
         self._rng = random.Random(secrets.randbits(64))     # which calls, sequences and rows: no one can know
         self.kept: dict[str, list[Kept]] = {op: [] for op in target.ops}
