@@ -186,6 +186,7 @@ class OpStats(_Strict):
     op_elements: dict[Name, Elements] = Field(default_factory=dict, max_length=1024)
     # a secret share of its served calls checked against the float64 reference (harness/served/spot.py)
     spot_checked: Count = 0
+    spot_replayed: Count = 0                  # of those, calls of a CUDA graph's replay
     spot_failed: Count = 0
     spot_worst: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] = 0.0    # the worst error over tolerance
     spot_first: Annotated[str, Field(max_length=600)] = ""                            # the first failure, said

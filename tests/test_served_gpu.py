@@ -2,7 +2,9 @@
 reference kernels pass the gates in the served replay, a kernel that drops the newest token fails
 them, teacher forcing serves the forced tokens, the profile attributes device time to the model's parts, `evaluate` runs through the
 replay, decode steps served from CUDA graphs give the eager engine's tokens, and a decode that
-syncs the host cannot be captured, so it is served eagerly, said so. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
+syncs the host cannot be captured, so it is served eagerly, said so, and decode calls replayed from CUDA graphs are
+spot-checked (a decode wrong only under capture is caught), and a spot check moves none of the candidate's
+allocations. Skipped without CUDA. Each test prints the figures docs/BENCHMARKS.md records; acceptance
 itself is a measurement, printed, not asserted."""
 from __future__ import annotations
 
@@ -21,9 +23,11 @@ from harness.profile import profile_served, render
 from harness.served.engine import make_engine, run_requests, warm_up
 from harness.served.limits import GraphPlan
 from harness.served.ops import AttentionOps, load_candidate
+from harness.served.spot import SpotChecks
 from harness.served.traces import TraceRequest
 from harness.stages import STAGE_NAMES
 from harness.stages.replay import run_replay, served_requests
+from harness.targets import TARGETS
 from harness.transport import DTYPES
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA)")]
@@ -140,12 +144,12 @@ def test_evaluate_runs_the_reference_decode_kernel_through_the_replay(evaluate_s
     assert replay.metrics["fallback_share"] == 0.0 and replay.metrics["gate_tokens_compared"] > 0
 
 
-def _engine(decode, graphs: GraphPlan | None, **preset):
+def _engine(decode, graphs: GraphPlan | None, spot: SpotChecks | None = None, **preset):
     """The served preset on CUDA with `decode` (None: the torch baseline), its memory given back first."""
     gc.collect()
     torch.cuda.empty_cache()
     served, section = CFG.served.cuda, CFG.targets.attention.cuda
-    ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype)
+    ops = AttentionOps(None if decode is None else SimpleNamespace(decode=decode), section.dtype, spot=spot)
     return make_engine(CFG.served.presets[served.preset].model_copy(update=preset), section.block_size,
                        DTYPES[section.dtype], torch.device("cuda"), ops, init=CFG.served.random_init, top_k=CFG.served.logprobs,
                        root=PROJECT_ROOT, graphs=graphs)
@@ -222,3 +226,62 @@ def test_a_decode_that_syncs_the_host_cannot_be_captured_and_is_served_eagerly_s
                        realtime=False)
     assert all(len(v) == 8 for v in out.values()) and e.graphs.replays == 0
     assert e.ops.stats()["decode"]["candidate"] > 0          # served eagerly, by the candidate
+
+
+@pytest.mark.parametrize("kernel", ["honest", "wrong under capture"])
+def test_decode_calls_replayed_from_cuda_graphs_are_spot_checked_on_gpu(kernel):
+    """4 requests at once, 24 tokens each: after their prefill every step is decode-only and replayed, and every
+    candidate call of a replay is checked (share 1). The wrong kernel is the reference with its output scaled by
+    1.02 only while a graph is captured, so its eager calls are right and its replays are not."""
+    ref = _reference_decode()
+
+    def decode(*args):
+        out = ref(*args)
+        return out * 1.02 if kernel != "honest" and torch.cuda.is_current_stream_capturing() else out
+
+    parity = CFG.stages.parity
+    floor = parity.floors[CFG.targets.attention.cuda.dtype]
+    spot = SpotChecks(TARGETS["attention"], 1.0, parity.tolerance_factor, (floor.max_abs, floor.rel_l2))
+    e = _engine(decode, GraphPlan(True, (1, 2, 4, 8), 1, 4096), spot=spot, kv_cache_tokens=16384)
+    warm_up(e)
+    e.ops.audit_all = False                   # serving from here, as the server does after its warm-up
+    run_requests(e, [TraceRequest(i, 0.0, [(7 * i + j) % 1000 for j in range(300 + 400 * i)], 24) for i in range(4)],
+                 realtime=False)
+    r = spot.results()["decode"]
+    print(f"\n{kernel}: {e.graphs.replays} replays, {spot.made['decode']} checks made, {r}")
+    assert e.graphs.on and e.graphs.replays > 0 and e.graphs.eager_decode_steps == 0, e.graphs.stats()
+    assert r["spot_checked"] == r["spot_replayed"] > 0, r
+    if kernel == "honest":
+        assert r["spot_failed"] == 0, r
+    else:
+        assert r["spot_failed"] == r["spot_checked"] and ", replayed from the CUDA graph of batch " in r["spot_first"], r
+
+
+def test_a_spot_check_moves_none_of_the_candidates_allocations_on_gpu():
+    """A kernel could tell a checked call by where its output lands, since the check copies what it needs just before
+    the call. Served eagerly, the same requests three times, the first two unchecked, the third with every call
+    checked: the candidate's outputs must land at the same addresses, call by call, in all three."""
+    ref, seen = _reference_decode(), []
+
+    def decode(*args):
+        out = ref(*args)
+        seen.append(out.data_ptr())
+        return out
+
+    parity = CFG.stages.parity
+    floor = parity.floors[CFG.targets.attention.cuda.dtype]
+    spot = SpotChecks(TARGETS["attention"], 0.0, parity.tolerance_factor, (floor.max_abs, floor.rel_l2))
+    e = _engine(decode, None, spot=spot, kv_cache_tokens=16384)
+    warm_up(e)
+    e.ops.audit_all = False
+    reqs = [TraceRequest(i, 0.0, [(7 * i + j) % 1000 for j in range(300 + 400 * i)], 16) for i in range(4)]
+    runs = []
+    for share in (0.0, 0.0, 1.0):
+        spot.share = share
+        seen.clear()
+        run_requests(e, reqs, realtime=False)
+        runs.append(list(seen))
+    print(f"\n{len(runs[0])} calls a run; {spot.made['decode']} checked in the third; distinct addresses "
+          f"{[len(set(r)) for r in runs]}; the runs agree: {runs[0] == runs[1]}, {runs[1] == runs[2]}")
+    assert spot.made["decode"] == len(runs[2]) > 0 and spot.results()["decode"]["spot_failed"] == 0
+    assert runs[0] == runs[1] == runs[2]

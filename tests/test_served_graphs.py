@@ -1,9 +1,8 @@
 """Decode steps from CUDA graphs (harness/served/graphs.py), on the CPU: the bucket and width choice, the
 padding (rows and columns at a scratch block no sequence ever owns), the accounting a replay adds, the
 fallback when a capture fails, and graphs off on a CPU, said so. CUDA graphs are outside the project,
-so here `EagerGraphs` stands in for them: a "replay" runs the captured forward again on the static
-buffers into the captured output, leaving the ops' books untouched, as a real replay runs no Python.
-On the GPU the real capture is tested in tests/test_served_gpu.py."""
+so here `EagerGraphs` (tests/fakes/cuda_graphs.py) stands in for them. On the GPU the real capture is tested in
+tests/test_served_gpu.py."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 from conftest import config_with
+from fakes.cuda_graphs import EagerGraphs
 from harness.served.engine import Request, make_engine, run_requests, warm_up
 from harness.served.graphs import DecodeGraphs, batch_bucket, width_bucket, width_buckets
 from harness.served.limits import GraphPlan
@@ -26,36 +26,6 @@ BS = CFG.targets.attention.cpu.block_size
 CPU = torch.device("cpu")
 BUCKETS = tuple(CFG.served.cuda_graphs.batch_buckets)
 PLAN = GraphPlan(True, BUCKETS, 1, 64)
-
-
-class EagerGraphs:
-    """A stand-in for CUDA graph capture on a CPU (see the module docstring)."""
-
-    def __init__(self, ops: AttentionOps, fail_at: int | None = None) -> None:
-        self.ops, self.fail_at, self.recorded = ops, fail_at, 0
-
-    def warm(self, fn) -> None:
-        fn()
-
-    def record(self, fn):
-        if self.fail_at is not None and self.recorded == self.fail_at:     # as a capture broken by a host sync fails:
-            try:                                                           # the sync's error, then the capture's end
-                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-            finally:
-                raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-        self.recorded += 1
-        out = fn()
-
-        def replay() -> None:
-            ops = self.ops
-            books = ops.calls, ops.stalls, ops.shapes
-            ops.reset()
-            ops.host_lengths = False
-            out.copy_(fn())
-            ops.host_lengths = True
-            ops.calls, ops.stalls, ops.shapes = books
-
-        return replay, out
 
 
 def engine(ops: AttentionOps | None = None, graphs: bool = True, fail_at: int | None = None, **preset):

@@ -1,16 +1,25 @@
 """The served process's spot checks (harness/served/spot.py): a secret share of a candidate's served calls, one
-sequence each, held to parity's tolerance against the float64 reference, judged by the replay."""
+sequence each, held to parity's tolerance against the float64 reference, judged by the replay; decode calls
+replayed from CUDA graphs too (on the CPU through the stand-in for graphs, tests/fakes/cuda_graphs.py; on the GPU,
+tests/test_served_gpu.py)."""
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import candidates as C
 from conftest import config_with
+from fakes.cuda_graphs import EagerGraphs
+from harness.served.engine import make_engine, run_requests, warm_up
+from harness.served.graphs import DecodeGraphs
+from harness.served.limits import GraphPlan
+from harness.served.ops import AttentionOps
 from harness.served.spot import SpotChecks
+from harness.served.traces import TraceRequest
 from harness.stages.common import Rejected
 from harness.stages.replay import run_gates
 from harness.targets import TARGETS
@@ -100,3 +109,55 @@ def test_the_checks_kept_are_bounded_and_sampled_from_the_whole_window():
     kept = [int(k.what) for k in spot.kept["decode"]]
     assert len(kept) == 5 and spot.made["decode"] == 60 and max(kept) >= 5, kept
     assert spot.results()["decode"]["spot_checked"] == 5
+
+
+def _served_from_graphs(decode) -> tuple[dict, DecodeGraphs]:
+    """The tiny preset serving 6 requests that arrive at once, its decode steps from (stand-in) CUDA graphs, every
+    candidate call drawn for a check. `decode(graphs, *args)`: the candidate's decode, told the stand-in (whether it
+    is capturing or replaying). After the one prefill step every step is decode-only, so every served decode call is
+    a replay's."""
+    cfg = config_with()
+    parity = cfg.stages.parity
+    spot = SpotChecks(ATTENTION, 1.0, parity.tolerance_factor, (parity.floors["float32"].max_abs, parity.floors["float32"].rel_l2))
+    box = {}
+    ops = AttentionOps(SimpleNamespace(decode=lambda *args: decode(box["graphs"], *args)), spot=spot)
+    e = make_engine(cfg.served.presets["tiny"], cfg.targets.attention.cpu.block_size, torch.float32, CPU, ops,
+                    init=cfg.served.random_init, top_k=cfg.served.logprobs)
+    box["graphs"] = EagerGraphs(ops)
+    e.graphs = DecodeGraphs(e, GraphPlan(True, tuple(cfg.served.cuda_graphs.batch_buckets), 1, 64), box["graphs"])
+    warm_up(e)
+    ops.audit_all = False                     # serving from here, as the server does after its warm-up
+    vocab = cfg.served.presets["tiny"].vocab
+    run_requests(e, [TraceRequest(i, 0.0, [(11 * i + 3 * j + 1) % vocab for j in range(6 + 5 * i)], 6 + i) for i in range(6)],
+                 realtime=False)
+    return spot.results()["decode"], e.graphs
+
+
+def test_decode_calls_replayed_from_cuda_graphs_are_spot_checked_on_what_the_replay_wrote():
+    """An honest decode passes every check of a replay; one that launches something else only under capture (what
+    replays then run) is caught there, and the failure says so. Eager calls of the same kernel are right."""
+    base = ATTENTION.ops["decode"].baseline
+    honest, graphs = _served_from_graphs(lambda g, *args: base(*args))
+    assert graphs.on and graphs.replays >= 8 and graphs.eager_decode_steps == 0, graphs.stats()
+    layers = config_with().served.presets["tiny"].layers
+    assert honest["spot_failed"] == 0 and honest["spot_checked"] == honest["spot_replayed"] == layers * graphs.replays, honest
+    wrong, graphs = _served_from_graphs(lambda g, *args: base(*args) * (1.01 if g.inside else 1.0))
+    assert wrong["spot_failed"] == wrong["spot_checked"] == wrong["spot_replayed"] == layers * graphs.replays, wrong
+    assert ", replayed from the CUDA graph of batch " in wrong["spot_first"], wrong["spot_first"]
+
+
+def test_a_decode_that_hands_every_captured_call_one_buffer_is_named_so_by_the_checks_of_its_replays():
+    """Serving reads each layer's output before the next layer runs, so one buffer gives the right tokens; the checks
+    read each layer's after the step and see the last layer's. The contract says the output is the caller's."""
+    base, buffers = ATTENTION.ops["decode"].baseline, {}
+
+    def decode(g, *args):
+        out = base(*args)
+        if not g.inside:
+            return out
+        mine = buffers.setdefault(tuple(out.shape), torch.empty_like(out))
+        return mine.copy_(out)
+
+    reused, graphs = _served_from_graphs(decode)
+    assert reused["spot_failed"] > 0 and graphs.replays >= 8, reused
+    assert "(its output lies in the allocation of another call's of the step)" in reused["spot_first"], reused["spot_first"]

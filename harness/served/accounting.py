@@ -62,6 +62,7 @@ def spot_checks(stats: dict | None) -> dict[str, float]:
                            f"served calls checked (a secret share) differ from the float64 reference beyond parity's "
                            f"tolerance; the first: {s.get('spot_first', '')}")
         metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
+        metrics[f"served_{op}_spot_replayed"] = float(s.get("spot_replayed", 0))
     return metrics
 
 

@@ -22,7 +22,9 @@ for the engine's decode-only steps (a step with a prefill in it runs eagerly):
   synchronized. Anything raised while warming or capturing (a host sync such as `.item()` is an error
   inside a capture) drops every graph: the server decodes eagerly, and `stats()` says why.
 - Accounting: each replay adds to AttentionOps the calls per op its capture made (candidate,
-  unsupported, not implemented) and records the real lengths served (harness/served/ops.py).
+  unsupported, not implemented) and records the real lengths served (harness/served/ops.py); the
+  candidate's decode calls the capture made are held (their inputs and outputs, which each replay
+  rewrites) and spot-checked after a share of replays (harness/served/spot.py).
 
 Not covered: graphs for prefill or mixed steps, more than one stream, piecewise graphs around
 attention (vLLM's torch.compile path), capture on a CPU (there graphs are off, and stats say so).
@@ -122,6 +124,7 @@ class _Graph:
     replay: Callable[[], None]
     logits: torch.Tensor                     # [batch bucket, vocab], rewritten by each replay
     calls: dict[str, Counter]                # per op, the calls the capture made (candidate / unsupported / ...)
+    held: list                               # the candidate's calls the capture made, for spot checks of replays
 
 
 class DecodeGraphs:
@@ -210,15 +213,18 @@ class DecodeGraphs:
 
                 self.recorder.warm(forward)
                 ops.reset()
+                ops.held = []
                 replay, logits = self.recorder.record(forward)
-                self.graphs[(B, W)] = _Graph(replay, logits, {op: Counter(c) for op, c in ops.calls.items() if c.total()})
+                self.graphs[(B, W)] = _Graph(replay, logits, {op: Counter(c) for op, c in ops.calls.items() if c.total()},
+                                             ops.held)
+                ops.held = None
         except Exception as e:                      # noqa: BLE001 - the candidate's failure: reported, served eagerly
             self.graphs.clear()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.reason = f"off: capturing the decode step at batch {B}, width {W} failed ({_cause(e)}); decoding eagerly"
         finally:
-            ops.host_lengths = True
+            ops.host_lengths, ops.held = True, None
             ops.calls, ops.stalls, ops.shapes = saved
         self.capture_s = time.perf_counter() - t0
 
@@ -237,7 +243,7 @@ class DecodeGraphs:
             lens = self.stage(seqs, B, W)
         with R("kevo.graph"):
             g.replay()
-        self.ops.replayed(g.calls, lens)
+        self.ops.replayed(g.calls, lens, g.held, B)
         self.replays += 1
         return g.logits[:len(seqs)]
 

@@ -14,7 +14,7 @@ candidate call is also watched as the worker's stages watch every call: its Trit
 aten ops audited (`audits`) on every call of the warm-up and the graph captures (`audit_all`) and on a share
 of the served calls drawn in secret (`audit_share`), since the served process must not be a place where a
 candidate runs otherwise than where parity looked; and a share of its served calls is checked against the float64
-reference (`spot`, harness/served/spot.py). This module runs inside the served process, next to the
+reference (`spot`, harness/served/spot.py), those replayed from a CUDA graph too (`held`: what the capture made). This module runs inside the served process, next to the
 candidate: it keeps the books, it does not judge (the replay holds the books to the dispatch rules).
 
 Under CUDA graphs (harness/served/graphs.py) the ops run only while a decode step is captured, on
@@ -69,6 +69,7 @@ class AttentionOps:
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
         self.probes, self.audit_share, self.audit_all = probes, audit_share, True   # audit_all: until served
         self.spot = spot
+        self.held: list | None = None      # while a CUDA graph is captured: its candidate calls, for spot checks of replays
         self._draw = random.Random(secrets.randbits(64)).random   # which served calls are audited: no one can know
         self.audits = {op: {"audited": 0, "no_launch": 0, "audit_madds": 0.0, "op_calls": Counter(),
                             "op_elements": Counter()} for op in TARGET.ops}   # the server's whole life: never reset
@@ -122,6 +123,8 @@ class AttentionOps:
         out = self._checked(op, out, args[0])
         if pending is not None:
             self.spot.after(op, pending, out)
+        elif self.held is not None and self.spot is not None:
+            self.spot.hold(self.held, args, out)
         return out
 
     @staticmethod
@@ -158,12 +161,15 @@ class AttentionOps:
         madds = 2.0 * sum(n * (n + 1) / 2 for n in lens) * H * D     # as prefill_cost counts them, from host lengths
         return self._timed("prefill", madds, lens, fn, q, k, v, cu_seqlens, max_seqlen, sm_scale)
 
-    def replayed(self, calls: dict[str, Counter], lens: list[int]) -> None:
-        """A CUDA graph replay: the calls per op its capture made, on the real lengths served."""
+    def replayed(self, calls: dict[str, Counter], lens: list[int], held: list = (), bucket: int = 0) -> None:
+        """A CUDA graph replay: the calls per op its capture made, on the real lengths served; and the candidate's
+        decode calls its capture held (`held`), spot-checked at the share on what the replay left in them."""
         for op, c in calls.items():
             self.calls[op].update(c)
             if c.total():
                 self.shapes.record(op, lens, c.total())
+        if self.spot is not None and held:
+            self.spot.replayed(held, lens, bucket)
 
     def stats(self) -> dict:
         """Per op: calls, how many the candidate served, fell back (declined shapes), or were never the

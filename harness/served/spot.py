@@ -14,11 +14,21 @@ profiled; a prefill check through this path cost 1.1-1.7 ms, docs/BENCHMARKS.md.
 Nothing waits on the GPU during serving: the reference, torch's rows and the candidate's rows are computed on the
 serving stream and kept (small: one sequence's heads, a few rows; at most KEEP per op, a uniform sample of the
 checks made, so a long window cannot fill the server's memory); the comparisons run when the books are read
-(`results`, GET /kevo/stats after the window). Calls replayed from CUDA graphs run no Python and are not checked.
+(`results`, GET /kevo/stats after the window). On CUDA the checks allocate from a memory pool of their own, so the
+candidate's allocations land where they would with no check: its output's address does not tell a checked call.
+
+A decode step replayed from a CUDA graph runs no Python, so no call of it can be drawn before it runs: the capture
+holds each candidate call's inputs and output (`Held`: tensors the graph rewrites at every replay, kept alive so
+nothing else of the capture takes their memory), and after a replay each of them is checked at the same share,
+on the lengths really served (`replayed`). What a check reads then is what the replay left: the query and output
+of its layer, and the layer's cache (which the step's later layers do not write). A kernel could tell a capture
+from an eager call (the bucket's shapes, the calls' order) and launch something else there; without this, nothing
+but the gates would see it, and on the GPU most decode calls are replayed.
 This module runs in the served process beside the candidate, as harness/served/ops.py does: it keeps books.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import secrets
@@ -40,6 +50,16 @@ class Kept:
     got: torch.Tensor | None    # the candidate's rows (None until its call returned)
     ref: torch.Tensor           # float64
     torch_rows: torch.Tensor    # torch in the served dtype: what sets the tolerance
+    replayed: bool = False      # a call of a CUDA graph's replay
+
+
+@dataclass
+class Held:
+    """A candidate call made while a CUDA graph was captured: its arguments and output, tensors each replay rewrites.
+    `shared`: its output lies in one allocation with another call's of the same capture (a candidate's own buffer)."""
+    args: tuple
+    out: torch.Tensor
+    shared: bool
 
 
 @dataclass
@@ -66,14 +86,15 @@ def _rows_attention(q, k, v, rows: torch.Tensor, sm_scale: float, dtype: torch.d
     return out.reshape(KVH, R, G, D).permute(1, 0, 2, 3).reshape(R, H, D)
 
 
-def _decode(q, k_cache, v_cache, block_table, sm_scale, lens: list[int], b: int) -> Pending:
-    """Sequence b's query over its keys, gathered from its pages in order: its last row of a causal prefill."""
+def _decode(q, k_cache, v_cache, block_table, sm_scale, lens: list[int], b: int, where: str = "") -> Pending:
+    """Sequence b's query over its keys, gathered from its pages in order: its last row of a causal prefill.
+    `where`: said after the batch (a graph replay's bucket)."""
     n, (_, bs, KVH, D) = lens[b], k_cache.shape
     pages = block_table[b, :math.ceil(n / bs)].long()
     k, v = k_cache[pages].reshape(-1, KVH, D)[:n], v_cache[pages].reshape(-1, KVH, D)[:n]
     last = torch.full((1,), n - 1, device=q.device, dtype=torch.long)      # no copy from the host: see _rows
     qb = q[b:b + 1]
-    return Pending(Kept(f"decode batch {len(lens)}, sequence {b} of length {n}, all {q.shape[1]} heads", None,
+    return Pending(Kept(f"decode batch {len(lens)}{where}, sequence {b} of length {n}, all {q.shape[1]} heads", None,
                         _rows_attention(qb, k, v, last, sm_scale, torch.float64),
                         _rows_attention(qb, k, v, last, sm_scale, q.dtype)), slice(b, b + 1))
 
@@ -108,6 +129,7 @@ class SpotChecks:
         self._rng = random.Random(secrets.randbits(64))     # which calls, sequences and rows: no one can know
         self.kept: dict[str, list[Kept]] = {op: [] for op in target.ops}
         self._judged: dict[str, dict] | None = None
+        self._pool = None                                   # on CUDA, the checks' own memory (_own_memory)
 
     def before(self, op: str, args: tuple, lens: list[int]) -> Pending | None:
         """Whether this call is checked (drawn in secret), and if so what the check copied of its inputs."""
@@ -116,16 +138,27 @@ class SpotChecks:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return None
         b = self._rng.randrange(len(lens))
-        if op == "decode":
-            q, k_cache, v_cache, block_table, _, sm_scale = args
-            return _decode(q, k_cache, v_cache, block_table, sm_scale, lens, b)
-        q, k, v, _, _, sm_scale = args
-        return _prefill(q, k, v, sm_scale, lens, b, self._rng)
+        with self._own_memory(args[0].device):
+            if op == "decode":
+                q, k_cache, v_cache, block_table, _, sm_scale = args
+                return _decode(q, k_cache, v_cache, block_table, sm_scale, lens, b)
+            q, k, v, _, _, sm_scale = args
+            return _prefill(q, k, v, sm_scale, lens, b, self._rng)
+
+    def _own_memory(self, device: torch.device):
+        """On CUDA, the checks allocate from a pool of their own: the candidate's next allocations land where they
+        would have landed with no check (its output's address would otherwise tell a checked call from another)."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if self._pool is None:
+            self._pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self._pool, device)
 
     def after(self, op: str, pending: Pending | None, out: torch.Tensor) -> None:
         if pending is None:
             return
-        pending.kept.got = out[pending.rows].clone()
+        with self._own_memory(out.device):
+            pending.kept.got = out[pending.rows].clone()
         self.made[op] += 1
         kept, slot = self.kept[op], self._rng.randrange(self.made[op])
         if len(kept) < self.keep:
@@ -134,14 +167,41 @@ class SpotChecks:
             kept[slot] = pending.kept
         self._judged = None
 
+    def hold(self, held: list[Held], args: tuple, out: torch.Tensor) -> None:
+        """A decode call made while a CUDA graph is captured: kept in `held` (the graph's), to be checked after its
+        replays."""
+        at, shared = out.untyped_storage().data_ptr(), False
+        for h in held:
+            if h.out.untyped_storage().data_ptr() == at:
+                h.shared = shared = True
+        held.append(Held(args, out, shared))
+
+    def replayed(self, held: list[Held], lens: list[int], bucket: int) -> None:
+        """After a CUDA graph's replay: each decode call its capture held, checked at the share as an eager call is,
+        one sequence of those served (`lens`; the bucket's other rows are padding)."""
+        if not self.share or not lens:
+            return
+        for h in held:
+            if self._rng.random() >= self.share:
+                continue
+            q, k_cache, v_cache, block_table, _, sm_scale = h.args
+            where = f", replayed from the CUDA graph of batch {bucket}" + (
+                " (its output lies in the allocation of another call's of the step)" if h.shared else "")
+            with self._own_memory(q.device):
+                pending = _decode(q, k_cache, v_cache, block_table, sm_scale, lens, self._rng.randrange(len(lens)), where)
+            pending.kept.replayed = True
+            self.after("decode", pending, h.out)
+
     def results(self) -> dict[str, dict]:
         """Per op: calls checked, how many fell outside the tolerance, the worst error over it, and the first
         failure said in a line. Computed once for what is kept (reading the kept tensors waits for the GPU)."""
         if self._judged is None:
-            self._judged = {op: self._judge(kept) for op, kept in self.kept.items()}
+            with self._own_memory(next((k.ref.device for kept in self.kept.values() for k in kept), torch.device("cpu"))):
+                self._judged = {op: self._judge(kept) for op, kept in self.kept.items()}
         return self._judged
 
     def _judge(self, kept: list[Kept]) -> dict:
+        """`spot_replayed`: of those checked, calls of CUDA graph replays."""
         failed, worst, first = 0, 0.0, ""
         for k in kept:
             tol = Tolerance.beside(diff(k.torch_rows, k.ref), self.factor, *self.floor)
@@ -151,4 +211,5 @@ class SpotChecks:
                 failed += 1
                 first = first or (f"{k.what}: {d.describe()} (tolerance: max abs {tol.max_abs:.3g}, relative L2 "
                                   f"{tol.rel_l2:.3g})")
-        return {"spot_checked": len(kept), "spot_failed": failed, "spot_worst": min(worst, 1e12), "spot_first": first[:600]}
+        return {"spot_checked": len(kept), "spot_replayed": sum(k.replayed for k in kept), "spot_failed": failed,
+                "spot_worst": min(worst, 1e12), "spot_first": first[:600]}
