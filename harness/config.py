@@ -1,10 +1,9 @@
 """Load and validate config.yaml.
 
-One pydantic model per top-level section; unknown keys are rejected and the errors come back as one line
-(`ConfigError`), every one of them, each naming its key. Here: the sections a verdict depends on (the worker
-pool, the stages, the targets' served shapes, the served scenario), the top-level `Config` with its checks
-across sections, and `load_config`. The sections that drive a run (agent, providers, executor) are in
-harness/config_run.py, the base model and the error line in harness/config_base.py: all importable here.
+One pydantic model per top-level section; unknown keys are rejected, and all errors come back in one line
+(`ConfigError`), each naming its key. Here: the sections a verdict depends on (worker pool, stages, targets' served
+shapes, served scenario), the top-level `Config` with its cross-section checks, and `load_config`; those that drive a
+run (agent, providers, executor) are in config_run.py, the base model and error line in config_base.py.
 """
 from __future__ import annotations
 
@@ -121,6 +120,7 @@ class ParityConfig(Strict):
     served_layout: float = Field(ge=0, le=1)     # decode checks handed the cache as served: the whole pool, a layer's view
     batch_drawn: float = Field(ge=0, le=1)       # served-shape checks at a batch drawn from 1..max_running + 1
     twins: float = Field(ge=0, le=1)             # odds that a served-shape check is followed by its twin
+    layers: float = Field(ge=0, le=1)            # odds that it is then followed by its step's next layer
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)

@@ -112,6 +112,7 @@ class Called(Reply):
     inputs_modified: list[Name] = Field(max_length=16)
     unlaunched: Count = 0                      # calls of the request that launched no Triton kernel
     seconds: dict[Name, Seconds] = Field(max_length=64)
+    step_shared: list[Name] = Field(default_factory=list, max_length=16)   # arguments handed as the previous call's
 
 
 class Warmed(Reply):

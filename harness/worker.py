@@ -44,6 +44,7 @@ class Worker:
         self.kept: dict[int, torch.Tensor] = {}          # outputs as returned, held for a later recheck (parity)
         self.timed_sets: dict[str, list[dict[str, Any]]] = {}
         self.graphs: dict[tuple[str, str], Any] = {}
+        self.last_args: tuple[str, dict[str, Any]] = ("", {})   # the previous call's op and arguments (a step's)
 
     # -- helpers -------------------------------------------------------------------------------
     def _sync(self) -> None:
@@ -129,6 +130,8 @@ class Worker:
         op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))
         t0 = time.perf_counter()
         args = self._inputs(op, msg["inputs"])
+        shared = self._step_shared(op, args) if msg.get("step") else []
+        self.last_args = (op, args)
         pristine = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
         out_shape = tuple(msg["out_shape"])
         self.probes.reset()
@@ -159,7 +162,17 @@ class Worker:
         modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
-                "inputs_modified": modified, "unlaunched": unlaunched, "seconds": seconds}
+                "inputs_modified": modified, "unlaunched": unlaunched, "seconds": seconds, "step_shared": shared}
+
+    def _step_shared(self, op: str, args: dict[str, Any]) -> list[str]:
+        """The next layer of the previous call's step: the op's `step_shared` arguments replaced by the previous
+        call's objects, as a served step hands each layer the same ones (their values are equal by the draw;
+        any that is not is left as drawn). Returns the names replaced."""
+        last_op, last = self.last_args
+        same = [n for n in self.target.ops[op].step_shared
+                if last_op == op and torch.equal(last[n], args[n])]
+        args.update({n: last[n] for n in same})
+        return same
 
     def warm(self, msg: dict) -> dict:
         """Compile the candidate's kernels for every call in `calls` (each a recipe: the shape classes parity

@@ -136,7 +136,7 @@ def test_a_checks_tolerance_is_set_by_its_ops_calibration_where_it_names_one_and
 
 
 def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(cfg):
-    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0})))      # twins: tests/test_parity_twins.py
+    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 0.0})))   # tests/test_parity_twins.py
     ops = [check.case.op for check in plan]
     assert ops[:6] == ["decode", "prefill"] * 3
     for op in ("decode", "prefill"):

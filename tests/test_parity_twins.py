@@ -1,6 +1,7 @@
 """Parity's twin checks (harness/targets/attention_twins.py): the check before, again, with one band of one sequence
 redrawn. The inputs must be the earlier ones everywhere else, and an output cache keyed on part of the inputs, which
-passes fresh draws, must fail at a twin."""
+passes fresh draws, must fail at a twin. And its checks of a step's next layer: the same lengths and host facts,
+handed as the same objects, every value redrawn; a kernel wrong only on a step's later layers fails there."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,7 +18,8 @@ from harness.targets import TARGETS
 
 ATTENTION = TARGETS["attention"]
 CPU = torch.device("cpu")
-PREFIX_CACHE = (Path(__file__).resolve().parent / "adversarial" / "prefix_cache_body.py").read_text()
+ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
+PREFIX_CACHE = (ADVERSARIAL / "prefix_cache_body.py").read_text()
 
 
 def _ctx(cfg) -> EvalContext:
@@ -76,7 +78,7 @@ def test_a_twin_is_the_check_before_it_with_only_the_band_its_label_names_redraw
 
 
 def test_twins_follow_served_shape_checks_at_the_configured_odds_and_nothing_else(cfg):
-    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 1.0})))
+    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 0.0})))
     assert not plan[0].twin and any(c.twin for c in plan)
     for before, check in zip(plan, plan[1:]):
         if check.twin:          # right after the check it repeats, which is a served shape's
@@ -97,3 +99,57 @@ def test_an_output_cache_keyed_on_part_of_the_inputs_passes_fresh_draws_and_fail
     v = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.twins": 1.0,
                                                                      "stages.parity.checks_per_shape": 4}))
     assert v.failed_stage == "parity" and "; the check before it again with sequence " in v.reason, v.reason
+
+
+@pytest.mark.parametrize("dist", ["normal", "served"])
+def test_a_steps_next_layer_keeps_the_lengths_and_host_facts_and_redraws_every_query_key_and_value(cfg, dist):
+    ctx = _ctx(config_with(**{"stages.parity.served_layout": 1.0}))
+    for case in (c for c in ctx.cases("decode") + ctx.cases("prefill") if c.weight > 0):
+        earlier = draw(ctx, case, dist, vary=True)
+        later = draw_twin(ctx, earlier, layer=True)
+        assert later.case.label == earlier.case.label + ("; then the next layer of its step (the same index tensors, "
+                                                         "every query, key and value redrawn)")
+        x, y = earlier.inputs, later.inputs
+        assert x.keys() == y.keys()
+        for name in ATTENTION.ops[case.op].step_shared + ("sm_scale",) + (("max_seqlen",) if case.op == "prefill" else ()):
+            assert torch.equal(x[name], y[name]) if isinstance(x[name], torch.Tensor) else x[name] == y[name], name
+        if case.op == "prefill":
+            for name in ("q", "k", "v"):
+                same = (x[name] == y[name]).float().mean().item()
+                assert same < 0.5 and (dist == "served" or same == 0.0), (name, same)
+            continue
+        assert (x["q"] != y["q"]).all()
+        block = x["k_cache"].shape[1]
+        owned = torch.zeros(x["k_cache"].shape[:2], dtype=torch.bool)
+        for b, n in enumerate(x["seq_lens"].tolist()):
+            t = torch.arange(n)
+            owned[x["block_table"][b].long()[t // block], t % block] = True
+        for name in ("k_cache", "v_cache"):
+            a, c = x[name], y[name]
+            same = (a == c) | (a.isnan() & c.isnan())
+            assert same[~owned].all(), name                             # the slots no sequence owns: as they were
+            assert same[owned].float().mean() < 0.5 and (dist == "served" or not same[owned].any()), name
+            layers = (earlier.case.params["layer"], later.case.params["layer"])
+            assert layers in ((0, 1), (1, 0)) and a.storage_offset() != c.storage_offset(), layers   # the other layer's view
+
+
+def test_a_steps_next_layer_follows_a_served_shape_check_at_the_configured_odds(cfg):
+    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0})))
+    for before, check in zip(plan, plan[1:]):
+        if check.layer:
+            assert not before.layer and before.case.weight > 0 and (before.case, before.dist) == (check.case, check.dist)
+        else:
+            assert before.layer or before.case.weight == 0, before.case.label
+    assert not any(c.layer for c in _plan(_ctx(config_with(**{"stages.parity.layers": 0.0}))))
+
+
+@pytest.mark.parametrize("op, reference, body", [("decode", C.REF_DECODE, "later_layers_decode_body.py"),
+                                                 ("prefill", C.REF_PREFILL, "unseen_rows_body.py")])
+def test_a_kernel_wrong_only_on_a_steps_later_layers_passes_separate_calls_and_fails_at_a_next_layer_check(
+        evaluate_source, op, reference, body):
+    """Each tells a served step from parity's calls by the index tensors a step hands every layer as one object."""
+    source = C.wrap(reference, op, (ADVERSARIAL / body).read_text())
+    apart = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.layers": 0.0}))
+    assert apart.ok, apart.reason
+    v = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.layers": 1.0}))
+    assert v.failed_stage == "parity" and "; then the next layer of its step (" in v.reason, v.reason

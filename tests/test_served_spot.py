@@ -34,8 +34,9 @@ UNSEEN_ROWS = C.wrap(C.REF_PREFILL, "prefill",
 def test_a_prefill_wrong_only_in_rows_no_gate_sees_passes_parity_and_the_gates_and_is_caught_by_spot_checks(
         evaluate_source):
     """It corrupts the last layer's rows but each sequence's last, and only where the calls share what a served step's
-    layers share: parity never sends that, and those rows reach no logit."""
-    assert evaluate_source(UNSEEN_ROWS, until="parity").ok
+    layers share: those rows reach no logit, and parity sends that only in its checks of a step's next layer (off
+    here: tests/test_parity_twins.py shows them catching it)."""
+    assert evaluate_source(UNSEEN_ROWS, until="parity", config=config_with(**{"stages.parity.layers": 0.0})).ok
     unchecked = run_gates(config_with(**{"served.spot_share": 0.0}), "cpu", UNSEEN_ROWS)
     assert unchecked.gate.passed and unchecked.metrics["served_prefill_spot_checked"] == 0, unchecked.reason
     with pytest.raises(Rejected) as e:

@@ -144,12 +144,13 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
     return _trial(ctx, case, dist, seed)
 
 
-def draw_twin(ctx: EvalContext, earlier: Trial) -> Trial:
+def draw_twin(ctx: EvalContext, earlier: Trial, layer: bool = False) -> Trial:
     """`earlier`'s check again with one part of its inputs redrawn from a new secret seed (the target's `twin`
     picks the part from that seed and names it in the label): an output kept from the earlier call and handed
-    back on a key the part does not enter is wrong there."""
-    seed = secrets.randbits(62)
-    return _trial(ctx, ctx.target.twin(earlier.case, earlier.seed, earlier.inputs, random.Random(seed)), earlier.dist, seed)
+    back on a key the part does not enter is wrong there. With `layer`, the next layer of `earlier`'s step (the
+    target's `layer`): every payload redrawn, the lengths and host facts the same."""
+    seed, how = secrets.randbits(62), ctx.target.layer if layer else ctx.target.twin
+    return _trial(ctx, how(earlier.case, earlier.seed, earlier.inputs, random.Random(seed)), earlier.dist, seed)
 
 
 def _trial(ctx: EvalContext, case: Case, dist: str, seed: int) -> Trial:
@@ -203,14 +204,15 @@ def no_launch(where: str) -> Rejected:
 
 
 def send_trial(ctx: EvalContext, trial: Trial, mode: str = "run", repeat: int = 1, keep: int | None = None,
-               recheck: list[int] = (), drop: list[int] = ()) -> None:
+               recheck: list[int] = (), drop: list[int] = (), step: bool = False) -> None:
     """Hand a trial to the worker without waiting: the next trial can be drawn meanwhile. The worker
     holds the first output as returned under `keep`, sends back those held under `recheck` as they are
-    after this trial's calls (`kept<key>`), and lets go of those under `drop`."""
+    after this trial's calls (`kept<key>`), and lets go of those under `drop`. With `step` (the next layer of the
+    previous call's step) it hands the call the previous call's objects for the op's `step_shared` arguments."""
     op: Op = ctx.target.ops[trial.case.op]
     ctx.send({"cmd": "call", "op": op.name, "inputs": trial.recipe(ctx), "mode": mode, "repeat": repeat,
               "out_shape": list(op.output_shape(trial.inputs)), "recheck": list(recheck), "drop": list(drop),
-              **({} if keep is None else {"keep": keep})}, f"running {trial.case.label}")
+              **({} if keep is None else {"keep": keep}), **({"step": True} if step else {})}, f"running {trial.case.label}")
 
 
 def collect_trial(ctx: EvalContext, trial: Trial, repeat: int = 1,

@@ -1,21 +1,22 @@
 """Stage 3, parity: the same function as the float64 reference, on what serving sends.
 
-The plan, per op: every served shape (`checks_per_shape` times), every boundary shape and every
-served-limit shape (once: batches of the served engine's max_running and one past it, prefill steps
-of max_prefill_tokens and the longest served prompt). Every check draws fresh inputs from a secret
-seed and, from the same seed, its sm_scale (a range around 1/sqrt(head_dim)) and what unused cache
-slots hold (NaN, zeros, stale values of other sequences, finite randoms); distributions rotate per op
-from a secret start (normal, peaky queries, keys with a large shared logit offset, the served model's
-own q, k, v). The ops' checks are interleaved in one worker, and every output is sent back again
-after each of the next two checks: it must not have changed (decode and prefill returning views of
-one buffer are each right alone and wrong together in a served step). The worker poisons the
-allocator before each call and reports whether inputs changed; each call is repeated on identical
-inputs and must agree bit for bit. The tolerance is the baseline's own error against float64 on the
-same inputs (the op's `calibration` where it names a cheaper torch way that errs alike) times a factor,
-with a floor (config: stages.parity). Before the first check (begun by the compile
-stage once the candidate is imported: `begin`), the candidate's kernels are compiled for every shape class of the
-plan at once (`send_warm`; config warm_threads, warm_draws), while the trusted side draws the first checks (within
-`_ahead_bytes`); the warm's library use is judged here, after dispatch (`judge_warm`).
+The plan, per op: every served shape (`checks_per_shape` times), every boundary shape and every served-limit
+shape (once: batches of the served engine's max_running and one past it, prefill steps of max_prefill_tokens
+and the longest served prompt). Every check draws fresh inputs from a secret seed and, from the same seed, its
+sm_scale (a range around 1/sqrt(head_dim)) and what unused cache slots hold (NaN, zeros, stale values of other
+sequences, finite randoms); distributions rotate per op from a secret start (normal, peaky queries, keys with
+a large shared logit offset, the served model's own q, k, v); a served-shape check may be followed by its twin
+(a band redrawn) and by the next layer of its step (every value redrawn, the index tensors handed as the call
+before's objects). The ops' checks are interleaved in one worker, and every output is sent back again after
+each of the next two checks: it must not have changed (decode and prefill returning views of one buffer are
+each right alone and wrong together in a served step). The worker poisons the allocator before each call and
+reports whether inputs changed; each call is repeated on identical inputs and must agree bit for bit. The
+tolerance is the baseline's own error against float64 on the same inputs (the op's `calibration` where it
+names a cheaper torch way that errs alike) times a factor, with a floor (config: stages.parity). Before the
+first check (begun by the compile stage once the candidate is imported: `begin`), the candidate's kernels are
+compiled for every shape class of the plan at once (`send_warm`; config warm_threads, warm_draws), while the
+trusted side draws the first checks (within `_ahead_bytes`); the warm's library use is judged here, after
+dispatch (`judge_warm`).
 """
 from __future__ import annotations
 
@@ -68,16 +69,19 @@ def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
 
 class Check(NamedTuple):
     """One check of the plan: a case and its distribution, or (`twin`) the check before it again with a part of its
-    inputs redrawn (harness/stages/common.py `draw_twin`)."""
+    inputs redrawn (harness/stages/common.py `draw_twin`), or (`layer`) the next layer of the step of the last check
+    that was neither, called as a served step calls its layers (the same index tensors)."""
     case: Case
     dist: str
     twin: bool = False
+    layer: bool = False
 
 
 def _plan(ctx: EvalContext) -> list[Check]:
     """Each op's checks with its distributions rotated from a secret start, the ops interleaved; a served-shape
     check is followed by its twin with the odds `twins` (config), drawn in secret: which calls are twins, and so
-    which calls a cache keyed on part of the inputs must not answer, is known only here."""
+    which calls a cache keyed on part of the inputs must not answer, is known only here; then, with the odds
+    `layers`, by the next layer of its step."""
     p, coin = ctx.cfg.stages.parity, secrets.SystemRandom()
     per_op = []
     for op in ctx.ops:
@@ -90,6 +94,8 @@ def _plan(ctx: EvalContext) -> list[Check]:
         with_twins.append(check)
         if ctx.target.twin is not None and check.case.weight > 0 and coin.random() < p.twins:
             with_twins.append(check._replace(twin=True))
+        if ctx.target.layer is not None and check.case.weight > 0 and coin.random() < p.layers:
+            with_twins.append(check._replace(layer=True))
     return with_twins
 
 
@@ -185,13 +191,17 @@ class Start:
     warm_reply: Reply | None = None
     warmed: dict[str, float] = field(default_factory=dict)
     last: Trial | None = None              # the check drawn last (a twin's check)
+    first: Trial | None = None             # the last check drawn that was neither a twin nor a layer (a layer's check)
 
 
 def _drawn(ctx: EvalContext, start: Start, i: int) -> Trial:
     """Check i of the plan, drawn (checks are drawn in order: a twin's check is the one drawn last)."""
     t0 = time.monotonic()
     check = start.plan[i]
-    trial = draw_twin(ctx, start.last) if check.twin else draw(ctx, check.case, check.dist, vary=True)
+    if check.twin or check.layer:
+        trial = draw_twin(ctx, start.last if check.twin else start.first, layer=check.layer)
+    else:
+        trial = start.first = draw(ctx, check.case, check.dist, vary=True)
     start.drawing["draw_s"] += time.monotonic() - t0
     start.last = trial
     return trial
@@ -244,13 +254,14 @@ def parity_stage(ctx: EvalContext) -> StageResult:
             worst = max(worst, settle(*pending))
         rechecks = [j for j in range(max(0, i - RECHECK_AFTER), i)]
         send_trial(ctx, trial, repeat=p.repeat_calls, keep=i, recheck=rechecks,
-                   drop=[i - RECHECK_AFTER] if i >= RECHECK_AFTER else [])
+                   drop=[i - RECHECK_AFTER] if i >= RECHECK_AFTER else [], step=plan[i].layer)
         pending = (i, trial, rechecks)
     if pending is not None:
         worst = max(worst, settle(*pending))
-    twins = sum(check.twin for check in plan)
+    twins, layers = sum(check.twin for check in plan), sum(check.layer for check in plan)
     return StageResult.passed("parity", f"{len(plan)} checks on fresh inputs within tolerance ({twins} of them an "
-                                        f"earlier check's inputs with a part redrawn), interleaved over "
-                                        f"{', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
-                              checks=float(len(plan)), twins=float(twins), worst_error_over_tolerance=worst, **spent, **warmed,
+                                        f"earlier check's inputs with a part redrawn, {layers} a step's next layer), "
+                                        f"interleaved over {', '.join(ctx.ops)}, earlier outputs unchanged by later calls",
+                              checks=float(len(plan)), twins=float(twins), layers=float(layers),
+                              worst_error_over_tolerance=worst, **spent, **warmed,
                               **{k: round(v, 3) for k, v in drawing.items()})

@@ -7,6 +7,11 @@ of one sequence redrawn from the twin's own secret seed: decode, its query (ever
 and values; prefill, a band of its rows (q, k and v; one token or many). A key that skips that band returns the
 earlier output, which is wrong there by the band's whole share of the attention.
 
+A step's next layer (`layer`) is made the same way with every sequence's queries, keys and values redrawn: the
+lengths, block table, sm_scale and unused slots as the check before it (a served step's layers share them, and the
+worker hands the call the same index tensors as the call before, harness/worker.py), a decode cache as the other
+layer's view of its two-layer buffer where the check had one.
+
 The part is chosen by `twin` (trusted side, from the twin's seed) and named in the case's params and label;
 `twinned` wraps an op's `make_inputs`, so the trusted side and the worker rebuild the same inputs from the
 recipe: the earlier check's inputs from its seed, a fresh draw at the same lengths from the twin's seed, and
@@ -53,6 +58,17 @@ def twin(case: Case, seed: int, inputs: Inputs, rng: random.Random) -> Case:
                    params={**case.params, "twin": spec})
 
 
+def layer(case: Case, seed: int, inputs: Inputs, rng: random.Random) -> Case:
+    """The check drawn from `seed` as `case` (its inputs `inputs`) as the next layer of its step: every query, key
+    and value redrawn from the layer's own seed, the rest the same. `rng` is unused: nothing of it is a choice."""
+    spec = {"of": seed, "lengths": _lengths(case.op, inputs), "part": "layer"}
+    params = {**case.params, "twin": spec}
+    if "layer" in params:
+        params["layer"] = 1 - params["layer"]
+    return replace(case, label=f"{case.label}; then the next layer of its step (the same index tensors, every query, "
+                               f"key and value redrawn)", params=params)
+
+
 def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> torch.Tensor:
     """The flat cache slots (block * block_size + offset) of sequence b's tokens start..end-1."""
     t = torch.arange(start, end, device=table.device)
@@ -61,6 +77,12 @@ def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> tor
 
 def _band(x: Inputs, spec: dict) -> list[tuple[torch.Tensor, object]]:
     """Where the twin's band lies in inputs `x`: (a view of a tensor, the index of the band in it) per tensor."""
+    if spec["part"] == "layer" and "k_cache" in x:       # every query, and every sequence's keys and values
+        block = x["k_cache"].shape[1]
+        slots = torch.cat([_slots(x["block_table"], b, 0, n, block) for b, n in enumerate(spec["lengths"])])
+        return [(x["q"], slice(None))] + [(x[name].view(-1, *x[name].shape[2:]), slots) for name in ("k_cache", "v_cache")]
+    if spec["part"] == "layer":
+        return [(x[name], slice(None)) for name in ("q", "k", "v")]
     b, s, e = spec["seq"], spec["start"], spec["end"]
     if spec["part"] == "query":
         return [(x["q"], b)]

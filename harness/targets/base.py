@@ -86,6 +86,9 @@ class Op:
     # (None: the baseline's). An op names another torch way only where it errs as the baseline does and is
     # cheaper to run on fresh inputs (harness/stages/common.py `draw`).
     calibration: Callable[..., torch.Tensor] | None = None
+    # The arguments a served step hands each of its layers as the same objects (its lengths, tables, offsets): a
+    # parity check of a step's next layer is handed the previous call's (harness/worker.py).
+    step_shared: tuple[str, ...] = ()
 
     def calibrate(self, inputs: Inputs) -> torch.Tensor:
         """The output whose error against the reference sets a check's tolerance."""
@@ -122,6 +125,9 @@ class Target:
     # A twin check (parity): (an earlier check's case, its seed, its inputs, random.Random of the twin's seed) -> the
     # case whose inputs are the earlier ones with a part redrawn, the part named in its label (None: no twins).
     twin: Callable[[Case, int, Inputs, Any], Case] | None = None
+    # A step's next layer (parity), called as `twin` is: the case whose inputs share the earlier check's lengths and
+    # host facts, every payload redrawn (None: no such checks).
+    layer: Callable[[Case, int, Inputs, Any], Case] | None = None
 
     def configured(self, baselines: Mapping[str, str]) -> "Target":
         """This target with the named ops' baselines chosen by name (op -> a name among its `baselines`)."""

@@ -1,6 +1,7 @@
 """Benchmark (not a test): the parity stage's cost on the reference kernels, three times each.
 
-    python tests/bench/parity_cost.py [--twins ODDS ...]   # each odds of stages.parity.twins in turn (default: config's)
+    python tests/bench/parity_cost.py [--odds TWINS,LAYERS ...]   # each pair of stages.parity.twins and .layers in
+                                                                  # turn (default: config's)
 
 One warm worker pool; a first evaluation warms it (first compiles, the served model's q/k/v
 capture); then each reference kernel is judged through parity three times, and the stage's wall
@@ -22,14 +23,15 @@ from harness.evaluate import evaluate, open_pool  # noqa: E402
 
 def main() -> None:
     base = load_config()
-    odds = [float(x) for x in sys.argv[sys.argv.index("--twins") + 1:]] if "--twins" in sys.argv else [None]
+    odds = [tuple(float(x) for x in pair.split(",")) for pair in sys.argv[sys.argv.index("--odds") + 1:]] \
+        if "--odds" in sys.argv else [None]
     cfg = base
     with open_pool(base, "attention") as pool:
         evaluate(C.REF_DECODE, "attention", base, pool, until="parity")
-        for twins, (name, source) in ((t, k) for t in odds for k in (("decode_paged_splitkv", C.REF_DECODE),
-                                                                     ("prefill_causal_tiled", C.REF_PREFILL))):
-            if twins is not None:
-                parity = base.stages.parity.model_copy(update={"twins": twins})
+        for pair, (name, source) in ((t, k) for t in odds for k in (("decode_paged_splitkv", C.REF_DECODE),
+                                                                    ("prefill_causal_tiled", C.REF_PREFILL))):
+            if pair is not None:
+                parity = base.stages.parity.model_copy(update={"twins": pair[0], "layers": pair[1]})
                 cfg = base.model_copy(update={"stages": base.stages.model_copy(update={"parity": parity})})
             wall, cpu, checks = [], [], 0
             for _ in range(3):
@@ -38,10 +40,10 @@ def main() -> None:
                 wall.append(parity.seconds)
                 cpu.append(parity.metrics.get("cpu_s", 0.0))
                 checks = int(parity.metrics["checks"])
-            print(f"{name} ({pool.device}, twins {cfg.stages.parity.twins}): {checks} checks; parity wall s min {min(wall):.2f} median "
-                  f"{statistics.median(wall):.2f}; cpu_s min {min(cpu):.2f} median {statistics.median(cpu):.2f}; "
-                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
-
+            p = cfg.stages.parity
+            print(f"{name} ({pool.device}, twins {p.twins}, layers {p.layers}): {checks} checks; parity wall s min "
+                  f"{min(wall):.2f} median {statistics.median(wall):.2f}; cpu_s min {min(cpu):.2f} median "
+                  f"{statistics.median(cpu):.2f}; load average {os.getloadavg()[0]:.2f}", flush=True)
 
 if __name__ == "__main__":
     main()
