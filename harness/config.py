@@ -120,7 +120,7 @@ class ParityConfig(Strict):
     served_layout: float = Field(ge=0, le=1)     # decode checks handed the cache as served: the whole pool, a layer's view
     batch_drawn: float = Field(ge=0, le=1)       # served-shape checks at a batch drawn from 1..max_running + 1
     twins: float = Field(ge=0, le=1)             # odds that a served-shape check is followed by its twin
-    layers: float = Field(ge=0, le=1)            # odds that it is then followed by its step's next layer
+    layers: float = Field(ge=0, le=1)            # else, odds that it is followed by its step's next layer
     checks_per_shape: int = Field(ge=1)
     repeat_calls: int = Field(ge=2)
     tolerance_factor: float = Field(ge=1)

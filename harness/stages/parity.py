@@ -6,11 +6,11 @@ and the longest served prompt). Every check draws fresh inputs from a secret see
 sm_scale (a range around 1/sqrt(head_dim)) and what unused cache slots hold (NaN, zeros, stale values of other
 sequences, finite randoms); distributions rotate per op from a secret start (normal, peaky queries, keys with
 a large shared logit offset, the served model's own q, k, v); a served-shape check may be followed by its twin
-(a band redrawn) and by the next layer of its step (every value redrawn, the index tensors handed as the call
+(a band redrawn) or by the next layer of its step (every value redrawn, the index tensors handed as the call
 before's objects). The ops' checks are interleaved in one worker, and every output is sent back again after
 each of the next two checks: it must not have changed (decode and prefill returning views of one buffer are
 each right alone and wrong together in a served step). The worker poisons the allocator before each call and
-reports whether inputs changed; each call is repeated on identical inputs and must agree bit for bit. The
+reports whether inputs changed; each call but a step's is repeated on identical inputs and must agree bit for bit. The
 tolerance is the baseline's own error against float64 on the same inputs (the op's `calibration` where it
 names a cheaper torch way that errs alike) times a factor, with a floor (config: stages.parity). Before the
 first check (begun by the compile stage once the candidate is imported: `begin`), the candidate's kernels are
@@ -69,8 +69,8 @@ def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
 
 class Check(NamedTuple):
     """One check of the plan: a case and its distribution, or (`twin`) the check before it again with a part of its
-    inputs redrawn (harness/stages/common.py `draw_twin`), or (`layer`) the next layer of the step of the last check
-    that was neither, called as a served step calls its layers (the same index tensors)."""
+    inputs redrawn (harness/stages/common.py `draw_twin`), or (`layer`) the next layer of the check before it,
+    called as a served step calls its layers (the same index tensors, no repeat of either call between them)."""
     case: Case
     dist: str
     twin: bool = False
@@ -80,8 +80,8 @@ class Check(NamedTuple):
 def _plan(ctx: EvalContext) -> list[Check]:
     """Each op's checks with its distributions rotated from a secret start, the ops interleaved; a served-shape
     check is followed by its twin with the odds `twins` (config), drawn in secret: which calls are twins, and so
-    which calls a cache keyed on part of the inputs must not answer, is known only here; then, with the odds
-    `layers`, by the next layer of its step."""
+    which calls a cache keyed on part of the inputs must not answer, is known only here; else, with the odds
+    `layers`, by the next layer of its step (at once: a twin between them would be a call no served step makes)."""
     p, coin = ctx.cfg.stages.parity, secrets.SystemRandom()
     per_op = []
     for op in ctx.ops:
@@ -94,7 +94,7 @@ def _plan(ctx: EvalContext) -> list[Check]:
         with_twins.append(check)
         if ctx.target.twin is not None and check.case.weight > 0 and coin.random() < p.twins:
             with_twins.append(check._replace(twin=True))
-        if ctx.target.layer is not None and check.case.weight > 0 and coin.random() < p.layers:
+        elif ctx.target.layer is not None and check.case.weight > 0 and coin.random() < p.layers:
             with_twins.append(check._replace(layer=True))
     return with_twins
 
@@ -190,18 +190,15 @@ class Start:
     drawing: dict[str, float]
     warm_reply: Reply | None = None
     warmed: dict[str, float] = field(default_factory=dict)
-    last: Trial | None = None              # the check drawn last (a twin's check)
-    first: Trial | None = None             # the last check drawn that was neither a twin nor a layer (a layer's check)
+    last: Trial | None = None              # the check drawn last (a twin's or a layer's check)
 
 
 def _drawn(ctx: EvalContext, start: Start, i: int) -> Trial:
     """Check i of the plan, drawn (checks are drawn in order: a twin's check is the one drawn last)."""
     t0 = time.monotonic()
     check = start.plan[i]
-    if check.twin or check.layer:
-        trial = draw_twin(ctx, start.last if check.twin else start.first, layer=check.layer)
-    else:
-        trial = start.first = draw(ctx, check.case, check.dist, vary=True)
+    trial = draw_twin(ctx, start.last, layer=check.layer) if check.twin or check.layer else \
+        draw(ctx, check.case, check.dist, vary=True)
     start.drawing["draw_s"] += time.monotonic() - t0
     start.last = trial
     return trial
@@ -227,15 +224,15 @@ def parity_stage(ctx: EvalContext) -> StageResult:
     worst, pending, spent = 0.0, None, {"worker_inputs_s": 0.0, "worker_first_calls_s": 0.0, "worker_repeats_s": 0.0}
     firsts: dict[int, tuple] = {}            # check index -> (trial, its first output as read then)
 
-    def settle(i: int, trial, rechecks: list[int]) -> float:
+    def settle(i: int, trial, rechecks: list[int], repeat: int) -> float:
         also = {f"kept{j}": tuple(firsts[j][1].shape) for j in rechecks}
-        outs, reply = collect_trial(ctx, trial, p.repeat_calls, also=also)
+        outs, reply = collect_trial(ctx, trial, repeat, also=also)
         took = reply.get("seconds")           # the worker's own account: the evaluator's cost figures only
         if isinstance(took, dict) and all(isinstance(v, (int, float)) for v in took.values()):
             spent["worker_inputs_s"] += took.get("inputs_s", 0.0)
             spent["worker_first_calls_s"] += took.get("call0_s", 0.0)
             spent["worker_repeats_s"] += sum(v for k, v in took.items() if k.startswith("call") and k != "call0_s")
-        for j, now in zip(rechecks, outs[p.repeat_calls:]):
+        for j, now in zip(rechecks, outs[repeat:]):
             earlier, first = firsts[j]
             if not _bitwise_equal(first, now):
                 between = "; then ".join(_where(t) for t in [firsts[k][0] for k in range(j + 1, i) if k in firsts] + [trial])
@@ -243,7 +240,7 @@ def parity_stage(ctx: EvalContext) -> StageResult:
                                f"({between}): {diff(now, first, atol=0.0).describe()}. The returned tensor must be "
                                f"the caller's: no later call may write to it (does it share memory with another "
                                f"call's output?)")
-        error = _judge(trial, outs[:p.repeat_calls], reply)
+        error = _judge(trial, outs[:repeat], reply)
         firsts[i] = (trial, outs[0])
         firsts.pop(i - RECHECK_AFTER - 1, None)
         return error
@@ -253,9 +250,13 @@ def parity_stage(ctx: EvalContext) -> StageResult:
         if pending is not None:
             worst = max(worst, settle(*pending))
         rechecks = [j for j in range(max(0, i - RECHECK_AFTER), i)]
-        send_trial(ctx, trial, repeat=p.repeat_calls, keep=i, recheck=rechecks,
+        # a step's layers are called one after the other, as served: no repeat between them (a repeat's query equal
+        # to the call before's would tell parity from a served step)
+        step = plan[i].layer or (i + 1 < len(plan) and plan[i + 1].layer)
+        repeat = 1 if step else p.repeat_calls
+        send_trial(ctx, trial, repeat=repeat, keep=i, recheck=rechecks,
                    drop=[i - RECHECK_AFTER] if i >= RECHECK_AFTER else [], step=plan[i].layer)
-        pending = (i, trial, rechecks)
+        pending = (i, trial, rechecks, repeat)
     if pending is not None:
         worst = max(worst, settle(*pending))
     twins, layers = sum(check.twin for check in plan), sum(check.layer for check in plan)
