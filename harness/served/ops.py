@@ -14,8 +14,9 @@ candidate call is also watched as the worker's stages watch every call: its Trit
 aten ops audited (`audits`) on every call of the warm-up and the graph captures (`audit_all`) and on a share
 of the served calls drawn in secret (`audit_share`), since the served process must not be a place where a
 candidate runs otherwise than where parity looked; and a share of its served calls is checked against the float64
-reference (`spot`, harness/served/spot.py), those replayed from a CUDA graph too (`held`: what the capture made). This module runs inside the served process, next to the
-candidate: it keeps the books, it does not judge (the replay holds the books to the dispatch rules).
+reference (`spot`, harness/served/spot.py), those replayed from a CUDA graph too (`held`: what the capture made).
+This module runs inside the served process, next to the candidate: it keeps the books, it does not judge (the
+replay holds the books to the dispatch rules).
 
 Under CUDA graphs (harness/served/graphs.py) the ops run only while a decode step is captured, on
 the bucket's shapes: `supports()` then sees the bucket's batch and the width bucket's max_seq_len
