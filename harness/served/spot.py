@@ -170,6 +170,8 @@ class SpotChecks:
     def hold(self, held: list[Held], args: tuple, out: torch.Tensor) -> None:
         """A decode call made while a CUDA graph is captured: kept in `held` (the graph's), to be checked after its
         replays."""
+        if not self.share:
+            return
         at, shared = out.untyped_storage().data_ptr(), False
         for h in held:
             if h.out.untyped_storage().data_ptr() == at:
