@@ -118,7 +118,8 @@ def test_a_steps_next_layer_keeps_the_lengths_and_host_facts_and_redraws_every_q
                 same = (x[name] == y[name]).float().mean().item()
                 assert same < 0.5 and (dist == "served" or same == 0.0), (name, same)
             continue
-        assert (x["q"] != y["q"]).all()
+        differ = (x["q"] != y["q"]).float().mean().item()      # served: a window may end where the earlier one did
+        assert differ == 1.0 or (dist == "served" and differ > 0.5), differ
         block = x["k_cache"].shape[1]
         owned = torch.zeros(x["k_cache"].shape[:2], dtype=torch.bool)
         for b, n in enumerate(x["seq_lens"].tolist()):
@@ -151,5 +152,5 @@ def test_a_kernel_wrong_only_on_a_steps_later_layers_passes_separate_calls_and_f
     source = C.wrap(reference, op, (ADVERSARIAL / body).read_text())
     apart = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.layers": 0.0}))
     assert apart.ok, apart.reason
-    v = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.layers": 1.0}))
+    v = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0}))
     assert v.failed_stage == "parity" and "; then the next layer of its step (" in v.reason, v.reason
