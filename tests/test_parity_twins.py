@@ -142,6 +142,8 @@ def test_a_steps_next_layer_follows_a_served_shape_check_at_the_configured_odds(
         else:
             assert before.layer or before.case.weight == 0, before.case.label
     assert not any(c.layer for c in _plan(_ctx(config_with(**{"stages.parity.layers": 0.0}))))
+    # a check with a twin has no next layer: a twin between them would be a call no served step makes
+    assert not any(c.layer for c in _plan(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 1.0}))))
 
 
 @pytest.mark.parametrize("op, reference, body", [("decode", C.REF_DECODE, "later_layers_decode_body.py"),
@@ -152,5 +154,6 @@ def test_a_kernel_wrong_only_on_a_steps_later_layers_passes_separate_calls_and_f
     source = C.wrap(reference, op, (ADVERSARIAL / body).read_text())
     apart = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.layers": 0.0}))
     assert apart.ok, apart.reason
-    v = evaluate_source(source, until="parity", config=config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0}))
+    every = config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0})     # a next layer after each
+    v = evaluate_source(source, until="parity", config=every)
     assert v.failed_stage == "parity" and "; then the next layer of its step (" in v.reason, v.reason
