@@ -75,20 +75,24 @@ def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> tor
     return table[b].long()[t // block] * block + t % block
 
 
+def _cached(x: Inputs, slots: torch.Tensor) -> list[tuple[torch.Tensor, object]]:
+    """The keys and values at these flat cache slots."""
+    return [(x[name].view(-1, *x[name].shape[2:]), slots) for name in ("k_cache", "v_cache")]
+
+
 def _band(x: Inputs, spec: dict) -> list[tuple[torch.Tensor, object]]:
     """Where the twin's band lies in inputs `x`: (a view of a tensor, the index of the band in it) per tensor."""
-    if spec["part"] == "layer" and "k_cache" in x:       # every query, and every sequence's keys and values
-        block = x["k_cache"].shape[1]
-        slots = torch.cat([_slots(x["block_table"], b, 0, n, block) for b, n in enumerate(spec["lengths"])])
-        return [(x["q"], slice(None))] + [(x[name].view(-1, *x[name].shape[2:]), slots) for name in ("k_cache", "v_cache")]
+    decode, block = "k_cache" in x, x["k_cache"].shape[1] if "k_cache" in x else 0
+    if spec["part"] == "layer" and decode:              # every query, and every sequence's keys and values
+        return [(x["q"], slice(None))] + _cached(x, torch.cat([_slots(x["block_table"], b, 0, n, block)
+                                                               for b, n in enumerate(spec["lengths"])]))
     if spec["part"] == "layer":
         return [(x[name], slice(None)) for name in ("q", "k", "v")]
     b, s, e = spec["seq"], spec["start"], spec["end"]
     if spec["part"] == "query":
         return [(x["q"], b)]
     if spec["part"] == "keys and values":
-        slots = _slots(x["block_table"], b, s, e, x["k_cache"].shape[1])
-        return [(x[name].view(-1, *x[name].shape[2:]), slots) for name in ("k_cache", "v_cache")]
+        return _cached(x, _slots(x["block_table"], b, s, e, block))
     first = int(x["cu_seqlens"][b])
     return [(x[name], slice(first + s, first + e)) for name in ("q", "k", "v")]
 
