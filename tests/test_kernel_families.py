@@ -54,6 +54,19 @@ def test_decode_kernel_compiled_for_sm90_keeps_the_programs_its_grid_counts_on_r
     assert int(line.split("at most ")[1].split()[0]) >= per_sm, line
 
 
+def test_the_tma_prefill_compiles_for_sm90_two_programs_an_sm_and_its_warp_specialize_knob_is_a_compile_kill():
+    """The TMA prefill family's defaults, compiled for sm90 at the bench shape: two programs fit an SM (the
+    catalog's figures were measured so), and WARP_SPECIALIZE at the file's 4 warps fails in the compiler, as the
+    catalog's `kill: compile` for it says."""
+    line = sm90_figures(str(PREFILL))
+    assert int(line.split("at most ")[1].split()[0]) == 2 and "wgmma" in line, line
+    from agent.knowledge import load_catalog
+    ws = next(e for e in load_catalog().entries if e.id == "prefill-causal-tma").family.knobs["WARP_SPECIALIZE"]
+    assert ws.kill == "compile"
+    with pytest.raises(AssertionError, match="TaskIdPropagation|PassManager"):
+        sm90_figures(f"{PREFILL}:WARP_SPECIALIZE=True")
+
+
 def sm90_figures(spec: str, batch: int = 32) -> str:
     """tests/bench/sm90_compile.py's line for `spec`: registers, stack, shared memory, programs per SM."""
     import subprocess

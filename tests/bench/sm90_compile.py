@@ -1,20 +1,26 @@
 """Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
-reference decode_paged_splitkv.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print
-its registers, stack (spills) and shared memory per program.
+reference decode_paged_splitkv.py) or the TMA prefill family's (prefill_causal_tma.py) for sm90 on a machine
+without a GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared memory per program,
+and its warpgroup MMAs (wgmma): how many the kernel issues and how its waits leave them in flight.
 
     python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
 
-It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128, page 16,
-several splits (partials), every stride a multiple of 16 and a unit stride the constant 1, as a launch on those
-tensors specialises them. The figures are the
-compiler's, not a measurement: how many programs fit per SM follows from them (65,536 registers and
-228 KB of shared memory per SM on the H200). Needs only torch and triton.
+It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128; decode with
+page 16, several splits (partials); prefill through tensor descriptors (the bench's packed tokens pass
+TMA_MIN_TOKENS); every stride a multiple of 16 and a unit stride the constant 1, as a launch on those tensors
+specialises them. The figures are the compiler's, not a measurement: how many programs fit per SM follows from
+them (65,536 registers and 228 KB of shared memory per SM on the H200). A wait's `pendings` is how many wgmma
+it lets stay in flight: with 0 everywhere, no tensor-core product overlaps the warps' own work past its wait
+(Triton's Hopper pipeliner leaves only a loop-carried accumulator's product in flight, until the next wait).
+Needs only torch and triton.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from harness.replies import KernelUse  # noqa: E402
 from harness.stages.microbench import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
+WAIT = re.compile(r"warp_group_dot_wait .*\{pendings = (\d+) : i32\}")
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
             "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32"}
 # strides of 1 on the bench's contiguous tensors, which a launch specialises as the constant 1 (the reference's)
@@ -61,10 +68,30 @@ def compile_split_kernel(mod, batch=32):
     desc = f"tensordesc<bf16[{page}, 128]>" if consts.get("KV_TMA") else "*bf16"   # KV_TMA: a page a copy
     sig = {n: POINTERS.get(n) or ("constexpr" if n in consts else "fp32" if n == "qk_scale" else
                                   desc if n.endswith("_desc") else "i32") for n in names}
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in names
-                           if n in POINTERS or (n.startswith("stride_") and n not in consts) or (n == "batch" and batch % 16 == 0)})
+    attrs = [n for n in names if n in POINTERS or (n.startswith("stride_") and n not in consts) or (n == "batch" and batch % 16 == 0)]
     cap = mod.register_cap() if hasattr(mod, "register_cap") else None
+    return _compile(fn, sig, consts, attrs, mod, cap)
+
+
+def compile_prefill_kernel(mod):
+    """The TMA prefill family's `_prefill_kernel` at the bench shape, its Q/K/V through tensor descriptors."""
+    fn, names = mod._prefill_kernel, mod._prefill_kernel.arg_names
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, TMA=True,
+                  HEAVY_FIRST=bool(mod.HEAVY_FIRST), WS=bool(mod.WARP_SPECIALIZE), LAZY=bool(mod.LAZY_RESCALE),
+                  LAZY_LOG2=8.0, DOT_PRECISION="tf32")
+    consts = {k: v for k, v in consts.items() if k in names}
+    descs = {"q_src": f"tensordesc<bf16[{mod.BLOCK_M}, 128]>", "k_src": f"tensordesc<bf16[{mod.BLOCK_N}, 128]>",
+             "v_src": f"tensordesc<bf16[{mod.BLOCK_N}, 128]>", "o_ptr": "*bf16", "cu_ptr": "*i32"}
+    sig = {n: "constexpr" if n in consts else descs.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
+    attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
+    return _compile(fn, sig, consts, attrs, mod, None)
+
+
+def _compile(fn, sig, consts, divisible, mod, cap):
+    """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings) for sm90."""
+    names = fn.arg_names
+    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
                                      **({"maxnreg": cap} if cap else {})})
@@ -74,12 +101,15 @@ def compile_split_kernel(mod, batch=32):
         usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
     fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line for tok in line.split())
-    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared
+    ttgir = kernel.asm["ttgir"]
+    waits = collections.Counter(int(m.group(1)) for m in WAIT.finditer(ttgir))
+    issued = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
+    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Compile a decode family's kernel for sm90 without a GPU; print its "
-                                             "registers, stack (spills) and shared memory per program.")
+    ap = argparse.ArgumentParser(description="Compile a decode or the TMA prefill family's kernel for sm90 without a "
+                                             "GPU; print its registers, stack (spills), shared memory and wgmma waits.")
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the GQA decode family")
     ap.add_argument("--batch", type=int, default=32, help="sequences in the launch the kernel is specialised for")
     args = ap.parse_args(argv)
@@ -87,11 +117,13 @@ def main(argv=None):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
         label, mod = load_spec(spec, tmp)
-        regs, stack, shared = compile_split_kernel(mod, batch)
+        compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
+        regs, stack, shared, issued, waits = compiled
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
                                            warps=mod.NUM_WARPS))        # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
-              f"-> at most {per_sm} programs per SM")
+              f"-> at most {per_sm} programs per SM; wgmma {issued} in the code, waits by pendings "
+              f"{dict(sorted(waits.items())) or 'none'}")
     return 0
 
 
