@@ -69,13 +69,20 @@ def test_the_tma_prefill_compiles_for_sm90_two_programs_an_sm_and_its_warp_speci
 
 def sm90_figures(spec: str, batch: int = 32) -> str:
     """tests/bench/sm90_compile.py's line for `spec`: registers, stack, shared memory, programs per SM."""
+    return sm90_lines([spec], batch)[0]
+
+
+def sm90_lines(specs: list[str], batch: int = 32) -> list[str]:
+    """tests/bench/sm90_compile.py's lines for `specs`, compiled in one process (one import of torch and triton)."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), spec],
+    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), *specs],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1]
+    lines = done.stdout.strip().splitlines()[-len(specs):]
+    assert len(lines) == len(specs), done.stdout
+    return lines
 
 
 @pytest.mark.parametrize("path", [DECODE, LEAN, ROOT / "knowledge" / "attention" / "decode_paged_splitkv.py"],
@@ -93,15 +100,12 @@ def test_the_catalog_offers_the_depth_at_which_a_decode_familys_kv_tiles_first_g
     block_n = int(next(line.split("=")[1].split("#")[0] for line in path.read_text().splitlines()
                        if line.startswith("BLOCK_N =")))
     double = 2 * 2 * block_n * 128 * 2 / 1024                  # two K and two V tiles, bf16, head_dim 128, KB
-    shared = {}
-    for d in depths:                                            # from the shallowest, to the first with two
-        shared[d] = float(sm90_figures(f"{path}:NUM_STAGES={d}").split(" KB shared")[0].split()[-1])
-        if shared[d] >= double:
-            break
-    first = max(shared)
-    assert shared[first] >= double and first > depths[0], (shared, double)
-    one_less = float(sm90_figures(f"{path}:NUM_STAGES={first - 1}").split(" KB shared")[0].split()[-1])
-    assert one_less < double, (shared, one_less, double)       # offered where the second buffer first appears
+    compiled = sorted(set(depths) | {d - 1 for d in depths if d > 1})
+    lines = sm90_lines([f"{path}:NUM_STAGES={d}" for d in compiled])
+    shared = {d: float(line.split(" KB shared")[0].split()[-1]) for d, line in zip(compiled, lines)}
+    first = next((d for d in depths if shared[d] >= double), None)      # the shallowest offered with two
+    assert first is not None and first > depths[0], (shared, double)
+    assert shared[first - 1] < double, (shared, double)          # offered where the second buffer first appears
 
 
 # ------------------------------------------------------------------ decode
