@@ -26,7 +26,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 import torch
 
@@ -68,13 +68,21 @@ def _judge(trial, outs: list[torch.Tensor], reply: dict) -> float:
 
 
 class Check(NamedTuple):
-    """One check of the plan: a case and its distribution, or (`twin`) the check before it again with a part of its
-    inputs redrawn (harness/stages/common.py `draw_twin`), or (`layer`) the next layer of the check before it,
-    called as a served step calls its layers (the same index tensors, no repeat of either call between them)."""
+    """One check of the plan, by `kind`: "fresh", a case and its distribution with inputs drawn afresh; "twin", the
+    check before it again with a part of its inputs redrawn (harness/stages/common.py `draw_twin`); "layer", the next
+    layer of the check before it, called as a served step calls its layers (the same index tensors, no repeat of
+    either call between them)."""
     case: Case
     dist: str
-    twin: bool = False
-    layer: bool = False
+    kind: Literal["fresh", "twin", "layer"] = "fresh"
+
+    @property
+    def twin(self) -> bool:
+        return self.kind == "twin"
+
+    @property
+    def layer(self) -> bool:
+        return self.kind == "layer"
 
 
 def _plan(ctx: EvalContext) -> list[Check]:
@@ -93,9 +101,9 @@ def _plan(ctx: EvalContext) -> list[Check]:
     for check in plan:
         with_twins.append(check)
         if ctx.target.twin is not None and check.case.weight > 0 and coin.random() < p.twins:
-            with_twins.append(check._replace(twin=True))
+            with_twins.append(check._replace(kind="twin"))
         elif ctx.target.layer is not None and check.case.weight > 0 and coin.random() < p.layers:
-            with_twins.append(check._replace(layer=True))
+            with_twins.append(check._replace(kind="layer"))
     return with_twins
 
 
@@ -197,7 +205,7 @@ def _drawn(ctx: EvalContext, start: Start, i: int) -> Trial:
     """Check i of the plan, drawn (checks are drawn in order: a twin's check is the one drawn last)."""
     t0 = time.monotonic()
     check = start.plan[i]
-    trial = draw_twin(ctx, start.last, layer=check.layer) if check.twin or check.layer else \
+    trial = draw_twin(ctx, start.last, layer=check.layer) if check.kind != "fresh" else \
         draw(ctx, check.case, check.dist, vary=True)
     start.drawing["draw_s"] += time.monotonic() - t0
     start.last = trial
