@@ -16,12 +16,13 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 from test_reference_kernels_standalone import (  # noqa: E402
-    TOL, _load, decode_reference, make_decode_inputs, run_decode, run_prefill,
+    TOL, _load, decode_reference, make_decode_inputs, prefill_reference, run_decode, run_prefill,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECODE = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 PREFILL = ROOT / "knowledge" / "attention" / "prefill_causal_tma.py"
+GLUON_PREFILL = ROOT / "tests" / "bench" / "kernels" / "prefill_gluon_sm90.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -65,6 +66,46 @@ def test_the_tma_prefill_compiles_for_sm90_two_programs_an_sm_and_its_warp_speci
     assert ws.kill == "compile"
     with pytest.raises(AssertionError, match="TaskIdPropagation|PassManager"):
         sm90_figures(f"{PREFILL}:WARP_SPECIALIZE=True")
+
+
+def _waits(line: str) -> dict[int, int]:
+    """sm90_compile.py's count of wgmma waits by how many products each leaves in flight."""
+    import ast
+    text = line.split("waits by pendings ")[1]
+    return {} if text == "none" else ast.literal_eval(text)
+
+
+def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_the_next_tiles_softmax():
+    """What the Gluon prefill is for (tests/bench/kernels/prefill_gluon_sm90.py): each step of its two tile loops waits
+    for the new tile's scores with one product (the tile before's P V) left in flight, which plain Triton's TMA
+    family never does (its every wait leaves none), and it still fits two programs an SM."""
+    tma, gluon = sm90_lines([str(PREFILL), str(GLUON_PREFILL)])
+    assert set(_waits(tma)) == {0}, tma
+    assert _waits(gluon).get(1) == 2 and int(gluon.split("at most ")[1].split()[0]) >= 2, gluon
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
+@pytest.mark.parametrize("knobs, d", [({}, 128), ({"BLOCK_M": 128, "NUM_WARPS": 8, "NUM_STAGES": 2}, 128),
+                                      ({"BLOCK_N": 128, "NUM_STAGES": 2}, 64)],
+                         ids=["defaults-d128", "two-warpgroups-d128", "wide-kv-d64"])
+def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
+    """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
+    batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
+    bf16 floors doubled of the float64 reference."""
+    mod = _load(GLUON_PREFILL, knobs, knob_dir)
+    lens, hq, hkv = [1, 17, 63, 64, 65, 130, 700, 2049], 32, 8
+    g = torch.Generator().manual_seed(71)
+    q, k, v = (torch.randn(sum(lens), h, d, generator=g) for h in (hq, hkv, hkv))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = 1.0 / d ** 0.5
+    dev = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+    poison = torch.full_like(dev[0], float("nan"))          # what the output's allocation gets next
+    del poison
+    out = mod.prefill(*dev, cu.cuda(), max(lens), scale).double().cpu()
+    ref = prefill_reference(*(x.cpu() for x in dev), cu, scale)     # float64 on the inputs the kernel got
+    assert torch.isfinite(out).all(), "an output row unwritten or not finite"
+    assert (out - ref).abs().max() < 3.2e-2 and (out - ref).norm() / ref.norm() < 1.2e-2
 
 
 def sm90_figures(spec: str, batch: int = 32) -> str:

@@ -1,7 +1,8 @@
 """Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
-reference decode_paged_splitkv.py) or the TMA prefill family's (prefill_causal_tma.py) for sm90 on a machine
-without a GPU, with Triton's bundled ptxas, and print its registers, stack (spills) and shared memory per program,
-and its warpgroup MMAs (wgmma): how many the kernel issues and how its waits leave them in flight.
+reference decode_paged_splitkv.py), the TMA prefill family's (prefill_causal_tma.py) or the Gluon prefill's
+(tests/bench/kernels/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
+registers, stack (spills) and shared memory per program, and its warpgroup MMAs (wgmma): how many the kernel
+issues and how its waits leave them in flight.
 
     python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
 
@@ -10,8 +11,8 @@ page 16, several splits (partials); prefill through tensor descriptors (the benc
 TMA_MIN_TOKENS); every stride a multiple of 16 and a unit stride the constant 1, as a launch on those tensors
 specialises them. The figures are the compiler's, not a measurement: how many programs fit per SM follows from
 them (65,536 registers and 228 KB of shared memory per SM on the H200). A wait's `pendings` is how many wgmma
-it lets stay in flight: with 0 everywhere, no tensor-core product overlaps the warps' own work past its wait
-(Triton's Hopper pipeliner leaves only a loop-carried accumulator's product in flight, until the next wait).
+it lets stay in flight: with 0 everywhere, no tensor-core product runs beside the warps' own work once they wait
+(in the TMA family's loop only P V, a loop-carried accumulator, stays in flight, until the next tile's wait).
 Needs only torch and triton.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ os.environ.pop("TRITON_INTERPRET", None)          # the real compiler, not the i
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from vs_library import load_spec  # noqa: E402
@@ -74,15 +76,20 @@ def compile_split_kernel(mod, batch=32):
 
 
 def compile_prefill_kernel(mod):
-    """The TMA prefill family's `_prefill_kernel` at the bench shape, its Q/K/V through tensor descriptors."""
+    """A prefill kernel at the bench shape, its Q/K/V through tensor descriptors: the TMA family's
+    `_prefill_kernel` (Triton) or prefill_gluon_sm90.py's (Gluon: descriptors carry their shared layouts)."""
     fn, names = mod._prefill_kernel, mod._prefill_kernel.arg_names
+    gluon = getattr(fn, "is_gluon", lambda: False)()
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, TMA=True,
-                  HEAVY_FIRST=bool(mod.HEAVY_FIRST), WS=bool(mod.WARP_SPECIALIZE), LAZY=bool(mod.LAZY_RESCALE),
-                  LAZY_LOG2=8.0, DOT_PRECISION="tf32")
+                  HEAVY_FIRST=bool(getattr(mod, "HEAVY_FIRST", True)), WS=bool(getattr(mod, "WARP_SPECIALIZE", False)),
+                  LAZY=bool(getattr(mod, "LAZY_RESCALE", False)), LAZY_LOG2=8.0, DOT_PRECISION="tf32",
+                  STAGES=getattr(mod, "NUM_STAGES", 1), num_warps=mod.NUM_WARPS)
     consts = {k: v for k, v in consts.items() if k in names}
-    descs = {"q_src": f"tensordesc<bf16[{mod.BLOCK_M}, 128]>", "k_src": f"tensordesc<bf16[{mod.BLOCK_N}, 128]>",
-             "v_src": f"tensordesc<bf16[{mod.BLOCK_N}, 128]>", "o_ptr": "*bf16", "cu_ptr": "*i32"}
-    sig = {n: "constexpr" if n in consts else descs.get(n) or ("fp32" if n == "qk_scale" else "i32") for n in names}
+    q_layout, kv_layout = (f",{layout!r}" for layout in mod.layouts(128)) if gluon else ("", "")
+    descs = {"q": f"tensordesc<bf16[{mod.BLOCK_M}, 128]{q_layout}>", "k": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>",
+             "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32"}
+    sig = {n: "constexpr" if n in consts else descs.get(n.split("_")[0] if n.endswith(("_src", "_desc")) else n)
+           or ("fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
     return _compile(fn, sig, consts, attrs, mod, None)
 
@@ -90,8 +97,9 @@ def compile_prefill_kernel(mod):
 def _compile(fn, sig, consts, divisible, mod, cap):
     """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings) for sm90."""
     names = fn.arg_names
-    src = ASTSource(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
+                 attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
                                      **({"maxnreg": cap} if cap else {})})

@@ -1,0 +1,196 @@
+"""Varlen causal prefill for Hopper in Gluon: FlashAttention-3's two-stage order within one warpgroup.
+
+Not a knowledge kernel (knowledge/ holds what a candidate may be): Gluon is not on the compile stage's allowlist
+and does not run in Triton's CPU interpreter. This file is for the benches: compiled for sm90
+(tests/bench/sm90_compile.py), not yet run on a GPU. Its GPU test is
+`pytest -m cuda tests/test_kernel_families.py -k gluon`; its bench row, tests/bench/vs_library.py with this
+file as a SPEC.
+
+Why Gluon
+    The TMA family (prefill_causal_tma.py) measured 0.84-0.90x cuDNN SDPA at 4 x 2k, 1 x 8k and 8 x 4k on the
+    H200. Compiled for sm90, its plain Triton 3.6 loop waits on every Q K^T wgmma at once, so a tile's softmax
+    never runs beside a product on the tensor cores, and the two-stage order written in plain Triton compiles
+    to the same waits (knowledge/attention/prefill.md).
+    Gluon states the waits: `warpgroup_mma(..., is_async=True)` and `warpgroup_mma_wait(num_outstanding=N)`.
+
+What it does
+    One program owns BLOCK_M query rows of one query head of one sequence (cu_seqlens), heaviest query tiles
+    first, and reads K/V tiles of its kv head (h // (Hq // Hkv)) through a ring of NUM_STAGES shared-memory
+    stages filled by TMA, one mbarrier a stage. Step j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, then
+    waits for S_j alone (one wgmma group left in flight): tile j's softmax (exp2, sm_scale * log2 e folded into
+    one multiply, row max on raw scores) runs while the tensor cores compute P_{j-1} V_{j-1}. Then it waits for
+    that product, rescales O by the row max's change, keeps P_j in registers (bf16, the wgmma A operand), and
+    refills the stage tile j-1 used. Tiles wholly below the diagonal run with no mask; the diagonal ones mask
+    keys past the query (which also hides keys past the sequence). Rows past the sequence are computed and
+    not stored.
+
+Knobs (module constants below, one per line)
+    BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS.
+
+Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
+    112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
+    `wait_group 0` after them, no shared-memory round trip for P.
+
+Known limits
+    * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128.
+    * No producer warp and no ping-pong between two consumer warpgroups (FlashAttention-3's other overlaps).
+    * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free).
+"""
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK_M = 64  # query rows per program (16 per warp: 64 with 4 warps, 128 with 8)
+BLOCK_N = 64  # KV tokens per step
+NUM_STAGES = 3  # K/V tiles in the TMA ring
+NUM_WARPS = 4  # warps per program: BLOCK_M // 16
+
+_LOG2E = 1.4426950408889634
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile, n_tiles, row0, col,
+             STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA loads of K/V tile `tile` into its stage of the ring, if the tile exists."""
+    s = tile % STAGES
+    pred = tile < n_tiles
+    bar = ready.index(s)
+    mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row0 + tile * BLOCK_N, col], bar, k_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [row0 + tile * BLOCK_N, col], bar, v_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def _masked(s, m_start, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    return gl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+
+
+@gluon.jit
+def _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile, n_tiles, row0, col,
+          m_start, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+          BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Tile `tile` (>= 1): its scores issued, then tile-1's P V, whose product runs while this tile's softmax does."""
+    s_idx = tile % STAGES
+    mbarrier.wait(ready.index(s_idx), (tile // STAGES) & 1)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(s_idx).permute((1, 0)), zero, use_acc=False, is_async=True)
+    prev = (tile - 1) % STAGES
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok,))           # this tile's scores; tile-1's P V may still run
+    if MASK:
+        s = _masked(s, m_start, tile, BLOCK_M, BLOCK_N, s_layout)
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, n_tiles, row0, col, STAGES, BLOCK_N)
+    return p_prev, m_new, l_i, acc
+
+
+@gluon.jit
+def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh,
+                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+    pid_h = gl.program_id(0)
+    pid_m = num_m_tiles - 1 - gl.program_id(1)
+    pid_b = gl.program_id(2)
+    seq_start = gl.load(cu_ptr + pid_b)
+    seq_len = gl.load(cu_ptr + pid_b + 1) - seq_start
+    m_start = pid_m * BLOCK_M
+    if m_start >= seq_len:
+        return
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(q_bar, count=1)
+
+    col = (pid_h // GROUP) * HEAD_DIM
+    hi = gl.minimum(seq_len, m_start + BLOCK_M)      # keys 0..hi-1
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+    n_off = m_start // BLOCK_N                        # tiles wholly below the diagonal: no mask
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [seq_start + m_start, pid_h * HEAD_DIM], q_bar, q_smem)
+    for i in gl.static_range(STAGES):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, i, n_tiles, seq_start, col, STAGES, BLOCK_N)
+    mbarrier.wait(q_bar, 0)
+
+    # tile 0: its scores and softmax (masked: cheap once, and needed when it is the diagonal tile)
+    mbarrier.wait(ready.index(0), 0)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+
+    for tile in range(1, n_off):
+        p_prev, m_i, l_i, acc = _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+                                      n_tiles, seq_start, col, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
+                                      s_layout, o_layout, p_layout)
+    for tile in range(gl.maximum(n_off, 1), n_tiles):
+        p_prev, m_i, l_i, acc = _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+                                      n_tiles, seq_start, col, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
+                                      s_layout, o_layout, p_layout)
+    last = (n_tiles - 1) % STAGES
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+    mbarrier.invalidate(q_bar)
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows = (seq_start + offs_m).to(gl.int64)
+    ptrs = o_ptr + rows[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :]
+    gl.store(ptrs, o.to(gl.bfloat16), mask=(offs_m < seq_len)[:, None])
+
+
+def layouts(head_dim):
+    """The shared-memory layouts of the Q and K/V tiles (the TMA descriptors' and the wgmma operands')."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16))
+
+
+def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+    total, hq, d = q.shape
+    hkv = k.shape[1]
+    assert q.dtype == torch.bfloat16 and q.is_cuda and d in (64, 128), "bf16 on CUDA, head_dim 64 or 128"
+    assert NUM_WARPS * 16 == BLOCK_M, "16 query rows a warp"
+    out = torch.empty_like(q)
+    batch = cu_seqlens.shape[0] - 1
+    if batch <= 0 or total == 0:
+        return out
+    q_layout, kv_layout = layouts(d)
+    q_desc = TensorDescriptor(q.view(total, hq * d), [total, hq * d], [hq * d, 1], [BLOCK_M, d], q_layout)
+    k_desc = TensorDescriptor(k.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
+    v_desc = TensorDescriptor(v.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
+    num_m_tiles = triton.cdiv(int(max_seqlen), BLOCK_M)
+    _prefill_kernel[(hq, num_m_tiles, batch)](
+        q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0), out.stride(1),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+    return out
