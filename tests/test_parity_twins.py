@@ -107,8 +107,9 @@ def test_a_steps_next_layer_keeps_the_lengths_and_host_facts_and_redraws_every_q
     for case in (c for c in ctx.cases("decode") + ctx.cases("prefill") if c.weight > 0):
         earlier = draw(ctx, case, dist, vary=True)
         later = draw_twin(ctx, earlier, layer=True)
-        assert later.case.label == earlier.case.label + ("; then the next layer of its step (the same index tensors, "
-                                                         "every query, key and value redrawn)")
+        view = f"layer {1 - earlier.case.params['layer']}'s view of the cache, " if "layer" in earlier.case.params else ""
+        assert later.case.label == earlier.case.label + (f"; then the next layer of its step ({view}the same index "
+                                                         "tensors, every query, key and value redrawn)")
         x, y = earlier.inputs, later.inputs
         assert x.keys() == y.keys()
         for name in ATTENTION.ops[case.op].step_shared + ("sm_scale",) + (("max_seqlen",) if case.op == "prefill" else ()):

@@ -63,10 +63,12 @@ def layer(case: Case, seed: int, inputs: Inputs, rng: random.Random) -> Case:
     and value redrawn from the layer's own seed, the rest the same. `rng` is unused: nothing of it is a choice."""
     spec = {"of": seed, "lengths": _lengths(case.op, inputs), "part": "layer"}
     params = {**case.params, "twin": spec}
+    view = ""
     if "layer" in params:
         params["layer"] = 1 - params["layer"]
-    return replace(case, label=f"{case.label}; then the next layer of its step (the same index tensors, every query, "
-                               f"key and value redrawn)", params=params)
+        view = f"layer {params['layer']}'s view of the cache, "
+    return replace(case, label=f"{case.label}; then the next layer of its step ({view}the same index tensors, every "
+                               f"query, key and value redrawn)", params=params)
 
 
 def _slots(table: torch.Tensor, b: int, start: int, end: int, block: int) -> torch.Tensor:
