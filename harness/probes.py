@@ -5,8 +5,9 @@ compile (`compiles`: a specialization met for the first time in the process), ca
 skip them all ("ablate": is the kernel what produces the output?), can turn them into compiles only
 ("compiling": each JIT kernel is compiled for the call's specialization, every config of an autotuned
 one, in a thread pool through Triton's AsyncCompileMode, and nothing is launched), and audits the aten ops a candidate
-issues with a TorchDispatchMode: every op by name (`op_calls`) and the elements each produced (`op_elements`),
-inside Triton launches too (a launch runs candidate code: a callable grid, a hook, a global's comparison). The worker
+issues with a TorchDispatchMode: every op by name (`op_calls`) and the elements each touched (`op_elements`: what it
+produced, or its largest tensor argument where that is larger, so that a reduction counts what it read), inside
+Triton launches too (a launch runs candidate code: a callable grid, a hook, a global's comparison). The worker
 applies the audit to every call it makes for the candidate, in every stage. Runs in the untrusted
 process: the compile stage's allowlist leaves a candidate no name to detect or switch off the audit with
 (torch.utils, torch._C, private attributes); the trusted comparisons and clocks in the stages are what
@@ -176,5 +177,9 @@ class _Audit(TorchDispatchMode):
         self.probes.op_calls[name] += 1
         # Inside a Triton launch too: candidate code runs there (a callable grid, a global's __eq__ when the JIT
         # checks its globals, a tensor-like's data_ptr); the interpreter's own copies there are plumbing ops.
-        self.probes.op_elements[name] += sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        # What it touched: its output, or its largest argument where that is larger (a reduction over a whole cache
+        # produces a few elements and reads them all; an elementwise or broadcast op produces at least what it reads).
+        produced = sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        read = max((t.numel() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), default=0)
+        self.probes.op_elements[name] += max(produced, read)
         return out

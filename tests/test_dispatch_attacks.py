@@ -34,7 +34,7 @@ def test_the_stage_aware_candidate_written_to_pass_the_allowlist_is_caught_at_pa
     v = evaluate_source(attack("stage_aware_elementwise"))
     assert v.failed_stage == "parity", v.reason
     reason = v.stages[-1].reason
-    assert reason.startswith("decode (parity, decode ") and "torch ops outside the kernel produce" in reason, reason
+    assert reason.startswith("decode (parity, decode ") and "torch ops outside the kernel touch" in reason, reason
 
 
 def test_sdpa_on_any_call_past_the_allowlist_is_a_rejection_at_the_first_call_that_makes_it(evaluate_source):
@@ -49,7 +49,25 @@ def test_torch_attention_inside_a_launchs_grid_callable_counts_as_torch_work_out
     plumbing and counted nothing there, so this passed compile, dispatch, parity and the replay's gates."""
     v = evaluate_source(attack("grid_callable"), until="parity")
     assert v.failed_stage == "compile", v.reason
-    assert "torch ops outside the kernel produce" in v.stages[-1].reason, v.stages[-1].reason
+    assert "torch ops outside the kernel touch" in v.stages[-1].reason, v.stages[-1].reason
+
+
+KEYED_ON_THE_CACHE = C.wrap_decode("""
+_keys = []
+
+def decode(@ARGS@):
+    _keys.append(k_cache.amax(dim=0))      # a torch reduction over the whole cache: a key for an output cache
+    return @REF@(@ARGS@)
+""")
+
+
+def test_a_torch_reduction_over_the_whole_cache_counts_what_it_reads(evaluate_source):
+    """A reduction makes few elements from many: counted by its output, a key read from the whole cache in torch (what
+    an output cache keyed on its inputs needs) cost the audit nothing. Counted by what it reads, it is the cache's
+    size each call, over `aux_work_fraction` of decode's multiply-adds."""
+    v = evaluate_source(KEYED_ON_THE_CACHE, until="dispatch")
+    assert v.failed_stage in ("compile", "dispatch"), v.reason
+    assert "torch ops outside the kernel touch" in v.stages[-1].reason and "aten::amax" in v.stages[-1].reason, v.reason
 
 
 def test_a_name_the_file_never_binds_is_refused_before_it_runs(evaluate_source):
@@ -71,8 +89,8 @@ def test_the_interpreter_leaves_no_module_of_its_own_in_a_kernels_module(evaluat
 
 @pytest.mark.parametrize("decoy, words, judged_by", [
     ("False", "of its calls launched no Triton kernel", run_gates),
-    ("True", "torch ops outside the kernel produce", run_gates),
-    ("True", "torch ops outside the kernel produce", run_replay),
+    ("True", "torch ops outside the kernel touch", run_gates),
+    ("True", "torch ops outside the kernel touch", run_replay),
 ], ids=["torch-alone-cpu-gates", "torch-beside-a-decoy-launch-cpu-gates", "torch-beside-a-decoy-launch-paired"])
 def test_a_kernel_that_runs_torch_attention_only_where_it_is_served_is_rejected_by_its_served_calls(
         decoy, words, judged_by):
@@ -100,7 +118,7 @@ def test_parity_hands_decode_the_cache_as_served_so_a_kernel_that_tells_them_apa
     reason = v.stages[-1].reason
     assert v.failed_stage == "parity" and "the cache as served" in reason, v.reason
     assert offset_only == "False" or "layer 1's view" in reason, reason
-    assert "torch ops outside the kernel produce" in reason or "no Triton kernel was launched" in reason, reason
+    assert "torch ops outside the kernel touch" in reason or "no Triton kernel was launched" in reason, reason
 
 
 def test_a_kernel_wrong_only_at_batches_no_fixed_shape_had_is_caught_at_a_drawn_batch(evaluate_source):

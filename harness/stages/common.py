@@ -24,6 +24,7 @@ from harness.pool import Pool
 from harness.worker_handle import WorkerFailure, WorkerHandle
 from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
+from harness.targets.base import redrawn_query
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
 
 if TYPE_CHECKING:
@@ -120,6 +121,10 @@ class Trial:
     inputs: Inputs
     ref: torch.Tensor
     tol: Tolerance
+    # Microbench's timed sets (`draw_timed`): every timed call's query is redrawn, the checked call's (rep `check_rep`)
+    # from `query_seed`; `ref` and `tol` are for that query, not for inputs["q"].
+    query_seed: int | None = None
+    check_rep: int = 0
 
     def nbytes(self) -> int:
         """The memory this trial holds while it waits to be judged: its inputs (the whole of what each is a view of)
@@ -128,7 +133,8 @@ class Trial:
 
     def recipe(self, ctx: EvalContext) -> dict:
         """What the worker needs to rebuild these exact inputs on its device (nothing else)."""
-        return {"case": self.case, "dist": self.dist, "seed": self.seed, "dtype": DTYPE_NAMES[ctx.dtype]}
+        return {"case": self.case, "dist": self.dist, "seed": self.seed, "dtype": DTYPE_NAMES[ctx.dtype],
+                **({} if self.query_seed is None else {"query_seed": self.query_seed})}
 
 
 def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
@@ -144,6 +150,14 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
     return _trial(ctx, case, dist, seed)
 
 
+def draw_timed(ctx: EvalContext, case: Case, check_rep: int) -> Trial:
+    """An input set for microbench: fresh inputs from a new secret seed, as `draw`, and a second secret seed for the
+    query of the timed call whose output is checked (rep `check_rep`, drawn in secret per case): the reference and
+    the tolerance are for the inputs with that query (harness/targets/base.py `redrawn_query`). Every other timed
+    call gets a query of its own (harness/worker_timing.py), so none of them repeats one before it."""
+    return _trial(ctx, case, "normal", secrets.randbits(62), query_seed=secrets.randbits(62), check_rep=check_rep)
+
+
 def draw_twin(ctx: EvalContext, earlier: Trial, layer: bool = False) -> Trial:
     """`earlier`'s check again with one part of its inputs redrawn from a new secret seed (the target's `twin`
     picks the part from that seed and names it in the label): an output kept from the earlier call and handed
@@ -153,11 +167,13 @@ def draw_twin(ctx: EvalContext, earlier: Trial, layer: bool = False) -> Trial:
     return _trial(ctx, how(earlier.case, earlier.seed, earlier.inputs, random.Random(seed)), earlier.dist, seed)
 
 
-def _trial(ctx: EvalContext, case: Case, dist: str, seed: int) -> Trial:
+def _trial(ctx: EvalContext, case: Case, dist: str, seed: int, query_seed: int | None = None,
+           check_rep: int = 0) -> Trial:
     op = ctx.target.ops[case.op]
     inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
-    ref = op.reference(**inputs)
-    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(inputs), ref)))
+    checked = inputs if query_seed is None else {**inputs, "q": redrawn_query(inputs["q"], query_seed)}
+    ref = op.reference(**checked)
+    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(checked), ref)), query_seed, check_rep)
 
 
 def candidate_raised(what: str, reply: Reply) -> Rejected:
@@ -169,7 +185,7 @@ def candidate_raised(what: str, reply: Reply) -> Rejected:
 def library_use(ctx: EvalContext, where: str, reply: Reply, madds: float, calls: int) -> float:
     """Judge the aten ops the worker saw the candidate issue (inside its Triton launches too) on `calls` calls
     (every call it makes for the candidate is watched, in every stage: a candidate cannot save its library
-    calls for when no check is looking) by `dispatch_rules`. Returns the elements torch compute ops produced."""
+    calls for when no check is looking) by `dispatch_rules`. Returns the elements torch compute ops touched."""
     return dispatch_rules(ctx.cfg.stages.dispatch, where, reply.get("op_calls") or {}, reply.get("op_elements") or {},
                           madds * calls)
 
@@ -183,7 +199,7 @@ def dispatch_rules(d, where: str, op_calls: dict, op_elements: dict, madds: floa
     """The rule every watched call of a candidate is held to, in the worker's stages and in its served process
     (the replay): Rejected for any library compute op (`d.forbidden_ops`, config stages.dispatch), and for torch
     compute beyond `d.aux_work_fraction` of the calls' `madds` multiply-adds (`d.plumbing_ops` are free). Returns
-    the elements torch compute ops produced."""
+    the elements torch compute ops touched (each op's output, or its largest argument where larger: harness/probes.py)."""
     forbidden = sorted(n for n in op_calls if n in set(d.forbidden_ops))
     if forbidden:
         listed = ", ".join(f"aten::{n} x{op_calls[n]}" for n in forbidden)
@@ -193,7 +209,7 @@ def dispatch_rules(d, where: str, op_calls: dict, op_elements: dict, madds: floa
     work = float(sum(compute.values()))
     if not work <= d.aux_work_fraction * madds:
         top = ", ".join(f"aten::{n} ({e:.0f} elements)" for n, e in sorted(compute.items(), key=lambda x: -x[1])[:5])
-        raise Rejected(f"{where}: torch ops outside the kernel produce {work:.0f} elements, more than "
+        raise Rejected(f"{where}: torch ops outside the kernel touch {work:.0f} elements, more than "
                        f"{d.aux_work_fraction:.0%} of the op's {madds:.0f} multiply-adds: {top}")
     return work
 
@@ -251,5 +267,5 @@ def drop_outputs(ctx: EvalContext, reply: Reply) -> None:
     reply.release()
 
 
-__all__ = ["EvalContext", "Rejected", "Diff", "dispatch_rules", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "draw_twin", "run_trial", "send_trial", "collect_trial",
+__all__ = ["EvalContext", "Rejected", "Diff", "dispatch_rules", "library_use", "no_library_compute", "no_launch", "Tolerance", "Trial", "diff", "draw", "draw_timed", "draw_twin", "run_trial", "send_trial", "collect_trial",
            "tolerance", "WorkerFailure"]

@@ -12,7 +12,9 @@ counts is device time on the stream. The evaluator then distrusts every number i
     hold>`, so a NaN that got this far would still reject;
   - the timed calls, and the calls made just before the CUDA-graph capture, were watched by the audit
     like any other (no library op);
-  - the outputs of the timed calls are re-checked against float64;
+  - every timed call is on a query of its own (harness/worker_timing.py `query_seed`), so none repeats the inputs
+    of a call before it: an output kept for inputs seen before would time a lookup; the outputs of a rep drawn in
+    secret are re-checked against float64, computed here for that rep's query (`draw_timed`);
   - device time after the synchronize far beyond the stream's (less the synchronize's own cost,
     measured on the baseline) means work escaped the timed stream;
   - a time under bytes/bandwidth or FLOPs/peak is a measurement exploit;
@@ -38,6 +40,7 @@ keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too,
 from __future__ import annotations
 
 import re
+import secrets
 import statistics
 import time
 
@@ -47,7 +50,7 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import KernelUse, Timed
 from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
-from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw, drop_outputs, library_use
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw_timed, drop_outputs, library_use
 from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
                                                time_request)
 from harness.targets import Case
@@ -184,7 +187,11 @@ def _anchor_key(ctx: EvalContext, case) -> tuple:
 
 
 def _draw_sets(ctx: EvalContext, case) -> list:
-    return [draw(ctx, case, "normal") for _ in range(ctx.cfg.stages.microbench.input_sets)]
+    """The case's input sets, and (drawn in secret, one for the case) the rep whose outputs are checked: each set's
+    reference is for the query that rep is timed on (`draw_timed`)."""
+    m = ctx.cfg.stages.microbench
+    check_rep = secrets.randbelow(m.reps) if m.reps else 0
+    return [draw_timed(ctx, case, check_rep) for _ in range(m.input_sets)]
 
 
 def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> tuple[dict[str, float], list[str]]:

@@ -94,6 +94,8 @@ def time_request(ctx: EvalContext, case, trials: list, warmup: int, reps: int) -
     return {"cmd": "time", "op": case.op, "impls": IMPLS, "sets": [t.recipe(ctx) for t in trials],
             "warmup": warmup, "reps": reps, "flush_bytes": m.l2_flush_bytes, "cover_cycles": m.cover_cycles,
             "baseline": ctx.target.ops[case.op].baseline_name,
-            # whose outputs come back to be checked: drawn here, learnt only with the request, so a kernel
+            # whose outputs come back to be checked: drawn with the sets, learnt only with the request, so a kernel
             # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
-            "check_rep": secrets.randbelow(reps) if reps else 0}
+            "check_rep": trials[0].check_rep if trials else 0,
+            # every other call's query is drawn from this request's own secret (harness/worker_timing.py)
+            "query_nonce": secrets.randbits(48)}

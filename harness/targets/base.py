@@ -21,6 +21,15 @@ Inputs = dict[str, Any]  # contract argument name -> Tensor or Python scalar
 UNFILLED = "unfilled"
 
 
+
+def redrawn_query(q: torch.Tensor, seed: int) -> torch.Tensor:
+    """A query of q's shape, dtype and device drawn afresh from `seed` (standard normal, as the `normal` distribution
+    draws it), the same in any process on that device. Microbench times every call on a query of its own, so that
+    no timed call repeats an earlier call's inputs (an output kept for inputs seen before and handed back would
+    time the lookup), and the trusted side rebuilds the query of the call it checks (harness/worker_timing.py)."""
+    gen = torch.Generator(device=q.device).manual_seed(seed)
+    return torch.randn(tuple(q.shape), generator=gen, dtype=torch.float32, device=q.device).to(q.dtype)
+
 # The params a case's key names first, with their short tags, in this order; any other param follows under its
 # own name, and `size` (derived from these, for ordering cases) is left out.
 _KEY_TAGS = {"batch": "b", "length_range": "len", "lengths": "lens", "q_heads": "hq", "kv_heads": "hkv",

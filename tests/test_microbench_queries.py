@@ -1,0 +1,115 @@
+"""Microbench times every call on a query of its own (harness/worker_timing.py `query_seed`, `redraw_query`): an output
+kept for inputs seen before and handed back (tests/adversarial/content_cache_prefill.py, right on every call) never
+answers a timed call, and the call microbench checks is on the query its float64 reference was computed with. The
+timing itself needs CUDA; the schedule of queries, the references and the cache's hits are the same code on a CPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from conftest import CUDA, ROOT, config_with  # noqa: E402
+from harness.evaluate import device_shapes  # noqa: E402
+from harness.stages.common import EvalContext  # noqa: E402
+from harness.stages.microbench import _draw_sets  # noqa: E402
+from harness.stages.microbench_prepare import time_request  # noqa: E402
+from harness.targets.attention import TARGET as ATTENTION  # noqa: E402
+from harness.worker_timing import query_seed, redraw_query  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+CFG = config_with()
+CPU = torch.device("cpu")
+CACHE = ROOT / "tests" / "adversarial" / "content_cache_prefill.py"
+
+
+def _ctx() -> EvalContext:
+    return EvalContext(cfg=CFG, target=ATTENTION, shapes=device_shapes(CFG, "attention", CPU), device=CPU,
+                       dtype=torch.float32, pool=None, source="", ops=["decode", "prefill"])
+
+
+def _schedule(msg: dict) -> list[tuple[int, bool]]:
+    """The calls a `time` request makes on each set, in order, as (call index, whether it is the checked rep)."""
+    reps = msg["reps"]
+    return [(reps + w, False) for w in range(msg["warmup"])] + [(r, r == msg["check_rep"]) for r in range(reps)]
+
+
+def _timed_case(op: str):
+    ctx = _ctx()
+    case = next(c for c in ctx.cases(op, boundary=False))
+    trials = _draw_sets(ctx, case)
+    return ctx, case, trials, time_request(ctx, case, trials, warmup=2, reps=CFG.stages.microbench.reps)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_every_call_of_a_time_request_is_on_a_query_of_its_own_and_the_checked_rep_on_its_references(op):
+    ctx, case, trials, msg = _timed_case(op)
+    spec = ATTENTION.ops[op]
+    for s, t in enumerate(trials):
+        args = spec.make_inputs(t.case, t.dist, t.seed, CPU, torch.float32)      # as the worker rebuilds the set
+        seen = [args["q"].clone()]
+        checked = 0
+        for call, is_checked in _schedule(msg):
+            redraw_query(args, query_seed(msg, s, call, is_checked))
+            seen.append(args["q"].clone())
+            if is_checked:
+                checked += 1
+                assert torch.equal(spec.reference(**args), t.ref)    # the trusted side's reference, for this query
+        assert checked == 1
+        assert not any(torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1:])
+    again = time_request(ctx, case, trials, warmup=2, reps=msg["reps"])     # a retry of the case: other queries
+    assert query_seed(again, 0, 0, False) != query_seed(msg, 0, 0, False)
+    assert query_seed(again, 0, again["check_rep"], True) == query_seed(msg, 0, msg["check_rep"], True)
+
+
+def _cache_module(tmp_path, cache: bool = True):
+    path = tmp_path / f"content_cache_{cache}.py"
+    path.write_text(CACHE.read_text().replace("CACHE = True", f"CACHE = {cache}"))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_output_cache_answers_repeated_inputs_and_no_call_of_a_time_request(tmp_path):
+    """The cache is right on every call and hits on inputs that repeat (as each set's reps once did); on the
+    queries a time request calls it with, it never hits, and the checked rep's output is the reference's."""
+    ctx, case, trials, msg = _timed_case("prefill")
+    cache, spec = _cache_module(tmp_path), ATTENTION.ops["prefill"]
+    hits = lambda: int(next(iter(cache._STATE.values()))[2])     # noqa: E731  the hit flag of its last call
+    t = trials[0]
+    args = spec.make_inputs(t.case, t.dist, t.seed, CPU, torch.float32)
+    first = cache.prefill(*(args[n] for n in spec.arg_names))
+    assert hits() == 0 and torch.equal(cache.prefill(*(args[n] for n in spec.arg_names)), first) and hits() == 1
+    for call, is_checked in _schedule(msg):
+        redraw_query(args, query_seed(msg, 0, call, is_checked))
+        out = cache.prefill(*(args[n] for n in spec.arg_names))
+        assert hits() == 0, f"call {call} was answered from the cache"
+        if is_checked:
+            assert (out.double() - t.ref).abs().max() <= t.tol.max_abs
+
+
+def test_an_output_cache_passes_parity_where_every_check_draws_fresh_inputs(evaluate_source):
+    """Why microbench must not repeat inputs: no check of parity's meets a hit, so it passes."""
+    v = evaluate_source(CACHE.read_text(), until="parity")
+    assert v.ok, v.reason
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU (CUDA): microbench times on it")
+def test_an_output_cache_is_timed_as_the_same_kernel_without_it_on_gpu(evaluate_source):
+    """Each set's reps on inputs of their own: the cache's microbench figure is its kernel's, within the noise (before,
+    every rep after the first was a checksum and a copy)."""
+    figures = {}
+    for cache in (True, False):
+        source = CACHE.read_text().replace("CACHE = True", f"CACHE = {cache}")
+        v = evaluate_source(source, until="microbench")
+        stage = v.stages[-1]
+        assert stage.name == "microbench" and "speedup" in stage.metrics, v.reason
+        figures[cache] = stage.metrics["speedup"]
+    assert figures[True] <= 1.1 * figures[False], figures
