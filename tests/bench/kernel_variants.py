@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             label, mod = load_spec(spec, tmp)          # a fresh module: its caches hold this row's variants only
             mod.decode(*call)
             torch.cuda.synchronize()
-            ms = bench(lambda: mod.decode(*call), args.rep)
+            ms = bench(lambda: mod.decode(*call), args.rep, x["q"])
             new = [describe(n, k, kern) for (n, k), kern in compiled(mod).items()]
             out.append({"B": B, "L": L, "kernel": label, "us": ms * 1e3, "variants": new})
             shown = "; ".join(f"{v['fn']} {v['key']} {v['registers']} regs {v['spills']} spills "
