@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from harness.targets.base import redrawn_query
+from harness.targets.base import redrawn
 from harness.transport import DTYPES, trim
 
 if TYPE_CHECKING:
@@ -47,23 +47,24 @@ def prime(w: "Worker", msg: dict) -> dict:
     return {"ok": True, "failed": failed, "seconds": {"prime_s": time.perf_counter() - t0}}
 
 
-def query_seed(msg: dict, s: int, call: int, checked: bool) -> int | None:
-    """The seed of the query set `s` is called on at `call` (a timed rep; a warmup round counts on from `reps`), or
-    None where the set keeps its own (a set drawn without `query_seed`). The checked rep's is the set's own
-    `query_seed`, which the trusted side's reference was computed with; every other call's comes from the
-    request's secret `query_nonce`, so no call of a request repeats another's inputs, nor another request's."""
-    own = msg["sets"][s].get("query_seed")
+def per_call_seed(msg: dict, s: int, call: int, checked: bool) -> int | None:
+    """The seed of the per-call argument (`Op.per_call`: attention's query) set `s` is called with at `call` (a
+    timed rep; a warmup round counts on from `reps`), or None where the set keeps its own (a set drawn without
+    `per_call_seed`). The checked rep's is the set's own `per_call_seed`, which the trusted side's reference was
+    computed with; every other call's comes from the request's secret `per_call_nonce`, so no call of a request
+    repeats another's inputs, nor another request's."""
+    own = msg["sets"][s].get("per_call_seed")
     if own is None:
         return None
     if checked:
         return own
-    return (int(msg["query_nonce"]) * 1_000_003 + s * 65_537 + call) % (1 << 63)
+    return (int(msg["per_call_nonce"]) * 1_000_003 + s * 65_537 + call) % (1 << 63)
 
 
-def redraw_query(args: dict, seed: int | None) -> None:
-    """The set's query rewritten in place (the same buffer, so the same address) from `seed`."""
+def redraw_per_call(args: dict, name: str | None, seed: int | None) -> None:
+    """The set's per-call argument `name` rewritten in place (the same buffer, so the same address) from `seed`."""
     if seed is not None:
-        args["q"].copy_(redrawn_query(args["q"], seed))
+        args[name].copy_(redrawn(args[name], seed))
 
 
 def timed(w: "Worker", msg: dict) -> dict:
@@ -72,13 +73,13 @@ def timed(w: "Worker", msg: dict) -> dict:
     host launches the call, so the events measure device time, not Python launch overhead.
     Two intervals per call: to the event after the call on its stream, and to an event recorded
     after a full device synchronize (which also covers work on other streams). Each rep and each warmup round
-    calls a set on a query of its own (`query_seed`; candidate and baseline on the same one), written before
+    calls a set on a query of its own (`per_call_seed`; candidate and baseline on the same one), written before
     the flush: an output kept for inputs seen before would be timed as the lookup it is. The checked rep's
     query is left in the sets at the end, for the clock's bursts (`burst`), whose output is checked too."""
     op, impls = msg["op"], list(msg["impls"])
     t0 = time.perf_counter()
     sets = [w._inputs(f"{op}#{i}", r) for i, r in enumerate(msg["sets"])]
-    check_rep = msg.get("check_rep", msg["reps"] - 1)
+    check_rep, fresh = msg.get("check_rep", msg["reps"] - 1), w.target.ops[op].per_call
     seconds = {"inputs_s": time.perf_counter() - t0}
     w.timed_sets[op] = sets
     calls: dict[str, list] = {}
@@ -91,7 +92,7 @@ def timed(w: "Worker", msg: dict) -> dict:
     seconds["prepare_s"], t0 = time.perf_counter() - t0 - seconds["inputs_s"], time.perf_counter()
     for round_ in range(msg["warmup"]):
         for s, a in enumerate(sets):
-            redraw_query(a, query_seed(msg, s, msg["reps"] + round_, checked=False))
+            redraw_per_call(a, fresh, per_call_seed(msg, s, msg["reps"] + round_, checked=False))
             for impl in dict.fromkeys(impls):
                 calls[impl][s]()
     w._sync()
@@ -104,7 +105,7 @@ def timed(w: "Worker", msg: dict) -> dict:
         order = list(enumerate(impls))
         order = order[rep % len(order):] + order[:rep % len(order)]
         for s in range(len(sets)):
-            redraw_query(sets[s], query_seed(msg, s, rep, checked=rep == check_rep))
+            redraw_per_call(sets[s], fresh, per_call_seed(msg, s, rep, checked=rep == check_rep))
             for i, impl in order:
                 flush.zero_()
                 torch.cuda.synchronize()
@@ -121,7 +122,7 @@ def timed(w: "Worker", msg: dict) -> dict:
                     last[f"set{s}"] = out        # the rep the evaluator drew in secret is the one checked
     if msg["reps"]:
         for s, a in enumerate(sets):             # the bursts replay the checked query
-            redraw_query(a, query_seed(msg, s, check_rep, checked=True))
+            redraw_per_call(a, fresh, per_call_seed(msg, s, check_rep, checked=True))
     seconds["reps_s"] = time.perf_counter() - t0
     return {"ok": True, "synced_ms": synced, "streamed_ms": streamed, "outputs": w._save(last) if last else [],
             "op_calls": dict(w.probes.op_calls), "seconds": seconds, "compiles": w.probes.compiles,

@@ -1,7 +1,8 @@
-"""Microbench times every call on a query of its own (harness/worker_timing.py `query_seed`, `redraw_query`): an output
-kept for inputs seen before and handed back (tests/adversarial/content_cache_prefill.py, right on every call) never
-answers a timed call, and the call microbench checks is on the query its float64 reference was computed with. The
-timing itself needs CUDA; the schedule of queries, the references and the cache's hits are the same code on a CPU."""
+"""Microbench times every call on a query of its own (harness/worker_timing.py `per_call_seed`,
+`redraw_per_call`; the attention ops' `per_call` argument): an output kept for inputs seen before and handed back
+(tests/adversarial/content_cache_prefill.py, right on every call) never answers a timed call, and the call
+microbench checks is on the query its float64 reference was computed with. The timing itself needs CUDA; the
+schedule of queries, the references and the cache's hits are the same code on a CPU."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +20,7 @@ from harness.stages.common import EvalContext  # noqa: E402
 from harness.stages.microbench import _draw_sets  # noqa: E402
 from harness.stages.microbench_prepare import time_request  # noqa: E402
 from harness.targets.attention import TARGET as ATTENTION  # noqa: E402
-from harness.worker_timing import query_seed, redraw_query  # noqa: E402
+from harness.worker_timing import per_call_seed, redraw_per_call  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -55,7 +56,7 @@ def test_every_call_of_a_time_request_is_on_a_query_of_its_own_and_the_checked_r
         seen = [args["q"].clone()]
         checked = 0
         for call, is_checked in _schedule(msg):
-            redraw_query(args, query_seed(msg, s, call, is_checked))
+            redraw_per_call(args, "q", per_call_seed(msg, s, call, is_checked))
             seen.append(args["q"].clone())
             if is_checked:
                 checked += 1
@@ -63,8 +64,8 @@ def test_every_call_of_a_time_request_is_on_a_query_of_its_own_and_the_checked_r
         assert checked == 1
         assert not any(torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1:])
     again = time_request(ctx, case, trials, warmup=2, reps=msg["reps"])     # a retry of the case: other queries
-    assert query_seed(again, 0, 0, False) != query_seed(msg, 0, 0, False)
-    assert query_seed(again, 0, again["check_rep"], True) == query_seed(msg, 0, msg["check_rep"], True)
+    assert per_call_seed(again, 0, 0, False) != per_call_seed(msg, 0, 0, False)
+    assert per_call_seed(again, 0, again["check_rep"], True) == per_call_seed(msg, 0, msg["check_rep"], True)
 
 
 def _cache_module(tmp_path, cache: bool = True):
@@ -87,7 +88,7 @@ def test_an_output_cache_answers_repeated_inputs_and_no_call_of_a_time_request(t
     first = cache.prefill(*(args[n] for n in spec.arg_names))
     assert hits() == 0 and torch.equal(cache.prefill(*(args[n] for n in spec.arg_names)), first) and hits() == 1
     for call, is_checked in _schedule(msg):
-        redraw_query(args, query_seed(msg, 0, call, is_checked))
+        redraw_per_call(args, "q", per_call_seed(msg, 0, call, is_checked))
         out = cache.prefill(*(args[n] for n in spec.arg_names))
         assert hits() == 0, f"call {call} was answered from the cache"
         if is_checked:

@@ -24,7 +24,7 @@ from harness.pool import Pool
 from harness.worker_handle import WorkerFailure, WorkerHandle
 from harness.replies import MalformedReply, Reply
 from harness.targets import Case, Inputs, Op, Target
-from harness.targets.base import redrawn_query
+from harness.targets.base import redrawn
 from harness.transport import DTYPE_NAMES, ProtocolError, read_arena
 
 if TYPE_CHECKING:
@@ -121,9 +121,9 @@ class Trial:
     inputs: Inputs
     ref: torch.Tensor
     tol: Tolerance
-    # Microbench's timed sets (`draw_timed`): every timed call's query is redrawn, the checked call's (rep `check_rep`)
-    # from `query_seed`; `ref` and `tol` are for that query, not for inputs["q"].
-    query_seed: int | None = None
+    # Microbench's timed sets (`draw_timed`): every timed call's `Op.per_call` argument is redrawn, the checked call's
+    # (rep `check_rep`) from `per_call_seed`; `ref` and `tol` are for that draw, not for `inputs`' own.
+    per_call_seed: int | None = None
     check_rep: int = 0
 
     def nbytes(self) -> int:
@@ -134,7 +134,7 @@ class Trial:
     def recipe(self, ctx: EvalContext) -> dict:
         """What the worker needs to rebuild these exact inputs on its device (nothing else)."""
         return {"case": self.case, "dist": self.dist, "seed": self.seed, "dtype": DTYPE_NAMES[ctx.dtype],
-                **({} if self.query_seed is None else {"query_seed": self.query_seed})}
+                **({} if self.per_call_seed is None else {"per_call_seed": self.per_call_seed})}
 
 
 def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
@@ -151,11 +151,14 @@ def draw(ctx: EvalContext, case: Case, dist: str, vary: bool = False) -> Trial:
 
 
 def draw_timed(ctx: EvalContext, case: Case, check_rep: int) -> Trial:
-    """An input set for microbench: fresh inputs from a new secret seed, as `draw`, and a second secret seed for the
-    query of the timed call whose output is checked (rep `check_rep`, drawn in secret per case): the reference and
-    the tolerance are for the inputs with that query (harness/targets/base.py `redrawn_query`). Every other timed
-    call gets a query of its own (harness/worker_timing.py), so none of them repeats one before it."""
-    return _trial(ctx, case, "normal", secrets.randbits(62), query_seed=secrets.randbits(62), check_rep=check_rep)
+    """An input set for microbench: fresh inputs from a new secret seed, as `draw`, and (for an op with a per-call
+    argument, `Op.per_call`: attention's query) a second secret seed for that argument in the timed call whose output
+    is checked (rep `check_rep`, drawn in secret per case): the reference and the tolerance are for the inputs with
+    it (harness/targets/base.py `redrawn`). Every other timed call gets one of its own (harness/worker_timing.py),
+    so none of them repeats the inputs of one before it."""
+    fresh = ctx.target.ops[case.op].per_call is not None
+    return _trial(ctx, case, "normal", secrets.randbits(62), per_call_seed=secrets.randbits(62) if fresh else None,
+                  check_rep=check_rep)
 
 
 def draw_twin(ctx: EvalContext, earlier: Trial, layer: bool = False) -> Trial:
@@ -167,13 +170,13 @@ def draw_twin(ctx: EvalContext, earlier: Trial, layer: bool = False) -> Trial:
     return _trial(ctx, how(earlier.case, earlier.seed, earlier.inputs, random.Random(seed)), earlier.dist, seed)
 
 
-def _trial(ctx: EvalContext, case: Case, dist: str, seed: int, query_seed: int | None = None,
+def _trial(ctx: EvalContext, case: Case, dist: str, seed: int, per_call_seed: int | None = None,
            check_rep: int = 0) -> Trial:
     op = ctx.target.ops[case.op]
     inputs = op.make_inputs(case, dist, seed, ctx.device, ctx.dtype)
-    checked = inputs if query_seed is None else {**inputs, "q": redrawn_query(inputs["q"], query_seed)}
+    checked = inputs if per_call_seed is None else {**inputs, op.per_call: redrawn(inputs[op.per_call], per_call_seed)}
     ref = op.reference(**checked)
-    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(checked), ref)), query_seed, check_rep)
+    return Trial(case, dist, seed, inputs, ref, tolerance(ctx, diff(op.calibrate(checked), ref)), per_call_seed, check_rep)
 
 
 def candidate_raised(what: str, reply: Reply) -> Rejected:

@@ -12,7 +12,7 @@ counts is device time on the stream. The evaluator then distrusts every number i
     hold>`, so a NaN that got this far would still reject;
   - the timed calls, and the calls made just before the CUDA-graph capture, were watched by the audit
     like any other (no library op);
-  - every timed call is on a query of its own (harness/worker_timing.py `query_seed`), so none repeats the inputs
+  - every timed call is on a query of its own (harness/worker_timing.py `per_call_seed`), so none repeats the inputs
     of a call before it: an output kept for inputs seen before would time a lookup; the outputs of a rep drawn in
     secret are re-checked against float64, computed here for that rep's query (`draw_timed`);
   - device time after the synchronize far beyond the stream's (less the synchronize's own cost,

@@ -98,4 +98,4 @@ def time_request(ctx: EvalContext, case, trials: list, warmup: int, reps: int) -
             # that is right on some calls only (counted per buffer) cannot know which of its reps is looked at
             "check_rep": trials[0].check_rep if trials else 0,
             # every other call's query is drawn from this request's own secret (harness/worker_timing.py)
-            "query_nonce": secrets.randbits(48)}
+            "per_call_nonce": secrets.randbits(48)}

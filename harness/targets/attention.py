@@ -374,13 +374,13 @@ def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
             make_inputs=twinned(decode_inputs), reference=decode_reference, baseline=decode_clamped, baselines=DECODE_BASELINES,
             baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()}, step_shared=("block_table", "seq_lens"),
-            cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape),
+            cost=decode_cost, output_shape=lambda x: tuple(x["q"].shape), per_call="q",
             anchor=decode_anchor, anchor_inputs=decode_anchor_inputs, anchor_name="cuDNN SDPA, contiguous KV of the mean length", unit="TB/s")
 PREFILL = Op("prefill", ("q", "k", "v", "cu_seqlens", "max_seqlen", "sm_scale"),
              make_inputs=twinned(prefill_inputs), reference=prefill_reference, baseline=prefill_baseline,
              calibration=prefill_calibration,
              baseline_host=lambda x: {"bounds": x["cu_seqlens"].tolist()}, step_shared=("cu_seqlens",),
-             cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape),
+             cost=prefill_cost, output_shape=lambda x: tuple(x["q"].shape), per_call="q",
              anchor=prefill_anchor, anchor_inputs=prefill_anchor_inputs, anchor_name="cuDNN SDPA, one causal call per sequence", unit="TFLOP/s")
 
 # `baseline=decode_clamped` serves where no config is applied (unit tests, benches); the harness runs the way

@@ -21,14 +21,13 @@ Inputs = dict[str, Any]  # contract argument name -> Tensor or Python scalar
 UNFILLED = "unfilled"
 
 
+def redrawn(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A tensor of t's shape, dtype and device drawn afresh from `seed` (standard normal, as the `normal` distribution
+    draws its payloads), the same in any process on that device: microbench's per-call argument (`Op.per_call`), in
+    the worker for every timed call and on the trusted side for the call it checks (harness/worker_timing.py)."""
+    gen = torch.Generator(device=t.device).manual_seed(seed)
+    return torch.randn(tuple(t.shape), generator=gen, dtype=torch.float32, device=t.device).to(t.dtype)
 
-def redrawn_query(q: torch.Tensor, seed: int) -> torch.Tensor:
-    """A query of q's shape, dtype and device drawn afresh from `seed` (standard normal, as the `normal` distribution
-    draws it), the same in any process on that device. Microbench times every call on a query of its own, so that
-    no timed call repeats an earlier call's inputs (an output kept for inputs seen before and handed back would
-    time the lookup), and the trusted side rebuilds the query of the call it checks (harness/worker_timing.py)."""
-    gen = torch.Generator(device=q.device).manual_seed(seed)
-    return torch.randn(tuple(q.shape), generator=gen, dtype=torch.float32, device=q.device).to(q.dtype)
 
 # The params a case's key names first, with their short tags, in this order; any other param follows under its
 # own name, and `size` (derived from these, for ordering cases) is left out.
@@ -98,6 +97,10 @@ class Op:
     # The arguments a served step hands each of its layers as the same objects (its lengths, tables, offsets): a
     # parity check of a step's next layer is handed the previous call's (harness/worker.py).
     step_shared: tuple[str, ...] = ()
+    # The argument microbench draws afresh for every call it times (`redrawn`; attention: the query, new at every
+    # served call): on its set's inputs again, a call could be answered from an output kept for them. None: the
+    # timed calls repeat their set's inputs.
+    per_call: str | None = None
 
     def calibrate(self, inputs: Inputs) -> torch.Tensor:
         """The output whose error against the reference sets a check's tolerance."""
