@@ -114,3 +114,32 @@ def test_an_output_cache_is_timed_as_the_same_kernel_without_it_on_gpu(evaluate_
         assert stage.name == "microbench" and "speedup" in stage.metrics, v.reason
         figures[cache] = stage.metrics["speedup"]
     assert figures[True] <= 1.1 * figures[False], figures
+
+
+def test_the_workers_timing_loop_calls_each_rep_on_its_own_query_and_checks_the_one_the_reference_is_for(tmp_path):
+    """`timed` itself, run on a CPU in a process of its own with CUDA's timing calls stood in for
+    (tests/fakes/cuda_timing.py): the output cache is called on a new query every time and never hits; the checked
+    rep's output is within the tolerance of the trusted side's reference; the sets are left on the checked query."""
+    import subprocess
+    import sys
+    cfg = config_with(**{"stages.microbench.reps": 5, "stages.microbench.input_sets": 2})
+    ctx = EvalContext(cfg=cfg, target=ATTENTION, shapes=device_shapes(cfg, "attention", CPU), device=CPU,
+                      dtype=torch.float32, pool=None, source="", ops=["prefill"])
+    case = next(c for c in ctx.cases("prefill", boundary=False))
+    trials = _draw_sets(ctx, case)
+    msg = time_request(ctx, case, trials, warmup=2, reps=5)
+    torch.save({"msg": msg, "source": CACHE.read_text()}, tmp_path / "request.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "fakes" / "cuda_timing.py"), str(tmp_path / "request.pt"),
+                           str(tmp_path / "result.pt")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = torch.load(tmp_path / "result.pt", weights_only=False)
+    calls = result["calls"]
+    assert len(calls) == 2 * (2 + 5) and not any(c["hit"] for c in calls), [c["hit"] for c in calls]
+    assert not any(torch.equal(a["q"], b["q"]) for i, a in enumerate(calls) for b in calls[i + 1:])
+    spec = ATTENTION.ops["prefill"]
+    for s, t in enumerate(trials):
+        out = result["outputs"][f"set{s}"]
+        assert (out.double() - t.ref).abs().max() <= t.tol.max_abs
+        checked = {**t.inputs, "q": result["left"][s]}
+        assert torch.equal(spec.reference(**checked), t.ref)       # left on the checked query, for the bursts

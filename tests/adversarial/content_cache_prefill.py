@@ -10,6 +10,12 @@ import triton.language as tl
 CACHE = True
 CHECK_BLOCK = 1024
 _STATE = {}
+_LAST = [None]          # the hit flag of the last call
+
+
+def HIT():
+    """Whether the last call was answered from the cache (a test's probe; the kernel never reads it on the host)."""
+    return int(_LAST[0])
 
 
 @triton.jit
@@ -93,6 +99,7 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     total, hq, d = q.shape
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     parts, saved, hit, cached = _state(q, k)
+    _LAST[0] = hit
     if CACHE:
         at = 0
         for t in (q, k, v):
