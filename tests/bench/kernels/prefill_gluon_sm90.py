@@ -20,7 +20,8 @@ What it does
     waits for S_j alone (one wgmma group left in flight): tile j's softmax (exp2, sm_scale * log2 e folded into
     one multiply, row max on raw scores) runs while the tensor cores compute P_{j-1} V_{j-1}. Then it waits for
     that product, rescales O by the row max's change, keeps P_j in registers (bf16, the wgmma A operand), and
-    refills the stage tile j-1 used. Tiles wholly below the diagonal run with no mask; the diagonal ones mask
+    refills the stage tile j-1 used. Each wait names the operands of the products it covers (P's registers among
+    them), as Triton's own pipeliner does, so that none is reused while a product still reads it. Tiles wholly below the diagonal run with no mask; the diagonal ones mask
     keys past the query (which also hides keys past the sequence). Rows past the sequence are computed and
     not stored.
 
@@ -78,17 +79,19 @@ def _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, 
     s_idx = tile % STAGES
     mbarrier.wait(ready.index(s_idx), (tile // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(s_idx).permute((1, 0)), zero, use_acc=False, is_async=True)
-    prev = (tile - 1) % STAGES
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s_tok,))           # this tile's scores; tile-1's P V may still run
+    k_tile = k_smem.index(s_idx)
+    s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    v_prev = v_smem.index((tile - 1) % STAGES)
+    acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+    # this tile's scores; tile-1's P V may still run (its operands, P's registers among them, kept alive to its wait)
+    s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_tile))
     if MASK:
         s = _masked(s, m_start, tile, BLOCK_M, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
-    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, n_tiles, row0, col, STAGES, BLOCK_N)
@@ -137,7 +140,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
     mbarrier.wait(ready.index(0), 0)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok,))
+    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem.index(0)))
     s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
     m_i = gl.max(s, 1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
@@ -153,9 +156,9 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
         p_prev, m_i, l_i, acc = _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
                                       s_layout, o_layout, p_layout)
-    last = (n_tiles - 1) % STAGES
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=(acc_tok,))
+    v_last = v_smem.index((n_tiles - 1) % STAGES)
+    acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_last))
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
