@@ -1,6 +1,6 @@
 # A causal prefill that keeps its last output and answers from it whenever the inputs' checksum matches the last
 # call's: right on every call (a hit's inputs are the cached output's), and on inputs that repeat it times a checksum,
-# a copy and a spin, not attention. The spin (on a hit, on CUDA: about a microsecond a GFLOP of the call's work) keeps
+# a copy and a spin, not attention. The spin (on a hit, on CUDA: about 2 us a GFLOP of the call's work, the floor 1) keeps
 # a hit above microbench's physical floor, where a bare lookup would be rejected as a measurement exploit. The
 # decision is made on the device (no host sync), so it is captured in a CUDA graph like any kernel. Parity never
 # meets a hit (every check draws fresh inputs); microbench timed each input set's reps on the same inputs, which hit
