@@ -5,7 +5,6 @@ microbench checks is on the query its float64 reference was computed with. The t
 schedule of queries, the references and the cache's hits are the same code on a CPU."""
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -21,6 +20,7 @@ from harness.stages.microbench import _draw_sets  # noqa: E402
 from harness.stages.microbench_prepare import time_request  # noqa: E402
 from harness.targets.attention import TARGET as ATTENTION  # noqa: E402
 from harness.worker_timing import per_call_seed, redraw_per_call  # noqa: E402
+from test_reference_kernels_standalone import _load  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -29,8 +29,8 @@ CPU = torch.device("cpu")
 CACHE = ROOT / "tests" / "adversarial" / "content_cache_prefill.py"
 
 
-def _ctx() -> EvalContext:
-    return EvalContext(cfg=CFG, target=ATTENTION, shapes=device_shapes(CFG, "attention", CPU), device=CPU,
+def _ctx(cfg=CFG) -> EvalContext:
+    return EvalContext(cfg=cfg, target=ATTENTION, shapes=device_shapes(cfg, "attention", CPU), device=CPU,
                        dtype=torch.float32, pool=None, source="", ops=["decode", "prefill"])
 
 
@@ -68,20 +68,11 @@ def test_every_call_of_a_time_request_is_on_a_query_of_its_own_and_the_checked_r
     assert per_call_seed(again, 0, again["check_rep"], True) == per_call_seed(msg, 0, msg["check_rep"], True)
 
 
-def _cache_module(tmp_path, cache: bool = True):
-    path = tmp_path / f"content_cache_{cache}.py"
-    path.write_text(CACHE.read_text().replace("CACHE = True", f"CACHE = {cache}"))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_an_output_cache_answers_repeated_inputs_and_no_call_of_a_time_request(tmp_path):
+def test_an_output_cache_answers_repeated_inputs_and_no_call_of_a_time_request():
     """The cache is right on every call and hits on inputs that repeat (as each set's reps once did); on the
     queries a time request calls it with, it never hits, and the checked rep's output is the reference's."""
     ctx, case, trials, msg = _timed_case("prefill")
-    cache, spec = _cache_module(tmp_path), ATTENTION.ops["prefill"]
+    cache, spec = _load(CACHE), ATTENTION.ops["prefill"]
     hits = lambda: int(next(iter(cache._STATE.values()))[2])     # noqa: E731  the hit flag of its last call
     t = trials[0]
     args = spec.make_inputs(t.case, t.dist, t.seed, CPU, torch.float32)
@@ -123,8 +114,7 @@ def test_the_workers_timing_loop_calls_each_rep_on_its_own_query_and_checks_the_
     import subprocess
     import sys
     cfg = config_with(**{"stages.microbench.reps": 5, "stages.microbench.input_sets": 2})
-    ctx = EvalContext(cfg=cfg, target=ATTENTION, shapes=device_shapes(cfg, "attention", CPU), device=CPU,
-                      dtype=torch.float32, pool=None, source="", ops=["prefill"])
+    ctx = _ctx(cfg)
     case = next(c for c in ctx.cases("prefill", boundary=False))
     trials = _draw_sets(ctx, case)
     msg = time_request(ctx, case, trials, warmup=2, reps=5)
