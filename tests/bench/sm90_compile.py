@@ -78,30 +78,33 @@ def compile_split_kernel(mod, batch=32):
 def compile_prefill_kernel(mod):
     """A prefill kernel at the bench shape, its Q/K/V through tensor descriptors: the TMA family's
     `_prefill_kernel` (Triton) or prefill_gluon_sm90.py's (Gluon: descriptors carry their shared layouts)."""
-    fn, names = mod._prefill_kernel, mod._prefill_kernel.arg_names
+    fn = mod.kernel() if hasattr(mod, "kernel") else mod._prefill_kernel
+    names = fn.arg_names
     gluon = getattr(fn, "is_gluon", lambda: False)()
+    options = mod.launch_options() if hasattr(mod, "launch_options") else {}
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_M=mod.BLOCK_M, BLOCK_N=mod.BLOCK_N, TMA=True,
                   HEAVY_FIRST=bool(getattr(mod, "HEAVY_FIRST", True)), WS=bool(getattr(mod, "WARP_SPECIALIZE", False)),
                   LAZY=bool(getattr(mod, "LAZY_RESCALE", False)), LAZY_LOG2=8.0, DOT_PRECISION="tf32",
-                  STAGES=getattr(mod, "NUM_STAGES", 1), num_warps=mod.NUM_WARPS)
+                  STAGES=getattr(mod, "NUM_STAGES", 1), num_warps=options.get("num_warps", mod.NUM_WARPS))
     consts = {k: v for k, v in consts.items() if k in names}
+    consts.update({n: getattr(mod, n) for n in names if n.isupper() and n not in consts and hasattr(mod, n)})
     q_layout, kv_layout = (f",{layout!r}" for layout in mod.layouts(128)) if gluon else ("", "")
     descs = {"q": f"tensordesc<bf16[{mod.BLOCK_M}, 128]{q_layout}>", "k": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>",
              "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32"}
     sig = {n: "constexpr" if n in consts else descs.get(n.split("_")[0] if n.endswith(("_src", "_desc")) else n)
            or ("fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
-    return _compile(fn, sig, consts, attrs, mod, None)
+    return _compile(fn, sig, consts, attrs, mod, options.get("maxnreg"), options.get("num_warps", mod.NUM_WARPS))
 
 
-def _compile(fn, sig, consts, divisible, mod, cap):
+def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None):
     """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings) for sm90."""
     names = fn.arg_names
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                  attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
+                            options={"num_warps": num_warps or mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
                                      **({"maxnreg": cap} if cap else {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -128,7 +131,8 @@ def main(argv=None):
         compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
         regs, stack, shared, issued, waits = compiled
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
-                                           warps=mod.NUM_WARPS))        # sm90's limits, as microbench counts them
+                                           warps=getattr(mod, "launch_warps", lambda: mod.NUM_WARPS)()))
+        # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM; wgmma {issued} in the code, waits by pendings "
               f"{dict(sorted(waits.items())) or 'none'}")

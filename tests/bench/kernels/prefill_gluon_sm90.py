@@ -2,7 +2,7 @@
 
 Not a knowledge kernel (knowledge/ holds what a candidate may be): Gluon is not on the compile stage's allowlist
 and does not run in Triton's CPU interpreter. This file is for the benches: compiled for sm90
-(tests/bench/sm90_compile.py), not yet run on a GPU. Its GPU test is
+(tests/bench/sm90_compile.py) and run on the lent GPU (docs/BENCHMARKS.md). Its GPU test is
 `pytest -m cuda tests/test_kernel_families.py -k gluon`; its bench row, tests/bench/vs_library.py with this
 file as a SPEC.
 
@@ -21,12 +21,27 @@ What it does
     one multiply, row max on raw scores) runs while the tensor cores compute P_{j-1} V_{j-1}. Then it waits for
     that product, rescales O by the row max's change, keeps P_j in registers (bf16, the wgmma A operand), and
     refills the stage tile j-1 used. Each wait names the operands of the products it covers (P's registers among
-    them), as Triton's own pipeliner does, so that none is reused while a product still reads it. Tiles wholly below the diagonal run with no mask; the diagonal ones mask
-    keys past the query (which also hides keys past the sequence). Rows past the sequence are computed and
-    not stored.
+    them), as Triton's own pipeliner does, so that none is reused while a product still reads it. Tiles wholly
+    below the diagonal run with no mask; the diagonal ones mask keys past the query (which also hides keys past
+    the sequence). Rows past the sequence are computed and not stored.
+
+With a loader warp (PRODUCER_WARP)
+    One program owns 2 x BLOCK_M rows: two consumer warpgroups (the default partition and a worker) run the loop
+    above on one K/V ring, and a one-warp worker fills it (FlashAttention-3's producer). A stage is refilled once
+    both consumers have released it (an `empty` mbarrier counting two arrivals), so neither waits for the other
+    and no warpgroup issues loads. Each K/V tile in shared memory serves 128 rows, not 64.
+
+Why shared memory bounds it (arithmetic, not a measurement)
+    An sm90 SM's shared memory moves 128 B a cycle; its tensor cores do about 4,096 bf16 FLOP a cycle (989
+    TFLOP/s over 132 SMs near 1.8 GHz). A wgmma reads its shared-memory operands each time: a 64 x 64 x 16 Q K^T
+    step with both operands there reads 4 KB (32 cycles) for 32 cycles of products. Per K/V tile of a 64-row
+    program (BLOCK_N 64, d 128): products 512 cycles; shared memory 640 (the TMA writes of K and V, 256; Q K^T
+    reading Q and K, 256; P V reading V, 128). Q_REGS drops the Q reads (512: even); two warpgroups sharing a tile
+    write it once for both (PRODUCER_WARP: 768 for 1,024 cycles of products with Q_REGS, 1,024 without).
 
 Knobs (module constants below, one per line)
-    BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS.
+    BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
+    CONSUMER_REGS.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
     112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
@@ -34,7 +49,9 @@ Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): de
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128.
-    * No producer warp and no ping-pong between two consumer warpgroups (FlashAttention-3's other overlaps).
+    * No ping-pong between the two consumer warpgroups (FlashAttention-3 orders their products with named
+      barriers); the loader warp's program is one per SM (registers), so its consumers' softmax overlaps only
+      each other's products and their own P V.
     * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free).
 """
 import torch
@@ -48,6 +65,9 @@ BLOCK_M = 64  # query rows per program (16 per warp: 64 with 4 warps, 128 with 8
 BLOCK_N = 64  # KV tokens per step
 NUM_STAGES = 3  # K/V tiles in the TMA ring
 NUM_WARPS = 4  # warps per program: BLOCK_M // 16
+Q_REGS = False  # Q K^T with Q in registers (read from shared memory once) rather than from shared memory each step
+PRODUCER_WARP = False  # two consumer warpgroups (2 x BLOCK_M rows) share each K/V tile a loader warp fills
+CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WARP; the loader gets 24)
 
 _LOG2E = 1.4426950408889634
 
@@ -72,19 +92,56 @@ def _masked(s, m_start, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_la
 
 
 @gluon.jit
-def _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile, n_tiles, row0, col,
+def _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Tile 0's scores and softmax (masked: cheap once, and needed when it is the diagonal tile): (P, m, l)."""
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s_tok = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_smem.index(0)))
+    s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
+    m_i = gl.max(s, 1) * qk_scale
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    return gl.convert_layout(p.to(gl.bfloat16), p_layout), m_i, gl.sum(p, 1)
+
+
+@gluon.jit
+def _last_pv(p_prev, v_smem, acc, n_tiles, STAGES: gl.constexpr):
+    """The last tile's P V, waited for."""
+    v_last = v_smem.index((n_tiles - 1) % STAGES)
+    acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_last))
+    return acc
+
+
+@gluon.jit
+def _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M: gl.constexpr,
+           HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """O = acc / l for the rows inside the sequence."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / l_o[:, None]
+    offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    rows = (seq_start + offs_m).to(gl.int64)
+    ptrs = o_ptr + rows[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :]
+    gl.store(ptrs, o.to(gl.bfloat16), mask=(offs_m < seq_len)[:, None])
+
+
+@gluon.jit
+def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile, n_tiles, row0, col,
           m_start, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
-          BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Tile `tile` (>= 1): its scores issued, then tile-1's P V, whose product runs while this tile's softmax does."""
+          BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+          RELEASE: gl.constexpr):
+    """Tile `tile` (>= 1): its scores issued, then tile-1's P V, whose product runs while this tile's softmax does.
+    Then the stage tile-1 used is refilled (one warpgroup, its own loads) or released to the loader warp (RELEASE)."""
     s_idx = tile % STAGES
     mbarrier.wait(ready.index(s_idx), (tile // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_tile = k_smem.index(s_idx)
-    s_tok = warpgroup_mma(q_smem, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     v_prev = v_smem.index((tile - 1) % STAGES)
     acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
     # this tile's scores; tile-1's P V may still run (its operands, P's registers among them, kept alive to its wait)
-    s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_smem, k_tile))
+    s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_op, k_tile))
     if MASK:
         s = _masked(s, m_start, tile, BLOCK_M, BLOCK_N, s_layout)
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -94,14 +151,17 @@ def _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, 
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-    _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, n_tiles, row0, col, STAGES, BLOCK_N)
+    if RELEASE:
+        mbarrier.arrive(empty.index((tile - 1) % STAGES), count=1)
+    else:
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, n_tiles, row0, col, STAGES, BLOCK_N)
     return p_prev, m_new, l_i, acc
 
 
 @gluon.jit
 def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh,
                     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    STAGES: gl.constexpr, Q_REGS: gl.constexpr, num_warps: gl.constexpr):
     pid_h = gl.program_id(0)
     pid_m = num_m_tiles - 1 - gl.program_id(1)
     pid_b = gl.program_id(2)
@@ -135,42 +195,126 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
     for i in gl.static_range(STAGES):
         _load_kv(k_desc, v_desc, k_smem, v_smem, ready, i, n_tiles, seq_start, col, STAGES, BLOCK_N)
     mbarrier.wait(q_bar, 0)
+    if Q_REGS:
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q_op = q_smem
 
-    # tile 0: its scores and softmax (masked: cheap once, and needed when it is the diagonal tile)
     mbarrier.wait(ready.index(0), 0)
-    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_smem, k_smem.index(0)))
-    s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
-    m_i = gl.max(s, 1) * qk_scale
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
-    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    p_prev, m_i, l_i = _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     for tile in range(1, n_off):
-        p_prev, m_i, l_i, acc = _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout)
+                                      s_layout, o_layout, p_layout, False)
     for tile in range(gl.maximum(n_off, 1), n_tiles):
-        p_prev, m_i, l_i, acc = _step(q_smem, k_smem, v_smem, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout)
-    v_last = v_smem.index((n_tiles - 1) % STAGES)
-    acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
-    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_last))
-
+                                      s_layout, o_layout, p_layout, False)
+    acc = _last_pv(p_prev, v_smem, acc, n_tiles, STAGES)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(q_bar)
+    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
 
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / l_o[:, None]
-    offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    rows = (seq_start + offs_m).to(gl.int64)
-    ptrs = o_ptr + rows[:, None] * stride_ot + pid_h * stride_oh + offs_d[None, :]
-    gl.store(ptrs, o.to(gl.bfloat16), mask=(offs_m < seq_len)[:, None])
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len, m0,
+               pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+               WG: gl.constexpr):
+    """The loader warp: both warpgroups' Q tiles, then the program's K/V tiles, each into a stage both
+    warpgroups have released (`empty` completes when both arrive; a fresh barrier counts as released)."""
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [seq_start + m0, pid_h * HEAD_DIM], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [seq_start + m0 + BLOCK_M, pid_h * HEAD_DIM], q_bar, q_smem.index(1))
+    for tile in range(n_tiles):
+        mbarrier.wait(empty.index(tile % STAGES), ((tile // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile, n_tiles, seq_start, (pid_h // GROUP) * HEAD_DIM,
+                 STAGES, BLOCK_N)
+
+
+@gluon.jit
+def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len, m0,
+                 pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+                 WG: gl.constexpr):
+    """Consumer warpgroup WG: rows m0 + WG * BLOCK_M onward, the two-stage loop on the shared K/V ring, releasing
+    each stage once its P V is done. Past its own diagonal it only waits for and releases the program's last
+    tiles, so that both warpgroups release every stage once. A warpgroup whose rows start past the sequence
+    computes tiles up to the sequence's end and stores nothing."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    m_start = m0 + WG * BLOCK_M
+    my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+    n_off = gl.minimum(m_start // BLOCK_N, my_n)      # tiles wholly below this warpgroup's diagonal: no mask
+    q_w = q_smem.index(WG)
+    mbarrier.wait(q_bar, 0)
+    if Q_REGS:
+        q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q_op = q_w
+    mbarrier.wait(ready.index(0), 0)
+    p_prev, m_i, l_i = _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    for tile in range(1, n_off):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+                                      n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
+                                      s_layout, o_layout, p_layout, True)
+    for tile in range(gl.maximum(n_off, 1), my_n):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+                                      n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
+                                      s_layout, o_layout, p_layout, True)
+    acc = _last_pv(p_prev, v_smem, acc, my_n, STAGES)
+    mbarrier.arrive(empty.index((my_n - 1) % STAGES), count=1)
+    for tile in range(my_n, n_tiles):                  # the other warpgroup's tiles: wait for each, release it
+        mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
+        mbarrier.arrive(empty.index(tile % STAGES), count=1)
+    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
+
+
+@gluon.jit
+def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh,
+                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                       STAGES: gl.constexpr, Q_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """PRODUCER_WARP: one program owns 2 x BLOCK_M query rows; its default partition and a worker partition are
+    one consumer warpgroup each, a one-warp worker loads."""
+    pid_h = gl.program_id(0)
+    pid_m = num_m_tiles - 1 - gl.program_id(1)
+    pid_b = gl.program_id(2)
+    seq_start = gl.load(cu_ptr + pid_b)
+    seq_len = gl.load(cu_ptr + pid_b + 1) - seq_start
+    m0 = pid_m * 2 * BLOCK_M
+    if m0 >= seq_len:
+        return
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)          # one arrival a consumer warpgroup
+    mbarrier.init(q_bar, count=1)
+    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+    # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
+    gl.warp_specialize([
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
+                        m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        Q_REGS, 0)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
+                        m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                        Q_REGS, 1)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
+                      m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                      Q_REGS, 1)),
+    ], [4, 1], [CONSUMER_REGS, 24])
 
 
 def layouts(head_dim):
@@ -183,7 +327,7 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     total, hq, d = q.shape
     hkv = k.shape[1]
     assert q.dtype == torch.bfloat16 and q.is_cuda and d in (64, 128), "bf16 on CUDA, head_dim 64 or 128"
-    assert NUM_WARPS * 16 == BLOCK_M, "16 query rows a warp"
+    assert (4 if PRODUCER_WARP else NUM_WARPS) * 16 == BLOCK_M, "16 query rows a warp"
     out = torch.empty_like(q)
     batch = cu_seqlens.shape[0] - 1
     if batch <= 0 or total == 0:
@@ -192,8 +336,29 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     q_desc = TensorDescriptor(q.view(total, hq * d), [total, hq * d], [hq * d, 1], [BLOCK_M, d], q_layout)
     k_desc = TensorDescriptor(k.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
     v_desc = TensorDescriptor(v.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
-    num_m_tiles = triton.cdiv(int(max_seqlen), BLOCK_M)
-    _prefill_kernel[(hq, num_m_tiles, batch)](
-        q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, num_warps=NUM_WARPS)
+    num_m_tiles = triton.cdiv(int(max_seqlen), BLOCK_M * (2 if PRODUCER_WARP else 1))
+    args = (q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0),
+            out.stride(1))
+    consts = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, Q_REGS=Q_REGS)
+    if PRODUCER_WARP:
+        consts["CONSUMER_REGS"] = CONSUMER_REGS
+    kernel()[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
     return out
+
+
+def kernel():
+    """The kernel the knobs select."""
+    return _prefill_ws_kernel if PRODUCER_WARP else _prefill_kernel
+
+
+def launch_options():
+    """num_warps (the default partition's) and, with PRODUCER_WARP, the register cap a thread launches with: the
+    partitions' warps round up to whole warpgroups (4 + 4 + 4), which share the SM's 65,536 registers."""
+    if not PRODUCER_WARP:
+        return {"num_warps": NUM_WARPS}
+    return {"num_warps": 4, "maxnreg": 65536 // (12 * 32) // 8 * 8}
+
+
+def launch_warps():
+    """Warps a program launches with, the partitions' included."""
+    return 12 if PRODUCER_WARP else NUM_WARPS
