@@ -84,7 +84,7 @@ def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_
     tma, gluon, ws = sm90_lines([str(PREFILL), str(GLUON_PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=True"])
     assert set(_waits(tma)) == {0}, tma
     assert _waits(gluon).get(1) == 2 and int(gluon.split("at most ")[1].split()[0]) >= 2, gluon
-    assert _waits(ws).get(1) == 4 and " 0 B stack" in ws, ws
+    assert _waits(ws).get(1, 0) >= 4 and " 0 B stack" in ws, ws
 
 
 @pytest.mark.cuda
@@ -93,9 +93,11 @@ def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_
                                       ({"BLOCK_N": 128, "NUM_STAGES": 2}, 64), ({"Q_REGS": True}, 128),
                                       ({"PRODUCER_WARP": True}, 128),
                                       ({"PRODUCER_WARP": True, "BLOCK_N": 128, "NUM_STAGES": 2}, 128),
-                                      ({"PRODUCER_WARP": True, "Q_REGS": True}, 64)],
+                                      ({"PRODUCER_WARP": True, "Q_REGS": True}, 64),
+                                      ({"PRODUCER_WARP": True, "PINGPONG": True}, 128)],
                          ids=["defaults-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
-                              "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64"])
+                              "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64",
+                              "loader-warp-turns-d128"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's

@@ -41,7 +41,7 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS.
+    CONSUMER_REGS, PINGPONG.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
     112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
@@ -49,9 +49,9 @@ Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): de
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128.
-    * No ping-pong between the two consumer warpgroups (FlashAttention-3 orders their products with named
-      barriers); the loader warp's program is one per SM (registers), so its consumers' softmax overlaps only
-      each other's products and their own P V.
+    * The loader warp's program is one per SM (registers), so its consumers' softmax overlaps only each other's
+      products and their own P V. PINGPONG orders the two consumers' products with two mbarriers (FlashAttention-3
+      uses named barriers) over the tiles both run unmasked, where both take the same number of steps.
     * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free).
 """
 import torch
@@ -68,6 +68,7 @@ NUM_WARPS = 4  # warps per program: BLOCK_M // 16
 Q_REGS = False  # Q K^T with Q in registers (read from shared memory once) rather than from shared memory each step
 PRODUCER_WARP = False  # two consumer warpgroups (2 x BLOCK_M rows) share each K/V tile a loader warp fills
 CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WARP; the loader gets 24)
+PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to issue their products
 
 _LOG2E = 1.4426950408889634
 
@@ -130,16 +131,23 @@ def _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, strid
 def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile, n_tiles, row0, col,
           m_start, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-          RELEASE: gl.constexpr):
+          RELEASE: gl.constexpr, turns, WG: gl.constexpr, TURN: gl.constexpr):
     """Tile `tile` (>= 1): its scores issued, then tile-1's P V, whose product runs while this tile's softmax does.
-    Then the stage tile-1 used is refilled (one warpgroup, its own loads) or released to the loader warp (RELEASE)."""
+    Then the stage tile-1 used is refilled (one warpgroup, its own loads) or released to the loader warp (RELEASE).
+    TURN: the two consumer warpgroups take turns to issue their products (warpgroup WG waits for `turns[WG]`,
+    warpgroup 0 first, and passes the turn on once its two are issued), so that one's softmax runs beside the
+    other's products."""
     s_idx = tile % STAGES
     mbarrier.wait(ready.index(s_idx), (tile // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_tile = k_smem.index(s_idx)
+    if TURN:
+        mbarrier.wait(turns.index(WG), ((tile - 1) & 1) ^ (1 - WG))
     s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     v_prev = v_smem.index((tile - 1) % STAGES)
     acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+    if TURN:
+        mbarrier.arrive(turns.index(1 - WG), count=1)
     # this tile's scores; tile-1's P V may still run (its operands, P's registers among them, kept alive to its wait)
     s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_op, k_tile))
     if MASK:
@@ -207,11 +215,11 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
     for tile in range(1, n_off):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, False)
+                                      s_layout, o_layout, p_layout, False, ready, 0, False)
     for tile in range(gl.maximum(n_off, 1), n_tiles):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, False)
+                                      s_layout, o_layout, p_layout, False, ready, 0, False)
     acc = _last_pv(p_prev, v_smem, acc, n_tiles, STAGES)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -220,10 +228,10 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len, m0,
-               pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
+               seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
-               WG: gl.constexpr):
+               PINGPONG: gl.constexpr, WG: gl.constexpr):
     """The loader warp: both warpgroups' Q tiles, then the program's K/V tiles, each into a stage both
     warpgroups have released (`empty` completes when both arrive; a fresh barrier counts as released)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
@@ -236,10 +244,10 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, emp
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len, m0,
-                 pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
-                 WG: gl.constexpr):
+def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
+                 seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG: rows m0 + WG * BLOCK_M onward, the two-stage loop on the shared K/V ring, releasing
     each stage once its P V is done. Past its own diagonal it only waits for and releases the program's last
     tiles, so that both warpgroups release every stage once. A warpgroup whose rows start past the sequence
@@ -261,14 +269,19 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, e
     mbarrier.wait(ready.index(0), 0)
     p_prev, m_i, l_i = _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    for tile in range(1, n_off):
+    n_both = gl.minimum(m0 // BLOCK_N, my_n)            # unmasked for both warpgroups: the same count, taking turns
+    for tile in range(1, n_both):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, True)
+                                      s_layout, o_layout, p_layout, True, turns, WG, PINGPONG)
+    for tile in range(gl.maximum(n_both, 1), n_off):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
+                                      n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
+                                      s_layout, o_layout, p_layout, True, turns, WG, False)
     for tile in range(gl.maximum(n_off, 1), my_n):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, True)
+                                      s_layout, o_layout, p_layout, True, turns, WG, False)
     acc = _last_pv(p_prev, v_smem, acc, my_n, STAGES)
     mbarrier.arrive(empty.index((my_n - 1) % STAGES), count=1)
     for tile in range(my_n, n_tiles):                  # the other warpgroup's tiles: wait for each, release it
@@ -281,7 +294,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, e
 def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh,
                        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                        STAGES: gl.constexpr, Q_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     """PRODUCER_WARP: one program owns 2 x BLOCK_M query rows; its default partition and a worker partition are
     one consumer warpgroup each, a one-warp worker loads."""
     pid_h = gl.program_id(0)
@@ -298,22 +311,25 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)          # one arrival a consumer warpgroup
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
-                        m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        Q_REGS, 0)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
-                        m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                        Q_REGS, 1)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, o_ptr, seq_start, seq_len,
-                      m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
-                      Q_REGS, 1)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
+                        seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        STAGES, Q_REGS, PINGPONG, 0)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
+                        seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                        STAGES, Q_REGS, PINGPONG, 1)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
+                      seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
+                      STAGES, Q_REGS, PINGPONG, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -341,7 +357,7 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
             out.stride(1))
     consts = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, Q_REGS=Q_REGS)
     if PRODUCER_WARP:
-        consts["CONSUMER_REGS"] = CONSUMER_REGS
+        consts.update(CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG)
     kernel()[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
     return out
 
