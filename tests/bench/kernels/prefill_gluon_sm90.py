@@ -41,7 +41,7 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS, PINGPONG.
+    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
     112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
@@ -59,7 +59,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.experimental.gluon.language.nvidia.hopper import tma, mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 
 BLOCK_M = 64  # query rows per program (16 per warp: 64 with 4 warps, 128 with 8)
 BLOCK_N = 64  # KV tokens per step
@@ -69,15 +70,18 @@ Q_REGS = False  # Q K^T with Q in registers (read from shared memory once) rathe
 PRODUCER_WARP = False  # two consumer warpgroups (2 x BLOCK_M rows) share each K/V tile a loader warp fills
 CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WARP; the loader gets 24)
 PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to issue their products
+PERSISTENT = False  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
+SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 
 _LOG2E = 1.4426950408889634
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile, n_tiles, row0, col,
+def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, tile, n_tiles, row0, col,
              STAGES: gl.constexpr, BLOCK_N: gl.constexpr):
-    """TMA loads of K/V tile `tile` into its stage of the ring, if the tile exists."""
-    s = tile % STAGES
+    """TMA loads of K/V tile `tile` into the ring's stage for `slot` (the ring's running count), if the tile
+    exists."""
+    s = slot % STAGES
     pred = tile < n_tiles
     bar = ready.index(s)
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
@@ -93,12 +97,14 @@ def _masked(s, m_start, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_la
 
 
 @gluon.jit
-def _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                s_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Tile 0's scores and softmax (masked: cheap once, and needed when it is the diagonal tile): (P, m, l)."""
+def _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Tile 0's scores and softmax (masked: cheap once, and needed when it is the diagonal tile), its K in the
+    ring's stage for `slot`: (P, m, l)."""
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    s_tok = warpgroup_mma(q_op, k_smem.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
-    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_smem.index(0)))
+    k_tile = k_smem.index(slot % STAGES)
+    s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
     s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
     m_i = gl.max(s, 1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
@@ -106,9 +112,9 @@ def _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N:
 
 
 @gluon.jit
-def _last_pv(p_prev, v_smem, acc, n_tiles, STAGES: gl.constexpr):
-    """The last tile's P V, waited for."""
-    v_last = v_smem.index((n_tiles - 1) % STAGES)
+def _last_pv(p_prev, v_smem, acc, slot, STAGES: gl.constexpr):
+    """The last tile's P V (its V in the ring's stage for `slot`), waited for."""
+    v_last = v_smem.index(slot % STAGES)
     acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_last))
     return acc
@@ -131,20 +137,20 @@ def _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, strid
 def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile, n_tiles, row0, col,
           m_start, qk_scale, MASK: gl.constexpr, STAGES: gl.constexpr, BLOCK_M: gl.constexpr,
           BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-          RELEASE: gl.constexpr, turns, WG: gl.constexpr, TURN: gl.constexpr):
+          RELEASE: gl.constexpr, turns, WG: gl.constexpr, TURN: gl.constexpr, slot0, turn0):
     """Tile `tile` (>= 1): its scores issued, then tile-1's P V, whose product runs while this tile's softmax does.
     Then the stage tile-1 used is refilled (one warpgroup, its own loads) or released to the loader warp (RELEASE).
     TURN: the two consumer warpgroups take turns to issue their products (warpgroup WG waits for `turns[WG]`,
     warpgroup 0 first, and passes the turn on once its two are issued), so that one's softmax runs beside the
-    other's products."""
-    s_idx = tile % STAGES
-    mbarrier.wait(ready.index(s_idx), (tile // STAGES) & 1)
+    other's products. The ring's running count is slot0 at tile 0, the turns' turn0 at tile 1."""
+    s_idx = (slot0 + tile) % STAGES
+    mbarrier.wait(ready.index(s_idx), ((slot0 + tile) // STAGES) & 1)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     k_tile = k_smem.index(s_idx)
     if TURN:
-        mbarrier.wait(turns.index(WG), ((tile - 1) & 1) ^ (1 - WG))
+        mbarrier.wait(turns.index(WG), ((turn0 + tile - 1) & 1) ^ (1 - WG))
     s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
-    v_prev = v_smem.index((tile - 1) % STAGES)
+    v_prev = v_smem.index((slot0 + tile - 1) % STAGES)
     acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
     if TURN:
         mbarrier.arrive(turns.index(1 - WG), count=1)
@@ -160,9 +166,10 @@ def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, 
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     if RELEASE:
-        mbarrier.arrive(empty.index((tile - 1) % STAGES), count=1)
+        mbarrier.arrive(empty.index((slot0 + tile - 1) % STAGES), count=1)
     else:
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, n_tiles, row0, col, STAGES, BLOCK_N)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile - 1 + STAGES, tile - 1 + STAGES, n_tiles, row0, col,
+                 STAGES, BLOCK_N)
     return p_prev, m_new, l_i, acc
 
 
@@ -201,7 +208,7 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [seq_start + m_start, pid_h * HEAD_DIM], q_bar, q_smem)
     for i in gl.static_range(STAGES):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, i, n_tiles, seq_start, col, STAGES, BLOCK_N)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, i, i, n_tiles, seq_start, col, STAGES, BLOCK_N)
     mbarrier.wait(q_bar, 0)
     if Q_REGS:
         q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -209,18 +216,18 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
         q_op = q_smem
 
     mbarrier.wait(ready.index(0), 0)
-    p_prev, m_i, l_i = _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
+    p_prev, m_i, l_i = _first_tile(q_op, k_smem, 0, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout, p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
 
     for tile in range(1, n_off):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, False, ready, 0, False)
+                                      s_layout, o_layout, p_layout, False, ready, 0, False, 0, 0)
     for tile in range(gl.maximum(n_off, 1), n_tiles):
         p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, ready, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
                                       n_tiles, seq_start, col, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, False, ready, 0, False)
-    acc = _last_pv(p_prev, v_smem, acc, n_tiles, STAGES)
+                                      s_layout, o_layout, p_layout, False, ready, 0, False, 0, 0)
+    acc = _last_pv(p_prev, v_smem, acc, n_tiles - 1, STAGES)
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
     mbarrier.invalidate(q_bar)
@@ -228,108 +235,153 @@ def _prefill_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
-               seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
-               PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """The loader warp: both warpgroups' Q tiles, then the program's K/V tiles, each into a stage both
-    warpgroups have released (`empty` completes when both arrive; a fresh barrier counts as released)."""
-    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [seq_start + m0, pid_h * HEAD_DIM], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(q_desc, [seq_start + m0 + BLOCK_M, pid_h * HEAD_DIM], q_bar, q_smem.index(1))
-    for tile in range(n_tiles):
-        mbarrier.wait(empty.index(tile % STAGES), ((tile // STAGES) & 1) ^ 1)
-        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, tile, n_tiles, seq_start, (pid_h // GROUP) * HEAD_DIM,
-                 STAGES, BLOCK_N)
+def _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr):
+    """Work item -> (query head, sequence start, its length, first row), heads fastest (a kv head's query heads
+    side by side). SEQUENCE_MAJOR: one sequence's items after another's, each sequence's heaviest query tiles
+    first, so that the items in flight read one sequence's K/V (L2 holds it); else the heaviest query tiles of
+    every sequence first."""
+    pid_h = item % num_heads
+    rest = item // num_heads
+    if SEQUENCE_MAJOR:
+        pid_b = rest // num_m_tiles
+        m0 = (num_m_tiles - 1 - rest % num_m_tiles) * 2 * BLOCK_M
+    else:
+        pid_b = rest % batch
+        m0 = (num_m_tiles - 1 - rest // batch) * 2 * BLOCK_M
+    seq_start = gl.load(cu_ptr + pid_b)
+    return pid_h, seq_start, gl.load(cu_ptr + pid_b + 1) - seq_start, m0
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
-                 seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, cu_ptr,
+               num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
+               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
+    """The loader warp: for each of the program's work items, both warpgroups' Q tiles once both have released
+    the last ones (`q_empty`), then the item's K/V tiles, each into a stage both warpgroups have released
+    (`empty` completes when both arrive; a fresh barrier counts as released). The ring's count runs on across
+    items, so the next item's first tiles load while the consumers finish this one."""
+    slot = 0
+    done = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+        if m0 < seq_len:
+            n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+            mbarrier.wait(q_empty, (done & 1) ^ 1)
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [seq_start + m0, pid_h * HEAD_DIM], q_bar, q_smem.index(0))
+            tma.async_copy_global_to_shared(q_desc, [seq_start + m0 + BLOCK_M, pid_h * HEAD_DIM], q_bar,
+                                            q_smem.index(1))
+            for tile in range(n_tiles):
+                mbarrier.wait(empty.index((slot + tile) % STAGES), (((slot + tile) // STAGES) & 1) ^ 1)
+                _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot + tile, tile, n_tiles, seq_start,
+                         (pid_h // GROUP) * HEAD_DIM, STAGES, BLOCK_N)
+            slot += n_tiles
+            done += 1
+
+
+@gluon.jit
+def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, cu_ptr,
+                 num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG: rows m0 + WG * BLOCK_M onward, the two-stage loop on the shared K/V ring, releasing
-    each stage once its P V is done. Past its own diagonal it only waits for and releases the program's last
-    tiles, so that both warpgroups release every stage once. A warpgroup whose rows start past the sequence
-    computes tiles up to the sequence's end and stores nothing."""
+                 Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG, for each of the program's work items: rows m0 + WG * BLOCK_M onward, the two-stage
+    loop on the shared K/V ring, releasing each stage once its P V is done, and Q once it no longer reads it (in
+    registers at once with Q_REGS, else after its last Q K^T). Past its own diagonal it only waits for and
+    releases the item's last tiles, so that both warpgroups release every stage once. A warpgroup whose rows
+    start past the sequence computes tiles up to the sequence's end and stores nothing."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    m_start = m0 + WG * BLOCK_M
-    my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
-    n_off = gl.minimum(m_start // BLOCK_N, my_n)      # tiles wholly below this warpgroup's diagonal: no mask
-    q_w = q_smem.index(WG)
-    mbarrier.wait(q_bar, 0)
-    if Q_REGS:
-        q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q_op = q_w
-    mbarrier.wait(ready.index(0), 0)
-    p_prev, m_i, l_i = _first_tile(q_op, k_smem, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
-    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    n_both = gl.minimum(m0 // BLOCK_N, my_n)            # unmasked for both warpgroups: the same count, taking turns
-    for tile in range(1, n_both):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
-                                      n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, True, turns, WG, PINGPONG)
-    for tile in range(gl.maximum(n_both, 1), n_off):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
-                                      n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, True, turns, WG, False)
-    for tile in range(gl.maximum(n_off, 1), my_n):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc, tile,
-                                      n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M, BLOCK_N,
-                                      s_layout, o_layout, p_layout, True, turns, WG, False)
-    acc = _last_pv(p_prev, v_smem, acc, my_n, STAGES)
-    mbarrier.arrive(empty.index((my_n - 1) % STAGES), count=1)
-    for tile in range(my_n, n_tiles):                  # the other warpgroup's tiles: wait for each, release it
-        mbarrier.wait(ready.index(tile % STAGES), (tile // STAGES) & 1)
-        mbarrier.arrive(empty.index(tile % STAGES), count=1)
-    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
+    slot = 0
+    done = 0
+    turn = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+        if m0 < seq_len:
+            n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+            m_start = m0 + WG * BLOCK_M
+            my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+            n_off = gl.minimum(m_start // BLOCK_N, my_n)    # tiles wholly below this warpgroup's diagonal: no mask
+            n_both = gl.minimum(m0 // BLOCK_N, my_n)        # unmasked for both warpgroups: the same count
+            q_w = q_smem.index(WG)
+            mbarrier.wait(q_bar, done & 1)
+            if Q_REGS:
+                q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+                fence_async_shared()                        # these reads before the loader's next TMA write
+                mbarrier.arrive(q_empty, count=1)
+            else:
+                q_op = q_w
+            mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
+            p_prev, m_i, l_i = _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout,
+                                           p_layout)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            for tile in range(1, n_both):
+                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
+                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES,
+                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG,
+                                              PINGPONG, slot, turn)
+            for tile in range(gl.maximum(n_both, 1), n_off):
+                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
+                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES,
+                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False,
+                                              slot, turn)
+            for tile in range(gl.maximum(n_off, 1), my_n):
+                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
+                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES,
+                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False,
+                                              slot, turn)
+            acc = _last_pv(p_prev, v_smem, acc, slot + my_n - 1, STAGES)
+            if not Q_REGS:
+                mbarrier.arrive(q_empty, count=1)
+            mbarrier.arrive(empty.index((slot + my_n - 1) % STAGES), count=1)
+            for tile in range(my_n, n_tiles):              # the other warpgroup's tiles: wait for each, release it
+                mbarrier.wait(ready.index((slot + tile) % STAGES), ((slot + tile) // STAGES) & 1)
+                mbarrier.arrive(empty.index((slot + tile) % STAGES), count=1)
+            _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
+                   o_layout)
+            slot += n_tiles
+            done += 1
+            turn += gl.maximum(n_both - 1, 0)
 
 
 @gluon.jit
-def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh,
-                       GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                       STAGES: gl.constexpr, Q_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                       PINGPONG: gl.constexpr, num_warps: gl.constexpr):
-    """PRODUCER_WARP: one program owns 2 x BLOCK_M query rows; its default partition and a worker partition are
-    one consumer warpgroup each, a one-warp worker loads."""
-    pid_h = gl.program_id(0)
-    pid_m = num_m_tiles - 1 - gl.program_id(1)
-    pid_b = gl.program_id(2)
-    seq_start = gl.load(cu_ptr + pid_b)
-    seq_len = gl.load(cu_ptr + pid_b + 1) - seq_start
-    m0 = pid_m * 2 * BLOCK_M
-    if m0 >= seq_len:
-        return
+def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh, num_heads,
+                       batch, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+                       CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """PRODUCER_WARP: a work item is 2 x BLOCK_M query rows of one head of one sequence; a program takes items
+    program_id, program_id + programs, ... (one each unless PERSISTENT). Its default partition and a worker
+    partition are one consumer warpgroup each, a one-warp worker loads."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)          # one arrival a consumer warpgroup
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_empty, count=2)
     mbarrier.init(turns.index(0), count=1)
     mbarrier.init(turns.index(1), count=1)
-    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
-                        seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        STAGES, Q_REGS, PINGPONG, 0)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
-                        seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                        STAGES, Q_REGS, PINGPONG, 1)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, ready, empty, turns, o_ptr, seq_start,
-                      seq_len, m0, pid_h, n_tiles, qk_scale, stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N,
-                      STAGES, Q_REGS, PINGPONG, 1)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
+                        cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 0)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
+                        cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
+                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 1)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
+                      cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
+                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -356,10 +408,18 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     args = (q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0),
             out.stride(1))
     consts = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, Q_REGS=Q_REGS)
-    if PRODUCER_WARP:
-        consts.update(CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG)
-    kernel()[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
+    if not PRODUCER_WARP:
+        _prefill_kernel[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
+        return out
+    num_items = hq * batch * num_m_tiles
+    programs = min(num_items, _sm_count(q.device)) if PERSISTENT else num_items
+    _prefill_ws_kernel[(programs, )](*args, hq, batch, num_items, **consts, CONSUMER_REGS=CONSUMER_REGS,
+                                     PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, **launch_options())
     return out
+
+
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def kernel():
