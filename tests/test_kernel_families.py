@@ -98,11 +98,15 @@ def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_
                                       ({"PRODUCER_WARP": True, "Q_REGS": True, "PERSISTENT": True}, 128),
                                       ({"PRODUCER_WARP": True, "PINGPONG": True, "PERSISTENT": True}, 64),
                                       ({"PRODUCER_WARP": True, "Q_REGS": True, "PERSISTENT": True,
-                                        "SEQUENCE_MAJOR": True}, 128)],
+                                        "SEQUENCE_MAJOR": True}, 128),
+                                      ({"PRODUCER_WARP": True, "Q_REGS": True, "DYNAMIC": True}, 128),
+                                      ({"PRODUCER_WARP": True, "DYNAMIC": True, "SEQUENCE_MAJOR": True,
+                                        "PINGPONG": True}, 64)],
                          ids=["defaults-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
                               "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64",
                               "loader-warp-turns-d128", "persistent-q-in-registers-d128", "persistent-turns-d64",
-                              "persistent-sequence-major-d128"])
+                              "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
+                              "dynamic-sequence-major-turns-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
 import os
 import pathlib
 import re
@@ -90,7 +91,8 @@ def compile_prefill_kernel(mod):
     consts.update({n: getattr(mod, n) for n in names if n.isupper() and n not in consts and hasattr(mod, n)})
     q_layout, kv_layout = (f",{layout!r}" for layout in mod.layouts(128)) if gluon else ("", "")
     descs = {"q": f"tensordesc<bf16[{mod.BLOCK_M}, 128]{q_layout}>", "k": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>",
-             "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32"}
+             "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32",
+             "counter_ptr": "*i32"}
     sig = {n: "constexpr" if n in consts else descs.get(n.split("_")[0] if n.endswith(("_src", "_desc")) else n)
            or ("fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
@@ -98,7 +100,7 @@ def compile_prefill_kernel(mod):
 
 
 def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None):
-    """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings) for sm90."""
+    """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings, PTX) for sm90."""
     names = fn.arg_names
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
@@ -115,7 +117,27 @@ def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None):
     ttgir = kernel.asm["ttgir"]
     waits = collections.Counter(int(m.group(1)) for m in WAIT.finditer(ttgir))
     issued = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
-    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits
+    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits, kernel.asm["ptx"]
+
+
+def code_lines(ptx: str) -> list[str]:
+    """A kernel's PTX instructions, its registers and labels unnumbered and its debug sections, source locations
+    and file names dropped: two builds with equal lists run the same instructions."""
+    code = ptx.split("\t.section\t.debug")[0]
+    lines = []
+    for line in code.splitlines():
+        line = line.split("//")[0].strip()
+        if not line or line.startswith((".loc", ".file")) or re.fullmatch(r"\$L__tmp\d+:", line):
+            continue
+        line = re.sub(r"%(r|rd|p|rs|f)\d+", r"%\1", line)
+        lines.append(re.sub(r"param_\d+", "param_N", re.sub(r"\$L__(tmp|BB\d+_)\d+", "$L", line)))
+    return lines
+
+
+def _build(spec: str, tmp: pathlib.Path, batch: int):
+    label, mod = load_spec(spec, tmp)
+    compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
+    return label, mod, compiled
 
 
 def main(argv=None):
@@ -123,19 +145,27 @@ def main(argv=None):
                                              "GPU; print its registers, stack (spills), shared memory and wgmma waits.")
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the GQA decode family")
     ap.add_argument("--batch", type=int, default=32, help="sequences in the launch the kernel is specialised for")
+    ap.add_argument("--same-code-as", metavar="FILE", help="also build FILE (another version of each SPEC's file, "
+                    "e.g. from `git show REV:PATH`) with the SPEC's knobs and say how many PTX lines differ")
     args = ap.parse_args(argv)
     batch, specs = args.batch, args.specs or [str(DEFAULT)]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
-        label, mod = load_spec(spec, tmp)
-        compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
-        regs, stack, shared, issued, waits = compiled
+        label, mod, compiled = _build(spec, tmp, batch)
+        regs, stack, shared, issued, waits, ptx = compiled
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
                                            warps=getattr(mod, "launch_warps", lambda: mod.NUM_WARPS)()))
         # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM; wgmma {issued} in the code, waits by pendings "
               f"{dict(sorted(waits.items())) or 'none'}")
+        if args.same_code_as:
+            other = _build(args.same_code_as + spec[len(spec.partition(":")[0]):], tmp, batch)[2][5]
+            mine, theirs = code_lines(ptx), code_lines(other)
+            differ = [line for line in difflib.unified_diff(theirs, mine, lineterm="", n=0)
+                      if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+            print(f"    against {args.same_code_as}: {len(mine)} vs {len(theirs)} PTX lines, {len(differ)} differ"
+                  + "".join(f"\n      {line}" for line in differ[:6]))
     return 0
 
 

@@ -41,7 +41,7 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR.
+    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
     112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
@@ -72,6 +72,7 @@ CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WA
 PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to issue their products
 PERSISTENT = False  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
+DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 
 _LOG2E = 1.4426950408889634
 
@@ -253,109 +254,186 @@ def _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, cu_ptr,
-               num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
-               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-               Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
-    """The loader warp: for each of the program's work items, both warpgroups' Q tiles once both have released
-    the last ones (`q_empty`), then the item's K/V tiles, each into a stage both warpgroups have released
-    (`empty` completes when both arrive; a fresh barrier counts as released). The ring's count runs on across
-    items, so the next item's first tiles load while the consumers finish this one."""
-    slot = 0
-    done = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
-        if m0 < seq_len:
-            n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
-            mbarrier.wait(q_empty, (done & 1) ^ 1)
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [seq_start + m0, pid_h * HEAD_DIM], q_bar, q_smem.index(0))
-            tma.async_copy_global_to_shared(q_desc, [seq_start + m0 + BLOCK_M, pid_h * HEAD_DIM], q_bar,
-                                            q_smem.index(1))
-            for tile in range(n_tiles):
-                mbarrier.wait(empty.index((slot + tile) % STAGES), (((slot + tile) // STAGES) & 1) ^ 1)
-                _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot + tile, tile, n_tiles, seq_start,
-                         (pid_h // GROUP) * HEAD_DIM, STAGES, BLOCK_N)
-            slot += n_tiles
-            done += 1
+def _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+             SEQUENCE_MAJOR: gl.constexpr):
+    """Whether `item` is a work item with rows in its sequence (False past the last item)."""
+    _, _, seq_len, m0 = _ws_item(gl.minimum(item, num_items - 1), cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                 SEQUENCE_MAJOR)
+    return (item < num_items) & (m0 < seq_len)
 
 
 @gluon.jit
-def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, cu_ptr,
-                 num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
-    """Consumer warpgroup WG, for each of the program's work items: rows m0 + WG * BLOCK_M onward, the two-stage
-    loop on the shared K/V ring, releasing each stage once its P V is done, and Q once it no longer reads it (in
-    registers at once with Q_REGS, else after its last Q K^T). Past its own diagonal it only waits for and
-    releases the item's last tiles, so that both warpgroups release every stage once. A warpgroup whose rows
-    start past the sequence computes tiles up to the sequence's end and stores nothing."""
+def _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+             SEQUENCE_MAJOR: gl.constexpr):
+    """DYNAMIC: the next item with rows in its sequence from the counter all programs share, or one past the last
+    (the atomic runs on one lane; the warp gets its result)."""
+    item = gl.atomic_add(counter_ptr, 1)
+    while (item < num_items) & (not _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
+                                             SEQUENCE_MAJOR)):
+        item = gl.atomic_add(counter_ptr, 1)
+    return item
+
+
+@gluon.jit
+def _ws_item_id(item_smem):
+    """DYNAMIC: the item the loader wrote to `item_smem`, read by a consumer warpgroup."""
+    return gl.max(item_smem.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+
+
+@gluon.jit
+def _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, item_smem, item,
+                  pid_h, seq_start, seq_len, m0, slot, done, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DYNAMIC: gl.constexpr):
+    """The loader's part of one item: its Q tiles once both warpgroups have released the last ones (`q_empty`;
+    DYNAMIC: the item's number to `item_smem` first), then its K/V tiles, each into a stage both warpgroups have
+    released (`empty` completes when both arrive; a fresh barrier counts as released). (slot, done) after it."""
+    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+    mbarrier.wait(q_empty, (done & 1) ^ 1)
+    if DYNAMIC:
+        item_smem.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + item)
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [seq_start + m0, pid_h * HEAD_DIM], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [seq_start + m0 + BLOCK_M, pid_h * HEAD_DIM], q_bar, q_smem.index(1))
+    for tile in range(n_tiles):
+        mbarrier.wait(empty.index((slot + tile) % STAGES), (((slot + tile) // STAGES) & 1) ^ 1)
+        _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot + tile, tile, n_tiles, seq_start,
+                 (pid_h // GROUP) * HEAD_DIM, STAGES, BLOCK_N)
+    return slot + n_tiles, done + 1
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, item_smem,
+               o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
+               DYNAMIC: gl.constexpr, WG: gl.constexpr):
+    """The loader warp, over the program's work items (items program_id, program_id + programs, ...; DYNAMIC:
+    taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). The ring's
+    count runs on across items, so the next item's first tiles load while the consumers finish this one."""
+    slot = 0
+    done = 0
+    if DYNAMIC:
+        item = _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
+        while item < num_items:
+            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                                     SEQUENCE_MAJOR)
+            slot, done = _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
+                                       item_smem, item, pid_h, seq_start, seq_len, m0, slot, done, GROUP, HEAD_DIM,
+                                       BLOCK_M, BLOCK_N, STAGES, DYNAMIC)
+            item = _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
+        mbarrier.wait(q_empty, (done & 1) ^ 1)              # the consumers have read the last item's number
+        item_smem.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + num_items)
+        mbarrier.arrive(q_bar, count=1)
+    else:
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                                     SEQUENCE_MAJOR)
+            if m0 < seq_len:
+                slot, done = _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
+                                           empty, item_smem, item, pid_h, seq_start, seq_len, m0, slot, done, GROUP,
+                                           HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DYNAMIC)
+
+
+@gluon.jit
+def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, pid_h,
+                     seq_start, seq_len, m0, slot, done, turn, qk_scale, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+                     PINGPONG: gl.constexpr, WAIT_Q: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG's part of one item: rows m0 + WG * BLOCK_M onward, the two-stage loop on the shared
+    K/V ring, releasing each stage once its P V is done, and Q once it no longer reads it (in registers at once
+    with Q_REGS, else after its last Q K^T). Past its own diagonal it only waits for and releases the item's last
+    tiles, so that both warpgroups release every stage once. A warpgroup whose rows start past the sequence
+    computes tiles up to the sequence's end and stores nothing. WAIT_Q: wait for Q's barrier first (DYNAMIC
+    waits before reading the item's number). (slot, done, turn) after it."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+    m_start = m0 + WG * BLOCK_M
+    my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+    n_off = gl.minimum(m_start // BLOCK_N, my_n)    # tiles wholly below this warpgroup's diagonal: no mask
+    n_both = gl.minimum(m0 // BLOCK_N, my_n)        # unmasked for both warpgroups: the same count
+    q_w = q_smem.index(WG)
+    if WAIT_Q:
+        mbarrier.wait(q_bar, done & 1)
+    if Q_REGS:
+        q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        fence_async_shared()                        # these reads before the loader's next TMA write
+        mbarrier.arrive(q_empty, count=1)
+    else:
+        q_op = q_w
+    mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
+    p_prev, m_i, l_i = _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout,
+                                   p_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    for tile in range(1, n_both):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, PINGPONG, slot, turn)
+    for tile in range(gl.maximum(n_both, 1), n_off):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
+    for tile in range(gl.maximum(n_off, 1), my_n):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
+    acc = _last_pv(p_prev, v_smem, acc, slot + my_n - 1, STAGES)
+    if not Q_REGS:
+        mbarrier.arrive(q_empty, count=1)
+    mbarrier.arrive(empty.index((slot + my_n - 1) % STAGES), count=1)
+    for tile in range(my_n, n_tiles):              # the other warpgroup's tiles: wait for each, release it
+        mbarrier.wait(ready.index((slot + tile) % STAGES), ((slot + tile) // STAGES) & 1)
+        mbarrier.arrive(empty.index((slot + tile) % STAGES), count=1)
+    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
+    return slot + n_tiles, done + 1, turn + gl.maximum(n_both - 1, 0)
+
+
+@gluon.jit
+def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, item_smem,
+                 o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
+                 DYNAMIC: gl.constexpr, WG: gl.constexpr):
+    """Consumer warpgroup WG over the program's work items (DYNAMIC: each item's number read from `item_smem`
+    once Q's barrier completes, until the end mark)."""
     slot = 0
     done = 0
     turn = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
-        if m0 < seq_len:
-            n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
-            m_start = m0 + WG * BLOCK_M
-            my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
-            n_off = gl.minimum(m_start // BLOCK_N, my_n)    # tiles wholly below this warpgroup's diagonal: no mask
-            n_both = gl.minimum(m0 // BLOCK_N, my_n)        # unmasked for both warpgroups: the same count
-            q_w = q_smem.index(WG)
+    if DYNAMIC:
+        mbarrier.wait(q_bar, 0)
+        item = _ws_item_id(item_smem)
+        while item < num_items:
+            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                                     SEQUENCE_MAJOR)
+            slot, done, turn = _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
+                                                turns, o_ptr, pid_h, seq_start, seq_len, m0, slot, done, turn,
+                                                qk_scale, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                                                Q_REGS, PINGPONG, False, WG)
             mbarrier.wait(q_bar, done & 1)
-            if Q_REGS:
-                q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-                fence_async_shared()                        # these reads before the loader's next TMA write
-                mbarrier.arrive(q_empty, count=1)
-            else:
-                q_op = q_w
-            mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
-            p_prev, m_i, l_i = _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout,
-                                           p_layout)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-            for tile in range(1, n_both):
-                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
-                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES,
-                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG,
-                                              PINGPONG, slot, turn)
-            for tile in range(gl.maximum(n_both, 1), n_off):
-                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
-                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES,
-                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False,
-                                              slot, turn)
-            for tile in range(gl.maximum(n_off, 1), my_n):
-                p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i,
-                                              acc, tile, n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES,
-                                              BLOCK_M, BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False,
-                                              slot, turn)
-            acc = _last_pv(p_prev, v_smem, acc, slot + my_n - 1, STAGES)
-            if not Q_REGS:
-                mbarrier.arrive(q_empty, count=1)
-            mbarrier.arrive(empty.index((slot + my_n - 1) % STAGES), count=1)
-            for tile in range(my_n, n_tiles):              # the other warpgroup's tiles: wait for each, release it
-                mbarrier.wait(ready.index((slot + tile) % STAGES), ((slot + tile) // STAGES) & 1)
-                mbarrier.arrive(empty.index((slot + tile) % STAGES), count=1)
-            _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM,
-                   o_layout)
-            slot += n_tiles
-            done += 1
-            turn += gl.maximum(n_both - 1, 0)
+            item = _ws_item_id(item_smem)
+    else:
+        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                                     SEQUENCE_MAJOR)
+            if m0 < seq_len:
+                slot, done, turn = _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
+                                                    empty, turns, o_ptr, pid_h, seq_start, seq_len, m0, slot, done,
+                                                    turn, qk_scale, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                                    STAGES, Q_REGS, PINGPONG, True, WG)
 
 
 @gluon.jit
 def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh, num_heads,
-                       batch, num_items, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
+                       batch, num_items, counter_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
     """PRODUCER_WARP: a work item is 2 x BLOCK_M query rows of one head of one sequence; a program takes items
-    program_id, program_id + programs, ... (one each unless PERSISTENT). Its default partition and a worker
-    partition are one consumer warpgroup each, a one-warp worker loads."""
+    program_id, program_id + programs, ... (one each unless PERSISTENT; DYNAMIC: from a shared counter). Its
+    default partition and a worker partition are one consumer warpgroup each, a one-warp worker loads."""
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
@@ -364,6 +442,7 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_smem = gl.allocate_shared_memory(gl.int32, [1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)          # one arrival a consumer warpgroup
@@ -373,15 +452,18 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
     mbarrier.init(turns.index(1), count=1)
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
-                        cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 0)),
-        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
-                        cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
-                        HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 1)),
-        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
-                      cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh, GROUP,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, 1)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
+                        item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                        stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
+                        SEQUENCE_MAJOR, DYNAMIC, 0)),
+        (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
+                        item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                        stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
+                        SEQUENCE_MAJOR, DYNAMIC, 1)),
+        (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
+                      item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                      stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
+                      SEQUENCE_MAJOR, DYNAMIC, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -412,9 +494,11 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
         _prefill_kernel[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
         return out
     num_items = hq * batch * num_m_tiles
-    programs = min(num_items, _sm_count(q.device)) if PERSISTENT else num_items
-    _prefill_ws_kernel[(programs, )](*args, hq, batch, num_items, **consts, CONSUMER_REGS=CONSUMER_REGS,
-                                     PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, **launch_options())
+    programs = min(num_items, _sm_count(q.device)) if PERSISTENT or DYNAMIC else num_items
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
+    _prefill_ws_kernel[(programs, )](*args, hq, batch, num_items, counter, **consts, CONSUMER_REGS=CONSUMER_REGS,
+                                     PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
+                                     **launch_options())
     return out
 
 
