@@ -29,7 +29,13 @@ With a loader warp (PRODUCER_WARP)
     One program owns 2 x BLOCK_M rows: two consumer warpgroups (the default partition and a worker) run the loop
     above on one K/V ring, and a one-warp worker fills it (FlashAttention-3's producer). A stage is refilled once
     both consumers have released it (an `empty` mbarrier counting two arrivals), so neither waits for the other
-    and no warpgroup issues loads. Each K/V tile in shared memory serves 128 rows, not 64.
+    and no warpgroup issues loads. Each K/V tile in shared memory serves 128 rows, not 64. A work item is the
+    program's 128 rows of one head of one sequence: one item a program, or (PERSISTENT) one program an SM taking
+    items program_id, program_id + programs, ..., or (DYNAMIC) one an SM taking each next item from a counter all
+    programs share (the loader takes it and writes its number to shared memory before Q's barrier). The ring's
+    count and the barriers' phases run on across items, so the loader fills the next item's stages while the
+    consumers finish this one. Items go heaviest query tiles first: of every sequence at once, or (SEQUENCE_MAJOR)
+    one sequence after another, so that the items in flight read one sequence's K/V.
 
 Why shared memory bounds it (arithmetic, not a measurement)
     An sm90 SM's shared memory moves 128 B a cycle; its tensor cores do about 4,096 bf16 FLOP a cycle (989
@@ -45,14 +51,23 @@ Knobs (module constants below, one per line)
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
     112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
-    `wait_group 0` after them, no shared-memory round trip for P.
+    `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP: launched at 168 registers a
+    thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives each consumer
+    warpgroup 240 and the loader 24; 128-192 KB shared (2-5 stages), one program an SM, nothing spilled.
+
+Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 4k, eager, each call on a new
+    query): on the H200, PRODUCER_WARP, Q_REGS, PERSISTENT 0.95 / 0.99 / 0.90 (NUM_STAGES 4 or PINGPONG within
+    the run's noise). DYNAMIC has not run on a GPU.
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128.
     * The loader warp's program is one per SM (registers), so its consumers' softmax overlaps only each other's
       products and their own P V. PINGPONG orders the two consumers' products with two mbarriers (FlashAttention-3
       uses named barriers) over the tiles both run unmasked, where both take the same number of steps.
-    * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free).
+    * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free); a
+      persistent program skips such items.
+    * Launching from Python costs tens of microseconds (descriptors, the launcher): at 1 x 1k it is 0.3-0.6x
+      cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200).
 """
 import torch
 import triton
