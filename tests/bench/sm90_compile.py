@@ -5,6 +5,8 @@ registers, stack (spills) and shared memory per program, and its warpgroup MMAs 
 issues and how its waits leave them in flight.
 
     python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
+    python tests/bench/sm90_compile.py --same-code-as OLD.py SPEC   whether a change kept the PTX a figure was
+                                                                    measured on (OLD.py: `git show REV:PATH`)
 
 It covers the issue-16 bench shape only: bf16, a GQA group of 4 (32 q / 8 kv heads), head_dim 128; decode with
 page 16, several splits (partials); prefill through tensor descriptors (the bench's packed tokens pass

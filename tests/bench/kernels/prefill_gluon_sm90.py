@@ -323,7 +323,8 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
                STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
                DYNAMIC: gl.constexpr, WG: gl.constexpr):
     """The loader warp, over the program's work items (items program_id, program_id + programs, ...; DYNAMIC:
-    taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). The ring's
+    taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). Its
+    arguments are the consumers': Gluon gives every worker partition the same signature. The ring's
     count runs on across items, so the next item's first tiles load while the consumers finish this one."""
     slot = 0
     done = 0
