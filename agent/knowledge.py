@@ -84,9 +84,11 @@ class Catalog(Strict):
         return [e for e in self.entries if e.target in (target, "any") and e.op in (*ops, "any")
                 and e.arch in (arch, "any")]
 
-    def families(self, target: str, op: str) -> list[tuple[Entry, Family]]:
-        """Every kernel family of `op`, the head family first."""
-        return [(e, e.family) for e in self.entries if e.target == target and e.op == op and e.family]
+    def families(self, target: str, op: str, arch: str | None = None) -> list[tuple[Entry, Family]]:
+        """Every kernel family of `op`, the head family first; given `arch`, only those that run on it (an sm90
+        family's kernel needs that GPU)."""
+        return [(e, e.family) for e in self.entries if e.target == target and e.op == op and e.family
+                and (arch is None or e.arch in (arch, "any"))]
 
     def family(self, target: str, op: str) -> tuple[Entry, Family]:
         """The head family of `op`: the kernel a run starts from."""

@@ -67,6 +67,14 @@ def test_every_knowledge_kernel_passes_the_allowlist():
     ("y = torch.einsum\n", 4, "torch.einsum"),
     ("y = torch.Tensor.matmul\n", 4, "torch.Tensor.matmul"),
     ("y = triton.runtime.driver\n", 4, "triton.runtime.driver"),
+    # Gluon: its device language and descriptor, not its other host surface or modules as values
+    ("import triton.experimental.gluon as g\nf = g.constexpr_function\n", 5,
+     "triton.experimental.gluon.constexpr_function"),
+    ("from triton.experimental import gluon\n", 4, "triton.experimental"),
+    ("from triton.experimental.gluon import language as gl\nm = gl.nvidia.blackwell\n", 5,
+     "triton.experimental.gluon.language.nvidia.blackwell"),
+    ("from triton.experimental.gluon import language as gl\nm = gl.amd\n", 5, "triton.experimental.gluon.language.amd"),
+    ("import triton.experimental.gluon._runtime\n", 4, "triton.experimental.gluon._runtime"),
     ("triton.knobs.runtime.launch_enter_hook = print\n", 4, "triton.knobs.runtime.launch_enter_hook"),
     # the same reached through aliases
     ("import torch as t\ny = t.nn.functional.softmax\n", 5, "torch.nn.functional.softmax"),

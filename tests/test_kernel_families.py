@@ -22,7 +22,7 @@ from test_reference_kernels_standalone import (  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECODE = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 PREFILL = ROOT / "knowledge" / "attention" / "prefill_causal_tma.py"
-GLUON_PREFILL = ROOT / "tests" / "bench" / "kernels" / "prefill_gluon_sm90.py"
+GLUON_PREFILL = ROOT / "knowledge" / "attention" / "prefill_gluon_sm90.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -76,37 +76,35 @@ def _waits(line: str) -> dict[int, int]:
 
 
 def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_the_next_tiles_softmax():
-    """What the Gluon prefill is for (tests/bench/kernels/prefill_gluon_sm90.py): each step of its two tile loops waits
-    for the new tile's scores with one product (the tile before's P V) left in flight, which plain Triton's TMA
-    family never does (its every wait leaves none), and it still fits two programs an SM. With a loader warp
-    (PRODUCER_WARP) each of its two consumer warpgroups waits so, and at its register split (the loader's 24, each
-    consumer's CONSUMER_REGS) nothing spills."""
-    tma, gluon, ws = sm90_lines([str(PREFILL), str(GLUON_PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=True"])
+    """What the Gluon prefill family is for (knowledge/attention/prefill_gluon_sm90.py): with one warpgroup a program,
+    each step of its two tile loops waits for the new tile's scores with one product (the tile before's P V) left in
+    flight, which plain Triton's TMA family never does (its every wait leaves none), and it still fits two programs
+    an SM. At the family's defaults (a loader warp, PRODUCER_WARP) each of its two consumer warpgroups waits so,
+    and at its register split (the loader's 24, each consumer's CONSUMER_REGS) nothing spills."""
+    tma, gluon, ws = sm90_lines([str(PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=False,Q_REGS=False", str(GLUON_PREFILL)])
     assert set(_waits(tma)) == {0}, tma
     assert _waits(gluon).get(1) == 2 and int(gluon.split("at most ")[1].split()[0]) >= 2, gluon
     assert _waits(ws).get(1, 0) >= 4 and " 0 B stack" in ws, ws
 
 
+ONE_WARPGROUP = {"PRODUCER_WARP": False, "Q_REGS": False}
+ONE_ITEM = {"PERSISTENT": False}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-@pytest.mark.parametrize("knobs, d", [({}, 128), ({"BLOCK_M": 128, "NUM_WARPS": 8, "NUM_STAGES": 2}, 128),
-                                      ({"BLOCK_N": 128, "NUM_STAGES": 2}, 64), ({"Q_REGS": True}, 128),
-                                      ({"PRODUCER_WARP": True}, 128),
-                                      ({"PRODUCER_WARP": True, "BLOCK_N": 128, "NUM_STAGES": 2}, 128),
-                                      ({"PRODUCER_WARP": True, "Q_REGS": True}, 64),
-                                      ({"PRODUCER_WARP": True, "PINGPONG": True}, 128),
-                                      ({"PRODUCER_WARP": True, "Q_REGS": True, "PERSISTENT": True}, 128),
-                                      ({"PRODUCER_WARP": True, "PINGPONG": True, "PERSISTENT": True}, 64),
-                                      ({"PRODUCER_WARP": True, "Q_REGS": True, "PERSISTENT": True,
-                                        "SEQUENCE_MAJOR": True}, 128),
-                                      ({"PRODUCER_WARP": True, "Q_REGS": True, "DYNAMIC": True}, 128),
-                                      ({"PRODUCER_WARP": True, "DYNAMIC": True, "SEQUENCE_MAJOR": True,
-                                        "PINGPONG": True}, 64)],
-                         ids=["defaults-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
-                              "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64",
-                              "loader-warp-turns-d128", "persistent-q-in-registers-d128", "persistent-turns-d64",
-                              "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
-                              "dynamic-sequence-major-turns-d64"])
+@pytest.mark.parametrize("knobs, d", [
+    ({}, 128),
+    (ONE_WARPGROUP, 128), ({**ONE_WARPGROUP, "BLOCK_M": 128, "NUM_WARPS": 8, "NUM_STAGES": 2}, 128),
+    ({**ONE_WARPGROUP, "BLOCK_N": 128, "NUM_STAGES": 2}, 64), ({"PRODUCER_WARP": False}, 128),
+    ({**ONE_ITEM, "Q_REGS": False}, 128), ({**ONE_ITEM, "Q_REGS": False, "BLOCK_N": 128, "NUM_STAGES": 2}, 128),
+    (ONE_ITEM, 64), ({**ONE_ITEM, "Q_REGS": False, "PINGPONG": True}, 128),
+    ({"Q_REGS": False, "PINGPONG": True}, 64), ({"SEQUENCE_MAJOR": True}, 128),
+    ({"DYNAMIC": True}, 128), ({"DYNAMIC": True, "SEQUENCE_MAJOR": True, "PINGPONG": True, "Q_REGS": False}, 64),
+], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
+        "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
+        "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
+        "dynamic-sequence-major-turns-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from agent.knowledge import KNOWLEDGE, CatalogError, load_catalog, read_knobs, with_knobs
+import torch
+
+from agent.knowledge import KNOWLEDGE, CatalogError, gpu_arch, load_catalog, read_knobs, with_knobs
 
 CATALOG = load_catalog()
 KERNELS = [e for e in CATALOG.entries if "kernel" in e.tags]
+HERE = gpu_arch(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def test_every_note_cites_its_sources_and_every_entry_has_a_summary():
@@ -31,6 +34,8 @@ def test_a_role_reads_only_the_entries_for_its_ops_and_the_gpu_in_use():
 
 @pytest.mark.parametrize("entry", KERNELS, ids=[e.id for e in KERNELS])
 def test_each_catalog_kernel_passes_the_evaluator_up_to_parity(entry, evaluate_source):
+    if entry.arch not in ("any", HERE):
+        pytest.skip(f"{entry.id} runs on {entry.arch} only (tests/test_kernel_families.py compiles it for that GPU)")
     verdict = evaluate_source((KNOWLEDGE / entry.files[0]).read_text(), until="parity")
     assert verdict.ok, verdict.reason
     assert [s.name for s in verdict.stages] == ["compile", "dispatch", "parity"]

@@ -65,7 +65,7 @@ class LLMProposer:
 
 def _offline(cfg: Config, target: str, device: torch.device, arch: str, catalog: Catalog, meter: Meter,
              planner_model: str, coder_model: str) -> Proposer:
-    return OfflineProposer(catalog, target, cfg.agent.ops)
+    return OfflineProposer(catalog, target, cfg.agent.ops, arch)
 
 
 def _llm(provider: str) -> Callable[..., Proposer]:

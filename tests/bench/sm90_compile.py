@@ -1,6 +1,6 @@
 """Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
 reference decode_paged_splitkv.py), the TMA prefill family's (prefill_causal_tma.py) or the Gluon prefill's
-(tests/bench/kernels/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
+(knowledge/attention/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
 registers, stack (spills) and shared memory per program, and its warpgroup MMAs (wgmma): how many the kernel
 issues and how its waits leave them in flight.
 
