@@ -14,7 +14,7 @@ Why Gluon
     to the same waits (knowledge/attention/prefill.md).
     Gluon states the waits: `warpgroup_mma(..., is_async=True)` and `warpgroup_mma_wait(num_outstanding=N)`.
 
-What it does
+What it does with one warpgroup a program (PRODUCER_WARP off)
     One program owns BLOCK_M query rows of one query head of one sequence (cu_seqlens), heaviest query tiles
     first, and reads K/V tiles of its kv head (h // (Hq // Hkv)) through a ring of NUM_STAGES shared-memory
     stages filled by TMA, one mbarrier a stage. Step j issues S_j = Q K_j^T, then O += P_{j-1} V_{j-1}, then
@@ -45,23 +45,26 @@ Why shared memory bounds it (arithmetic, not a measurement)
     program (BLOCK_N 64, d 128): products 512 cycles; shared memory 640 (the TMA writes of K and V, 256; Q K^T
     reading Q and K, 256; P V reading V, 128). Q_REGS drops the Q reads (512: even); two warpgroups sharing a tile
     write it once for both (PRODUCER_WARP: 768 for 1,024 cycles of products with Q_REGS, 1,024 without).
+    Measured, Q_REGS alone made the one-warpgroup kernel no faster; with PRODUCER_WARP it added about 2% (H100).
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC.
 
-Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): defaults 160 registers,
-    112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34 ex2,
-    `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP: launched at 168 registers a
-    thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives each consumer
-    warpgroup 240 and the loader 24; 128-192 KB shared (2-5 stages), one program an SM, nothing spilled.
+Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): one warpgroup a program, 160
+    registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34
+    ex2, `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP (the defaults): launched at
+    168 registers a thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives
+    each consumer warpgroup 240 and the loader 24; 128-192 KB shared (3-5 stages), one program an SM, nothing
+    spilled.
 
 Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 4k, eager, each call on a new
     query): on the H200, PRODUCER_WARP, Q_REGS, PERSISTENT 0.95 / 0.99 / 0.90 (NUM_STAGES 4 or PINGPONG within
     the run's noise). DYNAMIC has not run on a GPU.
 
 Known limits
-    * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128.
+    * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128. Inputs a tensor descriptor cannot read (not
+      contiguous, or not 16-byte aligned) are copied first.
     * The loader warp's program is one per SM (registers), so its consumers' softmax overlaps only each other's
       products and their own P V. PINGPONG orders the two consumers' products with two mbarriers (FlashAttention-3
       uses named barriers) over the tiles both run unmasked, where both take the same number of steps.
