@@ -97,15 +97,18 @@ class Catalog(Strict):
             raise CatalogError(f"{CATALOG}: no kernel family for {target}.{op}")
         return found[0]
 
-    def heads_first(self, target: str, heads: dict[str, str]) -> "Catalog":
+    def heads_first(self, target: str, heads: dict[str, str], arch: str) -> "Catalog":
         """This catalog with the family named for each op in `heads` (config agent.heads: op -> entry id)
         moved before the op's other families, so that it is the head; one line naming the op when it is not
-        a kernel family of that op."""
+        a kernel family of that op, or when its kernel does not run on `arch` (this device)."""
         for op, eid in heads.items():
-            ids = [e.id for e, _ in self.families(target, op)]
-            if eid not in ids:
+            found = {e.id: e for e, _ in self.families(target, op)}
+            if eid not in found:
                 raise CatalogError(f"agent.heads.{op}: {eid!r} is not a kernel family of {target}.{op} in "
-                                   f"knowledge/catalog.yaml (known: {', '.join(ids) or 'none'})")
+                                   f"knowledge/catalog.yaml (known: {', '.join(found) or 'none'})")
+            if found[eid].arch not in (arch, "any"):
+                raise CatalogError(f"agent.heads.{op}: {eid} runs on {found[eid].arch} only, not on this device "
+                                   f"({arch})")
         chosen = [e for e in self.entries if e.target == target and heads.get(e.op) == e.id]
         return Catalog(entries=chosen + [e for e in self.entries if e not in chosen])
 

@@ -72,11 +72,16 @@ def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_
     assert [e.id for e, _ in CATALOG.families("attention", "decode")] == ["decode-paged-splitkv", "decode-paged-gqa",
                                                                           "decode-paged-lean"]
     assert CATALOG.family("attention", "decode")[0].id == "decode-paged-splitkv"
-    moved = CATALOG.heads_first("attention", {"decode": "decode-paged-gqa"})
+    moved = CATALOG.heads_first("attention", {"decode": "decode-paged-gqa"}, "cpu")
     assert moved.family("attention", "decode")[0].id == "decode-paged-gqa"
     assert moved.family("attention", "prefill")[0].id == "prefill-causal-tiled"       # an op not named keeps its reference
     assert sorted(e.id for e in moved.entries) == sorted(e.id for e in CATALOG.entries)
     with pytest.raises(CatalogError, match=r"^agent.heads.decode: 'prefill-causal-tma' is not a kernel family of "
                                            r"attention.decode in knowledge/catalog.yaml \(known: decode-paged-splitkv, "
                                            r"decode-paged-gqa, decode-paged-lean\)$"):
-        CATALOG.heads_first("attention", {"decode": "prefill-causal-tma"})
+        CATALOG.heads_first("attention", {"decode": "prefill-causal-tma"}, "sm90")
+    with pytest.raises(CatalogError, match=r"^agent.heads.prefill: prefill-gluon-sm90 runs on sm90 only, not on this "
+                                           r"device \(cpu\)$"):
+        CATALOG.heads_first("attention", {"prefill": "prefill-gluon-sm90"}, "cpu")
+    on_sm90 = CATALOG.heads_first("attention", {"prefill": "prefill-gluon-sm90"}, "sm90")
+    assert on_sm90.family("attention", "prefill")[0].id == "prefill-gluon-sm90"

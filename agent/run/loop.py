@@ -61,7 +61,7 @@ class Run:
         if settings.target not in TARGETS:
             raise RunError(f"unknown target {settings.target!r}; known: {', '.join(TARGETS)}")
         # the heads: the reference kernels unless agent.heads names another family (a CatalogError if unknown)
-        self.catalog = load_catalog().heads_first(settings.target, cfg.agent.heads)
+        self.catalog = load_catalog().heads_first(settings.target, cfg.agent.heads, self.arch)
         unknown = [op for op in cfg.agent.ops if op not in TARGETS[settings.target].ops]
         if unknown:
             raise RunError(f"agent.ops: {unknown[0]!r} is not an op of {settings.target} "
