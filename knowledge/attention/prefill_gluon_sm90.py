@@ -73,6 +73,8 @@ Known limits
     * Launching from Python costs tens of microseconds (descriptors, the launcher): at 1 x 1k it is 0.3-0.6x
       cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200).
 """
+from functools import lru_cache
+
 import torch
 import triton
 import triton.experimental.gluon as gluon
@@ -488,6 +490,7 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
+@lru_cache(maxsize=None)
 def layouts(head_dim):
     """The shared-memory layouts of the Q and K/V tiles (the TMA descriptors' and the wgmma operands')."""
     return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, head_dim], gl.bfloat16),
@@ -532,6 +535,7 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     return out
 
 
+@lru_cache(maxsize=None)
 def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
