@@ -124,6 +124,33 @@ def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, kno
     assert (out - ref).abs().max() < 3.2e-2 and (out - ref).norm() / ref.norm() < 1.2e-2
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
+@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}], ids=["persistent", "dynamic"])
+def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_across_specializations_on_gpu(
+        knob_dir, knobs):
+    """DIRECT_LAUNCH reuses a compiled kernel for a call whose arguments Triton would specialize alike. Calls whose
+    int arguments move between Triton's classes (1, multiples of 16, others: the query tiles, the batch, the work
+    items) and whose cu_seqlens is or is not 16-byte aligned, each made twice (the second launched as compiled),
+    give bit for bit the outputs of the same file launched through the JIT every time."""
+    jit = _load(GLUON_PREFILL, knobs, knob_dir)
+    direct = _load(GLUON_PREFILL, {**knobs, "DIRECT_LAUNCH": True}, knob_dir)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cases = [[100], [90], [1], [2048], [2000], [1900, 17], [128, 128], [3000, 5, 700], [16 * 128], [40] * 16,
+             [700, 1]]
+    for n, lens in enumerate(cases):
+        total, hq, hkv, d = sum(lens), 32, 8, 128
+        bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        cu = torch.tensor([7, *bounds], dtype=torch.int32, device="cuda")[1:] if n % 2 else \
+            torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        for _ in range(2):
+            q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            want = jit.prefill(q, k, v, cu, max(lens), 0.088)
+            got = direct.prefill(q, k, v, cu, max(lens), 0.088)
+            assert torch.equal(got, want), f"lengths {lens}, cu_seqlens aligned: {cu.data_ptr() % 16 == 0}"
+    assert len(direct._compiled) >= 4, "the calls met one specialization only: nothing tested the key"
+
+
 def sm90_figures(spec: str, batch: int = 32) -> str:
     """tests/bench/sm90_compile.py's line for `spec`: registers, stack, shared memory, programs per SM."""
     return sm90_lines([spec], batch)[0]

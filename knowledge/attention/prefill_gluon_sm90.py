@@ -71,7 +71,10 @@ Known limits
     * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free); a
       persistent program skips such items.
     * Launching from Python costs tens of microseconds (descriptors, the launcher): at 1 x 1k it is 0.3-0.6x
-      cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200).
+      cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200). DIRECT_LAUNCH (host side, not a
+      catalog knob: microbench hides the host's time) skips the JIT's argument binding for a specialization met
+      before: the kernel Triton compiled for it is kept under what Triton 3.6 specializes on (_specialization) and
+      launched itself (tests/bench/launch_cost.py).
 """
 from functools import lru_cache
 
@@ -95,6 +98,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
+DIRECT_LAUNCH = False  # host, PRODUCER_WARP: a specialization met before is launched as compiled, without the JIT's binder
 
 _LOG2E = 1.4426950408889634
 
@@ -529,10 +533,31 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     num_items = hq * batch * num_m_tiles
     programs = min(num_items, _sm_count(q.device)) if PERSISTENT or DYNAMIC else num_items
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
-    _prefill_ws_kernel[(programs, )](*args, hq, batch, num_items, counter, **consts, CONSUMER_REGS=CONSUMER_REGS,
-                                     PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
-                                     **launch_options())
+    ints = (hq, batch, num_items, counter)
+    compiled = _compiled.get(_specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items))
+    if compiled is not None:
+        compiled[(programs, 1, 1)](*args, *ints, hq // hkv, d, BLOCK_M, BLOCK_N, NUM_STAGES, Q_REGS, CONSUMER_REGS,
+                                   PINGPONG, SEQUENCE_MAJOR, DYNAMIC, 4)
+        return out
+    compiled = _prefill_ws_kernel[(programs, )](*args, *ints, **consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG,
+                                                SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC, **launch_options())
+    if DIRECT_LAUNCH and hasattr(compiled, "metadata"):       # (nothing comes back from a call that only compiled)
+        _compiled[_specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items)] = compiled
     return out
+
+
+_compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the loader-warp kernel compiled for it
+
+
+def _specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items):
+    """What selects the compiled kernel, as Triton 3.6 specializes the arguments: the device, the constexprs (the
+    module's knobs, the GQA group, head_dim), cu_seqlens' type and 16-byte alignment (the output's is the allocator's,
+    its strides follow from hq and d), and each int argument's class (1, a multiple of 16, other; 32 or 64 bits).
+    None without DIRECT_LAUNCH."""
+    if not DIRECT_LAUNCH:
+        return None
+    classes = tuple((x == 1, x % 16 == 0, x < 2 ** 31) for x in (num_m_tiles, hq, batch, num_items))
+    return (q.device.index, hq, hkv, d, cu_seqlens.dtype, cu_seqlens.data_ptr() % 16 == 0, classes)
 
 
 @lru_cache(maxsize=None)

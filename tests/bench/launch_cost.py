@@ -1,0 +1,113 @@
+"""Benchmark (not a test): the host's cost of one prefill call — what an eager served step pays in Python and
+launches per layer, beside the kernel's device time.
+
+    python tests/bench/launch_cost.py [SPEC ...] [--rows 1x1024,4x2048] [--calls 200] [--profile]
+    SPEC = path/to/kernel.py[:KNOB=VALUE,...]   (as tests/bench/vs_library.py; default: the prefill families)
+
+For each row (bf16, 32 query / 8 kv heads, head_dim 128, causal, equal lengths) and each kernel, and for cuDNN
+SDPA on the same data: the GPU is first held by a spin kernel long enough to queue every call, then `--calls` calls
+are made back to back and timed on the host (perf_counter; nothing waits on the GPU, so this is the host's own
+time: the Python, argument binding, descriptors, the driver's launch). Beside it, the device time of one call
+(events, median of 20). A call's host time above its device time is what an eager engine that has no other work
+queued would wait on it. `--profile` prints cProfile's top functions of the calls for each kevo kernel.
+
+Prints numbers; asserts nothing. Needs a CUDA GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pathlib
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import vs_library  # noqa: E402  (its kernel loading, data and cuDNN call)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_SPECS = [str(ROOT / "knowledge" / "attention" / name)
+                 for name in ("prefill_causal_tiled.py", "prefill_causal_tma.py", "prefill_gluon_sm90.py")]
+
+
+def host_us(call, calls: int) -> float:
+    """Host microseconds a call, the GPU held busy meanwhile so that no call waits on it."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))          # ~1 s of spinning at H100/H200 clocks: longer than the calls take to queue
+    t = time.perf_counter()
+    for _ in range(calls):
+        call()
+    spent = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return spent / calls * 1e6
+
+
+def device_us(call, reps: int = 20) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def profile(call, calls: int, top: int = 14) -> str:
+    prof = cProfile.Profile()
+    torch.cuda._sleep(int(2e9))
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the prefill families")
+    ap.add_argument("--rows", default="1x1024,4x2048", help="comma list of BxN")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("launch_cost.py needs a CUDA GPU")
+        return 0
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="launch_cost_"))
+    kernels = [vs_library.load_spec(s, tmp) for s in (args.specs or DEFAULT_SPECS)]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  calls {args.calls}")
+    for row in args.rows.split(","):
+        B, N = (int(x) for x in row.split("x"))
+        data = vs_library.prefill_data(B, N, gen)
+        q, k, v, cu, scale = data["q"], data["k"], data["v"], data["cu"], data["scale"]
+        calls = {"cudnn": lambda: vs_library.cudnn_sdpa(*data["lib"], True, scale)}
+        for label, module in kernels:
+            calls[label] = (lambda m: lambda: m.prefill(q, k, v, cu, N, scale))(module)
+        print(f"\n{B} x {N}: host us/call | device us/call | host - device")
+        for label, call in calls.items():
+            try:
+                host, dev = host_us(call, args.calls), device_us(call)
+            except Exception as exc:      # a kernel that cannot run here: its row says why, the others go on
+                print(f"  {label:60s} error: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+                continue
+            print(f"  {label:60s} {host:8.1f} | {dev:8.1f} | {host - dev:+8.1f}")
+        if args.profile:
+            for label, module in kernels:
+                print(f"\n--- cProfile, {label}, {B} x {N}, {args.calls} calls")
+                print(profile(calls[label], args.calls))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
