@@ -98,7 +98,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
-DIRECT_LAUNCH = False  # host, PRODUCER_WARP: a specialization met before is launched as compiled, without the JIT's binder
+DIRECT_LAUNCH = False  # host: a specialization met before is launched as compiled, without the JIT's argument binding
 
 _LOG2E = 1.4426950408889634
 
@@ -511,53 +511,63 @@ def _packed(t):
 
 def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     total, hq, d = q.shape
-    hkv = k.shape[1]
     assert q.dtype == torch.bfloat16 and q.is_cuda and d in (64, 128), "bf16 on CUDA, head_dim 64 or 128"
     assert (4 if PRODUCER_WARP else NUM_WARPS) * 16 == BLOCK_M, "16 query rows a warp"
     q, k, v = _packed(q), _packed(k), _packed(v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    batch = cu_seqlens.shape[0] - 1
-    if batch <= 0 or total == 0:
+    if cu_seqlens.shape[0] <= 1 or total == 0:
         return out
+    grid, args, consts = launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, _sm_count(q.device))
+    compiled = _compiled.get(_specialization(q.device, args, consts)) if DIRECT_LAUNCH else None
+    if compiled is not None:
+        compiled[(*grid, 1, 1)[:3]](*args, *consts.values(), launch_options()["num_warps"])
+        return out
+    compiled = kernel()[grid](*args, **consts, **launch_options())
+    if DIRECT_LAUNCH and hasattr(compiled, "metadata"):       # (nothing comes back from a call that only compiled)
+        _compiled[_specialization(q.device, args, consts)] = compiled
+    return out
+
+
+def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
+    """(grid, the kernel's arguments in its signature's order, its constexprs by name in that order) for a call of the
+    kernel the knobs select; `num_warps` follows the constexprs."""
+    total, hq, d = q.shape
+    hkv = k.shape[1]
+    batch = cu_seqlens.shape[0] - 1
     q_layout, kv_layout = layouts(d)
     q_desc = TensorDescriptor(q.view(total, hq * d), [total, hq * d], [hq * d, 1], [BLOCK_M, d], q_layout)
     k_desc = TensorDescriptor(k.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
     v_desc = TensorDescriptor(v.view(total, hkv * d), [total, hkv * d], [hkv * d, 1], [BLOCK_N, d], kv_layout)
     num_m_tiles = triton.cdiv(int(max_seqlen), BLOCK_M * (2 if PRODUCER_WARP else 1))
-    args = (q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0),
-            out.stride(1))
+    args = [q_desc, k_desc, v_desc, out, cu_seqlens, float(sm_scale) * _LOG2E, num_m_tiles, out.stride(0),
+            out.stride(1)]
     consts = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, STAGES=NUM_STAGES, Q_REGS=Q_REGS)
     if not PRODUCER_WARP:
-        _prefill_kernel[(hq, num_m_tiles, batch)](*args, **consts, **launch_options())
-        return out
+        return (hq, num_m_tiles, batch), args, consts
     num_items = hq * batch * num_m_tiles
-    programs = min(num_items, _sm_count(q.device)) if PERSISTENT or DYNAMIC else num_items
+    programs = min(num_items, sm_count) if PERSISTENT or DYNAMIC else num_items
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
-    ints = (hq, batch, num_items, counter)
-    compiled = _compiled.get(_specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items))
-    if compiled is not None:
-        compiled[(programs, 1, 1)](*args, *ints, hq // hkv, d, BLOCK_M, BLOCK_N, NUM_STAGES, Q_REGS, CONSUMER_REGS,
-                                   PINGPONG, SEQUENCE_MAJOR, DYNAMIC, 4)
-        return out
-    compiled = _prefill_ws_kernel[(programs, )](*args, *ints, **consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG,
-                                                SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC, **launch_options())
-    if DIRECT_LAUNCH and hasattr(compiled, "metadata"):       # (nothing comes back from a call that only compiled)
-        _compiled[_specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items)] = compiled
-    return out
+    return (programs, ), [*args, hq, batch, num_items, counter], \
+        dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC)
 
 
-_compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the loader-warp kernel compiled for it
+_compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the kernel compiled for it
 
 
-def _specialization(q, cu_seqlens, hq, hkv, d, num_m_tiles, batch, num_items):
-    """What selects the compiled kernel, as Triton 3.6 specializes the arguments: the device, the constexprs (the
-    module's knobs, the GQA group, head_dim), cu_seqlens' type and 16-byte alignment (the output's is the allocator's,
-    its strides follow from hq and d), and each int argument's class (1, a multiple of 16, other; 32 or 64 bits).
-    None without DIRECT_LAUNCH."""
-    if not DIRECT_LAUNCH:
-        return None
-    classes = tuple((x == 1, x % 16 == 0, x < 2 ** 31) for x in (num_m_tiles, hq, batch, num_items))
-    return (q.device.index, hq, hkv, d, cu_seqlens.dtype, cu_seqlens.data_ptr() % 16 == 0, classes)
+def _specialization(device, args, consts):
+    """What selects the compiled kernel, as Triton 3.6 specializes a call: the device, the constexprs, and each
+    argument's class: an int's (1, a multiple of 16, other; 32 or 64 bits), a tensor's dtype and 16-byte alignment,
+    a descriptor's dtype and block (its layout follows from HEAD_DIM). tests/test_kernel_families.py holds Triton's
+    own binder to it: calls with one key get one specialization."""
+    def cls(a):
+        if isinstance(a, TensorDescriptor):
+            return (a.base.dtype, tuple(a.block_shape))
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, float):
+            return float
+        return (a == 1, a % 16 == 0, -2 ** 31 <= a < 2 ** 31)      # an int
+    return (device, tuple(cls(a) for a in args), tuple(consts.values()))
 
 
 @lru_cache(maxsize=None)
