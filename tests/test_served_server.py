@@ -18,6 +18,7 @@ import torch
 
 import candidates as C
 from conftest import config_with
+from harness.errors import HarnessError
 from harness.served.client import replay
 from harness.served.launch import ServerFailure, embedded_spec, start_server
 from harness.served.model import build_model
@@ -252,3 +253,14 @@ def test_a_stopped_server_is_gone_with_every_thread_of_its_sandboxed_process_whe
     assert inner is not None and len(os.listdir(f"/proc/{inner}/task")) > 1    # PID 1 of its namespace, threaded
     s.stop()
     assert _live_threads(inner) == []
+
+
+def test_a_reference_cache_too_small_for_the_traces_longest_request_is_refused_in_one_line(tmp_path):
+    """The reference scores every request the arms serve; one its cache cannot hold whole would never be admitted.
+    The tiny trace's longest request is 22 tokens, prompt and output: 22 is enough, 21 is refused naming the key."""
+    fits = config_with(**{"stages.replay.reference_kv_cache_tokens": 22})
+    assert embedded_spec(fits, "cpu", None, tmp_path, reference=True)["preset"]["kv_cache_tokens"] == 22
+    short = config_with(**{"stages.replay.reference_kv_cache_tokens": 21})
+    with pytest.raises(HarnessError, match=r"^stages\.replay\.reference_kv_cache_tokens: 21 tokens cannot hold the "
+                                           r"served trace's longest request \(22 tokens, prompt and output\)$"):
+        embedded_spec(short, "cpu", None, tmp_path, reference=True)

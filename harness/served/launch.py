@@ -36,9 +36,10 @@ from pathlib import Path
 from harness import replies
 from harness.config import PROJECT_ROOT, Config
 from harness.detach import foreign, spawn_detached
+from harness.errors import HarnessError
 from harness.isolation import sandbox_spec
 from harness.sandbox import clean_env, redact
-from harness.served.limits import plan_for
+from harness.served.limits import plan_for, served_limits
 
 
 logger = logging.getLogger(__name__)   # not `log`: here that names a server's output file
@@ -208,6 +209,10 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
         assert candidate is None and not other_heads, "the reference server runs torch's baselines"
         dtype = cfg.stages.replay.reference_dtype
         preset["kv_cache_tokens"] = cfg.stages.replay.reference_kv_cache_tokens or preset["kv_cache_tokens"]
+        need = served_limits(cfg, device).longest_context      # what an arm serves at once for one request
+        if preset["kv_cache_tokens"] < need:
+            raise HarnessError(f"stages.replay.reference_kv_cache_tokens: {preset['kv_cache_tokens']} tokens cannot "
+                               f"hold the served trace's longest request ({need} tokens, prompt and output)")
     weights = () if preset["weights"] is None else (str(PROJECT_ROOT / preset["weights"]),)   # absolute stays absolute
     return {"preset": preset, "block_size": section.block_size,
             "dtype": dtype, "device": device, "candidate": str(candidate) if candidate else None,
