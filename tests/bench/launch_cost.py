@@ -8,8 +8,8 @@ For each row (bf16, 32 query / 8 kv heads, head_dim 128, causal, equal lengths) 
 SDPA on the same data: the GPU is first held by a spin kernel long enough to queue every call, then `--calls` calls
 are made back to back and timed on the host (perf_counter; nothing waits on the GPU, so this is the host's own
 time: the Python, argument binding, descriptors, the driver's launch). Beside it, the device time of one call
-(events, median of 20). A call's host time above its device time is what an eager engine that has no other work
-queued would wait on it. `--profile` prints cProfile's top functions of the calls for each kevo kernel.
+(events, median of 20, the calls queued behind a spin so that the host's time stays outside them). A call's host
+time above its device time is what an eager engine that has no other work queued would wait on it. `--profile` prints cProfile's top functions of the calls for each kevo kernel.
 
 Prints numbers; asserts nothing. Needs a CUDA GPU.
 """
@@ -49,15 +49,18 @@ def host_us(call, calls: int) -> float:
 
 
 def device_us(call, reps: int = 20) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    """The GPU's microseconds for a call (median): the calls and their events are queued behind a spin kernel, so
+    each call's kernels run back to back between its events, the host's time outside them."""
+    call()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))          # ~0.1 s: longer than the host takes to queue the calls
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
         start.record()
         call()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in pairs) * 1e3
 
 
 def profile(call, calls: int, top: int = 14) -> str:
