@@ -74,12 +74,13 @@ Known limits
     * Programs of short sequences in a batch with a long max_seqlen exit at once (launched, not free); a
       persistent program skips such items.
     * Launching from Python costs tens of microseconds (descriptors, the launcher): at 1 x 1k it is 0.3-0.6x
-      cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200). DIRECT_LAUNCH (host side, on; not a
+      cuDNN called eagerly and 1.03-1.09x replayed from a CUDA graph (H200). DIRECT_LAUNCH (host side, off; not a
       catalog knob: microbench hides the host's time) skips the JIT's argument binding for a specialization met
       before: the kernel Triton compiled for it is kept under what Triton 3.6 specializes on (_specialization) and
-      launched itself. Host time a call at 1 x 1k, H100 (tests/bench/launch_cost.py): 131 us through the JIT, 100
-      us with it, the reference tiled kernel 74 us; the rest is the three descriptors (their checks) and the
-      launcher encoding them. Its outputs equal the JIT launch's bit for bit across specializations (GPU test).
+      launched itself. Its outputs equal the JIT launch's bit for bit across specializations (GPU test, H100).
+      Whether it saves host time is not settled: one pass of tests/bench/launch_cost.py (H100) read 131 -> 100 us
+      a call at 1 x 1k and 77 -> 100 us at 4 x 2k (the reference tiled kernel 74 and 40 us); the rest of the cost
+      is the three descriptors (their checks) and the launcher encoding them.
 """
 from functools import lru_cache
 
@@ -103,7 +104,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
-DIRECT_LAUNCH = True  # host: a specialization met before is launched as compiled, without the JIT's argument binding
+DIRECT_LAUNCH = False  # host: a specialization met before is launched as compiled, without the JIT's argument binding
 
 _LOG2E = 1.4426950408889634
 
