@@ -101,10 +101,11 @@ ONE_ITEM = {"PERSISTENT": False}
     (ONE_ITEM, 64), ({**ONE_ITEM, "Q_REGS": False, "PINGPONG": True}, 128),
     ({"Q_REGS": False, "PINGPONG": True}, 64), ({"SEQUENCE_MAJOR": True}, 128),
     ({"DYNAMIC": True}, 128), ({"DYNAMIC": True, "SEQUENCE_MAJOR": True, "PINGPONG": True, "Q_REGS": False}, 64),
+    ({"RESCALE_THRESHOLD": 8.0}, 128), ({"RESCALE_THRESHOLD": 0.5, **ONE_WARPGROUP}, 64),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
-        "dynamic-sequence-major-turns-d64"])
+        "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's

@@ -49,7 +49,9 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC.
+    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
+    rescaling: O and l keep their scale until some row's max grows by more than 2^threshold, one decision a
+    warpgroup; compiled for sm90, not yet run on a GPU); DIRECT_LAUNCH on the host.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): one warpgroup a program, 160
     registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34
@@ -104,9 +106,11 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
+RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
 DIRECT_LAUNCH = False  # host: a specialization met before is launched as compiled, without the JIT's argument binding
 
 _LOG2E = 1.4426950408889634
+_RESCALE_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
 
 
 @gluon.jit
@@ -191,12 +195,23 @@ def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, 
     s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_op, k_tile))
     if MASK:
         s = _masked(s, m_start, tile, BLOCK_M, BLOCK_N, s_layout)
-    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    m_tile = gl.max(s, 1) * qk_scale
+    if _RESCALE_THRESHOLD > 0:
+        # FlashAttention-4's conditional rescaling: the warpgroup keeps its rows' maxima, and so O's scale, until
+        # one grows by more than the threshold; P stays under 2^threshold meanwhile. One decision a warpgroup.
+        rescale = gl.max(m_tile - m_i, 0) > _RESCALE_THRESHOLD
+        m_new = gl.where(rescale, gl.maximum(m_i, m_tile), m_i)
+    else:
+        m_new = gl.maximum(m_i, m_tile)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_prev))
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    if _RESCALE_THRESHOLD > 0:
+        if rescale:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    else:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
     if RELEASE:
         mbarrier.arrive(empty.index((slot0 + tile - 1) % STAGES), count=1)
