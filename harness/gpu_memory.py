@@ -117,6 +117,19 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
             f"(the other slots of this GPU hand theirs back first: a process that is not kevo's?)")
 
 
+def cache_shortfall(label: str, key: str, cache: int, total: int, fraction: float) -> str:
+    """Why a server whose paged KV cache alone (`cache` bytes, sized by the config `key`) is over its share,
+    `fraction` of a GPU of `total` bytes, cannot start, in words ("" when the cache fits). It would run out of
+    memory building its cache, after its model; an arm's share is the candidate's as well as the head's."""
+    share = int(fraction * total)
+    if cache <= share:
+        return ""
+    gib = 1 << 30
+    return (f"the replay's {label} server: its KV cache ({key}) takes {cache / gib:.1f} GiB, more than its share "
+            f"of the GPU, served.gpu_memory_fraction {fraction:g} of {total / gib:.1f} GiB ({share / gib:.1f} GiB): "
+            f"lower the one or raise the other")
+
+
 def check_servers_fit(cfg: Config, device: torch.device, servers: int) -> int:
     """A HarnessError, before any server starts, when their shares are not free on the CUDA `device`; else the
     bytes free."""

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, config_with
 from harness.config import ConfigError, load_config
-from harness.gpu_memory import servers_shortfall
+from harness.gpu_memory import cache_shortfall, servers_shortfall
+from harness.served.kvcache import PagedKVCache
+from harness.served.launch import cache_bytes, embedded_spec, server_cache
 
 
 def edited(tmp_path, old: str, new: str):
@@ -51,3 +53,34 @@ def test_the_replays_servers_start_only_when_each_ones_share_and_overhead_are_fr
     exactly = 3 * (35 * gib + gib)          # a quarter of 140 GiB each, and 1 GiB beside it
     assert servers_shortfall(free=exactly, total=140 * gib, servers=3, fraction=0.25, overhead=gib) == ""
     assert servers_shortfall(free=exactly - 1, total=140 * gib, servers=3, fraction=0.25, overhead=gib)
+
+
+@pytest.mark.parametrize("reference", [True, False], ids=["reference", "arm"])
+def test_a_servers_cache_bytes_are_what_its_paged_cache_allocates(tmp_path, reference):
+    """The replay refuses before any server starts a cache over its server's share, so the bytes it counts must be
+    the bytes the server allocates: the tiny preset's cache built as its server builds it from its spec."""
+    import torch
+    cfg = config_with(**{"stages.replay.reference_kv_cache_tokens": 1000})     # not a whole number of blocks
+    spec = embedded_spec(cfg, "cpu", None, tmp_path, reference=reference)
+    p, block = spec["preset"], spec["block_size"]
+    cache = PagedKVCache(p["layers"], max(1, p["kv_cache_tokens"] // block), block, p["kv_heads"], p["head_dim"],
+                         getattr(torch, spec["dtype"]), torch.device("cpu"))
+    assert cache.k.nbytes + cache.v.nbytes == cache_bytes(cfg, "cpu", reference)
+    assert server_cache(cfg, "cpu", reference)[1] == spec["dtype"]
+
+
+def test_a_cache_over_its_servers_share_is_refused_before_any_server_starts_naming_its_key():
+    """On an 80 GB H100 (79.18 GiB) the 0.6B preset's float32 reference with 131,072 tokens ran out of its 0.29
+    share after its model was built (2026-12-05); 65,536 tokens served there. The arms' bf16 cache fits."""
+    gib, total = 1 << 30, int(79.18 * (1 << 30))
+    old = config_with(**{"stages.replay.reference_kv_cache_tokens": 131072})
+    why = cache_shortfall("reference", "stages.replay.reference_kv_cache_tokens", cache_bytes(old, "cuda", True), total,
+                          old.served.gpu_memory_fraction)
+    assert why == ("the replay's reference server: its KV cache (stages.replay.reference_kv_cache_tokens) takes 28.0 GiB, "
+                   "more than its share of the GPU, served.gpu_memory_fraction 0.29 of 79.2 GiB (23.0 GiB): lower the "
+                   "one or raise the other"), why
+    cfg = config_with()
+    for reference in (True, False):
+        key = server_cache(cfg, "cuda", reference)[0]
+        assert cache_shortfall("x", key, cache_bytes(cfg, "cuda", reference), total, cfg.served.gpu_memory_fraction) == ""
+    assert cache_bytes(cfg, "cuda", False) == 14 * gib      # 131,072 bf16 tokens of 28 layers x 8 kv heads x 128

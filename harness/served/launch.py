@@ -188,6 +188,32 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
     raise ServerFailure(with_output(f"the server was not ready within {timeout_s:.0f} s", tail))
 
 
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def server_cache(cfg: Config, device: str, reference: bool) -> tuple[str, str, int]:
+    """An embedded server's paged KV cache: the config key that sizes it, its dtype, its tokens. The replay's
+    reference server computes in `stages.replay.reference_dtype` with `stages.replay.reference_kv_cache_tokens` (or
+    the preset's); every other server in the served dtype with the preset's."""
+    served = getattr(cfg.served, device)
+    tokens = cfg.served.presets[served.preset].kv_cache_tokens
+    if reference and cfg.stages.replay.reference_kv_cache_tokens:
+        return "stages.replay.reference_kv_cache_tokens", cfg.stages.replay.reference_dtype, \
+            cfg.stages.replay.reference_kv_cache_tokens
+    key = f"served.presets.{served.preset}.kv_cache_tokens"
+    return key, cfg.stages.replay.reference_dtype if reference else getattr(cfg.targets.attention, device).dtype, tokens
+
+
+def cache_bytes(cfg: Config, device: str, reference: bool) -> int:
+    """The bytes of that cache (K and V, every layer, whole blocks): what the server allocates before anything else
+    it holds."""
+    _, dtype, tokens = server_cache(cfg, device, reference)
+    preset = cfg.served.presets[getattr(cfg.served, device).preset]
+    block = getattr(cfg.targets.attention, device).block_size
+    per_token = 2 * preset.layers * preset.kv_heads * preset.head_dim * _DTYPE_BYTES[dtype]
+    return max(1, tokens // block) * block * per_token
+
+
 def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = (),
                   weight_seed: int | None = None, reference: bool = False, other_heads: dict[str, Path] | None = None) -> dict:
     """What the embedded server is told: the preset, the attention layout, the candidate's file, the files of
@@ -207,11 +233,10 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
     other_heads = other_heads or {}
     if reference:
         assert candidate is None and not other_heads, "the reference server runs torch's baselines"
-        dtype = cfg.stages.replay.reference_dtype
-        preset["kv_cache_tokens"] = cfg.stages.replay.reference_kv_cache_tokens or preset["kv_cache_tokens"]
+        key, dtype, preset["kv_cache_tokens"] = server_cache(cfg, device, reference=True)
         need = served_limits(cfg, device).longest_context      # what an arm serves at once for one request
         if preset["kv_cache_tokens"] < need:
-            raise HarnessError(f"stages.replay.reference_kv_cache_tokens: {preset['kv_cache_tokens']} tokens cannot "
+            raise HarnessError(f"{key}: {preset['kv_cache_tokens']} tokens cannot "
                                f"hold the served trace's longest request ({need} tokens, prompt and output)")
     weights = () if preset["weights"] is None else (str(PROJECT_ROOT / preset["weights"]),)   # absolute stays absolute
     return {"preset": preset, "block_size": section.block_size,

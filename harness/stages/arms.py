@@ -15,9 +15,10 @@ import torch
 
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
-from harness.gpu_memory import check_servers_fit, release
+from harness.gpu_memory import cache_shortfall, check_servers_fit, release
 from harness.served.client import ReplayRun, replay
-from harness.served.launch import ServerFailure, ServerHandle, ready_timeout, start_server, wait_ready, with_output
+from harness.served.launch import (ServerFailure, ServerHandle, cache_bytes, ready_timeout, server_cache, start_server,
+                                   wait_ready, with_output)
 from harness.served.traces import TraceError, TraceRequest, load_trace
 from harness.stages.common import Rejected
 
@@ -89,6 +90,13 @@ class Servers:
         if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
             self.held = release(torch.device("cuda"))       # this process's own working reserve too
             free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
+            total = torch.cuda.mem_get_info(torch.device("cuda"))[1]
+            for label in sources:
+                key = server_cache(cfg, device, reference=label == "reference")[0]
+                why = cache_shortfall(label, key, cache_bytes(cfg, device, label == "reference"), total,
+                                      cfg.served.gpu_memory_fraction)
+                if why:
+                    raise HarnessError(why)
             log.info("replay: %.1f GiB of GPU memory free for %d servers, each capped at %g of the GPU (%.1f GiB "
                      "still held here)", free / (1 << 30), len(sources), cfg.served.gpu_memory_fraction, self.held / (1 << 30))
         warm = warm_lengths(cfg, device)
