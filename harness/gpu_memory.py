@@ -10,7 +10,9 @@ the GPU's memory gets an out-of-memory error in its own process, which is its ow
 The replay's servers are the third part (harness/stages/arms.py `Servers`): before they start, the process
 starting them hands its working memory back (`release`; the next `reserve` takes it again, before any worker), and they start only when
 each one's share (`served.gpu_memory_fraction`, the cap every embedded server puts on its own allocator, the
-candidate's code in it included) and `served.gpu_overhead_bytes` beside it are free (`check_servers_fit`). A
+candidate's code in it included) and `served.gpu_overhead_bytes` beside it are free (`check_servers_fit`), and
+each one's paged KV cache alone fits in its share (`cache_shortfall`: else its server fails after building its
+model, and an arm's would fail the candidate's server with the head's). A
 server that then runs out of memory ran out inside its own share, the head's and the candidate's alike: so a
 candidate's server that does is rejected for it, and a reference or head server that does is a harness error.
 Seen on the H200 before (docs/BENCHMARKS.md, 2026-12-02): three servers of 31-49 GiB each beside the evaluator's
