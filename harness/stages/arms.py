@@ -92,9 +92,9 @@ class Servers:
             free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
             total = torch.cuda.mem_get_info(torch.device("cuda"))[1]
             for label in sources:
-                key = server_cache(cfg, device, reference=label == "reference")[0]
-                why = cache_shortfall(label, key, cache_bytes(cfg, device, label == "reference"), total,
-                                      cfg.served.gpu_memory_fraction)
+                reference = label == "reference"
+                why = cache_shortfall(label, server_cache(cfg, device, reference)[0], cache_bytes(cfg, device, reference),
+                                      total, cfg.served.gpu_memory_fraction)
                 if why:
                     raise HarnessError(why)
             log.info("replay: %.1f GiB of GPU memory free for %d servers, each capped at %g of the GPU (%.1f GiB "
