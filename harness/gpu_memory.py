@@ -15,6 +15,12 @@ each one's paged KV cache alone fits in its share (`cache_shortfall`: else its s
 model, and an arm's would fail the candidate's server with the head's). A
 server that then runs out of memory ran out inside its own share, the head's and the candidate's alike: so a
 candidate's server that does is rejected for it, and a reference or head server that does is a harness error.
+Inside its share a server also captures its decode steps as CUDA graphs (harness/served/graphs.py), one per
+(batch, block-table width) key; the torch baseline's decode gathers every padded position's K and V, so a key's
+capture needs memory in proportion to batch x width. `padded_decode_bound` is the most padded positions a key may
+have for that to fit the share beside the cache and the weights; the trusted side puts it in every server's
+plan, so the head's and the candidate's servers capture the same keys (on an 80 GB H100 the largest keys' gathers,
+16 GiB, did not fit a 23 GiB share: the servers then decoded without graphs at all).
 Seen on the H200 before (docs/BENCHMARKS.md, 2026-12-02): three servers of 31-49 GiB each beside the evaluator's
 16 GiB did not always fit its 139.8 GiB, and whichever server asked last failed - once the candidate's, a
 false rejection.
@@ -24,12 +30,15 @@ cudaMalloc); a candidate cannot name the calls that would do it (the compile sta
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 
 import torch
 
 from harness.config import Config
 from harness.errors import HarnessError
+from harness.served.launch import DTYPE_BYTES, cache_bytes, server_cache
+from harness.served.model import hf_shapes
 
 
 @dataclass
@@ -117,6 +126,34 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
             f"served.gpu_memory_fraction {fraction:g} of {total / gib:.1f} GiB, plus served.gpu_overhead_bytes "
             f"{overhead / gib:.2f} GiB each) and {free / gib:.1f} GiB is free: other processes hold the rest "
             f"(the other slots of this GPU hand theirs back first: a process that is not kevo's?)")
+
+
+# The torch baseline's decode (harness/targets/attention_baselines.py `decode_clamped`) per padded position,
+# beside the gathered K and V: its int64 indices (three tensors), the validity mask and the bias SDPA builds from it.
+DECODE_INDEX_BYTES = 32
+# Kept free beside the cache, the weights and the largest key's gather: the step's activations and logits, torch's
+# rounding of its blocks, what the warm-up left cached (an allowance, not measured).
+GRAPH_HEADROOM_BYTES = 1 << 30
+
+
+def padded_decode_bound(total: int, fraction: float, cache: int, weights: int, kv_bytes: int) -> int:
+    """The most padded positions (batch x block-table width x block size) a CUDA graph key may have in a server
+    capped at `fraction` of a GPU of `total` bytes holding `cache` bytes of KV cache and `weights` bytes of
+    weights, when the baseline's decode gathers `kv_bytes` of K and V per position (one layer's): 0 when none fit."""
+    free = int(fraction * total) - cache - weights - GRAPH_HEADROOM_BYTES
+    return max(0, free // (kv_bytes + DECODE_INDEX_BYTES))
+
+
+def server_graph_bound(cfg: Config, device: str, reference: bool, total: int | None = None) -> int:
+    """`padded_decode_bound` for an embedded server on a GPU of `total` bytes (None: this process's GPU): its share,
+    its KV cache, its weights (the preset's tensors in the server's dtype), one layer's K and V per position."""
+    preset = cfg.served.presets[getattr(cfg.served, device).preset]
+    elem = DTYPE_BYTES[server_cache(cfg, device, reference)[1]]
+    weights = sum(math.prod(shape) for shape in hf_shapes(preset).values()) * elem
+    if total is None:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    return padded_decode_bound(total, cfg.served.gpu_memory_fraction, cache_bytes(cfg, device, reference), weights,
+                               2 * preset.kv_heads * preset.head_dim * elem)
 
 
 def cache_shortfall(label: str, key: str, cache: int, total: int, fraction: float) -> str:

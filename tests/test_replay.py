@@ -249,6 +249,10 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
     assert eager.accepted and eager.metrics["candidate_cuda_graphs"] == 0.0      # said, not held against it
     assert "the candidate's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 4" in eager.reason
     assert "decoded eagerly" not in faster.reason
+    both = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE, head_stats={"ops": {}, "graphs": {
+        "on": False, "fell_back": True, "left_out": 3, "reason": "off: capturing the decode step at batch 8, width 4 failed (...)"}})
+    assert "; the head's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 8" in both.reason
+    assert both.metrics["head_cuda_graphs"] == 0.0 and both.metrics["head_graph_keys_left_out"] == 3.0
 
 
 def test_a_faster_decode_does_not_hide_a_ttft_three_times_the_heads():

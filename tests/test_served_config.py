@@ -6,7 +6,10 @@ import pytest
 
 from conftest import ROOT, config_with
 from harness.config import ConfigError, load_config
-from harness.gpu_memory import cache_shortfall, servers_shortfall
+from harness.gpu_memory import (DECODE_INDEX_BYTES, GRAPH_HEADROOM_BYTES, cache_shortfall, padded_decode_bound,
+                                server_graph_bound, servers_shortfall)
+from harness.served.graphs import width_buckets
+from harness.served.limits import served_limits
 from harness.served.kvcache import PagedKVCache
 from harness.served.launch import cache_bytes, embedded_spec, server_cache
 
@@ -83,3 +86,29 @@ def test_a_cache_over_its_servers_share_is_refused_before_any_server_starts_nami
     for reference in (True, False):
         key = server_cache(cfg, "cuda", reference)[0]
         assert cache_shortfall("x", key, cache_bytes(cfg, "cuda", reference), total, cfg.served.gpu_memory_fraction) == ""
+
+
+def test_on_an_80_gb_gpu_the_graph_plan_leaves_out_the_keys_whose_baseline_gather_cannot_fit_the_share():
+    """2026-12-05, H100: capturing the decode step at batch 128, width 2048 asked the torch baseline for 8 GiB more
+    than the 23 GiB share held, so the server decoded without graphs at all. The bound leaves such keys out, the
+    same for every arm; on the H200 every key fits, as it did there."""
+    cfg = config_with()
+    lim = served_limits(cfg, "cuda")
+    p, block = cfg.served.presets[cfg.served.cuda.preset], cfg.targets.attention.cuda.block_size
+    keys = [(B, W) for B in cfg.served.cuda_graphs.batch_buckets if B <= p.max_running
+            for W in width_buckets(lim.shortest_prompt + 1, lim.longest_context, block)]
+    share, gather = int(0.29 * 79.18 * (1 << 30)), 2 * p.kv_heads * p.head_dim * 2 + DECODE_INDEX_BYTES
+    h100 = server_graph_bound(cfg, "cuda", False, total=int(79.18 * (1 << 30)))
+    kept = [(B, W) for B, W in keys if B * W * block <= h100]
+    assert (128, 2048) in keys and (128, 2048) not in kept and (32, 2048) in kept and (128, 512) in kept
+    weights = 596_049_920 * 2        # Qwen3-0.6B's tensors in bf16 (0.44B beside the 151,936 x 1,024 tied embedding)
+    assert max(B * W for B, W in kept) * block * gather + cache_bytes(cfg, "cuda", False) + weights < share
+    h200 = server_graph_bound(cfg, "cuda", False, total=int(139.8 * (1 << 30)))
+    assert all(B * W * block <= h200 for B, W in keys)
+    reference = server_graph_bound(cfg, "cuda", True, total=int(79.18 * (1 << 30)))
+    assert 0 < reference < h100                    # float32: twice the bytes a position, a larger cache share
+    cache, kv = 3 << 30, 4096                      # the share holds the cache, the weights, the headroom and 1000 gathers
+    total = cache + weights + GRAPH_HEADROOM_BYTES + 1000 * (kv + DECODE_INDEX_BYTES)
+    assert padded_decode_bound(total, 1.0, cache, weights, kv) == 1000
+    assert padded_decode_bound(total - 1, 1.0, cache, weights, kv) == 999
+    assert padded_decode_bound(total, 0.5, cache, weights, kv) == 0

@@ -19,6 +19,7 @@ import torch
 import candidates as C
 from conftest import CUDA, ROOT, config_with
 from harness.config import PROJECT_ROOT
+from harness.gpu_memory import DECODE_INDEX_BYTES
 from harness.profile import profile_served, render
 from harness.served.engine import make_engine, run_requests, warm_up
 from harness.served.limits import GraphPlan
@@ -285,3 +286,29 @@ def test_a_spot_check_moves_none_of_the_candidates_allocations_on_gpu():
           f"{[len(set(r)) for r in runs]}; the runs agree: {runs[0] == runs[1]}, {runs[1] == runs[2]}")
     assert spot.made["decode"] == len(runs[2]) > 0 and spot.results()["decode"]["spot_failed"] == 0
     assert runs[0] == runs[1] == runs[2]
+
+
+def test_the_baseline_decodes_peak_memory_per_padded_position_is_within_the_graph_plans_figure():
+    """The graph plan's bound (harness/gpu_memory.py) counts the torch baseline's decode at one layer's K and V
+    and DECODE_INDEX_BYTES per position of batch x width x block; the configured baseline, run at the served
+    preset's heads on a padded batch, must not take more."""
+    p = CFG.served.presets[CFG.served.cuda.preset]
+    decode = TARGETS["attention"].configured(CFG.targets.attention.baselines()).ops["decode"].baseline
+    B, W, bs, dev = 32, 256, CFG.targets.attention.cuda.block_size, torch.device("cuda")
+    k_cache = torch.randn(B * W + 1, bs, p.kv_heads, p.head_dim, dtype=torch.bfloat16, device=dev)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(B, p.q_heads, p.head_dim, dtype=torch.bfloat16, device=dev)
+    table = torch.randperm(B * W, device=dev, dtype=torch.int32).view(B, W)
+    lens = torch.full((B,), W * bs, dtype=torch.int32, device=dev)
+    lens[1::2] = 1                                  # ragged, as padded rows are
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    decode(q, k_cache, v_cache, table, lens, 0.088)
+    torch.cuda.synchronize()
+    per = (torch.cuda.max_memory_allocated() - base) / (B * W * bs)
+    kv = 2 * p.kv_heads * p.head_dim * 2
+    print(f"\nthe baseline decode's peak beyond its inputs: {per:.1f} bytes per padded position "
+          f"(K and V {kv}, the plan counts {kv + DECODE_INDEX_BYTES})")
+    assert per <= kv + DECODE_INDEX_BYTES
+

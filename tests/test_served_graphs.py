@@ -5,6 +5,8 @@ so here `EagerGraphs` (tests/fakes/cuda_graphs.py) stands in for them. On the GP
 tests/test_served_gpu.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+from itertools import product
 from types import SimpleNamespace
 
 import pytest
@@ -136,6 +138,24 @@ def test_a_capture_that_fails_turns_graphs_off_for_the_whole_server_and_says_why
     out = run_requests(e, reqs, realtime=False)
     assert tokens(out) == tokens(run_requests(engine(graphs=False), reqs, realtime=False)) and e.graphs.replays == 0
     assert e.ops.stats()["decode"]["calls"] > 0 and e.ops.host_lengths is True
+
+
+def test_keys_over_the_plans_memory_bound_are_not_captured_and_their_steps_run_eagerly_and_are_counted():
+    bound = 8 * 4 * BS                      # batch x width x block: (8, 4) and (4, 8) fit, (8, 8) does not
+    ops = AttentionOps()
+    e = make_engine(TINY, BS, torch.float32, CPU, ops, **SERVED)
+    e.graphs = g = DecodeGraphs(e, replace(PLAN, max_padded_tokens=bound), EagerGraphs(ops))
+    warm_up(e)
+    every = set(product(g.batches, g.widths))
+    assert {(4, 8), (8, 4)} <= set(g.graphs) == {(B, W) for B, W in every if B * W * BS <= bound} != every
+    assert g.stats()["left_out"] == len(every) - len(g.graphs) and g.stats()["on"] is True
+    reqs = requests()
+    out = run_requests(e, reqs, realtime=False)
+    assert g.replays > 0 and g.eager_decode_steps > 0        # the seven sequences' widest steps are over the bound
+    assert tokens(out) == tokens(run_requests(engine(graphs=False), reqs, realtime=False))
+    none = DecodeGraphs(e, replace(PLAN, max_padded_tokens=BS - 1), EagerGraphs(ops))
+    assert not none.keys and none.reason.startswith("off: no key's padded decode (batch x width x block")
+    assert none.stats()["fell_back"] is False and none.stats()["on"] is False
 
 
 def test_on_a_cpu_graphs_are_off_and_the_stats_say_so():

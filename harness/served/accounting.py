@@ -82,11 +82,12 @@ def stalls(stats: dict | None) -> tuple[dict[str, float], str]:
                      f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
 
 
-def graphs(stats: dict | None) -> tuple[dict[str, float], str]:
-    """Whether the candidate's server decoded from CUDA graphs (harness/served/graphs.py): a metric, and
-    a clause for the reason when it did not and says why (a decode that cannot be captured)."""
+def graphs(stats: dict | None, who: str = "candidate") -> tuple[dict[str, float], str]:
+    """Whether `who`'s server decoded from CUDA graphs (harness/served/graphs.py): metrics, and a clause for
+    the reason when it did not and says why (a decode that cannot be captured)."""
     g = stats.get("graphs") if isinstance(stats, dict) else None
     if not isinstance(g, dict) or not isinstance(g.get("on"), bool):
         return {}, ""
-    words = f"; the candidate's server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
-    return {"candidate_cuda_graphs": float(g["on"])}, (words if g.get("fell_back") is True else "")
+    metrics = {f"{who}_cuda_graphs": float(g["on"]), f"{who}_graph_keys_left_out": float(g.get("left_out", 0))}
+    words = f"; the {who}'s server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
+    return metrics, (words if g.get("fell_back") is True else "")

@@ -8,8 +8,10 @@ for the engine's decode-only steps (a step with a prefill in it runs eagerly):
   `batch_buckets` (those above the preset's max_running are dropped), the block table to the next
   power of two at or above its widest row, from the width of the served trace's shortest prompt
   (a step's width is its longest row's) up to that of its longest context, so a kernel that sizes
-  its grid from the table's width never sees the cache's whole capacity. A step no key covers runs
-  eagerly and is counted.
+  its grid from the table's width never sees the cache's whole capacity. Keys whose batch x width x
+  block size is over the plan's `max_padded_tokens` (what the server's memory share leaves the torch
+  baseline's gather; harness/gpu_memory.py) are left out, the same for every server of a replay. A
+  step no key covers runs eagerly and is counted.
 - Padding: a padded row decodes token 0 at position 0 with seq_len 1, its K/V written to a scratch
   block that no sequence ever owns (held out of the allocator); padded columns of every row point at
   that block too. Padded rows' logits are discarded.
@@ -133,6 +135,10 @@ class DecodeGraphs:
         self.bs, self.device = engine.bs, engine.device
         self.batches = tuple(b for b in plan.batch_buckets if b <= engine.max_running)
         self.widths = width_buckets(min(plan.shortest_context, plan.longest_context), plan.longest_context, self.bs)
+        bound = plan.max_padded_tokens
+        every = list(product(self.batches, self.widths))
+        self.keys = sorted(((B, W) for B, W in every if not bound or B * W * self.bs <= bound), reverse=True)
+        self.left_out = len(every) - len(self.keys)       # over the memory bound: their steps run eagerly
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = self.eager_decode_steps = 0
         self.capture_s = 0.0
@@ -143,6 +149,9 @@ class DecodeGraphs:
             self.reason = f"off: CUDA graphs need a GPU; this engine runs on the {self.device.type}"
         elif not self.batches:
             self.reason = f"off: no batch bucket at or under max_running {engine.max_running}"
+        elif not self.keys:
+            self.reason = (f"off: no key's padded decode (batch x width x block {self.bs}) is within the "
+                           f"{bound} positions the server's memory share allows")
         self.recorder = recorder if recorder is not None or self.reason else CudaRecorder(self.device)
         if self.reason:
             return
@@ -204,8 +213,10 @@ class DecodeGraphs:
         B = W = 0
         self.stage([], self.batches[-1], self.widths[-1])   # every row padding: what warming and capturing read
         ops.host_lengths = False
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()                # what the warm-up left cached, back under the share for the pool
         try:
-            for B, W in sorted(product(self.batches, self.widths), reverse=True):
+            for B, W in self.keys:
                 batch = self._batch(B, W)
 
                 def forward(batch: StepBatch = batch) -> torch.Tensor:
@@ -259,5 +270,5 @@ class DecodeGraphs:
         """For /kevo/stats: on or off, the keys captured, why it is off, replays and eager decode steps."""
         return {"on": self.on, "fell_back": self.reason.startswith("off: capturing"), "batch_buckets": sorted({b for b, _ in self.graphs}),
                 "width_buckets": sorted({w for _, w in self.graphs}), "graphs": len(self.graphs),
-                "reason": self.reason, "replays": self.replays, "eager_decode_steps": self.eager_decode_steps,
+                "left_out": self.left_out, "reason": self.reason, "replays": self.replays, "eager_decode_steps": self.eager_decode_steps,
                 "capture_s": round(self.capture_s, 3)}

@@ -188,7 +188,7 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
     raise ServerFailure(with_output(f"the server was not ready within {timeout_s:.0f} s", tail))
 
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def server_cache(cfg: Config, device: str, reference: bool) -> tuple[str, str, int]:
@@ -210,7 +210,7 @@ def cache_bytes(cfg: Config, device: str, reference: bool) -> int:
     _, dtype, tokens = server_cache(cfg, device, reference)
     preset = cfg.served.presets[getattr(cfg.served, device).preset]
     block = getattr(cfg.targets.attention, device).block_size
-    per_token = 2 * preset.layers * preset.kv_heads * preset.head_dim * _DTYPE_BYTES[dtype]
+    per_token = 2 * preset.layers * preset.kv_heads * preset.head_dim * DTYPE_BYTES[dtype]
     return max(1, tokens // block) * block * per_token
 
 
@@ -245,13 +245,22 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
-            "cuda_graphs": dataclasses.asdict(plan_for(cfg, device)),
+            "cuda_graphs": dataclasses.asdict(plan_for(cfg, device, _graph_bound(cfg, device, reference))),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
             "audit_share": cfg.served.audit_share, "spot_share": cfg.served.spot_share,
             "spot_tolerance": [cfg.stages.parity.tolerance_factor, cfg.stages.parity.floors[dtype].max_abs,
                                cfg.stages.parity.floors[dtype].rel_l2],
             "gpu_memory_fraction": cfg.served.gpu_memory_fraction,
             "random_init": cfg.served.random_init.model_dump(), "logprobs": cfg.served.logprobs}
+
+
+def _graph_bound(cfg: Config, device: str, reference: bool) -> int:
+    """A GPU server's bound on its CUDA graph keys (harness/gpu_memory.py), 0 elsewhere. torch is imported here
+    only: this module is read by tools that never touch a GPU."""
+    if device != "cuda":
+        return 0
+    from harness.gpu_memory import server_graph_bound
+    return server_graph_bound(cfg, device, reference)
 
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),

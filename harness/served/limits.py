@@ -46,14 +46,17 @@ def served_limits(cfg: Config, device_type: str) -> ServedLimits:
 class GraphPlan:
     """What the served engine captures as CUDA graphs: `served.cuda_graphs`, and the contexts (tokens)
     a decode step's longest sequence can have serving the trace: from its shortest prompt plus one
-    token to its longest context. The block-table widths captured cover that range."""
+    token to its longest context. The block-table widths captured cover that range. `max_padded_tokens`
+    bounds a key's batch x width x block size, what the torch baseline's decode gathers (0: no bound); the
+    trusted side sets it from the server's memory share (harness/gpu_memory.py `padded_decode_bound`)."""
     enabled: bool
     batch_buckets: tuple[int, ...]
     shortest_context: int
     longest_context: int
+    max_padded_tokens: int = 0
 
 
-def plan_for(cfg: Config, device_type: str) -> GraphPlan:
+def plan_for(cfg: Config, device_type: str, max_padded_tokens: int = 0) -> GraphPlan:
     g = cfg.served.cuda_graphs
     lim = served_limits(cfg, device_type)
-    return GraphPlan(g.enabled, tuple(g.batch_buckets), lim.shortest_prompt + 1, lim.longest_context)
+    return GraphPlan(g.enabled, tuple(g.batch_buckets), lim.shortest_prompt + 1, lim.longest_context, max_padded_tokens)

@@ -310,7 +310,8 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
-                         root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"]))
+                         root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"],
+                                          int(g["max_padded_tokens"])))
     warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
     ops.audit_all = False              # serving from here: a share of the calls audited, drawn in secret
     gc.collect()

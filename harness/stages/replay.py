@@ -151,13 +151,15 @@ def merged(label: str, runs: list[ReplayRun]) -> ReplayRun:
                      max((r.max_send_lag_s for r in runs), default=0.0), runs[0].server_ready_s if runs else float("nan"))
 
 
-def _stats(server: ServerHandle) -> dict | None:
+def _stats(server: ServerHandle, head: bool = False) -> dict | None:
     stats = server.stats()
     if stats is None:
         return None
-    try:                                  # the candidate's process wrote it: validated like any reply
+    try:                                  # a kernel's process wrote it: validated like any reply
         return parse("served_stats", stats).model_dump()
     except MalformedReply as e:
+        if head:                          # the head was accepted before: its server's fault is the harness's to report
+            raise HarnessError(f"the head's server's accounting (GET /kevo/stats) is malformed: {e}") from None
         raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", "protocol") from None
 
 
@@ -190,8 +192,9 @@ def _gate_metrics(prefix: str, gate: Gate) -> dict[str, float]:
 
 
 def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: list[ReplayRun],
-          stats: dict | None, head_is_torch: bool = False) -> ReplayOutcome:
-    """The verdict from the replays: `head[j]`/`cand[j]` the arms' runs of segment j (teacher-forced)."""
+          stats: dict | None, head_is_torch: bool = False, head_stats: dict | None = None) -> ReplayOutcome:
+    """The verdict from the replays: `head[j]`/`cand[j]` the arms' runs of segment j (teacher-forced); `stats`
+    and `head_stats` the arms' servers' accounting."""
     r = cfg.stages.replay
     h_all, c_all = merged("head", head), merged("candidate", cand)
     head_gate = _gate(cfg, dtype, ref, h_all)
@@ -200,8 +203,9 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     fallback_share, fallback_words = fallbacks(stats)
     stall_metrics, stall_words = stalls(stats)
     graph_metrics, graph_words = graphs(stats)
-    stall_metrics, stall_words = (stall_metrics | graph_metrics | dispatch(stats, cfg.stages.dispatch)
-                                    | spot_checks(stats)), stall_words + graph_words
+    head_graph_metrics, head_graph_words = graphs(head_stats, "head")
+    stall_metrics, stall_words = (stall_metrics | graph_metrics | head_graph_metrics | dispatch(stats, cfg.stages.dispatch)
+                                    | spot_checks(stats)), stall_words + graph_words + head_graph_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
                "fallback_share": fallback_share, "gain": speed.gain, "gain_lower": speed.lower,
@@ -330,7 +334,8 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
             runs[label].append(servers.send(label, seg, r.load == "burst"))
         log.info("replay: timed segment %d of %d served to both arms", j + 1, len(parts))
     stats = _stats(servers.handles[cand_label])
-    outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch)
+    outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch,
+                    _stats(servers.handles[head_label], head=True))
     outcome.reference, outcome.runs = ref, runs
     return outcome
 
