@@ -18,9 +18,10 @@ candidate's server that does is rejected for it, and a reference or head server 
 Inside its share a server also captures its decode steps as CUDA graphs (harness/served/graphs.py), one per
 (batch, block-table width) key; the torch baseline's decode gathers every padded position's K and V, so a key's
 capture needs memory in proportion to batch x width. `padded_decode_bound` is the most padded positions a key may
-have for that to fit the share beside the cache and the weights; the trusted side puts it in every server's
+have for that to fit its part of the share beside the cache and the weights; the trusted side puts it in every server's
 plan, so the head's and the candidate's servers capture the same keys (on an 80 GB H100 the largest keys' gathers,
-16 GiB, did not fit a 23 GiB share: the servers then decoded without graphs at all).
+16 GiB, did not fit a 23 GiB share: the servers then decoded without graphs at all). Each server's allocator
+uses expandable segments, as the evaluator's does (`expandable_segments`).
 Seen on the H200 before (docs/BENCHMARKS.md, 2026-12-02): three servers of 31-49 GiB each beside the evaluator's
 16 GiB did not always fit its 139.8 GiB, and whichever server asked last failed - once the candidate's, a
 false rejection.
@@ -76,6 +77,14 @@ def reserve_bytes(cfg: Config, total: int) -> int:
     return working
 
 
+def expandable_segments() -> None:
+    """This process's allocator maps pages into segments that grow and shrink (PyTorch's `expandable_segments`),
+    CUDA graphs' private pools included: free pages go back whole, so blocks split by one step's tensors do not
+    strand memory another's needs (a server on the H100 held 3 GiB reserved but unallocated when it failed)."""
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    settings("expandable_segments:True")
+
+
 def reserve(cfg: Config, device: torch.device) -> Reserve | None:
     """This process's reserve on `device` (CUDA only; None on a CPU), taken on first use and kept; taken
     again after a `release`."""
@@ -86,8 +95,7 @@ def reserve(cfg: Config, device: torch.device) -> Reserve | None:
     working = reserve_bytes(cfg, torch.cuda.get_device_properties(device).total_memory)
     if held is None or held.working_bytes < working:
         if held is None:                  # segments whose free pages `release` can give back, live tensors or not
-            settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
-            settings("expandable_segments:True")
+            expandable_segments()
         try:
             flush = held.flush if held is not None else torch.empty(
                 max(1, cfg.stages.microbench.l2_flush_bytes // 4), dtype=torch.int32, device=device)
@@ -131,9 +139,13 @@ def servers_shortfall(free: int, total: int, servers: int, fraction: float, over
 # The torch baseline's decode (harness/targets/attention_baselines.py `decode_clamped`) per padded position,
 # beside the gathered K and V: its int64 indices (three tensors), the validity mask and the bias SDPA builds from it.
 DECODE_INDEX_BYTES = 32
-# Kept free beside the cache, the weights and the largest key's gather: the step's activations and logits, torch's
-# rounding of its blocks, what the warm-up left cached (an allowance, not measured).
+# Kept free beside the cache and the weights: a step's activations and logits, torch's rounding of its blocks (an
+# allowance, not measured). Of what is left the graphs' pool, which holds its largest key's gather for good, gets
+# GRAPH_POOL_SHARE; the rest is for what runs eagerly beside it: prefill steps, the decode steps of the keys left
+# out, and the spot checks' float64 references (on the H100, 2026-12-05, a pool given all of it left the spot check
+# of a prefill 114 MiB short, and the candidate's server failed).
 GRAPH_HEADROOM_BYTES = 1 << 30
+GRAPH_POOL_SHARE = 0.5
 
 
 def padded_decode_bound(total: int, fraction: float, cache: int, weights: int, kv_bytes: int) -> int:
@@ -141,7 +153,7 @@ def padded_decode_bound(total: int, fraction: float, cache: int, weights: int, k
     capped at `fraction` of a GPU of `total` bytes holding `cache` bytes of KV cache and `weights` bytes of
     weights, when the baseline's decode gathers `kv_bytes` of K and V per position (one layer's): 0 when none fit."""
     free = int(fraction * total) - cache - weights - GRAPH_HEADROOM_BYTES
-    return max(0, free // (kv_bytes + DECODE_INDEX_BYTES))
+    return max(0, int(free * GRAPH_POOL_SHARE) // (kv_bytes + DECODE_INDEX_BYTES))
 
 
 def server_graph_bound(cfg: Config, device: str, reference: bool, total: int | None = None) -> int:

@@ -289,6 +289,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     import torch
     from aiohttp import web
 
+    from harness.gpu_memory import expandable_segments
     from harness.probes import Probes
     from harness.served.engine import make_engine, warm_up
     from harness.served.limits import GraphPlan
@@ -297,6 +298,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.transport import DTYPES
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
+        expandable_segments()
         torch.cuda.set_per_process_memory_fraction(float(spec["gpu_memory_fraction"]), torch.cuda.current_device())
     probes = Probes()
     probes.install()                   # before the candidate's code runs: its launches counted, its calls audited
