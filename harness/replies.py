@@ -179,6 +179,9 @@ class OpStats(_Strict):
     stalls: Count
     stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
     worst_stall_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)]
+    # its calls eagerly launched (not from a CUDA graph's replay) and the host time they held, launch included
+    host_calls: Count = 0
+    host_ms: Annotated[float, Field(ge=0, le=1e12, allow_inf_nan=False)] = 0.0
     # its calls watched as the worker watches every call (harness/served/ops.py): over the server's life
     audited: Count = 0
     no_launch: Count = 0                      # calls that launched no Triton kernel

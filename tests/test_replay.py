@@ -255,6 +255,21 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
     assert both.metrics["head_cuda_graphs"] == 0.0 and both.metrics["head_graph_keys_left_out"] == 3.0
 
 
+
+def test_the_verdict_says_how_long_each_arms_eager_calls_held_the_host():
+    """2026-12-05, H100: a prefill 18% faster on the device (one process) lost 21% of p90 TTFT in the replay with no
+    call over served.stall_ms; a call's host time, each arm's, is what the verdict now says."""
+    ref, head, cand = _arms([1.0] * 4, [1.1] * 4)
+    timed = {"calls": 2100, "candidate": 2100, "unsupported": 0, "not_implemented": 0, "implemented": True}
+    stats = {"ops": {"prefill": timed | {"host_calls": 2000, "host_ms": 8200.0}}}
+    head_stats = {"ops": {"prefill": timed | {"host_calls": 2000, "host_ms": 180.0}}}
+    outcome = judge(CFG, "float32", ref, head, cand, stats, head_stats=head_stats)
+    assert "; host time an eager call: prefill 4.100 ms (the head's 0.090 ms)" in outcome.reason, outcome.reason
+    assert outcome.metrics["candidate_prefill_host_ms_per_call"] == 4.1 and outcome.metrics["head_prefill_host_ms_per_call"] == 0.09
+    alone = judge(CFG, "float32", ref, head, cand, stats)
+    assert "; host time an eager call: prefill 4.100 ms" in alone.reason and "(the head's" not in alone.reason
+
+
 def test_a_faster_decode_does_not_hide_a_ttft_three_times_the_heads():
     ref, head, cand = _arms([1.0, 1.0, 1.0, 1.0], [0.5, 0.5, 0.5, 0.5], ttft_scale=6.0)
     outcome = judge(CFG, "float32", ref, head, cand, ALL_CANDIDATE)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -226,6 +227,20 @@ def test_ops_a_candidate_lacks_or_declines_run_the_baseline_and_are_counted():
     assert stats["decode"]["candidate"] == len(seen) > 0 and stats["decode"]["unsupported"] > 0
     assert stats["decode"]["calls"] == stats["decode"]["candidate"] + stats["decode"]["unsupported"]
     assert {k: [e.token for e in v] for k, v in with_candidate.items()} == {k: [e.token for e in v] for k, v in baseline.items()}
+
+
+def test_the_host_time_of_the_candidates_own_calls_is_counted_and_the_baselines_is_not():
+    def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+        time.sleep(0.005)                           # its own host code: 5 ms a call, well under any stall
+        return prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
+
+    ops = AttentionOps(SimpleNamespace(prefill=prefill))
+    run_requests(engine(ops), [TraceRequest(0, 0.0, list(range(3, 11)), 4), TraceRequest(1, 0.0, list(range(20, 36)), 3)],
+                 realtime=False)
+    st = ops.stats()
+    assert st["prefill"]["host_calls"] == st["prefill"]["candidate"] > 0
+    assert 5.0 * st["prefill"]["host_calls"] <= st["prefill"]["host_ms"] < 500.0 * st["prefill"]["host_calls"]
+    assert st["decode"]["host_calls"] == 0 and st["decode"]["host_ms"] == 0.0 and st["decode"]["calls"] > 0   # the baseline's
 
 
 def test_an_op_the_candidate_does_not_define_is_served_by_its_head_beside_it_and_counted_as_not_the_candidates():

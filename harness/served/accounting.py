@@ -1,6 +1,6 @@
 """What a candidate's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
 for the replay's verdict: the share of its own ops' calls that fell back, the calls that held the host
-in the window, whether it decoded from CUDA graphs, and its calls as watched there (`dispatch`). Each gives
+in the window and the host time of its calls, whether it decoded from CUDA graphs, and its calls as watched there (`dispatch`). Each gives
 metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
 them (harness/replies.py) before they get here; the fallbacks (any at all means no acceptance) and the watched
 calls (held to the worker's dispatch rules) decide. Not covered: fetching the stats (launch.py) or judging
@@ -80,6 +80,20 @@ def stalls(stats: dict | None) -> tuple[dict[str, float], str]:
         return metrics, ""
     return metrics, (f"; {n} candidate call{'s' if n > 1 else ''} held the host over served.stall_ms in the window "
                      f"({total:.0f} ms in all, the worst {worst:.0f} ms): compiles the warm-up did not reach, or waits on the GPU")
+
+
+def host_times(stats: dict | None, head_stats: dict | None) -> tuple[dict[str, float], str]:
+    """The host time an eager call of each op took in each arm's server, on average, launch, audit and the
+    kernel's own host code included (a call well under served.stall_ms is no stall, yet 28 layers of it add up
+    in every prefill step): metrics, and a clause per op the candidate implements."""
+    def per_call(st: dict | None) -> dict[str, float]:
+        ops = st.get("ops") if isinstance(st, dict) else None
+        return {op: float(s["host_ms"]) / int(s["host_calls"]) for op, s in (ops.items() if isinstance(ops, dict) else ())
+                if isinstance(s, dict) and s.get("implemented") and s.get("host_calls")}
+    mine, head = per_call(stats), per_call(head_stats)
+    metrics = {f"{who}_{op}_host_ms_per_call": ms for who, arm in (("candidate", mine), ("head", head)) for op, ms in arm.items()}
+    words = [f"{op} {ms:.3f} ms" + (f" (the head's {head[op]:.3f} ms)" if op in head else "") for op, ms in mine.items()]
+    return metrics, ("; host time an eager call: " + ", ".join(words)) if words else ""
 
 
 def graphs(stats: dict | None, who: str = "candidate") -> tuple[dict[str, float], str]:

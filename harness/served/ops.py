@@ -79,6 +79,7 @@ class AttentionOps:
     def reset(self) -> None:
         self.calls: dict[str, Counter] = {op: Counter() for op in TARGET.ops}
         self.stalls: dict[str, list[float]] = {op: [] for op in TARGET.ops}     # ms, calls over stall_ms
+        self.host: dict[str, list[float]] = {op: [0, 0.0] for op in TARGET.ops}   # the calls timed, their host ms
         self.shapes = ShapeRecorder()
 
     def _route(self, op: str, shape: dict):
@@ -113,6 +114,8 @@ class AttentionOps:
         ms = (time.perf_counter() - t) * 1e3
         if ms > self.stall_ms:
             self.stalls[op].append(ms)
+        self.host[op][0] += 1
+        self.host[op][1] += ms
         if probes is not None:
             books = self.audits[op]
             books["no_launch"] += probes.launches.total() == launched
@@ -182,6 +185,7 @@ class AttentionOps:
             out[op] = {"calls": sum(c.values()), "candidate": c["candidate"], "unsupported": c["unsupported"],
                        "not_implemented": c["not_implemented"], "other_head": c["other_head"], "implemented": self.impl[op] is not None,
                        "stalls": len(st), "stall_ms": sum(st), "worst_stall_ms": max(st, default=0.0),
+                       "host_calls": int(self.host[op][0]), "host_ms": self.host[op][1],
                        **{k: dict(v) if isinstance(v, Counter) else v for k, v in self.audits[op].items()},
                        **spot.get(op, {})}
         return out
