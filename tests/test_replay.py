@@ -253,6 +253,8 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
         "on": False, "fell_back": True, "left_out": 3, "reason": "off: capturing the decode step at batch 8, width 4 failed (...)"}})
     assert "; the head's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 8" in both.reason
     assert both.metrics["head_cuda_graphs"] == 0.0 and both.metrics["head_graph_keys_left_out"] == 3.0
+    odd = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE | {"graphs": {"on": True, "left_out": "all of them"}})
+    assert math.isnan(odd.metrics["candidate_graph_keys_left_out"]) and odd.accepted    # a server's word, not a number
 
 
 

@@ -102,6 +102,8 @@ def graphs(stats: dict | None, who: str = "candidate") -> tuple[dict[str, float]
     g = stats.get("graphs") if isinstance(stats, dict) else None
     if not isinstance(g, dict) or not isinstance(g.get("on"), bool):
         return {}, ""
-    metrics = {f"{who}_cuda_graphs": float(g["on"]), f"{who}_graph_keys_left_out": float(g.get("left_out", 0))}
+    left = g.get("left_out")                      # the server's own figure: a number or nothing
+    metrics = {f"{who}_cuda_graphs": float(g["on"]),
+               f"{who}_graph_keys_left_out": float(left) if type(left) in (int, float) else float("nan")}
     words = f"; the {who}'s server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
     return metrics, (words if g.get("fell_back") is True else "")
