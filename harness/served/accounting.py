@@ -1,7 +1,7 @@
-"""What a candidate's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
-for the replay's verdict: the share of its own ops' calls that fell back, the calls that held the host
-in the window and the host time of its calls, whether it decoded from CUDA graphs, and its calls as watched there (`dispatch`). Each gives
-metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
+"""What a kernel's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
+for the replay's verdict: the share of the candidate's own ops' calls that fell back, the calls that held
+the host in the window, the host time of each arm's calls, whether each arm decoded from CUDA graphs,
+and the candidate's calls as watched there (`dispatch`). Each gives metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
 them (harness/replies.py) before they get here; the fallbacks (any at all means no acceptance) and the watched
 calls (held to the worker's dispatch rules) decide. Not covered: fetching the stats (launch.py) or judging
 tokens and timings (score.py).
