@@ -19,7 +19,7 @@ from conftest import config_with
 from harness.served.engine import Engine, EngineError, Request, make_engine, run_requests, warm_up
 from harness.served.kvcache import PagedKVCache
 from harness.served.model import ModelError, StepBatch, hf_shapes, random_weights
-from harness.served.ops import AttentionOps
+from harness.served.ops import TARGET, AttentionOps
 from harness.served.traces import TraceRequest, generate, requests_for
 from harness.targets.attention import decode_baseline, prefill_baseline
 
@@ -241,6 +241,29 @@ def test_the_host_time_of_the_candidates_own_calls_is_counted_and_the_baselines_
     assert st["prefill"]["host_calls"] == st["prefill"]["candidate"] > 0
     assert 5.0 * st["prefill"]["host_calls"] <= st["prefill"]["host_ms"] < 500.0 * st["prefill"]["host_calls"]
     assert st["decode"]["host_calls"] == 0 and st["decode"]["host_ms"] == 0.0 and st["decode"]["calls"] > 0   # the baseline's
+
+
+def test_the_baseline_decode_gathers_no_more_than_its_bound_in_one_call_and_serves_the_same_tokens():
+    """A server's eager decode steps the graphs leave out for memory call the torch baseline in chunks of rows, each
+    within the graph plan's bound (harness/gpu_memory.py): as much memory as the largest key captured, no more."""
+    gathers, tight = [], []
+
+    def recorded(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=None):
+        gathers.append(block_table.shape[0] * block_table.shape[1] * k_cache.shape[1])
+        tight.append(block_table.shape[1] == -(-int(seq_lens.max()) // k_cache.shape[1]))   # cut to its widest row
+        return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths)
+
+    target = dataclasses.replace(TARGET, ops={**TARGET.ops, "decode": dataclasses.replace(TARGET.ops["decode"], baseline=recorded)})
+    reqs = [TraceRequest(i, 0.0, list(range(1 + i, 6 + 7 * i)), 6) for i in range(6)]     # prompts of 5 to 40 tokens
+    bound = 3 * BS * 4
+    bounded = run_requests(engine(AttentionOps(target=target, gather_bound=bound)), reqs, realtime=False)
+    assert max(gathers) <= bound and all(tight)
+    whole = len(gathers)
+    gathers.clear()
+    plain = run_requests(engine(AttentionOps(target=target)), reqs, realtime=False)
+    assert max(gathers) > bound and len(gathers) < whole
+    assert {k: [e.token for e in v] for k, v in bounded.items()} == {k: [e.token for e in v] for k, v in plain.items()}
+    assert max(abs(a.logprob - b.logprob) for k in plain for a, b in zip(bounded[k], plain[k])) < 1e-5
 
 
 def test_an_op_the_candidate_does_not_define_is_served_by_its_head_beside_it_and_counted_as_not_the_candidates():

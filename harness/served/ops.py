@@ -56,12 +56,13 @@ def load_candidate(path: Path | str, name: str = "candidate") -> ModuleType:
 class AttentionOps:
     def __init__(self, candidate: ModuleType | None = None, dtype: str = "float32", *, target: Target = TARGET,
                  stall_ms: float = math.inf, other_heads: dict[str, ModuleType] | None = None, probes=None,
-                 audit_share: float = 0.0, spot: SpotChecks | None = None) -> None:
+                 audit_share: float = 0.0, spot: SpotChecks | None = None, gather_bound: int = 0) -> None:
         """`target`: the attention target with its configured baselines (harness.targets.configured); `stall_ms`:
         a candidate call that holds the host this long (config served.stall_ms; inf: none counted) compiled (a
         shape class the warm-up did not meet), autotuned, or waited on the GPU. A launch alone takes microseconds.
         `other_heads`: per op, the module of the head that serves it where the candidate does not define it.
-        `spot`: the spot checks of its served calls (None: none)."""
+        `spot`: the spot checks of its served calls (None: none). `gather_bound`: the most padded positions the torch
+        baseline's decode may gather in one call (the graph plan's `max_padded_tokens`; 0: no bound)."""
         self.dtype, self.target, self.stall_ms = dtype, target, stall_ms
         self.impl = {op: getattr(candidate, op, None) if candidate else None for op in TARGET.ops}
         self.supports = getattr(candidate, "supports", None) if candidate else None
@@ -69,7 +70,7 @@ class AttentionOps:
                        if op in TARGET.ops and self.impl[op] is None and callable(getattr(m, op, None))}
         self.host_lengths = True           # False while a CUDA graph is captured: host lengths are the bucket's
         self.probes, self.audit_share, self.audit_all = probes, audit_share, True   # audit_all: until served
-        self.spot = spot
+        self.spot, self.gather_bound = spot, gather_bound
         self.held: list | None = None      # while a CUDA graph is captured: its candidate calls, for spot checks of replays
         self._draw = random.Random(secrets.randbits(64)).random   # which served calls are audited: no one can know
         self.audits = {op: {"audited": 0, "no_launch": 0, "audit_madds": 0.0, "op_calls": Counter(),
@@ -146,11 +147,28 @@ class AttentionOps:
         self.shapes.record("decode", lens)
         fn = self._route("decode", shape)
         if fn is self.target.ops["decode"].baseline:           # the engine's host-side lengths: no device read
-            return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
+            return self._baseline_decode(fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale, lens)
         if fn is not self.impl["decode"]:                      # the head beside the candidate: not its stalls
             return self._checked("decode", fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale), q)
         madds = 2.0 * sum(lens) * H * D     # the target's cost model (decode_cost), from host lengths: no device read
         return self._timed("decode", madds, lens, fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+    def _baseline_decode(self, fn, q, k_cache, v_cache, block_table, seq_lens, sm_scale, lens: list[int]) -> torch.Tensor:
+        """The torch baseline's decode in as many chunks of rows as keep each call's gather (rows x the table's width x
+        the block size) within `gather_bound`, each chunk's table cut to its own widest row: an eager step the graphs
+        do not cover (a key left out for memory) then needs no more than the largest key captured. One call where it
+        fits, as under every capture (the keys captured are within the bound)."""
+        B, W = block_table.shape
+        bs = k_cache.shape[1]
+        rows = max(1, self.gather_bound // (W * bs)) if self.gather_bound and W else B
+        if rows >= B or not self.host_lengths:
+            return fn(q, k_cache, v_cache, block_table, seq_lens, sm_scale, lengths=lens if self.host_lengths else None)
+        out = torch.empty_like(q)
+        for i in range(0, B, rows):
+            j = min(B, i + rows)
+            w = -(-max(lens[i:j]) // bs)
+            out[i:j] = fn(q[i:j], k_cache, v_cache, block_table[i:j, :w], seq_lens[i:j], sm_scale, lengths=lens[i:j])
+        return out
 
     def prefill(self, q, k, v, cu_seqlens, max_seqlen, sm_scale, lens: list[int]) -> torch.Tensor:
         T, H, D = q.shape

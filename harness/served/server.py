@@ -308,7 +308,8 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     factor, *floor = spec["spot_tolerance"]
     ops = AttentionOps(module, spec["dtype"], target=target, stall_ms=spec["stall_ms"], other_heads=other_heads,
                        probes=probes, audit_share=float(spec["audit_share"]),
-                       spot=SpotChecks(target, float(spec["spot_share"]), float(factor), (float(floor[0]), float(floor[1]))))
+                       spot=SpotChecks(target, float(spec["spot_share"]), float(factor), (float(floor[0]), float(floor[1]))),
+                       gather_bound=int(spec["cuda_graphs"]["max_padded_tokens"]))
     g = spec["cuda_graphs"]
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
