@@ -22,7 +22,8 @@ from harness.served.client import Completion, ReplayRun
 from harness.served.score import compare_forced, paired, parting
 from harness.stages.common import EvalContext, Rejected
 from harness.stages.arms import Servers, send, warm_lengths
-from harness.stages.replay import continuation_pass, draw, judge, replay_stage, run_gates, run_replay, segments
+from harness.stages.replay import (continuation_pass, draw, judge, replay_stage, run_gates, run_replay, segments,
+                                   warm_pass)
 from harness.targets.attention import TARGET
 
 CFG = config_with(**CPU_GATES)
@@ -338,6 +339,29 @@ def test_segments_cut_the_window_by_arrival_and_every_request_is_in_one():
     assert sorted(r.index for seg in cut for r in seg) == [r.index for r in reqs]
     assert all(0 <= r.arrival_s < CFG.served.cpu.window_s / 4 + 1e-9 for seg in cut for r in seg)
 
+
+
+def test_the_candidates_warm_pass_serves_the_scored_requests_shapes_and_none_of_their_prompts():
+    """A server that had served another draw of the trace's lengths ran the scored requests 10% slower than one that
+    had served them (an A/A on an H100, 2026-12-05): the warm pass sends twins of the scored requests, segment by
+    segment the same arrivals, prompt and output lengths, with fresh token ids."""
+    class Recorder:                   # the servers' side of `send`: what each label was sent, segment by segment
+        def __init__(self):
+            self.sent = []
+
+        def send(self, label, requests, burst=False):
+            self.sent.append((label, burst, list(requests)))
+
+    scored = draw(CFG, "cpu", random.Random(11))
+    servers = Recorder()
+    warm_pass(CFG, "cpu", servers, ("candidate",), scored)
+    shape = lambda seg: [(r.index, r.arrival_s, len(r.prompt), r.output_len) for r in seg]      # noqa: E731
+    expected = segments(scored, CFG.served.cpu.window_s, CFG.stages.replay.segments)
+    assert len(expected) >= 2 and len({len(r.prompt) for r in scored}) >= 3
+    assert [(label, shape(seg)) for label, _, seg in servers.sent] == [("candidate", shape(seg)) for seg in expected]
+    assert all(burst == (CFG.stages.replay.load == "burst") for _, burst, _ in servers.sent)
+    prompts = {tuple(r.prompt) for r in scored}
+    assert not any(tuple(r.prompt) in prompts or r.forced for _, _, seg in servers.sent for r in seg)
 
 def test_replay_stage_on_a_cpu_runs_the_gates_and_times_nothing():
     ctx = EvalContext(cfg=GATES_ALONE, target=TARGET, shapes=CFG.targets.attention.cpu, device=torch.device("cpu"),

@@ -157,6 +157,13 @@ def draw_requests(lines: list[TraceLine], window_s: float, vocab: int, max_token
     return out
 
 
+def fresh_ids(requests: list[TraceRequest], vocab: int, rng: random.Random) -> list[TraceRequest]:
+    """Twins of `requests` with the same arrivals, prompt and output lengths and new token ids drawn from `rng`:
+    every step a server batches for them has the shapes the originals' steps have, and none of their prompts is
+    an original's (the replay's warm pass: harness/stages/replay.py)."""
+    ids = range(vocab)
+    return [TraceRequest(r.index, r.arrival_s, rng.choices(ids, k=len(r.prompt)), r.output_len) for r in requests]
+
 def generate(seed: int, duration_s: float, rate: float, prompt_median: float, prompt_sigma: float,
              output_median: float, output_sigma: float, max_prompt: int, max_output: int) -> list[TraceLine]:
     """Poisson arrivals at `rate` per second for `duration_s`; lognormal prompt and output lengths

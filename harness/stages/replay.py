@@ -13,8 +13,10 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
      every arm is held to. The head was a candidate once: its tokens are used only if they are the
      reference's own greedy path up to near-ties (score.py `parting`); else the reference decodes its
      own (the slow way) and the reason says why. Meanwhile the candidate
-     serves a window of its own (`warm_pass`: a draw apart, so nothing served there answers a scored
-     request): both arms have served one window before they are timed (a server's first runs slower).
+     serves a window of its own (`warm_pass`: the scored requests' twins, the same arrivals and lengths
+     with fresh token ids, so nothing served there answers a scored request): both arms have served the
+     steps they are timed on, shape for shape, once before (a server is about 10% slower on steps of
+     shapes it has not served yet: docs/SERVED.md).
      The reference server is stopped before anything is timed.
   2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
      the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
@@ -54,7 +56,7 @@ from harness.served.client import ReplayRun
 from harness.served.launch import ServerHandle
 from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
-from harness.served.traces import TraceError, TraceRequest, draw_requests, requests_for
+from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
 from harness.stages.arms import Servers, served_lines
 from harness.stages.common import EvalContext, Rejected
 
@@ -293,7 +295,7 @@ def reference_feed(cfg: Config, device: str, servers: Servers, source: str | Non
         try:
             if warm:
                 servers.wait(list(warm))
-                warm_pass(cfg, device, servers, warm)
+                warm_pass(cfg, device, servers, warm, requests)
         except BaseException:
             for label in ("reference", source):  # an arm failed: its failure is the verdict, not the pass cut short
                 if label:
@@ -306,14 +308,14 @@ def reference_feed(cfg: Config, device: str, servers: Servers, source: str | Non
     return cont, forced(requests, cont.ref), time.monotonic() - t0
 
 
-def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...]) -> None:
-    """Each server of `labels` served a window of its own, untimed: a draw apart from the scored one (so nothing
-    served here answers a scored request), free-running, as the timed segments will come (a burst a segment).
-    A server's first real window after its start runs slower than the next (on the H200 its TTFT about
-    twice: docs/BENCHMARKS.md); the warm-up's filler requests do not take that away."""
+def warm_pass(cfg: Config, device: str, servers: Servers, labels: tuple[str, ...], like: list[TraceRequest]) -> None:
+    """Each server of `labels` served a window of its own, untimed, free-running, a burst a segment: the twins of `like`
+    (the scored requests: their arrivals and lengths, fresh token ids, `fresh_ids`), as the head served the scored
+    requests themselves (its continuation). A server warmed on another draw ran them 10% slower (docs/SERVED.md)."""
     burst = cfg.stages.replay.load == "burst"
-    segs = segments(draw(cfg, device, random.Random(secrets.randbits(64))), getattr(cfg.served, device).window_s,
-                    cfg.stages.replay.segments)
+    preset = cfg.served.presets[getattr(cfg.served, device).preset]
+    segs = segments(fresh_ids(like, preset.vocab, random.Random(secrets.randbits(64))),
+                    getattr(cfg.served, device).window_s, cfg.stages.replay.segments)
     for label in labels:
         for seg in segs:
             servers.send(label, seg, burst)

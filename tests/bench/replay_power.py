@@ -258,7 +258,7 @@ def main() -> None:
               f"over {layers} layers)", flush=True)
         servers.stop("B")
         servers.add("S", slowed(head, cycles))
-        warm_pass(cfg, device, servers, ("S",))
+        warm_pass(cfg, device, servers, ("S",), feed)
         t0 = time.monotonic()
         rows.append(row(f"slowed {a.shift:.0%} against the head (must be rejected)",
                         timed_pair(cfg, device, servers, ref, feed, "A", "S"), t0))
