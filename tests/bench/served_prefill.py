@@ -1,5 +1,6 @@
 """Benchmark (not a test): prefill kernel files served as the replay's arms serve them, every prefill call
-timed on the device — to find why a prefill faster at microbench is slower in serving.
+timed on the device, in one process: what a prefill kernel does to serving without the replay's servers (it showed
+the Gluon prefill faster while the replay, then biased against the candidate's arm, rejected it: docs/SERVED.md).
 
     python tests/bench/served_prefill.py [SPEC ...] [--window 40] [--json OUT]
     SPEC = path/to/kernel.py[:KNOB=VALUE,...]   (default: the reference prefill, then the TMA family)
