@@ -45,7 +45,9 @@ LEAN = ROOT / "knowledge" / "attention" / "decode_paged_lean.py"
     (f"{LEAN}:MERGE_LAUNCH=True,PROGRAMS_PER_SM=4", 8, 4),  # uncapped: 145 registers, 3 per SM
     (f"{DECODE}:PAGE_LOADS=True,RESIDENCY_CAP=True", 64, 4),  # uncapped: 236 registers, 2 per SM (sm90 compile)
     (f"{DECODE}:PERSISTENT=4,NUM_WARPS=8,RESIDENCY_CAP=True", 32, 4),
-], ids=["lean-defaults-batch-64", "lean-merge-launch-4-per-sm-batch-8", "gqa-page-loads", "gqa-persistent-8-warps"])
+    (f"{DECODE}:PREFETCH=True,PROGRAMS_PER_SM=2", 32, 2),     # 200 registers (sm90 compile, 2026-12-05)
+], ids=["lean-defaults-batch-64", "lean-merge-launch-4-per-sm-batch-8", "gqa-page-loads", "gqa-persistent-8-warps",
+        "gqa-prefetch-2-per-sm"])
 def test_decode_kernel_compiled_for_sm90_keeps_the_programs_its_grid_counts_on_resident(spec, batch, per_sm):
     """The lean grid is SMs x PROGRAMS_PER_SM programs, one wave of equal stretches; the GQA family's policy 1
     and PERSISTENT plans count on as many per SM. Compiled for sm90 (Triton's own ptxas, no GPU needed) as a
@@ -218,8 +220,9 @@ def test_decode_fused_combine_leaves_every_ticket_at_zero(knob_dir):
     assert torch.equal(first, again)
 
 
-def test_decode_ignores_nan_in_unused_slots_of_a_wide_table(knob_dir):
-    mod = _load(DECODE, MANY_SPLITS, knob_dir)
+@pytest.mark.parametrize("knobs", [{}, {"PREFETCH": True, "MIN_TOKENS_PER_SPLIT": 32}], ids=["pipelined", "prefetch"])
+def test_decode_ignores_nan_in_unused_slots_of_a_wide_table(knob_dir, knobs):
+    mod = _load(DECODE, {**MANY_SPLITS, **knobs}, knob_dir)
     q, kc, vc, bt, sl = make_decode_inputs([3, 9, 17], 4, 2, 16, 8, extra_pages=5, seed=41)
     assert torch.isnan(kc).any() and torch.isnan(vc).any()
     assert torch.isfinite(mod.decode(q, kc, vc, bt, sl, 0.25)).all()
@@ -235,8 +238,11 @@ def test_decode_ignores_nan_in_unused_slots_of_a_wide_table(knob_dir):
         {"MAX_SPLITS": 1},
         {"KV_TMA": True, "NUM_STAGES": 8},                         # page 8 divides 64: a page a step
         {"KV_TMA": True, "BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 16, "PROGRAMS_PER_SM": 16},
+        {"PREFETCH": True, "BLOCK_N": 16, "MAX_SPLITS": 1},       # the next tile in registers: up to 4 a sequence
+        {"PREFETCH": True, "PAGE_LOADS": True, "BLOCK_N": 16, "MIN_TOKENS_PER_SPLIT": 32, "PROGRAMS_PER_SM": 16},
     ],
-    ids=["page_loads_bn16", "page_loads_bn32", "bn32_waves3", "single_split", "kv_tma", "kv_tma_many_splits"],
+    ids=["page_loads_bn16", "page_loads_bn32", "bn32_waves3", "single_split", "kv_tma", "kv_tma_many_splits",
+         "prefetch_one_split", "prefetch_page_loads_two_tiles_a_split"],
 )
 def test_decode_knob_variants_stay_correct(knob_dir, knobs):
     run_decode(_load(DECODE, knobs, knob_dir), [1, 7, 8, 64, 33], 4, 2, 16, 8, q_scale=3.0, seed=43)

@@ -17,13 +17,16 @@ What it does
     log-sum-exp merge over all heads of the group at once: FUSED_COMBINE lets the last split program of each (sequence,
     kv head), found with an atomic ticket, merge them in the same launch (no second kernel); otherwise a small
     second kernel merges them. A sequence with one split writes its output directly.
+    PREFETCH: the pointer loads of the next tile's K and V are issued before this tile's products, into registers
+    (two tiles in flight a program, as cuDNN's decode keeps its next K/V in flight), instead of Triton's pipeliner,
+    which keeps one K/V buffer at NUM_STAGES 2-4 (the block table's load is what it runs ahead); not with KV_TMA.
     PERSISTENT k > 0: the same work items (split, kv head, sequence), a 1-D grid of min(items, SMs x k) programs, each
     taking items p, p + grid, ... split-major, so a program's first item holds work. Grid, items and buffers come
     from shapes, as before (capturable). NUM_STAGES deeper than the device's shared memory holds is lowered.
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_POLICY, PROGRAMS_PER_SM, WAVES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS,
-    PAGE_LOADS, KV_TMA, FUSED_COMBINE, PERSISTENT, RESIDENCY_CAP, CPU_SM_COUNT.
+    PAGE_LOADS, KV_TMA, PREFETCH, FUSED_COMBINE, PERSISTENT, RESIDENCY_CAP, CPU_SM_COUNT.
 
 What bounds it
     Memory bandwidth: sum(seq_lens) x kv_heads x head_dim x 2 x elem bytes of K/V plus partials (G x head_dim x 4
@@ -58,6 +61,7 @@ MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this 
 MAX_SPLITS = 32  # upper bound on splits per sequence (1: no split, no merge)
 PAGE_LOADS = False  # True: one block-table read per page (reshaped offsets); False: one per token
 KV_TMA = False  # True: K/V a whole page a step through tensor descriptors (TMA); False: pointer loads
+PREFETCH = False  # True: pointer loads one tile ahead into registers, no pipeliner (NUM_STAGES unused)
 FUSED_COMBINE = True  # True: last split program merges (atomic ticket); False: a second kernel merges
 PERSISTENT = 0  # 0: one program per work item; k > 0: min(items, SMs x k) programs loop over the items
 RESIDENCY_CAP = False  # True: registers capped so the programs counted on per SM fit (see register_cap)
@@ -94,6 +98,27 @@ def _scores(q, k, m_i, l_i, qk_scale, mask_n, MASKED: tl.constexpr, DOT_PRECISIO
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _kv_rows(bt_row, start_n, end, n_pages, stride_kb, stride_ks, stride_vb, stride_vs, BLOCK_N: tl.constexpr,
+             PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr):
+    """The cache offsets of the K and V rows of tokens [start_n, start_n + BLOCK_N) and which are < end. PAGE_LOADS: one
+    block-table read per page; else one per token."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if PAGE_LOADS:
+        pages = start_n // PAGE_SIZE + tl.arange(0, PAGES)
+        phys = tl.load(bt_row + pages, mask=pages < n_pages, other=0).to(tl.int64)
+        slots = tl.arange(0, PAGE_SIZE)
+        k_rows = tl.reshape(phys[:, None] * stride_kb + slots[None, :] * stride_ks, [BLOCK_N])
+        v_rows = tl.reshape(phys[:, None] * stride_vb + slots[None, :] * stride_vs, [BLOCK_N])
+    else:
+        phys = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        slot = offs_n % PAGE_SIZE
+        k_rows = phys * stride_kb + slot * stride_ks
+        v_rows = phys * stride_vb + slot * stride_vs
+    return k_rows, v_rows, mask_n
 
 
 @triton.jit
@@ -138,8 +163,8 @@ def _split_item(
     num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk, stride_qb, stride_qh, stride_kb, stride_ks,
     stride_kh, stride_vb, stride_vs, stride_vh, stride_btb, stride_ob, stride_oh, GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr, GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGES: tl.constexpr, PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, PREFETCH: tl.constexpr,
+    SINGLE: tl.constexpr, FUSED: tl.constexpr, SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One work item: split pid_s (< n_split) of kv head pid_kvh of sequence pid_b, then its partial (or, with one
     split, its output; with FUSED, the merge if it is the item's last split to finish)."""
@@ -174,22 +199,24 @@ def _split_item(
             p, alpha, m_i, l_i = _scores(q, k_desc.load([kv_row, col]), m_i, l_i, qk_scale, mask_p, True, DOT_PRECISION)
             v = tl.where(mask_p[:, None], v_desc.load([kv_row, col]), 0.0)  # unused rows may hold NaN
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    elif PREFETCH:  # tile i + 1's K and V loaded into registers before tile i is computed (no pipeliner)
+        k_rows, v_rows, mask_n = _kv_rows(bt_row, start, end, n_pages, stride_kb, stride_ks, stride_vb, stride_vs,
+                                          BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS)
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+        for start_n in range(start, end, BLOCK_N):
+            # the next tile (all masked off past `end`: no memory read)
+            nk_rows, nv_rows, n_mask = _kv_rows(bt_row, start_n + BLOCK_N, end, n_pages, stride_kb, stride_ks,
+                                                stride_vb, stride_vs, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS)
+            k_next = tl.load(k_head + nk_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            v_next = tl.load(v_head + nv_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+            p, alpha, m_i, l_i = _scores(q, k, m_i, l_i, qk_scale, mask_n, True, DOT_PRECISION)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            k, v, mask_n = k_next, v_next, n_mask
     else:
         for start_n in range(start, end, BLOCK_N):
-            offs_n = start_n + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < end
-            if PAGE_LOADS:
-                pages = start_n // PAGE_SIZE + tl.arange(0, PAGES)
-                phys = tl.load(bt_row + pages, mask=pages < n_pages, other=0).to(tl.int64)
-                slots = tl.arange(0, PAGE_SIZE)
-                k_rows = tl.reshape(phys[:, None] * stride_kb + slots[None, :] * stride_ks, [BLOCK_N])
-                v_rows = tl.reshape(phys[:, None] * stride_vb + slots[None, :] * stride_vs, [BLOCK_N])
-            else:
-                page = offs_n // PAGE_SIZE
-                phys = tl.load(bt_row + page, mask=mask_n, other=0).to(tl.int64)
-                slot = offs_n % PAGE_SIZE
-                k_rows = phys * stride_kb + slot * stride_ks
-                v_rows = phys * stride_vb + slot * stride_vs
+            k_rows, v_rows, mask_n = _kv_rows(bt_row, start_n, end, n_pages, stride_kb, stride_ks, stride_vb,
+                                              stride_vs, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS)
             k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
             p, alpha, m_i, l_i = _scores(q, k, m_i, l_i, qk_scale, mask_n, True, DOT_PRECISION)
             v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
@@ -226,7 +253,7 @@ def _split_kernel(
     max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_btb, stride_ob, stride_oh, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     GP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES: tl.constexpr,
-    PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
+    PAGE_LOADS: tl.constexpr, KV_TMA: tl.constexpr, PREFETCH: tl.constexpr, SINGLE: tl.constexpr, FUSED: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     # Work items in split-major order, item = (split x batch + sequence) x kv heads + kv head. PERSISTENT: taken with a
@@ -250,7 +277,7 @@ def _split_kernel(
                         qk_scale, max_splits, num_kv_heads, pid_s, pid_kvh, pid_b, seq_len, n_split, chunk,
                         stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                         stride_btb, stride_ob, stride_oh,
-                        GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, KV_TMA, SINGLE,
+                        GROUP, BLOCK_G, GP, HEAD_DIM, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS, KV_TMA, PREFETCH, SINGLE,
                         FUSED, SPLIT_CHUNK, DOT_PRECISION)
 
 
@@ -389,9 +416,11 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
             *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0), out.stride(0), out.stride(1))
     consts = dict(GROUP=group, BLOCK_G=block_g, GP=gp, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE_SIZE=page_size,
                   PAGES=max(1, BLOCK_N // page_size), PAGE_LOADS=page_loads, KV_TMA=k_src is not k_cache,
+                  PREFETCH=bool(PREFETCH) and k_src is k_cache,
                   SINGLE=single, FUSED=fused, SPLIT_CHUNK=split_chunk,
                   DOT_PRECISION=dot_precision, PERSISTENT=bool(PERSISTENT))
-    _launch_fitted(_split_kernel, grid, args, consts, NUM_STAGES, num_warps=NUM_WARPS, **limits)
+    stages = 1 if consts["PREFETCH"] else NUM_STAGES        # PREFETCH is its own pipeline
+    _launch_fitted(_split_kernel, grid, args, consts, stages, num_warps=NUM_WARPS, **limits)
     if not single and not fused:
         _combine_kernel[(num_kv_heads, batch)](
             seq_lens, out, po, pm, splits, max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, out.stride(0),

@@ -65,6 +65,7 @@ def compile_split_kernel(mod, batch=32):
     consts = dict(GROUP=4, BLOCK_G=16, GP=4, HEAD_DIM=128, BLOCK_N=block_n, PAGE_SIZE=page,
                   PAGES=max(1, block_n // page), PAGE_LOADS=bool(knob("PAGE_LOADS")) and block_n % page == 0,
                   KV_TMA=bool(knob("KV_TMA")) and block_n % page == 0,
+                  PREFETCH=bool(knob("PREFETCH")) and not (knob("KV_TMA") and block_n % page == 0),
                   SINGLE=knob("MAX_SPLITS", 2) == 1, FUSED=bool(knob("FUSED_COMBINE")) and knob("MAX_SPLITS") != 1,
                   SPLIT_CHUNK=2, CG=True, DOT_PRECISION="tf32", PERSISTENT=bool(knob("PERSISTENT")),
                   BLOCK_B=triton.next_power_of_2(batch), MERGE_CHUNK=knob("MERGE_CHUNK", 8), SEPARATE=bool(knob("MERGE_LAUNCH")),
@@ -75,7 +76,7 @@ def compile_split_kernel(mod, batch=32):
                                   desc if n.endswith("_desc") else "i32") for n in names}
     attrs = [n for n in names if n in POINTERS or (n.startswith("stride_") and n not in consts) or (n == "batch" and batch % 16 == 0)]
     cap = mod.register_cap() if hasattr(mod, "register_cap") else None
-    return _compile(fn, sig, consts, attrs, mod, cap)
+    return _compile(fn, sig, consts, attrs, mod, cap, stages=1 if consts.get("PREFETCH") else None)
 
 
 def compile_prefill_kernel(mod):
@@ -101,14 +102,15 @@ def compile_prefill_kernel(mod):
     return _compile(fn, sig, consts, attrs, mod, options.get("maxnreg"), options.get("num_warps", mod.NUM_WARPS))
 
 
-def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None):
-    """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings, PTX) for sm90."""
+def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None, stages=None):
+    """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings, PTX) for sm90; `stages`:
+    the pipelining depth the module launches with where it is not its NUM_STAGES."""
     names = fn.arg_names
     source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
     src = source(fn, sig, constexprs={(names.index(k),): v for k, v in consts.items()},
                  attrs={(names.index(n),): [["tt.divisibility", 16]] for n in divisible})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": num_warps or mod.NUM_WARPS, "num_stages": mod.NUM_STAGES,
+                            options={"num_warps": num_warps or mod.NUM_WARPS, "num_stages": stages or mod.NUM_STAGES,
                                      **({"maxnreg": cap} if cap else {})})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
