@@ -288,27 +288,58 @@ def test_a_spot_check_moves_none_of_the_candidates_allocations_on_gpu():
     assert runs[0] == runs[1] == runs[2]
 
 
-def test_the_baseline_decodes_peak_memory_per_padded_position_is_within_the_graph_plans_figure():
-    """The graph plan's bound (harness/gpu_memory.py) counts the torch baseline's decode at one layer's K and V
-    and DECODE_INDEX_BYTES per position of batch x width x block; the configured baseline, run at the served
-    preset's heads on a padded batch, must not take more."""
+def _padded_decode_inputs(B: int = 32, W: int = 256):
+    """A padded decode batch at the served preset's heads: B rows of a W-page table, every other row full, the rest
+    one token long (as padded rows are); and the per-position bytes the graph plan counts."""
     p = CFG.served.presets[CFG.served.cuda.preset]
-    decode = TARGETS["attention"].configured(CFG.targets.attention.baselines()).ops["decode"].baseline
-    B, W, bs, dev = 32, 256, CFG.targets.attention.cuda.block_size, torch.device("cuda")
+    bs, dev = CFG.targets.attention.cuda.block_size, torch.device("cuda")
     k_cache = torch.randn(B * W + 1, bs, p.kv_heads, p.head_dim, dtype=torch.bfloat16, device=dev)
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(B, p.q_heads, p.head_dim, dtype=torch.bfloat16, device=dev)
     table = torch.randperm(B * W, device=dev, dtype=torch.int32).view(B, W)
     lens = torch.full((B,), W * bs, dtype=torch.int32, device=dev)
-    lens[1::2] = 1                                  # ragged, as padded rows are
+    lens[1::2] = 1
+    return (q, k_cache, v_cache, table, lens), 2 * p.kv_heads * p.head_dim * 2
+
+
+def _peak_beyond_inputs(fn, *args, **kwargs):
+    """(fn's output, the most memory it allocated beyond what was allocated before it)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    decode(q, k_cache, v_cache, table, lens, 0.088)
+    out = fn(*args, **kwargs)
     torch.cuda.synchronize()
-    per = (torch.cuda.max_memory_allocated() - base) / (B * W * bs)
-    kv = 2 * p.kv_heads * p.head_dim * 2
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def test_the_baseline_decodes_peak_memory_per_padded_position_is_within_the_graph_plans_figure():
+    """The graph plan's bound (harness/gpu_memory.py) counts the torch baseline's decode at one layer's K and V
+    and DECODE_INDEX_BYTES per position of batch x width x block; the configured baseline, run at the served
+    preset's heads on a padded batch, must not take more."""
+    decode = TARGETS["attention"].configured(CFG.targets.attention.baselines()).ops["decode"].baseline
+    args, kv = _padded_decode_inputs()
+    _, peak = _peak_beyond_inputs(decode, *args, 0.088)
+    per = peak / args[3].numel() / CFG.targets.attention.cuda.block_size
     print(f"\nthe baseline decode's peak beyond its inputs: {per:.1f} bytes per padded position "
           f"(K and V {kv}, the plan counts {kv + DECODE_INDEX_BYTES})")
     assert per <= kv + DECODE_INDEX_BYTES
 
+
+def test_an_eager_baseline_decode_over_the_graph_bound_gathers_within_it_and_gives_the_same_output_on_gpu():
+    """A decode step whose key the graph plan left out for memory runs eagerly, and the served ops call the torch
+    baseline on it in chunks of rows within the bound (harness/served/ops.py): its peak stays within the bound's
+    bytes where one call over the padded batch takes four times them, and its output is the one call's (to the bf16
+    spot checks' floor: a chunk's matrix products may take other kernels)."""
+    target = TARGETS["attention"].configured(CFG.targets.attention.baselines())
+    args, kv = _padded_decode_inputs()
+    lens = [int(n) for n in args[4].tolist()]
+    bs = CFG.targets.attention.cuda.block_size
+    bound = args[3].numel() * bs // 4                             # positions: a quarter of the padded batch's
+    whole, whole_peak = _peak_beyond_inputs(AttentionOps(target=target, dtype="bfloat16").decode, *args, 0.088, lens)
+    part, part_peak = _peak_beyond_inputs(AttentionOps(target=target, dtype="bfloat16", gather_bound=bound).decode,
+                                          *args, 0.088, lens)
+    limit = bound * (kv + DECODE_INDEX_BYTES) + 2 * args[0].numel() * args[0].element_size()   # and the output
+    print(f"\npeak beyond the inputs: one call {whole_peak / 2**20:.0f} MiB, in chunks {part_peak / 2**20:.0f} MiB "
+          f"(the bound's {limit / 2**20:.0f} MiB); max |difference| {(whole - part).abs().max().item():.3g}")
+    assert part_peak <= limit < whole_peak
+    torch.testing.assert_close(part, whole, atol=0.016, rtol=0)   # the bf16 spot checks' max abs floor
