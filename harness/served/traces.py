@@ -164,6 +164,7 @@ def fresh_ids(requests: list[TraceRequest], vocab: int, rng: random.Random) -> l
     ids = range(vocab)
     return [TraceRequest(r.index, r.arrival_s, rng.choices(ids, k=len(r.prompt)), r.output_len) for r in requests]
 
+
 def generate(seed: int, duration_s: float, rate: float, prompt_median: float, prompt_sigma: float,
              output_median: float, output_sigma: float, max_prompt: int, max_output: int) -> list[TraceLine]:
     """Poisson arrivals at `rate` per second for `duration_s`; lognormal prompt and output lengths

@@ -205,7 +205,7 @@ def _split_item(
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0)
         for start_n in range(start, end, BLOCK_N):
-            # the next tile (all masked off past `end`: no memory read)
+            # the next tile's K and V, masked off past `end` (past the last tile, all of them)
             nk_rows, nv_rows, n_mask = _kv_rows(bt_row, start_n + BLOCK_N, end, n_pages, stride_kb, stride_ks,
                                                 stride_vb, stride_vs, BLOCK_N, PAGE_SIZE, PAGES, PAGE_LOADS)
             k_next = tl.load(k_head + nk_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
