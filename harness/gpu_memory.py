@@ -125,15 +125,20 @@ def release(device: torch.device) -> int:
 
 def servers_shortfall(free: int, total: int, servers: int, fraction: float, overhead: int) -> str:
     """Why `servers` servers, each capped at `fraction` of a GPU of `total` bytes and needing `overhead` beside
-    it, do not fit in `free` bytes, in words ("" when they fit)."""
+    it, do not fit in `free` bytes, in words ("" when they fit), with the largest fraction that would fit now.
+    What holds the rest is mostly kevo's own: each slot process of the GPU keeps its CUDA context and libraries'
+    memory while its job is parked (an 80 GB H100 with four slots had 5.7 GiB held, docs/BENCHMARKS.md 2026-12-05)."""
     need = servers * (int(fraction * total) + overhead)
     if free >= need:
         return ""
     gib = 1 << 30
+    fits = math.floor((free / servers - overhead) / total * 100) / 100
+    remedy = (f"lower served.gpu_memory_fraction to {fits:.2f} or run fewer executor.slots_per_gpu" if fits > 0
+              else "free the GPU first")
     return (f"the replay's {servers} servers need {need / gib:.1f} GiB of GPU memory ({servers} x "
             f"served.gpu_memory_fraction {fraction:g} of {total / gib:.1f} GiB, plus served.gpu_overhead_bytes "
-            f"{overhead / gib:.2f} GiB each) and {free / gib:.1f} GiB is free: other processes hold the rest "
-            f"(the other slots of this GPU hand theirs back first: a process that is not kevo's?)")
+            f"{overhead / gib:.2f} GiB each) and {free / gib:.1f} GiB is free ({(total - free) / gib:.1f} GiB held: "
+            f"this GPU's slot processes, parked, keep their CUDA contexts; another program's?): {remedy}")
 
 
 # The torch baseline's decode (harness/targets/attention_baselines.py `decode_clamped`) per padded position,

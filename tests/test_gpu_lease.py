@@ -458,4 +458,5 @@ def test_on_a_gpu_a_replay_parks_the_other_slots_job_and_its_three_servers_fit_b
     assert done_o.verdict.ok and ex.parked == {"o1": 1}, (done_o.verdict.reason, ex.parked)
     assert all(s.start >= done_w.spans[-1].end for s in done_o.spans)
     print(f"\nreplay {replay.seconds:.1f} s: {replay.reason[:300]}; evaluator held "
-          f"{replay.metrics.get('evaluator_gpu_held_gib', float('nan')):.2f} GiB; o1 parked once and judged after it")
+          f"{replay.metrics.get('evaluator_gpu_held_gib', float('nan')):.2f} GiB, "
+          f"{replay.metrics.get('gpu_free_gib', float('nan')):.1f} GiB free; o1 parked once and judged after it")

@@ -2,6 +2,8 @@
 one line naming the key, and a preset must fit the attention target it is served through."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import ROOT, config_with
@@ -56,6 +58,19 @@ def test_the_replays_servers_start_only_when_each_ones_share_and_overhead_are_fr
     exactly = 3 * (35 * gib + gib)          # a quarter of 140 GiB each, and 1 GiB beside it
     assert servers_shortfall(free=exactly, total=140 * gib, servers=3, fraction=0.25, overhead=gib) == ""
     assert servers_shortfall(free=exactly - 1, total=140 * gib, servers=3, fraction=0.25, overhead=gib)
+
+
+@pytest.mark.parametrize("free_gib", [73.5, 70.0, 40.25])
+def test_a_replay_that_does_not_fit_names_the_largest_share_that_would(free_gib):
+    """Four slots on an 80 GB H100 left 73.5 GiB free for three servers needing 74.9 (2026-12-05): the refusal says
+    how far to lower served.gpu_memory_fraction, to two decimals, and that share fits where one 0.01 larger does not."""
+    gib, total = 1 << 30, int(79.2 * (1 << 30))
+    free = int(free_gib * gib)
+    why = servers_shortfall(free=free, total=total, servers=3, fraction=0.29, overhead=2 * gib)
+    fits = float(re.search(r"lower served.gpu_memory_fraction to (\d\.\d\d) or run fewer executor.slots_per_gpu$", why)[1])
+    assert servers_shortfall(free=free, total=total, servers=3, fraction=fits, overhead=2 * gib) == ""
+    assert servers_shortfall(free=free, total=total, servers=3, fraction=fits + 0.01, overhead=2 * gib)
+    assert "\n" not in why
 
 
 @pytest.mark.parametrize("reference", [True, False], ids=["reference", "arm"])

@@ -87,9 +87,10 @@ class Servers:
         kernel does not define that op (harness/served/ops.py): both arms serve the step the run would ship."""
         self.cfg, self.device, self.weight_seed, self.other_heads = cfg, device, weight_seed, other_heads or {}
         self.held = 0                    # the bytes this process's allocator still held when they started
+        self.free = 0                    # the bytes free on the GPU then
         if device == "cuda" and not cfg.served.external:     # each server's share free before any starts
             self.held = release(torch.device("cuda"))       # this process's own working reserve too
-            free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
+            free = self.free = check_servers_fit(cfg, torch.device("cuda"), len(sources))
             total = torch.cuda.mem_get_info(torch.device("cuda"))[1]
             for label in sources:
                 reference = label == "reference"

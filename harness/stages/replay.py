@@ -382,7 +382,8 @@ def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
     with Servers(cfg, device, {"reference": None, "head": head, "candidate": source}, secrets.randbits(31),
                  wait=False, other_heads=other_heads) as servers:
         outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
-    outcome.metrics.update(stage_s=time.monotonic() - t0, evaluator_gpu_held_gib=servers.held / (1 << 30))
+    outcome.metrics.update(stage_s=time.monotonic() - t0, evaluator_gpu_held_gib=servers.held / (1 << 30),
+                           gpu_free_gib=servers.free / (1 << 30))
     return outcome
 
 
