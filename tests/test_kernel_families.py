@@ -3,7 +3,8 @@ like code: each file imported by path with knob lines rewritten, run at tiny sha
 interpreter in float32 on a machine without CUDA) and compared with the float64 references of
 tests/test_reference_kernels_standalone.py, at the lengths that break kernels: 1, a page or tile
 either side, mixed lengths in one batch, NaN in every unused cache slot, shuffled and over-wide block
-tables, peaky queries. Speed is measured on the H200 by tests/bench/vs_library.py, not here."""
+tables, peaky queries. Speed is measured on the H200 by tests/bench/vs_library.py, not here. The Gluon prefill,
+which the interpreter cannot run, is tested in tests/test_gluon_prefill.py."""
 import os
 
 import torch
@@ -16,13 +17,12 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 
 from test_reference_kernels_standalone import (  # noqa: E402
-    TOL, _load, decode_reference, make_decode_inputs, prefill_reference, run_decode, run_prefill,
+    TOL, _load, decode_reference, make_decode_inputs, run_decode, run_prefill,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DECODE = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 PREFILL = ROOT / "knowledge" / "attention" / "prefill_causal_tma.py"
-GLUON_PREFILL = ROOT / "knowledge" / "attention" / "prefill_gluon_sm90.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -68,90 +68,6 @@ def test_the_tma_prefill_compiles_for_sm90_two_programs_an_sm_and_its_warp_speci
     assert ws.kill == "compile"
     with pytest.raises(AssertionError, match="TaskIdPropagation|PassManager"):
         sm90_figures(f"{PREFILL}:WARP_SPECIALIZE=True")
-
-
-def _waits(line: str) -> dict[int, int]:
-    """sm90_compile.py's count of wgmma waits by how many products each leaves in flight."""
-    import ast
-    text = line.split("waits by pendings ")[1]
-    return {} if text == "none" else ast.literal_eval(text)
-
-
-def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_the_next_tiles_softmax():
-    """What the Gluon prefill family is for (knowledge/attention/prefill_gluon_sm90.py): with one warpgroup a program,
-    each step of its two tile loops waits for the new tile's scores with one product (the tile before's P V) left in
-    flight, which plain Triton's TMA family never does (its every wait leaves none), and it still fits two programs
-    an SM. At the family's defaults (a loader warp, PRODUCER_WARP) each of its two consumer warpgroups waits so,
-    and at its register split (the loader's 24, each consumer's CONSUMER_REGS) nothing spills."""
-    tma, gluon, ws = sm90_lines([str(PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=False,Q_REGS=False", str(GLUON_PREFILL)])
-    assert set(_waits(tma)) == {0}, tma
-    assert _waits(gluon).get(1) == 2 and int(gluon.split("at most ")[1].split()[0]) >= 2, gluon
-    assert _waits(ws).get(1, 0) >= 4 and " 0 B stack" in ws, ws
-
-
-ONE_WARPGROUP = {"PRODUCER_WARP": False, "Q_REGS": False}
-ONE_ITEM = {"PERSISTENT": False}
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-@pytest.mark.parametrize("knobs, d", [
-    ({}, 128),
-    (ONE_WARPGROUP, 128), ({**ONE_WARPGROUP, "BLOCK_M": 128, "NUM_WARPS": 8, "NUM_STAGES": 2}, 128),
-    ({**ONE_WARPGROUP, "BLOCK_N": 128, "NUM_STAGES": 2}, 64), ({"PRODUCER_WARP": False}, 128),
-    ({**ONE_ITEM, "Q_REGS": False}, 128), ({**ONE_ITEM, "Q_REGS": False, "BLOCK_N": 128, "NUM_STAGES": 2}, 128),
-    (ONE_ITEM, 64), ({**ONE_ITEM, "Q_REGS": False, "PINGPONG": True}, 128),
-    ({"Q_REGS": False, "PINGPONG": True}, 64), ({"SEQUENCE_MAJOR": True}, 128),
-    ({"DYNAMIC": True}, 128), ({"DYNAMIC": True, "SEQUENCE_MAJOR": True, "PINGPONG": True, "Q_REGS": False}, 64),
-    ({"RESCALE_THRESHOLD": 8.0}, 128), ({"RESCALE_THRESHOLD": 0.5, **ONE_WARPGROUP}, 64),
-], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
-        "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
-        "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
-        "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64"])
-def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
-    """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
-    batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
-    bf16 floors doubled of the float64 reference."""
-    mod = _load(GLUON_PREFILL, knobs, knob_dir)
-    lens, hq, hkv = [1, 17, 63, 64, 65, 130, 700, 2049], 32, 8
-    g = torch.Generator().manual_seed(71)
-    q, k, v = (torch.randn(sum(lens), h, d, generator=g) for h in (hq, hkv, hkv))
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    scale = 1.0 / d ** 0.5
-    dev = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
-    poison = torch.full_like(dev[0], float("nan"))          # what the output's allocation gets next
-    del poison
-    out = mod.prefill(*dev, cu.cuda(), max(lens), scale).double().cpu()
-    ref = prefill_reference(*(x.cpu() for x in dev), cu, scale)     # float64 on the inputs the kernel got
-    assert torch.isfinite(out).all(), "an output row unwritten or not finite"
-    assert (out - ref).abs().max() < 3.2e-2 and (out - ref).norm() / ref.norm() < 1.2e-2
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}], ids=["persistent", "dynamic"])
-def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_across_specializations_on_gpu(
-        knob_dir, knobs):
-    """DIRECT_LAUNCH reuses a compiled kernel for a call whose arguments Triton would specialize alike. Calls whose
-    int arguments move between Triton's classes (1, multiples of 16, others: the query tiles, the batch, the work
-    items) and whose cu_seqlens is or is not 16-byte aligned, each made twice (the second launched as compiled),
-    give bit for bit the outputs of the same file launched through the JIT every time."""
-    jit = _load(GLUON_PREFILL, knobs, knob_dir)
-    direct = _load(GLUON_PREFILL, {**knobs, "DIRECT_LAUNCH": True}, knob_dir)
-    g = torch.Generator(device="cuda").manual_seed(5)
-    cases = [[100], [90], [1], [2048], [2000], [1900, 17], [128, 128], [3000, 5, 700], [16 * 128], [40] * 16,
-             [700, 1]]
-    for n, lens in enumerate(cases):
-        total, hq, hkv, d = sum(lens), 32, 8, 128
-        bounds = [0, *torch.tensor(lens).cumsum(0).tolist()]
-        cu = torch.tensor([7, *bounds], dtype=torch.int32, device="cuda")[1:] if n % 2 else \
-            torch.tensor(bounds, dtype=torch.int32, device="cuda")
-        for _ in range(2):
-            q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            want = jit.prefill(q, k, v, cu, max(lens), 0.088)
-            got = direct.prefill(q, k, v, cu, max(lens), 0.088)
-            assert torch.equal(got, want), f"lengths {lens}, cu_seqlens aligned: {cu.data_ptr() % 16 == 0}"
-    assert len(direct._compiled) >= 4, "the calls met one specialization only: nothing tested the key"
 
 
 def sm90_figures(spec: str, batch: int = 32) -> str:
@@ -355,30 +271,3 @@ def test_prefill_default_knobs_handle_length_one_and_long_sequences():
 )
 def test_prefill_knob_variants_stay_correct_for_peaky_queries(knob_dir, knobs):
     run_prefill(_load(PREFILL, knobs, knob_dir), [33, 2, 64, 1], 4, 2, 32, q_scale=20.0, seed=53)
-
-
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}],
-                         ids=["persistent", "dynamic", "one-warpgroup"])
-def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
-    """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
-    two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a
-    kernel compiled for one query tile (an int of 1) or an aligned cu_seqlens would run another call. Lengths and
-    cu_seqlens offsets cross Triton's classes; the positional launch must also follow the kernel's signature."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-    mod = _load(GLUON_PREFILL, {**knobs, "DIRECT_LAUNCH": True}, knob_dir)
-    kern = mod.kernel()
-    binder = create_function_from_signature(kern.signature, kern.params, make_backend(GPUTarget("cuda", 90, 32)))
-    seen = {}
-    for lens in ([100], [90], [1], [128], [129], [2048], [2000, 48], [16 * 128], [40] * 16, [3000, 5, 700], [1] * 17):
-        for offset in (0, 1, 4):
-            total, hq, hkv, d = sum(lens), 32, 8, 128
-            q, k, v = (torch.empty(total, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            cu = torch.tensor([0] * offset + [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)[offset:]
-            grid, args, consts = mod.launch_args(q, k, v, cu, max(lens), 0.088, torch.empty_like(q), 132)
-            assert list(kern.arg_names) == [*kern.arg_names[:len(args)], *consts, "num_warps"]
-            _, spec, _ = binder(*args, **consts, **mod.launch_options())
-            key = mod._specialization(q.device, args, consts)
-            assert seen.setdefault(key, spec) == spec, f"lengths {lens}, cu_seqlens offset {offset}: {key}"
-    assert len(seen) >= 6, "the calls met few specializations: nothing tested the key"

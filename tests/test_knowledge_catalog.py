@@ -35,7 +35,7 @@ def test_a_role_reads_only_the_entries_for_its_ops_and_the_gpu_in_use():
 @pytest.mark.parametrize("entry", KERNELS, ids=[e.id for e in KERNELS])
 def test_each_catalog_kernel_passes_the_evaluator_up_to_parity(entry, evaluate_source):
     if entry.arch not in ("any", HERE):
-        pytest.skip(f"{entry.id} runs on {entry.arch} only (tests/test_kernel_families.py compiles it for that GPU)")
+        pytest.skip(f"{entry.id} runs on {entry.arch} only (tests/test_gluon_prefill.py compiles it for that GPU)")
     verdict = evaluate_source((KNOWLEDGE / entry.files[0]).read_text(), until="parity")
     assert verdict.ok, verdict.reason
     assert [s.name for s in verdict.stages] == ["compile", "dispatch", "parity"]

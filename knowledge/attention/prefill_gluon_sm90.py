@@ -3,8 +3,8 @@ two-stage order within each.
 
 A kernel family for sm90 only (catalog arch sm90): Gluon is Triton's explicit dialect, on the compile stage's
 allowlist, and it does not run in Triton's CPU interpreter. On the CPU it is compiled for sm90
-(tests/bench/sm90_compile.py), never run. On a GPU its test is `pytest -m cuda tests/test_kernel_families.py
--k gluon`, and its bench row is tests/bench/vs_library.py with this file as a SPEC (docs/BENCHMARKS.md). On an
+(tests/bench/sm90_compile.py), never run. On a GPU its test is `pytest -m cuda tests/test_gluon_prefill.py`,
+and its bench row is tests/bench/vs_library.py with this file as a SPEC (docs/BENCHMARKS.md). On an
 H100 it passed every stage of the evaluator against the tiled head: accepted at +3.3% served (docs/BENCHMARKS.md).
 
 Why Gluon
@@ -51,14 +51,16 @@ Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
     rescaling: O and l keep their scale until some row's max grows by more than 2^threshold, one decision a
-    warpgroup; compiled for sm90, not yet run on a GPU); DIRECT_LAUNCH on the host.
+    warpgroup), PACKED_CVT (below); DIRECT_LAUNCH on the host.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): one warpgroup a program, 160
     registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34
     ex2, `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP (the defaults): launched at
     168 registers a thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives
     each consumer warpgroup 240 and the loader 24; 128-192 KB shared (3-5 stages), one program an SM, nothing
-    spilled.
+    spilled. In SASS a consumer's step is 309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte
+    permutes (PRMT) swapping the halves of P's registers; with PACKED_CVT 297 and 377, and no PRMT in the kernel
+    (tests/bench/sm90_compile.py counts them); registers and shared memory unchanged. Not yet run on a GPU.
 
 Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 4k, eager, each call on a new
     query): on the H200, PRODUCER_WARP, Q_REGS, PERSISTENT 0.95 / 0.99 / 0.90 (NUM_STAGES 4 or PINGPONG within
@@ -107,10 +109,12 @@ PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, load
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
+PACKED_CVT = False  # P to bf16 two values an instruction (cvt.rn.bf16x2.f32), packed as the P V wgmma reads them
 DIRECT_LAUNCH = False  # host: a specialization met before is launched as compiled, without the JIT's argument binding
 
 _LOG2E = 1.4426950408889634
 _RESCALE_THRESHOLD = gl.constexpr(RESCALE_THRESHOLD)
+_PACKED_CVT = gl.constexpr(PACKED_CVT)
 
 
 @gluon.jit
@@ -124,6 +128,19 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, ready, slot, tile, n_tiles, row0, c
     mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(k_desc, [row0 + tile * BLOCK_N, col], bar, k_smem.index(s), pred=pred)
     tma.async_copy_global_to_shared(v_desc, [row0 + tile * BLOCK_N, col], bar, v_smem.index(s), pred=pred)
+
+
+@gluon.jit
+def _p_bf16(p):
+    """P in bf16, rounded to nearest even either way. PACKED_CVT: one cvt.rn.bf16x2.f32 a pair of neighbouring
+    values (the low half the first, as Triton packs them), so the loop carries P in the 32-bit registers the P V wgmma
+    reads; `.to` leaves Triton 3.6 converting one value at a time, and ptxas then swaps the halves of each register
+    (16 byte permutes a step, sm90 SASS)."""
+    if _PACKED_CVT:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return p.to(gl.bfloat16)
 
 
 @gluon.jit
@@ -145,7 +162,7 @@ def _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES: gl.constexpr, BLO
     s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
     m_i = gl.max(s, 1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
-    return gl.convert_layout(p.to(gl.bfloat16), p_layout), m_i, gl.sum(p, 1)
+    return gl.convert_layout(_p_bf16(p), p_layout), m_i, gl.sum(p, 1)
 
 
 @gluon.jit
@@ -212,7 +229,7 @@ def _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, 
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     else:
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    p_prev = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+    p_prev = gl.convert_layout(_p_bf16(p), p_layout)
     if RELEASE:
         mbarrier.arrive(empty.index((slot0 + tile - 1) % STAGES), count=1)
     else:
@@ -578,7 +595,7 @@ _compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the kernel compiled fo
 def _specialization(device, args, consts):
     """What selects the compiled kernel, as Triton 3.6 specializes a call: the device, the constexprs, and each
     argument's class: an int's (1, a multiple of 16, other; 32 or 64 bits), a tensor's dtype and 16-byte alignment,
-    a descriptor's dtype and block (its layout follows from HEAD_DIM). tests/test_kernel_families.py holds Triton's
+    a descriptor's dtype and block (its layout follows from HEAD_DIM). tests/test_gluon_prefill.py holds Triton's
     own binder to it: calls with one key get one specialization."""
     def cls(a):
         if isinstance(a, TensorDescriptor):

@@ -1,8 +1,9 @@
 """Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
 reference decode_paged_splitkv.py), the TMA prefill family's (prefill_causal_tma.py) or the Gluon prefill's
 (knowledge/attention/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
-registers, stack (spills) and shared memory per program, and its warpgroup MMAs (wgmma): how many the kernel
-issues and how its waits leave them in flight.
+registers, stack (spills) and shared memory per program, its warpgroup MMAs (wgmma): how many the kernel
+issues and how its waits leave them in flight, and its SASS (Triton's bundled nvdisasm): how many instructions,
+and how many of them byte permutes (PRMT, the Gluon prefill's P repacked: its knob PACKED_CVT).
 
     python tests/bench/sm90_compile.py [--batch B] [SPEC ...]      SPEC as in vs_library.py: path[:KNOB=VALUE,...]
     python tests/bench/sm90_compile.py --same-code-as OLD.py SPEC   whether a change kept the PTX a figure was
@@ -45,6 +46,7 @@ from harness.replies import KernelUse  # noqa: E402
 from harness.stages.microbench import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 WAIT = re.compile(r"warp_group_dot_wait .*\{pendings = (\d+) : i32\}")
+SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")   # an instruction's opcode
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
             "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32"}
 # strides of 1 on the bench's contiguous tensors, which a launch specialises as the constant 1 (the reference's)
@@ -117,11 +119,15 @@ def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None, stages=None):
         f.flush()
         usage = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", f.name], capture_output=True,
                                text=True, check=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP.parent / "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                              check=True).stdout
     fields = dict(tok.split(":", 1) for line in usage.splitlines() if "REG:" in line for tok in line.split())
     ttgir = kernel.asm["ttgir"]
     waits = collections.Counter(int(m.group(1)) for m in WAIT.finditer(ttgir))
     issued = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
-    return int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits, kernel.asm["ptx"]
+    ops = collections.Counter(m.group(1) for m in SASS_OP.finditer(sass))
+    return (int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits, kernel.asm["ptx"],
+            sum(ops.values()), ops["PRMT"])
 
 
 def code_lines(ptx: str) -> list[str]:
@@ -156,13 +162,13 @@ def main(argv=None):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
         label, mod, compiled = _build(spec, tmp, batch)
-        regs, stack, shared, issued, waits, ptx = compiled
+        regs, stack, shared, issued, waits, ptx, sass, permutes = compiled
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
                                            warps=getattr(mod, "launch_warps", lambda: mod.NUM_WARPS)()))
         # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM; wgmma {issued} in the code, waits by pendings "
-              f"{dict(sorted(waits.items())) or 'none'}")
+              f"{dict(sorted(waits.items())) or 'none'}; SASS {sass} instructions, {permutes} byte permutes (PRMT)")
         if args.same_code_as:
             other = _build(args.same_code_as + spec[len(spec.partition(":")[0]):], tmp, batch)[2][5]
             mine, theirs = code_lines(ptx), code_lines(other)
