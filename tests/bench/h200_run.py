@@ -1,6 +1,6 @@
 """Benchmark (not a test): one whole `kevo-agent run` left alone, then its account — issues 4 and 5's H200 runs.
 
-    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2] [--archive PATH]
+    python tests/bench/h200_run.py --run-id h200-offline [--minutes 20] [--profile PATH] [--slots 2] [--share 0.29] [--archive PATH]
     python tests/bench/h200_run.py --run-id h200-faults --faults [--window 20] [--outage 2:150] [--kill-at 240]
     python tests/bench/h200_run.py --run-id h200-heads --heads [--minutes 10] [--window 20]
     python tests/bench/h200_run.py --run-id h200-llm30 --llm-s 30 [--minutes 20] [--slots 2]
@@ -214,10 +214,13 @@ class Sampler:
 
 
 def write_config(run_id: str, profile: str | None, url: str | None, minutes: float, window: float | None,
-                 ops: list[str] | None = None, slots: int | None = None, faults: bool = False) -> Path:
+                 ops: list[str] | None = None, slots: int | None = None, faults: bool = False,
+                 share: float | None = None) -> Path:
     cfg = yaml.safe_load((ROOT / "config.yaml").read_text())
     if slots:
         cfg["executor"]["slots_per_gpu"] = slots
+    if share:
+        cfg["served"]["gpu_memory_fraction"] = share
     if ops:
         cfg["agent"]["ops"] = ops
     if profile:
@@ -380,6 +383,8 @@ def main() -> None:
     ap.add_argument("--heads", action="store_true", help="a decode-only scripted run, no faults (see above)")
     ap.add_argument("--window", type=float, default=None, help="served.cuda.window_s (default: config's)")
     ap.add_argument("--slots", type=int, default=None, help="executor.slots_per_gpu (default: config's)")
+    ap.add_argument("--share", type=float, default=None,
+                    help="served.gpu_memory_fraction (default: config's; four slots on an 80 GB card need 0.28)")
     ap.add_argument("--outage", default="2:150", help="K:S, down for S seconds once K claims are answered (--faults)")
     ap.add_argument("--kill-at", type=float, default=240.0,
                     help="SIGKILL the run this long after the first claim, then resume it (--faults; 0: never)")
@@ -409,7 +414,7 @@ def main() -> None:
     if args.heads or args.llm_s is not None:
         args.kill_at = 0
     config = write_config(args.run_id, args.profile, service.fake.openai_url if service else None, args.minutes,
-                          args.window, ["decode"] if args.heads else None, args.slots,
+                          args.window, ["decode"] if args.heads else None, args.slots, share=args.share,
                           faults=service is not None and not args.heads and args.llm_s is None)
     provider = ["--provider", "openai"] if service else ["--provider", "offline"]
     root = ROOT / "runs" / args.run_id
