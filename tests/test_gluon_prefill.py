@@ -46,13 +46,25 @@ def test_the_gluon_prefills_packed_conversion_of_p_leaves_no_byte_permute_and_no
     """PACKED_CVT converts P to bf16 a pair of values an instruction, packed as the P V wgmma reads them. Compiled
     for sm90 at the defaults and with one warpgroup a program: no byte permute (PRMT) is left in the SASS, the
     kernel has fewer instructions than without the knob, and its registers, spills and shared memory are the same."""
-    plain, packed, plain1, packed1 = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:PACKED_CVT=True",
-                                                 f"{GLUON_PREFILL}:PRODUCER_WARP=False",
-                                                 f"{GLUON_PREFILL}:PRODUCER_WARP=False,PACKED_CVT=True"])
+    plain, packed, plain1, packed1 = sm90_lines([f"{GLUON_PREFILL}:{knobs}" for knobs in (
+        "PACKED_CVT=False", "PACKED_CVT=True", "PRODUCER_WARP=False,PACKED_CVT=False",
+        "PRODUCER_WARP=False,PACKED_CVT=True")])
     for before, after in ((plain, packed), (plain1, packed1)):
         sass = [int(line.split("SASS ")[1].split()[0]) for line in (before, after)]
         assert " 0 byte permutes" in after and sass[1] < sass[0], (before, after)
         assert before.split(" -> ")[0].split()[1:] == after.split(" -> ")[0].split()[1:], (before, after)
+
+
+def test_the_gluon_prefills_item_overlap_keeps_an_items_last_pv_in_flight_beside_the_next_items_first_qk():
+    """OVERLAP_ITEMS issues a work item's last P V and the next item's first Q K^T together and waits for the first
+    alone (O is stored while the second runs): compiled for sm90, each consumer warpgroup has one more wait that
+    leaves a product in flight than at the defaults, and nothing spills; at NUM_STAGES 2, where the next item's
+    first tile could wait on a stage this item has not released, the knob falls back to the defaults' code."""
+    plain, overlap, plain2, overlap2 = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:OVERLAP_ITEMS=True",
+                                                   f"{GLUON_PREFILL}:NUM_STAGES=2",
+                                                   f"{GLUON_PREFILL}:NUM_STAGES=2,OVERLAP_ITEMS=True"])
+    assert _waits(overlap).get(1, 0) == _waits(plain).get(1, 0) + 2 and " 0 B stack" in overlap, (plain, overlap)
+    assert plain2.split(" -> ")[1] == overlap2.split(" -> ")[1], (plain2, overlap2)
 
 
 ONE_WARPGROUP = {"PRODUCER_WARP": False, "Q_REGS": False}
@@ -70,12 +82,13 @@ ONE_ITEM = {"PERSISTENT": False}
     ({"Q_REGS": False, "PINGPONG": True}, 64), ({"SEQUENCE_MAJOR": True}, 128),
     ({"DYNAMIC": True}, 128), ({"DYNAMIC": True, "SEQUENCE_MAJOR": True, "PINGPONG": True, "Q_REGS": False}, 64),
     ({"RESCALE_THRESHOLD": 8.0}, 128), ({"RESCALE_THRESHOLD": 0.5, **ONE_WARPGROUP}, 64),
-    ({"PACKED_CVT": True}, 128), ({"PACKED_CVT": True, **ONE_WARPGROUP}, 64),
+    ({"PACKED_CVT": False}, 128), ({"PACKED_CVT": False, **ONE_WARPGROUP}, 64),
+    ({"OVERLAP_ITEMS": True}, 128), ({"OVERLAP_ITEMS": True, "Q_REGS": False, "PINGPONG": True, "NUM_STAGES": 4}, 64),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
         "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64",
-        "packed-cvt-d128", "one-warpgroup-packed-cvt-d64"])
+        "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
@@ -124,43 +137,22 @@ def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_ac
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-@pytest.mark.parametrize("knobs, d", [({}, 128), (ONE_WARPGROUP, 64)], ids=["defaults-d128", "one-warpgroup-d64"])
-def test_the_gluon_prefills_packed_conversion_gives_the_plain_conversions_outputs_bit_for_bit_on_gpu(knob_dir, knobs, d):
-    """PACKED_CVT rounds P to bf16 as `.to` does (to nearest even) and packs each pair in the order the P V wgmma
-    reads it, so its outputs are the plain conversion's exactly: a swapped pair would pair each P with the wrong key's
-    V."""
-    plain = _load(GLUON_PREFILL, knobs, knob_dir)
-    packed = _load(GLUON_PREFILL, {**knobs, "PACKED_CVT": True}, knob_dir)
+@pytest.mark.parametrize("knobs, knob, d", [
+    ({}, "PACKED_CVT", 128), (ONE_WARPGROUP, "PACKED_CVT", 64), ({}, "OVERLAP_ITEMS", 128),
+    ({"Q_REGS": False, "SEQUENCE_MAJOR": True}, "OVERLAP_ITEMS", 64),
+], ids=["packed-cvt-d128", "packed-cvt-one-warpgroup-d64", "overlap-items-d128", "overlap-items-q-shared-d64"])
+def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on_gpu(knob_dir, knobs, knob, d):
+    """Knobs that change how the same arithmetic is issued, not the arithmetic, give the outputs without them exactly.
+    PACKED_CVT rounds P to bf16 as `.to` does (to nearest even) and packs each pair in the order the P V wgmma reads
+    it: a swapped pair would pair each P with the wrong key's V. OVERLAP_ITEMS finishes an item's last P V and
+    stores its O while the next item's first Q K^T runs: a stage released early, an O stored before its last product
+    or to the next item's rows would show. Batches of many items a program (an SM walks 132 programs' worth), with
+    items past a short sequence's end skipped between held ones."""
+    plain = _load(GLUON_PREFILL, {**knobs, knob: False}, knob_dir)
+    changed = _load(GLUON_PREFILL, {**knobs, knob: True}, knob_dir)
     g = torch.Generator(device="cuda").manual_seed(11)
-    for lens in ([1, 17, 64, 65, 700], [2049], [128] * 8):
+    for lens in ([1, 17, 64, 65, 700], [2049], [128] * 8, [3000, 5, 700, 1, 260], [40] * 48):
         q, k, v = (torch.randn(sum(lens), h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (32, 8, 8))
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         want = plain.prefill(q, k, v, cu, max(lens), d ** -0.5)
-        assert torch.equal(packed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"
-
-
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}],
-                         ids=["persistent", "dynamic", "one-warpgroup"])
-def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
-    """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
-    two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a
-    kernel compiled for one query tile (an int of 1) or an aligned cu_seqlens would run another call. Lengths and
-    cu_seqlens offsets cross Triton's classes; the positional launch must also follow the kernel's signature."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-    mod = _load(GLUON_PREFILL, {**knobs, "DIRECT_LAUNCH": True}, knob_dir)
-    kern = mod.kernel()
-    binder = create_function_from_signature(kern.signature, kern.params, make_backend(GPUTarget("cuda", 90, 32)))
-    seen = {}
-    for lens in ([100], [90], [1], [128], [129], [2048], [2000, 48], [16 * 128], [40] * 16, [3000, 5, 700], [1] * 17):
-        for offset in (0, 1, 4):
-            total, hq, hkv, d = sum(lens), 32, 8, 128
-            q, k, v = (torch.empty(total, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-            cu = torch.tensor([0] * offset + [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)[offset:]
-            grid, args, consts = mod.launch_args(q, k, v, cu, max(lens), 0.088, torch.empty_like(q), 132)
-            assert list(kern.arg_names) == [*kern.arg_names[:len(args)], *consts, "num_warps"]
-            _, spec, _ = binder(*args, **consts, **mod.launch_options())
-            key = mod._specialization(q.device, args, consts)
-            assert seen.setdefault(key, spec) == spec, f"lengths {lens}, cu_seqlens offset {offset}: {key}"
-    assert len(seen) >= 6, "the calls met few specializations: nothing tested the key"
+        assert torch.equal(changed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"

@@ -51,7 +51,8 @@ Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
     rescaling: O and l keep their scale until some row's max grows by more than 2^threshold, one decision a
-    warpgroup), PACKED_CVT (below); DIRECT_LAUNCH on the host.
+    warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer issues an item's last P V with the next
+    item's first Q K^T and stores O while that product runs; needs 3+ stages); DIRECT_LAUNCH on the host.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): one warpgroup a program, 160
     registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34
@@ -59,8 +60,10 @@ Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): on
     168 registers a thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives
     each consumer warpgroup 240 and the loader 24; 128-192 KB shared (3-5 stages), one program an SM, nothing
     spilled. In SASS a consumer's step is 309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte
-    permutes (PRMT) swapping the halves of P's registers; with PACKED_CVT 297 and 377, and no PRMT in the kernel
-    (tests/bench/sm90_compile.py counts them); registers and shared memory unchanged. Not yet run on a GPU.
+    permutes (PRMT) swapping the halves of P's registers; with PACKED_CVT (the defaults since 2026-12-05) 297 and
+    377, and no PRMT in the kernel (tests/bench/sm90_compile.py counts them); registers and shared memory unchanged.
+    O is normalised by one reciprocal a row and a product a value: a division a value cost ptxas four instructions
+    (3,824 -> 3,456 in the kernel).
 
 Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 4k, eager, each call on a new
     query): on the H200, PRODUCER_WARP, Q_REGS, PERSISTENT 0.95 / 0.99 / 0.90 (NUM_STAGES 4 or PINGPONG within
@@ -68,6 +71,11 @@ Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 
     SEQUENCE_MAJOR 0.94 / 1.02 / 0.88; FlashAttention-3's tile (BLOCK_N 128, 2 stages, Q from shared memory)
     0.76 / 0.86 / 0.74. Under ncu at 8 x 4k it runs 9% more instructions than cuDNN's kernel (same grid: 132
     programs of three warpgroups) at the same rate, and reads 41% of DRAM's peak against cuDNN's 11%.
+    Thirty-ninth session (H100, eager, one process per pass): PACKED_CVT against the plain conversion 1.008 /
+    0.951 / 1.036 / 0.935 against 0.982 / 0.942 / 1.034 / 0.898 at 1 x 1k / 4 x 2k / 1 x 8k / 8 x 4k; with the
+    reciprocal (the defaults), 0.96-0.97 / 1.00-1.03 / 0.93-0.96 at 4 x 2k / 1 x 8k / 8 x 4k over six passes
+    (1 x 1k eager is the host's launch: 0.34-1.05). NUM_STAGES 4 or 5 0.98-0.99 at 4 x 2k and 0.82-0.95 at
+    8 x 4k; PINGPONG 0.89-0.92 and SEQUENCE_MAJOR 0.91-0.94 at 8 x 4k; OVERLAP_ITEMS 1-3% slower on every row.
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128. Inputs a tensor descriptor cannot read (not
@@ -85,6 +93,11 @@ Known limits
       Whether it saves host time is not settled: one pass of tests/bench/launch_cost.py (H100) read 131 -> 100 us
       a call at 1 x 1k and 77 -> 100 us at 4 x 2k (the reference tiled kernel 74 and 40 us); the rest of the cost
       is the three descriptors (their checks) and the launcher encoding them.
+    * Triton 3.6 mis-compiles a consumer that carries wgmma operands or results through an `if` (a branch that
+      issues or waits for a product, or yields an MMA-layout tensor): OVERLAP_ITEMS written so gave wrong outputs
+      and out-of-range shared addresses on an H100 (compute-sanitizer at the branch's wgmma) though its TTGIR read
+      right. Its loop now walks live items only and issues its products unconditionally (a product of zeros
+      before the first item); only the store and the barrier arrivals are under `if`.
 """
 from functools import lru_cache
 
@@ -109,7 +122,8 @@ PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, load
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
-PACKED_CVT = False  # P to bf16 two values an instruction (cvt.rn.bf16x2.f32), packed as the P V wgmma reads them
+OVERLAP_ITEMS = False  # PRODUCER_WARP, 3+ stages, not DYNAMIC: an item's last P V beside the next one's first Q K^T
+PACKED_CVT = True  # P to bf16 two values an instruction (cvt.rn.bf16x2.f32), packed as the P V wgmma reads them
 DIRECT_LAUNCH = False  # host: a specialization met before is launched as compiled, without the JIT's argument binding
 
 _LOG2E = 1.4426950408889634
@@ -159,6 +173,13 @@ def _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES: gl.constexpr, BLO
     k_tile = k_smem.index(slot % STAGES)
     s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+    return _first_softmax(s, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
+
+
+@gluon.jit
+def _first_softmax(s, m_start, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                   p_layout: gl.constexpr):
+    """Tile 0's softmax from its scores `s`: (P, m, l)."""
     s = _masked(s, m_start, 0, BLOCK_M, BLOCK_N, s_layout)
     m_i = gl.max(s, 1) * qk_scale
     p = gl.exp2(s * qk_scale - m_i[:, None])
@@ -177,9 +198,10 @@ def _last_pv(p_prev, v_smem, acc, slot, STAGES: gl.constexpr):
 @gluon.jit
 def _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M: gl.constexpr,
            HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """O = acc / l for the rows inside the sequence."""
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / l_o[:, None]
+    """O = acc / l for the rows inside the sequence: one reciprocal a row, then a product a value (a division a value
+    costs ptxas four instructions: range scalings around the shared reciprocal)."""
+    inv_l = gl.convert_layout(1.0 / l_i, gl.SliceLayout(1, o_layout))
+    o = acc * inv_l[:, None]
     offs_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     rows = (seq_start + offs_m).to(gl.int64)
@@ -370,7 +392,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
                o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-               DYNAMIC: gl.constexpr, WG: gl.constexpr):
+               DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WG: gl.constexpr):
     """The loader warp, over the program's work items (items program_id, program_id + programs, ...; DYNAMIC:
     taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). Its
     arguments are the consumers': Gluon gives every worker partition the same signature. The ring's
@@ -400,6 +422,61 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
 
 
 @gluon.jit
+def _ws_q(q_smem, q_bar, q_empty, done, s_layout: gl.constexpr, Q_REGS: gl.constexpr, WAIT_Q: gl.constexpr,
+          WG: gl.constexpr):
+    """This warpgroup's Q operand for the program's `done`-th item: in registers, Q released at once (Q_REGS), or
+    its shared-memory tile. WAIT_Q: wait for Q's barrier first."""
+    q_w = q_smem.index(WG)
+    if WAIT_Q:
+        mbarrier.wait(q_bar, done & 1)
+    if Q_REGS:
+        q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+        fence_async_shared()                        # these reads before the loader's next TMA write
+        mbarrier.arrive(q_empty, count=1)
+    else:
+        q_op = q_w
+    return q_op
+
+
+@gluon.jit
+def _ws_steps(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, turns, p_prev, m_i, l_i, acc, seq_start, m0,
+              m_start, my_n, n_tiles, slot, turn, qk_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Tiles 1 .. my_n - 1 of an item on the shared ring (each stage released once its P V is done): unmasked for
+    both warpgroups (PINGPONG's turns there), unmasked for this one, then its diagonal. (P, m, l, acc) after them,
+    the last tile's P V not yet issued."""
+    n_off = gl.minimum(m_start // BLOCK_N, my_n)    # tiles wholly below this warpgroup's diagonal: no mask
+    n_both = gl.minimum(m0 // BLOCK_N, my_n)        # unmasked for both warpgroups: the same count
+    for tile in range(1, n_both):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, PINGPONG, slot, turn)
+    for tile in range(gl.maximum(n_both, 1), n_off):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
+    for tile in range(gl.maximum(n_off, 1), my_n):
+        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
+                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M,
+                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
+    return p_prev, m_i, l_i, acc
+
+
+@gluon.jit
+def _ws_retire(acc, l_i, ready, empty, o_ptr, last, stop, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh,
+               STAGES: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """An item whose last P V is done: its last stage (ring count `last`) released, the other warpgroup's tiles
+    past it (counts last + 1 .. stop - 1) waited for and released, so that both warpgroups release every stage
+    once, and O stored."""
+    mbarrier.arrive(empty.index(last % STAGES), count=1)
+    for count in range(last + 1, stop):
+        mbarrier.wait(ready.index(count % STAGES), (count // STAGES) & 1)
+        mbarrier.arrive(empty.index(count % STAGES), count=1)
+    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
+
+
+@gluon.jit
 def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr, pid_h,
                      seq_start, seq_len, m0, slot, done, turn, qk_scale, stride_ot, stride_oh, HEAD_DIM: gl.constexpr,
                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
@@ -418,42 +495,106 @@ def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, rea
     n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
     m_start = m0 + WG * BLOCK_M
     my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
-    n_off = gl.minimum(m_start // BLOCK_N, my_n)    # tiles wholly below this warpgroup's diagonal: no mask
-    n_both = gl.minimum(m0 // BLOCK_N, my_n)        # unmasked for both warpgroups: the same count
-    q_w = q_smem.index(WG)
-    if WAIT_Q:
-        mbarrier.wait(q_bar, done & 1)
-    if Q_REGS:
-        q_op = q_w.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-        fence_async_shared()                        # these reads before the loader's next TMA write
-        mbarrier.arrive(q_empty, count=1)
-    else:
-        q_op = q_w
+    q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, WAIT_Q, WG)
     mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
     p_prev, m_i, l_i = _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout,
                                    p_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-    for tile in range(1, n_both):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
-                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
-                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, PINGPONG, slot, turn)
-    for tile in range(gl.maximum(n_both, 1), n_off):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
-                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, False, STAGES, BLOCK_M,
-                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
-    for tile in range(gl.maximum(n_off, 1), my_n):
-        p_prev, m_i, l_i, acc = _step(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, p_prev, m_i, l_i, acc,
-                                      tile, n_tiles, seq_start, 0, m_start, qk_scale, True, STAGES, BLOCK_M,
-                                      BLOCK_N, s_layout, o_layout, p_layout, True, turns, WG, False, slot, turn)
+    p_prev, m_i, l_i, acc = _ws_steps(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, turns, p_prev, m_i, l_i,
+                                      acc, seq_start, m0, m_start, my_n, n_tiles, slot, turn, qk_scale, BLOCK_M,
+                                      BLOCK_N, STAGES, PINGPONG, WG, s_layout, o_layout, p_layout)
     acc = _last_pv(p_prev, v_smem, acc, slot + my_n - 1, STAGES)
     if not Q_REGS:
         mbarrier.arrive(q_empty, count=1)
-    mbarrier.arrive(empty.index((slot + my_n - 1) % STAGES), count=1)
-    for tile in range(my_n, n_tiles):              # the other warpgroup's tiles: wait for each, release it
-        mbarrier.wait(ready.index((slot + tile) % STAGES), ((slot + tile) // STAGES) & 1)
-        mbarrier.arrive(empty.index((slot + tile) % STAGES), count=1)
-    _store(acc, l_i, o_ptr, seq_start, seq_len, m_start, pid_h, stride_ot, stride_oh, BLOCK_M, HEAD_DIM, o_layout)
-    return slot + n_tiles, done + 1, turn + gl.maximum(n_both - 1, 0)
+    _ws_retire(acc, l_i, ready, empty, o_ptr, slot + my_n - 1, slot + n_tiles, seq_start, seq_len, m_start, pid_h,
+               stride_ot, stride_oh, STAGES, BLOCK_M, HEAD_DIM, o_layout)
+    return slot + n_tiles, done + 1, turn + gl.maximum(gl.minimum(m0 // BLOCK_N, my_n) - 1, 0)
+
+
+@gluon.jit
+def _ws_next_live(item, step, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+                  SEQUENCE_MAJOR: gl.constexpr):
+    """The first of items item, item + step, ... with rows in its sequence, or one at or past num_items."""
+    while (item < num_items) & (not _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
+                                             SEQUENCE_MAJOR)):
+        item += step
+    return item
+
+
+@gluon.jit
+def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
+                            cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr,
+                            SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
+    """OVERLAP_ITEMS: consumer warpgroup WG over its live items of program_id, program_id + programs, ..., each
+    item's last P V issued together with the next item's first Q K^T, its stage released and its O stored once the
+    first is done (the previous item's P, acc, l and where its rows go carried into the next iteration). Needs
+    STAGES >= 3: the next item's first tile is waited for before this item's last stage is released.
+    No product is issued or waited for under a branch, and no branch yields a tensor (Triton 3.6 gave wrong
+    outputs and out-of-range shared addresses on an H100 when this loop carried its tensors through `if`s): the
+    loop walks live items only, and before the first item (and at the end of a program with none) the P V is a
+    product of zeros, its result unused."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = 0
+    done = 0
+    turn = 0
+    held = False                                   # an item's last P V and store are still to do
+    p_prev = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, p_layout)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    last = 0                                       # the held item's: its last stage's ring count, the ring count
+    stop = 0                                       # after it, and where its rows go
+    out_start = 0
+    out_len = 0
+    out_m = 0
+    out_h = 0
+    item = _ws_next_live(gl.program_id(0), gl.num_programs(0), cu_ptr, num_heads, batch, num_m_tiles, num_items,
+                         BLOCK_M, SEQUENCE_MAJOR)
+    while item < num_items:
+        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+        n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+        m_start = m0 + WG * BLOCK_M
+        my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+        q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, True, WG)
+        mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
+        k_tile = k_smem.index(slot % STAGES)
+        v_last = v_smem.index(last % STAGES)
+        acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
+        s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout),
+                              use_acc=False, is_async=True)
+        acc, p_prev, v_last = warpgroup_mma_wait(1, deps=(acc_tok, p_prev, v_last))
+        if held:
+            _ws_retire(acc, l_i, ready, empty, o_ptr, last, stop, out_start, out_len, out_m, out_h, stride_ot,
+                       stride_oh, STAGES, BLOCK_M, HEAD_DIM, o_layout)
+        s, q_op, k_tile = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+        p_prev, m_i, l_i = _first_softmax(s, m_start, qk_scale, BLOCK_M, BLOCK_N, s_layout, p_layout)
+        p_prev, m_i, l_i, acc = _ws_steps(q_op, k_smem, v_smem, ready, empty, k_desc, v_desc, turns, p_prev, m_i, l_i,
+                                          gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout), seq_start, m0,
+                                          m_start, my_n, n_tiles, slot, turn, qk_scale, BLOCK_M, BLOCK_N, STAGES,
+                                          PINGPONG, WG, s_layout, o_layout, p_layout)
+        if not Q_REGS:
+            mbarrier.arrive(q_empty, count=1)          # its last Q K^T is done: the next item's Q may load
+        held = True
+        last = slot + my_n - 1
+        stop = slot + n_tiles
+        out_start = seq_start
+        out_len = seq_len
+        out_m = m_start
+        out_h = pid_h
+        slot = stop
+        done += 1
+        turn += gl.maximum(gl.minimum(m0 // BLOCK_N, my_n) - 1, 0)
+        item = _ws_next_live(item + gl.num_programs(0), gl.num_programs(0), cu_ptr, num_heads, batch, num_m_tiles,
+                             num_items, BLOCK_M, SEQUENCE_MAJOR)
+    acc = _last_pv(p_prev, v_smem, acc, last, STAGES)
+    if held:
+        _ws_retire(acc, l_i, ready, empty, o_ptr, last, stop, out_start, out_len, out_m, out_h, stride_ot, stride_oh,
+                   STAGES, BLOCK_M, HEAD_DIM, o_layout)
 
 
 @gluon.jit
@@ -461,7 +602,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                  o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                 DYNAMIC: gl.constexpr, WG: gl.constexpr):
+                 DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG over the program's work items (DYNAMIC: each item's number read from `item_smem`
     once Q's barrier completes, until the end mark)."""
     slot = 0
@@ -479,6 +620,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                                                 Q_REGS, PINGPONG, False, WG)
             mbarrier.wait(q_bar, done & 1)
             item = _ws_item_id(item_smem)
+    elif OVERLAP_ITEMS and STAGES >= 3:      # (it waits for the next item's first tile before releasing a stage)
+        _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
+                                cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, WG)
     else:
         for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
             pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
@@ -495,7 +640,7 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
                        batch, num_items, counter_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                       DYNAMIC: gl.constexpr, num_warps: gl.constexpr):
+                       DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, num_warps: gl.constexpr):
     """PRODUCER_WARP: a work item is 2 x BLOCK_M query rows of one head of one sequence; a program takes items
     program_id, program_id + programs, ... (one each unless PERSISTENT; DYNAMIC: from a shared counter). Its
     default partition and a worker partition are one consumer warpgroup each, a one-warp worker loads."""
@@ -520,15 +665,15 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                         item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, 0)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 0)),
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                         item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, 1)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 1)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                       item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                       stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                      SEQUENCE_MAJOR, DYNAMIC, 1)),
+                      SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -586,7 +731,8 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
     programs = min(num_items, sm_count) if PERSISTENT or DYNAMIC else num_items
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
     return (programs, ), [*args, hq, batch, num_items, counter], \
-        dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC)
+        dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
+             OVERLAP_ITEMS=OVERLAP_ITEMS)
 
 
 _compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the kernel compiled for it

@@ -20,7 +20,9 @@ the row's kernels and counted at its faster time (clock or thermal drift never f
 so the host's Python and launch cost leave the figure (one graph launch stays), as in the served
 engine's decode; a call that cannot be captured is an error in its cell, not an eager figure.
 --pages in-order gives each sequence consecutive pages of the pool (the served layout, [page, 16, kv heads, D],
-unscattered): what kevo loses to the scatter, apart from the layout.
+unscattered): what kevo loses to the scatter, apart from the layout. --page-layout hnd stores each page head-major,
+[page, kv heads, 16, D], and hands the kernel the same [page, 16, kv heads, D] view by strides (one kv head's 16
+tokens 4 KB contiguous, as the library's per-head rows are): what the served layout itself costs a kernel.
 It prints numbers and asserts nothing. Needs only torch and triton (runs on the H200 image as is).
 """
 from __future__ import annotations
@@ -56,6 +58,7 @@ REF_HEADS = [0, 1, 2, 3, 28, 29, 30, 31]
 DEV, DT = "cuda", torch.bfloat16
 GRAPHS = False                       # --graphs: time the replay of a CUDA graph of each call
 PAGES_IN_ORDER = False               # --pages in-order: each sequence's pages consecutive in the pool
+HEAD_MAJOR_PAGES = False             # --page-layout hnd: pages stored [kv heads, 16, D], seen through a strided view
 
 
 def run_specs(run: pathlib.Path) -> list[tuple[str, str]]:
@@ -236,6 +239,8 @@ def decode_data(B, L, table_tokens, gen, ragged=None):
     table[:, :pages] = perm[:B * pages].view(B, pages).to(torch.int32)
     kc = torch.randn(pool, PAGE, HKV, D, device=dev, generator=gen).to(DT)  # spare pages: noise
     vc = torch.randn_like(kc)
+    if HEAD_MAJOR_PAGES:     # the same values, each page stored head-major; the kernel sees [pool, PAGE, HKV, D]
+        kc, vc = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (kc, vc))
     idx = table[:, :pages].reshape(-1).long()
     kc[idx] = k.view(B * pages, PAGE, HKV, D)
     vc[idx] = v.view(B * pages, PAGE, HKV, D)
@@ -390,7 +395,7 @@ def copy_ceiling():
 
 
 def main(argv=None):
-    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS, PAGES_IN_ORDER
+    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS, PAGES_IN_ORDER, HEAD_MAJOR_PAGES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
     ap.add_argument("--run", type=pathlib.Path, action="append", default=[],
@@ -398,6 +403,8 @@ def main(argv=None):
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--only", choices=["decode", "prefill"])
     ap.add_argument("--rows", help="comma list of BxL to keep, e.g. 32x4096,1x8192")
+    ap.add_argument("--decode-rows", help="comma list of BxL timed in place of issue 16's decode rows, e.g. "
+                                          "16x1024,16x8192")
     ap.add_argument("--table-tokens", type=int, default=max(L for _, L in DECODE_ROWS),
                     help="decode block-table width in tokens (at least each row's length)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
@@ -410,8 +417,14 @@ def main(argv=None):
                     help="check this script on the CPU: Triton's interpreter, float32, tiny rows, no timing")
     ap.add_argument("--pages", choices=["shuffled", "in-order"], default="shuffled",
                     help="decode: each sequence's pages drawn at random from the pool (default), or consecutive")
+    ap.add_argument("--page-layout", choices=["nhd", "hnd"], default="nhd",
+                    help="decode: pages stored [16, kv heads, D] (default, served) or head-major [kv heads, 16, D]")
     args = ap.parse_args(argv)
     GRAPHS, PAGES_IN_ORDER = args.graphs, args.pages == "in-order"
+    HEAD_MAJOR_PAGES = args.page_layout == "hnd"
+    if args.decode_rows:
+        DECODE_ROWS = [tuple(int(n) for n in row.split("x")) for row in args.decode_rows.split(",")]
+        args.table_tokens = max(args.table_tokens, max(L for _, L in DECODE_ROWS))
     if args.dry_run:
         DEV, DT = "cpu", torch.float32
         DECODE_ROWS, PREFILL_ROWS = [(2, 48)], [(2, 40)]
@@ -431,10 +444,10 @@ def main(argv=None):
             "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "triton": triton.__version__,
             "specs": specs, "argv": sys.argv[1:], "timing": "cuda-graph replay" if GRAPHS else "eager calls",
-            "pages": args.pages}
+            "pages": args.pages, "page_layout": args.page_layout}
     info["copy_TBps"] = copy_ceiling()
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s  "
-          f"timing: {info['timing']}  pages: {args.pages}")
+          f"timing: {info['timing']}  pages: {args.pages}, {args.page_layout}")
     decode = [] if args.only == "prefill" else run_decode(kernels, pick(DECODE_ROWS), args.table_tokens,
                                                           args.rep, gen, args.ragged)
     prefill = [] if args.only == "decode" else run_prefill(kernels, pick(PREFILL_ROWS), args.rep, gen)
