@@ -422,6 +422,20 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
 
 
 @gluon.jit
+def _ws_rows(seq_len, m0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr):
+    """An item's K/V tiles (both warpgroups'), warpgroup WG's first row and its own tile count."""
+    m_start = m0 + WG * BLOCK_M
+    return (gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N), m_start,
+            gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N))
+
+
+@gluon.jit
+def _ws_turns(m0, my_n, BLOCK_N: gl.constexpr):
+    """PINGPONG turns an item takes: its steps over tiles unmasked for both warpgroups."""
+    return gl.maximum(gl.minimum(m0 // BLOCK_N, my_n) - 1, 0)
+
+
+@gluon.jit
 def _ws_q(q_smem, q_bar, q_empty, done, s_layout: gl.constexpr, Q_REGS: gl.constexpr, WAIT_Q: gl.constexpr,
           WG: gl.constexpr):
     """This warpgroup's Q operand for the program's `done`-th item: in registers, Q released at once (Q_REGS), or
@@ -492,9 +506,7 @@ def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, rea
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
-    m_start = m0 + WG * BLOCK_M
-    my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+    n_tiles, m_start, my_n = _ws_rows(seq_len, m0, BLOCK_M, BLOCK_N, WG)
     q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, WAIT_Q, WG)
     mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
     p_prev, m_i, l_i = _first_tile(q_op, k_smem, slot, m_start, qk_scale, STAGES, BLOCK_M, BLOCK_N, s_layout,
@@ -508,7 +520,7 @@ def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, rea
         mbarrier.arrive(q_empty, count=1)
     _ws_retire(acc, l_i, ready, empty, o_ptr, slot + my_n - 1, slot + n_tiles, seq_start, seq_len, m_start, pid_h,
                stride_ot, stride_oh, STAGES, BLOCK_M, HEAD_DIM, o_layout)
-    return slot + n_tiles, done + 1, turn + gl.maximum(gl.minimum(m0 // BLOCK_N, my_n) - 1, 0)
+    return slot + n_tiles, done + 1, turn + _ws_turns(m0, my_n, BLOCK_N)
 
 
 @gluon.jit
@@ -557,9 +569,7 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
                          BLOCK_M, SEQUENCE_MAJOR)
     while item < num_items:
         pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
-        n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
-        m_start = m0 + WG * BLOCK_M
-        my_n = gl.cdiv(gl.minimum(seq_len, m_start + BLOCK_M), BLOCK_N)
+        n_tiles, m_start, my_n = _ws_rows(seq_len, m0, BLOCK_M, BLOCK_N, WG)
         q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, True, WG)
         mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
         k_tile = k_smem.index(slot % STAGES)
@@ -588,7 +598,7 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
         out_h = pid_h
         slot = stop
         done += 1
-        turn += gl.maximum(gl.minimum(m0 // BLOCK_N, my_n) - 1, 0)
+        turn += _ws_turns(m0, my_n, BLOCK_N)
         item = _ws_next_live(item + gl.num_programs(0), gl.num_programs(0), cu_ptr, num_heads, batch, num_m_tiles,
                              num_items, BLOCK_M, SEQUENCE_MAJOR)
     acc = _last_pv(p_prev, v_smem, acc, last, STAGES)
