@@ -84,11 +84,13 @@ ONE_ITEM = {"PERSISTENT": False}
     ({"RESCALE_THRESHOLD": 8.0}, 128), ({"RESCALE_THRESHOLD": 0.5, **ONE_WARPGROUP}, 64),
     ({"PACKED_CVT": False}, 128), ({"PACKED_CVT": False, **ONE_WARPGROUP}, 64),
     ({"OVERLAP_ITEMS": True}, 128), ({"OVERLAP_ITEMS": True, "Q_REGS": False, "PINGPONG": True, "NUM_STAGES": 4}, 64),
+    ({"ALTERNATE": True}, 128), ({"ALTERNATE": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
         "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64",
-        "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64"])
+        "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64", "alternate-d128",
+        "alternate-overlap-sequence-major-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
@@ -139,15 +141,18 @@ def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_ac
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, knob, d", [
     ({}, "PACKED_CVT", 128), (ONE_WARPGROUP, "PACKED_CVT", 64), ({}, "OVERLAP_ITEMS", 128),
-    ({"Q_REGS": False, "SEQUENCE_MAJOR": True}, "OVERLAP_ITEMS", 64),
-], ids=["packed-cvt-d128", "packed-cvt-one-warpgroup-d64", "overlap-items-d128", "overlap-items-q-shared-d64"])
+    ({"Q_REGS": False, "SEQUENCE_MAJOR": True}, "OVERLAP_ITEMS", 64), ({}, "ALTERNATE", 128),
+    ({"OVERLAP_ITEMS": True}, "ALTERNATE", 64),
+], ids=["packed-cvt-d128", "packed-cvt-one-warpgroup-d64", "overlap-items-d128", "overlap-items-q-shared-d64",
+        "alternate-d128", "alternate-overlap-d64"])
 def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on_gpu(knob_dir, knobs, knob, d):
     """Knobs that change how the same arithmetic is issued, not the arithmetic, give the outputs without them exactly.
     PACKED_CVT rounds P to bf16 as `.to` does (to nearest even) and packs each pair in the order the P V wgmma reads
     it: a swapped pair would pair each P with the wrong key's V. OVERLAP_ITEMS finishes an item's last P V and
     stores its O while the next item's first Q K^T runs: a stage released early, an O stored before its last product
-    or to the next item's rows would show. Batches of many items a program (an SM walks 132 programs' worth), with
-    items past a short sequence's end skipped between held ones."""
+    or to the next item's rows would show. ALTERNATE hands the same items to other programs: an item left out or
+    taken twice would show. Batches of many items a program (an SM walks 132 programs' worth), with items past a
+    short sequence's end skipped between held ones, and rounds the items do not fill."""
     plain = _load(GLUON_PREFILL, {**knobs, knob: False}, knob_dir)
     changed = _load(GLUON_PREFILL, {**knobs, knob: True}, knob_dir)
     g = torch.Generator(device="cuda").manual_seed(11)

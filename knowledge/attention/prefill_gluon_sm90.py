@@ -49,7 +49,8 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
+    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
+    that the program that took a round's heaviest item takes the next round's lightest), DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
     rescaling: O and l keep their scale until some row's max grows by more than 2^threshold, one decision a
     warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer issues an item's last P V with the next
     item's first Q K^T and stores O while that product runs; needs 3+ stages); DIRECT_LAUNCH on the host.
@@ -120,6 +121,7 @@ CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WA
 PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to issue their products
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
+ALTERNATE = False  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
 OVERLAP_ITEMS = False  # PRODUCER_WARP, 3+ stages, not DYNAMIC: an item's last P V beside the next one's first Q K^T
@@ -349,6 +351,29 @@ def _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl
 
 
 @gluon.jit
+def _ws_walk_end(num_items, ALTERNATE: gl.constexpr):
+    """Where each program's walk over positions program_id, program_id + programs, ... ends: num_items, or (ALTERNATE)
+    a whole number of rounds, positions past the last item mapping to none."""
+    if ALTERNATE:
+        return gl.cdiv(num_items, gl.num_programs(0)) * gl.num_programs(0)
+    else:
+        return num_items
+
+
+@gluon.jit
+def _ws_nth(k, ALTERNATE: gl.constexpr):
+    """Position k (program_id + round x programs) -> its work item: k, or (ALTERNATE) on odd rounds the item of the
+    mirrored program, so that the program that took a round's heaviest item takes the next round's lightest (items
+    go heaviest first: a plain walk gives program 0 the heavier item of every round)."""
+    if ALTERNATE:
+        programs = gl.num_programs(0)
+        r = k // programs
+        return k + (r & 1) * (programs - 1 - 2 * (k - r * programs))
+    else:
+        return k
+
+
+@gluon.jit
 def _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
              SEQUENCE_MAJOR: gl.constexpr):
     """DYNAMIC: the next item with rows in its sequence from the counter all programs share, or one past the last
@@ -392,7 +417,7 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
                o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-               DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WG: gl.constexpr):
+               DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
     """The loader warp, over the program's work items (items program_id, program_id + programs, ...; DYNAMIC:
     taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). Its
     arguments are the consumers': Gluon gives every worker partition the same signature. The ring's
@@ -412,10 +437,11 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
         item_smem.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + num_items)
         mbarrier.arrive(q_bar, count=1)
     else:
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
-                                                     SEQUENCE_MAJOR)
-            if m0 < seq_len:
+        for k in range(gl.program_id(0), _ws_walk_end(num_items, ALTERNATE), gl.num_programs(0)):
+            item = _ws_nth(k, ALTERNATE)
+            pid_h, seq_start, seq_len, m0 = _ws_item(gl.minimum(item, num_items - 1), cu_ptr, num_heads, batch,
+                                                     num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+            if (item < num_items) & (m0 < seq_len):
                 slot, done = _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
                                            empty, item_smem, item, pid_h, seq_start, seq_len, m0, slot, done, GROUP,
                                            HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, DYNAMIC)
@@ -524,13 +550,14 @@ def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, rea
 
 
 @gluon.jit
-def _ws_next_live(item, step, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
-                  SEQUENCE_MAJOR: gl.constexpr):
-    """The first of items item, item + step, ... with rows in its sequence, or one at or past num_items."""
-    while (item < num_items) & (not _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
-                                             SEQUENCE_MAJOR)):
-        item += step
-    return item
+def _ws_next_live(k, step, end, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+                  SEQUENCE_MAJOR: gl.constexpr, ALTERNATE: gl.constexpr):
+    """The first of positions k, k + step, ... (before `end`) whose item has rows in its sequence, or one at or past
+    `end`."""
+    while (k < end) & (not _ws_live(_ws_nth(k, ALTERNATE), cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
+                                    SEQUENCE_MAJOR)):
+        k += step
+    return k
 
 
 @gluon.jit
@@ -538,7 +565,7 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
                             cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                            SEQUENCE_MAJOR: gl.constexpr, WG: gl.constexpr):
+                            SEQUENCE_MAJOR: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
     """OVERLAP_ITEMS: consumer warpgroup WG over its live items of program_id, program_id + programs, ..., each
     item's last P V issued together with the next item's first Q K^T, its stage released and its O stored once the
     first is done (the previous item's P, acc, l and where its rows go carried into the next iteration). Needs
@@ -565,10 +592,12 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
     out_len = 0
     out_m = 0
     out_h = 0
-    item = _ws_next_live(gl.program_id(0), gl.num_programs(0), cu_ptr, num_heads, batch, num_m_tiles, num_items,
-                         BLOCK_M, SEQUENCE_MAJOR)
-    while item < num_items:
-        pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+    end = _ws_walk_end(num_items, ALTERNATE)
+    k = _ws_next_live(gl.program_id(0), gl.num_programs(0), end, cu_ptr, num_heads, batch, num_m_tiles, num_items,
+                      BLOCK_M, SEQUENCE_MAJOR, ALTERNATE)
+    while k < end:
+        pid_h, seq_start, seq_len, m0 = _ws_item(_ws_nth(k, ALTERNATE), cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
+                                                 SEQUENCE_MAJOR)
         n_tiles, m_start, my_n = _ws_rows(seq_len, m0, BLOCK_M, BLOCK_N, WG)
         q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, True, WG)
         mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
@@ -599,8 +628,8 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
         slot = stop
         done += 1
         turn += _ws_turns(m0, my_n, BLOCK_N)
-        item = _ws_next_live(item + gl.num_programs(0), gl.num_programs(0), cu_ptr, num_heads, batch, num_m_tiles,
-                             num_items, BLOCK_M, SEQUENCE_MAJOR)
+        k = _ws_next_live(k + gl.num_programs(0), gl.num_programs(0), end, cu_ptr, num_heads, batch, num_m_tiles,
+                          num_items, BLOCK_M, SEQUENCE_MAJOR, ALTERNATE)
     acc = _last_pv(p_prev, v_smem, acc, last, STAGES)
     if held:
         _ws_retire(acc, l_i, ready, empty, o_ptr, last, stop, out_start, out_len, out_m, out_h, stride_ot, stride_oh,
@@ -612,7 +641,7 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
                  o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                 DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WG: gl.constexpr):
+                 DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG over the program's work items (DYNAMIC: each item's number read from `item_smem`
     once Q's barrier completes, until the end mark)."""
     slot = 0
@@ -633,12 +662,13 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
     elif OVERLAP_ITEMS and STAGES >= 3:      # (it waits for the next item's first tile before releasing a stage)
         _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
                                 cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, WG)
+                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, ALTERNATE, WG)
     else:
-        for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-            pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
-                                                     SEQUENCE_MAJOR)
-            if m0 < seq_len:
+        for k in range(gl.program_id(0), _ws_walk_end(num_items, ALTERNATE), gl.num_programs(0)):
+            item = _ws_nth(k, ALTERNATE)
+            pid_h, seq_start, seq_len, m0 = _ws_item(gl.minimum(item, num_items - 1), cu_ptr, num_heads, batch,
+                                                     num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
+            if (item < num_items) & (m0 < seq_len):
                 slot, done, turn = _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready,
                                                     empty, turns, o_ptr, pid_h, seq_start, seq_len, m0, slot, done,
                                                     turn, qk_scale, stride_ot, stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N,
@@ -650,7 +680,8 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
                        batch, num_items, counter_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                       DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, num_warps: gl.constexpr):
+                       DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr,
+                       num_warps: gl.constexpr):
     """PRODUCER_WARP: a work item is 2 x BLOCK_M query rows of one head of one sequence; a program takes items
     program_id, program_id + programs, ... (one each unless PERSISTENT; DYNAMIC: from a shared counter). Its
     default partition and a worker partition are one consumer warpgroup each, a one-warp worker loads."""
@@ -675,15 +706,15 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                         item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 0)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 0)),
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                         item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 1)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 1)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
                       item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                       stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                      SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, 1)),
+                      SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -742,7 +773,7 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
     return (programs, ), [*args, hq, batch, num_items, counter], \
         dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
-             OVERLAP_ITEMS=OVERLAP_ITEMS)
+             OVERLAP_ITEMS=OVERLAP_ITEMS, ALTERNATE=ALTERNATE)
 
 
 _compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the kernel compiled for it
