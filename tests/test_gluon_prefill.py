@@ -161,3 +161,30 @@ def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
         want = plain.prefill(q, k, v, cu, max(lens), d ** -0.5)
         assert torch.equal(changed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"
+
+
+@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}],
+                         ids=["persistent", "dynamic", "one-warpgroup"])
+def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
+    """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
+    two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a
+    kernel compiled for one query tile (an int of 1) or an aligned cu_seqlens would run another call. Lengths and
+    cu_seqlens offsets cross Triton's classes; the positional launch must also follow the kernel's signature."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    mod = _load(GLUON_PREFILL, {**knobs, "DIRECT_LAUNCH": True}, knob_dir)
+    kern = mod.kernel()
+    binder = create_function_from_signature(kern.signature, kern.params, make_backend(GPUTarget("cuda", 90, 32)))
+    seen = {}
+    for lens in ([100], [90], [1], [128], [129], [2048], [2000, 48], [16 * 128], [40] * 16, [3000, 5, 700], [1] * 17):
+        for offset in (0, 1, 4):
+            total, hq, hkv, d = sum(lens), 32, 8, 128
+            q, k, v = (torch.empty(total, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            cu = torch.tensor([0] * offset + [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)[offset:]
+            grid, args, consts = mod.launch_args(q, k, v, cu, max(lens), 0.088, torch.empty_like(q), 132)
+            assert list(kern.arg_names) == [*kern.arg_names[:len(args)], *consts, "num_warps"]
+            _, spec, _ = binder(*args, **consts, **mod.launch_options())
+            key = mod._specialization(q.device, args, consts)
+            assert seen.setdefault(key, spec) == spec, f"lengths {lens}, cu_seqlens offset {offset}: {key}"
+    assert len(seen) >= 6, "the calls met few specializations: nothing tested the key"
