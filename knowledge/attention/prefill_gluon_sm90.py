@@ -50,10 +50,11 @@ Why shared memory bounds it (arithmetic, not a measurement)
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
-    that the program that took a round's heaviest item takes the next round's lightest), DYNAMIC, RESCALE_THRESHOLD (FlashAttention-4's conditional
-    rescaling: O and l keep their scale until some row's max grows by more than 2^threshold, one decision a
-    warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer issues an item's last P V with the next
-    item's first Q K^T and stores O while that product runs; needs 3+ stages); DIRECT_LAUNCH on the host.
+    that the program that took a round's heaviest item takes the next round's lightest), DYNAMIC,
+    RESCALE_THRESHOLD (FlashAttention-4's conditional rescaling: O and l keep their scale until some row's max grows
+    by more than 2^threshold, one decision a warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer
+    issues an item's last P V with the next item's first Q K^T and stores O while that product runs; needs 3+
+    stages); DIRECT_LAUNCH on the host.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): one warpgroup a program, 160
     registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34

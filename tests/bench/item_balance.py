@@ -58,7 +58,8 @@ def main(argv=None) -> int:
         batch, length = (int(n) for n in row.split("x"))
         costs = item_costs(batch, length)
         mean = sum(costs) / args.programs
-        cells = [busiest(costs, args.programs, False), busiest(costs, args.programs, True), greedy(costs, args.programs)]
+        cells = [busiest(costs, args.programs, False), busiest(costs, args.programs, True),
+                 greedy(costs, args.programs)]
         print(f"| {row} | {len(costs) / args.programs:.1f} | " + " | ".join(f"{c / mean:.3f}" for c in cells) + " |")
     return 0
 
