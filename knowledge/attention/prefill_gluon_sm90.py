@@ -399,7 +399,7 @@ def _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
     """The loader's part of one item: its Q tiles once both warpgroups have released the last ones (`q_empty`;
     DYNAMIC: the item's number to `item_smem` first), then its K/V tiles, each into a stage both warpgroups have
     released (`empty` completes when both arrive; a fresh barrier counts as released). (slot, done) after it."""
-    n_tiles = gl.cdiv(gl.minimum(seq_len, m0 + 2 * BLOCK_M), BLOCK_N)
+    n_tiles, _, _ = _ws_rows(seq_len, m0, BLOCK_M, BLOCK_N, 0)
     mbarrier.wait(q_empty, (done & 1) ^ 1)
     if DYNAMIC:
         item_smem.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + item)
