@@ -85,12 +85,14 @@ ONE_ITEM = {"PERSISTENT": False}
     ({"PACKED_CVT": False}, 128), ({"PACKED_CVT": False, **ONE_WARPGROUP}, 64),
     ({"OVERLAP_ITEMS": True}, 128), ({"OVERLAP_ITEMS": True, "Q_REGS": False, "PINGPONG": True, "NUM_STAGES": 4}, 64),
     ({"ALTERNATE": True}, 128), ({"ALTERNATE": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
+    ({"BALANCED": True}, 128), ({"BALANCED": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
         "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64",
         "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64",
-        "alternate-d128", "alternate-overlap-sequence-major-d64"])
+        "alternate-d128", "alternate-overlap-sequence-major-d64", "balanced-d128",
+        "balanced-overlap-sequence-major-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
@@ -142,17 +144,17 @@ def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_ac
 @pytest.mark.parametrize("knobs, knob, d", [
     ({}, "PACKED_CVT", 128), (ONE_WARPGROUP, "PACKED_CVT", 64), ({}, "OVERLAP_ITEMS", 128),
     ({"Q_REGS": False, "SEQUENCE_MAJOR": True}, "OVERLAP_ITEMS", 64), ({}, "ALTERNATE", 128),
-    ({"OVERLAP_ITEMS": True}, "ALTERNATE", 64),
+    ({"OVERLAP_ITEMS": True}, "ALTERNATE", 64), ({}, "BALANCED", 128), ({"OVERLAP_ITEMS": True}, "BALANCED", 64),
 ], ids=["packed-cvt-d128", "packed-cvt-one-warpgroup-d64", "overlap-items-d128", "overlap-items-q-shared-d64",
-        "alternate-d128", "alternate-overlap-d64"])
+        "alternate-d128", "alternate-overlap-d64", "balanced-d128", "balanced-overlap-d64"])
 def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on_gpu(knob_dir, knobs, knob, d):
     """Knobs that change how the same arithmetic is issued, not the arithmetic, give the outputs without them exactly.
     PACKED_CVT rounds P to bf16 as `.to` does (to nearest even) and packs each pair in the order the P V wgmma reads
     it: a swapped pair would pair each P with the wrong key's V. OVERLAP_ITEMS finishes an item's last P V and
     stores its O while the next item's first Q K^T runs: a stage released early, an O stored before its last product
-    or to the next item's rows would show. ALTERNATE hands the same items to other programs: an item left out or
-    taken twice would show. Batches of many items a program (an SM walks 132 programs' worth), with items past a
-    short sequence's end skipped between held ones, and rounds the items do not fill."""
+    or to the next item's rows would show. ALTERNATE and BALANCED hand the same items to other programs: an item
+    left out or taken twice would show. Batches of many items a program (an SM walks 132 programs' worth), with
+    items past a short sequence's end skipped between held ones, and rounds the items do not fill."""
     plain = _load(GLUON_PREFILL, {**knobs, knob: False}, knob_dir)
     changed = _load(GLUON_PREFILL, {**knobs, knob: True}, knob_dir)
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -163,8 +165,8 @@ def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on
         assert torch.equal(changed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"
 
 
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}],
-                         ids=["persistent", "dynamic", "one-warpgroup"])
+@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}, {"BALANCED": True}],
+                         ids=["persistent", "dynamic", "one-warpgroup", "balanced"])
 def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
     """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
     two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a
@@ -188,3 +190,33 @@ def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializ
             key = mod._specialization(q.device, args, consts)
             assert seen.setdefault(key, spec) == spec, f"lengths {lens}, cu_seqlens offset {offset}: {key}"
     assert len(seen) >= 6, "the calls met few specializations: nothing tested the key"
+
+
+@pytest.mark.parametrize("sequence_major", [False, True], ids=["heaviest-first", "sequence-major"])
+def test_the_gluon_prefills_dealt_walk_gives_every_item_once_and_evens_the_programs_work(knob_dir, sequence_major):
+    """BALANCED's walk (`deal`, made on the host from shapes): each program's items in the kernel's layout (the
+    walk's length, then round by round each program's next item, num_items where it has none left) hold every work
+    item exactly once, each program's heaviest first; and the busiest program's work (its items' K/V tiles, as the
+    kernel walks them) is within 1% of the mean at 4 x 2k, 1 x 8k and 8 x 4k on 132 programs, where the plain stride's
+    is 3%, 6% and 1.6% over it (and 3 x 3000, 4.8%)."""
+    mod = _load(GLUON_PREFILL, {"BALANCED": True, "SEQUENCE_MAJOR": sequence_major}, knob_dir)
+    rows = 2 * mod.BLOCK_M
+    for batch, length, plain_over in ((4, 2048, 1.03), (1, 8192, 1.06), (8, 4096, 1.015), (3, 3000, 1.04)):
+        tiles, programs, heads = -(-length // rows), 132, 32
+        items = heads * batch * tiles
+        walk = mod.deal(heads, batch, tiles, programs)
+        assert walk[0] == len(walk) - 1 and walk[0] % programs == 0
+        dealt = walk[1:]
+        assert sorted(i for i in dealt if i != items) == list(range(items)), f"{batch} x {length}: items lost or twice"
+
+        def cost(item):        # the item's K/V tiles, from where the kernel puts its rows (_ws_item)
+            rest = item // heads
+            tile = tiles - 1 - (rest % tiles if sequence_major else rest // batch)
+            return -(-min(length, (tile + 1) * rows) // mod.BLOCK_N)
+        work = [sum(cost(i) for i in dealt[p::programs] if i != items) for p in range(programs)]
+        plain = [sum(cost(i) for i in range(p, items, programs)) for p in range(programs)]
+        mean = sum(work) / programs
+        for p in range(programs):
+            mine = [cost(i) for i in dealt[p::programs] if i != items]
+            assert mine == sorted(mine, reverse=True), f"program {p}: not heaviest first"
+        assert max(work) / mean < 1.01 and max(plain) / mean >= plain_over, (batch, length, max(work) / mean)

@@ -50,7 +50,8 @@ Why shared memory bounds it (arithmetic, not a measurement)
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
-    that the program that took a round's heaviest item takes the next round's lightest), DYNAMIC,
+    that the program that took a round's heaviest item takes the next round's lightest), BALANCED (each program
+    walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape), DYNAMIC,
     RESCALE_THRESHOLD (FlashAttention-4's conditional rescaling: O and l keep their scale until some row's max grows
     by more than 2^threshold, one decision a warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer
     issues an item's last P V with the next item's first Q K^T and stores O while that product runs; needs 3+
@@ -100,7 +101,14 @@ Known limits
       and out-of-range shared addresses on an H100 (compute-sanitizer at the branch's wgmma) though its TTGIR read
       right. Its loop now walks live items only and issues its products unconditionally (a product of zeros
       before the first item); only the store and the barrier arrivals are under `if`.
+    * BALANCED deals each new shape (heads, batch, query tiles) on the host: 0.7 ms at 4 x 2k, 2.6 ms at 8 x 4k on
+      one CPU core, then a copy to the device; the last 256 shapes are kept. A CUDA graph captured around such a
+      call reads its shape's walk from the device buffer kept here, which is released 256 shapes later (the served
+      engine runs prefill eagerly). Compiled for sm90 it has the defaults' registers and shared memory (168, 128
+      KB) and 56 more SASS instructions (the walk's loads). A ragged batch is dealt as if every sequence filled
+      max_seqlen's query tiles.
 """
+import heapq
 from functools import lru_cache
 
 import torch
@@ -123,6 +131,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 ALTERNATE = False  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
+BALANCED = False  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
 OVERLAP_ITEMS = False  # PRODUCER_WARP, 3+ stages, not DYNAMIC: an item's last P V beside the next one's first Q K^T
@@ -352,21 +361,27 @@ def _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl
 
 
 @gluon.jit
-def _ws_walk_end(num_items, ALTERNATE: gl.constexpr):
-    """Where each program's walk over positions program_id, program_id + programs, ... ends: num_items, or (ALTERNATE)
-    a whole number of rounds, positions past the last item mapping to none."""
-    if ALTERNATE:
+def _ws_walk_end(num_items, work_ptr, WALK: gl.constexpr):
+    """Where each program's walk over positions program_id, program_id + programs, ... ends: num_items, or (WALK 1,
+    ALTERNATE) a whole number of rounds, positions past the last item mapping to none, or (WALK 2, BALANCED) the
+    dealt walk's length, its first entry."""
+    if WALK == 2:
+        return gl.load(work_ptr)
+    elif WALK == 1:
         return gl.cdiv(num_items, gl.num_programs(0)) * gl.num_programs(0)
     else:
         return num_items
 
 
 @gluon.jit
-def _ws_nth(k, ALTERNATE: gl.constexpr):
-    """Position k (program_id + round x programs) -> its work item: k, or (ALTERNATE) on odd rounds the item of the
-    mirrored program, so that the program that took a round's heaviest item takes the next round's lightest (items
-    go heaviest first: a plain walk gives program 0 the heavier item of every round)."""
-    if ALTERNATE:
+def _ws_nth(k, work_ptr, WALK: gl.constexpr):
+    """Position k (program_id + round x programs) -> its work item: k, or (WALK 1, ALTERNATE) on odd rounds the item
+    of the mirrored program, so that the program that took a round's heaviest item takes the next round's lightest
+    (items go heaviest first: a plain walk gives program 0 the heavier item of every round), or (WALK 2, BALANCED)
+    the dealt walk's entry (num_items where a program has no item left)."""
+    if WALK == 2:
+        return gl.load(work_ptr + 1 + k)
+    elif WALK == 1:
         programs = gl.num_programs(0)
         r = k // programs
         return k + (r & 1) * (programs - 1 - 2 * (k - r * programs))
@@ -375,14 +390,14 @@ def _ws_nth(k, ALTERNATE: gl.constexpr):
 
 
 @gluon.jit
-def _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+def _ws_grab(work_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
              SEQUENCE_MAJOR: gl.constexpr):
     """DYNAMIC: the next item with rows in its sequence from the counter all programs share, or one past the last
     (the atomic runs on one lane; the warp gets its result)."""
-    item = gl.atomic_add(counter_ptr, 1)
+    item = gl.atomic_add(work_ptr, 1)
     while (item < num_items) & (not _ws_live(item, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
                                              SEQUENCE_MAJOR)):
-        item = gl.atomic_add(counter_ptr, 1)
+        item = gl.atomic_add(work_ptr, 1)
     return item
 
 
@@ -415,10 +430,10 @@ def _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty
 
 @gluon.jit
 def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, item_smem,
-               o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+               o_ptr, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-               DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
+               DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WALK: gl.constexpr, WG: gl.constexpr):
     """The loader warp, over the program's work items (items program_id, program_id + programs, ...; DYNAMIC:
     taken from the shared counter, then an end mark, num_items, with a bare arrival on Q's barrier). Its
     arguments are the consumers': Gluon gives every worker partition the same signature. The ring's
@@ -426,20 +441,20 @@ def _ws_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, r
     slot = 0
     done = 0
     if DYNAMIC:
-        item = _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
+        item = _ws_grab(work_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
         while item < num_items:
             pid_h, seq_start, seq_len, m0 = _ws_item(item, cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
                                                      SEQUENCE_MAJOR)
             slot, done = _ws_load_item(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty,
                                        item_smem, item, pid_h, seq_start, seq_len, m0, slot, done, GROUP, HEAD_DIM,
                                        BLOCK_M, BLOCK_N, STAGES, DYNAMIC)
-            item = _ws_grab(counter_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
+            item = _ws_grab(work_ptr, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR)
         mbarrier.wait(q_empty, (done & 1) ^ 1)              # the consumers have read the last item's number
         item_smem.store(gl.zeros([1], gl.int32, gl.BlockedLayout([1], [32], [1], [0])) + num_items)
         mbarrier.arrive(q_bar, count=1)
     else:
-        for k in range(gl.program_id(0), _ws_walk_end(num_items, ALTERNATE), gl.num_programs(0)):
-            item = _ws_nth(k, ALTERNATE)
+        for k in range(gl.program_id(0), _ws_walk_end(num_items, work_ptr, WALK), gl.num_programs(0)):
+            item = _ws_nth(k, work_ptr, WALK)
             pid_h, seq_start, seq_len, m0 = _ws_item(gl.minimum(item, num_items - 1), cu_ptr, num_heads, batch,
                                                      num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
             if (item < num_items) & (m0 < seq_len):
@@ -551,22 +566,22 @@ def _ws_consume_item(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, rea
 
 
 @gluon.jit
-def _ws_next_live(k, step, end, cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
-                  SEQUENCE_MAJOR: gl.constexpr, ALTERNATE: gl.constexpr):
+def _ws_next_live(k, step, end, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M: gl.constexpr,
+                  SEQUENCE_MAJOR: gl.constexpr, WALK: gl.constexpr):
     """The first of positions k, k + step, ... (before `end`) whose item has rows in its sequence, or one at or past
     `end`."""
-    while (k < end) & (not _ws_live(_ws_nth(k, ALTERNATE), cu_ptr, num_heads, batch, num_m_tiles, num_items, BLOCK_M,
-                                    SEQUENCE_MAJOR)):
+    while (k < end) & (not _ws_live(_ws_nth(k, work_ptr, WALK), cu_ptr, num_heads, batch, num_m_tiles, num_items,
+                                    BLOCK_M, SEQUENCE_MAJOR)):
         k += step
     return k
 
 
 @gluon.jit
 def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
-                            cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+                            cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr,
-                            SEQUENCE_MAJOR: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
+                            SEQUENCE_MAJOR: gl.constexpr, WALK: gl.constexpr, WG: gl.constexpr):
     """OVERLAP_ITEMS: consumer warpgroup WG over its live items of program_id, program_id + programs, ..., each
     item's last P V issued together with the next item's first Q K^T, its stage released and its O stored once the
     first is done (the previous item's P, acc, l and where its rows go carried into the next iteration). Needs
@@ -593,12 +608,12 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
     out_len = 0
     out_m = 0
     out_h = 0
-    end = _ws_walk_end(num_items, ALTERNATE)
-    k = _ws_next_live(gl.program_id(0), gl.num_programs(0), end, cu_ptr, num_heads, batch, num_m_tiles, num_items,
-                      BLOCK_M, SEQUENCE_MAJOR, ALTERNATE)
+    end = _ws_walk_end(num_items, work_ptr, WALK)
+    k = _ws_next_live(gl.program_id(0), gl.num_programs(0), end, cu_ptr, work_ptr, num_heads, batch, num_m_tiles,
+                      num_items, BLOCK_M, SEQUENCE_MAJOR, WALK)
     while k < end:
-        pid_h, seq_start, seq_len, m0 = _ws_item(_ws_nth(k, ALTERNATE), cu_ptr, num_heads, batch, num_m_tiles, BLOCK_M,
-                                                 SEQUENCE_MAJOR)
+        pid_h, seq_start, seq_len, m0 = _ws_item(_ws_nth(k, work_ptr, WALK), cu_ptr, num_heads, batch, num_m_tiles,
+                                                 BLOCK_M, SEQUENCE_MAJOR)
         n_tiles, m_start, my_n = _ws_rows(seq_len, m0, BLOCK_M, BLOCK_N, WG)
         q_op = _ws_q(q_smem, q_bar, q_empty, done, s_layout, Q_REGS, True, WG)
         mbarrier.wait(ready.index(slot % STAGES), (slot // STAGES) & 1)
@@ -629,8 +644,8 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
         slot = stop
         done += 1
         turn += _ws_turns(m0, my_n, BLOCK_N)
-        k = _ws_next_live(k + gl.num_programs(0), gl.num_programs(0), end, cu_ptr, num_heads, batch, num_m_tiles,
-                          num_items, BLOCK_M, SEQUENCE_MAJOR, ALTERNATE)
+        k = _ws_next_live(k + gl.num_programs(0), gl.num_programs(0), end, cu_ptr, work_ptr, num_heads, batch,
+                          num_m_tiles, num_items, BLOCK_M, SEQUENCE_MAJOR, WALK)
     acc = _last_pv(p_prev, v_smem, acc, last, STAGES)
     if held:
         _ws_retire(acc, l_i, ready, empty, o_ptr, last, stop, out_start, out_len, out_m, out_h, stride_ot, stride_oh,
@@ -639,10 +654,10 @@ def _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_emp
 
 @gluon.jit
 def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, item_smem,
-                 o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
+                 o_ptr, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr, Q_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                 DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr, WG: gl.constexpr):
+                 DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WALK: gl.constexpr, WG: gl.constexpr):
     """Consumer warpgroup WG over the program's work items (DYNAMIC: each item's number read from `item_smem`
     once Q's barrier completes, until the end mark)."""
     slot = 0
@@ -662,11 +677,12 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
             item = _ws_item_id(item_smem)
     elif OVERLAP_ITEMS and STAGES >= 3:      # (it waits for the next item's first tile before releasing a stage)
         _ws_consumer_overlapped(k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns, o_ptr,
-                                cu_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot, stride_oh,
-                                HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, ALTERNATE, WG)
+                                cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale, stride_ot,
+                                stride_oh, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG, SEQUENCE_MAJOR, WALK,
+                                WG)
     else:
-        for k in range(gl.program_id(0), _ws_walk_end(num_items, ALTERNATE), gl.num_programs(0)):
-            item = _ws_nth(k, ALTERNATE)
+        for k in range(gl.program_id(0), _ws_walk_end(num_items, work_ptr, WALK), gl.num_programs(0)):
+            item = _ws_nth(k, work_ptr, WALK)
             pid_h, seq_start, seq_len, m0 = _ws_item(gl.minimum(item, num_items - 1), cu_ptr, num_heads, batch,
                                                      num_m_tiles, BLOCK_M, SEQUENCE_MAJOR)
             if (item < num_items) & (m0 < seq_len):
@@ -678,10 +694,10 @@ def _ws_consumer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty,
 
 @gluon.jit
 def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_tiles, stride_ot, stride_oh, num_heads,
-                       batch, num_items, counter_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       batch, num_items, work_ptr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, Q_REGS: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr, SEQUENCE_MAJOR: gl.constexpr,
-                       DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, ALTERNATE: gl.constexpr,
+                       DYNAMIC: gl.constexpr, OVERLAP_ITEMS: gl.constexpr, WALK: gl.constexpr,
                        num_warps: gl.constexpr):
     """PRODUCER_WARP: a work item is 2 x BLOCK_M query rows of one head of one sequence; a program takes items
     program_id, program_id + programs, ... (one each unless PERSISTENT; DYNAMIC: from a shared counter). Its
@@ -705,17 +721,17 @@ def _prefill_ws_kernel(q_desc, k_desc, v_desc, o_ptr, cu_ptr, qk_scale, num_m_ti
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
-                        item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                        item_smem, o_ptr, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 0)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, WALK, 0)),
         (_ws_consumer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
-                        item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                        item_smem, o_ptr, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                         stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 1)),
+                        SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, WALK, 1)),
         (_ws_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, q_empty, ready, empty, turns,
-                      item_smem, o_ptr, cu_ptr, counter_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
+                      item_smem, o_ptr, cu_ptr, work_ptr, num_heads, batch, num_m_tiles, num_items, qk_scale,
                       stride_ot, stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, Q_REGS, PINGPONG,
-                      SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, ALTERNATE, 1)),
+                      SEQUENCE_MAJOR, DYNAMIC, OVERLAP_ITEMS, WALK, 1)),
     ], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -771,10 +787,65 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
         return (hq, num_m_tiles, batch), args, consts
     num_items = hq * batch * num_m_tiles
     programs = min(num_items, sm_count) if PERSISTENT or DYNAMIC else num_items
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if DYNAMIC else cu_seqlens   # (read only if DYNAMIC)
-    return (programs, ), [*args, hq, batch, num_items, counter], \
+    if DYNAMIC:
+        work = torch.zeros(1, dtype=torch.int32, device=q.device)          # the counter all programs take items from
+    elif walk() == 2:
+        work = _dealt(q.device, hq, batch, num_m_tiles, programs)
+    else:
+        work = cu_seqlens                                                  # (not read)
+    return (programs, ), [*args, hq, batch, num_items, work], \
         dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
-             OVERLAP_ITEMS=OVERLAP_ITEMS, ALTERNATE=ALTERNATE)
+             OVERLAP_ITEMS=OVERLAP_ITEMS, WALK=walk())
+
+
+def walk():
+    """The kernel's WALK over a persistent program's positions: 0 the plain stride, 1 ALTERNATE, 2 BALANCED (the
+    dealt walk); 0 unless PERSISTENT and not DYNAMIC."""
+    return 0 if DYNAMIC or not PERSISTENT else 2 if BALANCED else 1 if ALTERNATE else 0
+
+
+_ITEM_TILES = 1   # BALANCED: what an item costs beyond its K/V tiles (its Q, its O's store), in tiles
+_DEALT = {}       # BALANCED: (device, shape) -> the dealt walk on the host and on that device
+_DEALT_KEPT = 256
+
+
+def deal(num_heads, batch, num_m_tiles, programs):
+    """BALANCED's walk: the work items dealt heaviest first to the programs with the least work so far, an item
+    costing its K/V tiles as if its sequence filled all num_m_tiles query tiles, plus _ITEM_TILES (longest
+    processing time first; ties to the lower program, items of equal cost in their order). Returned as the kernel
+    reads it: the walk's length (rounds x programs), then, round by round, each program's next item (num_items where
+    it has none left). Shapes only: the items past a shorter sequence's end are skipped where they fall."""
+    num_items = num_heads * batch * num_m_tiles
+    rows = 2 * BLOCK_M
+    by_tile = [[] for _ in range(num_m_tiles)]
+    for item in range(num_items):
+        rest = item // num_heads
+        by_tile[num_m_tiles - 1 - (rest % num_m_tiles if SEQUENCE_MAJOR else rest // batch)].append(item)
+    loads = [(0, p) for p in range(programs)]          # a heap: (work so far, program)
+    walks = [[] for _ in range(programs)]
+    for tile in range(num_m_tiles - 1, -1, -1):
+        cost = triton.cdiv((tile + 1) * rows, BLOCK_N) + _ITEM_TILES
+        for item in by_tile[tile]:
+            load, p = loads[0]
+            walks[p].append(item)
+            heapq.heapreplace(loads, (load + cost, p))
+    rounds = max(len(w) for w in walks)
+    return [rounds * programs] + [w[r] if r < len(w) else num_items for r in range(rounds) for w in walks]
+
+
+def _dealt(device, num_heads, batch, num_m_tiles, programs):
+    """deal(...) on `device`, made once per shape (the last _DEALT_KEPT kept): copied from pinned host memory without
+    waiting for the GPU (a copy from pageable memory would wait for the work queued before it); the host copy is
+    kept with it."""
+    key = (device, num_heads, batch, num_m_tiles, programs, BLOCK_M, BLOCK_N, SEQUENCE_MAJOR)
+    if key not in _DEALT:
+        if len(_DEALT) >= _DEALT_KEPT:
+            _DEALT.pop(next(iter(_DEALT)))                                  # the oldest shape's
+        host = torch.tensor(deal(num_heads, batch, num_m_tiles, programs), dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        _DEALT[key] = (host, host.to(device, non_blocking=True))
+    return _DEALT[key][1]
 
 
 _compiled = {}   # DIRECT_LAUNCH: _specialization(...) -> the kernel compiled for it

@@ -8,13 +8,15 @@ from the last); program p takes positions p, p + P, p + 2P, ... A position is th
 ALTERNATE on odd rounds the item of the mirrored program (round r, program p: item r P + P - 1 - p). An item's cost
 here is its K/V tiles (64 keys each: the causal keys of its 128 rows); the kernel's time follows the busiest program.
 Printed per row: items a program, and the busiest program's work over the mean for the plain walk, ALTERNATE, and
-greedy longest-first (each item to the least loaded program: what a shared counter, DYNAMIC, approaches).
+BALANCED (the walk the family's own `deal` makes on the host: each item, heaviest first, to the least loaded program,
+which is also what a shared counter, DYNAMIC, approaches).
 """
 from __future__ import annotations
 
 import argparse
-import heapq
+import importlib.util
 import math
+import pathlib
 
 HEADS, ROWS, KEYS = 32, 128, 64
 
@@ -40,11 +42,19 @@ def busiest(costs: list[int], programs: int, alternate: bool) -> int:
     return max(loads)
 
 
-def greedy(costs: list[int], programs: int) -> int:
-    heap = [0] * programs
-    for c in costs:                      # already heaviest first
-        heapq.heapreplace(heap, heap[0] + c)
-    return max(heap)
+def family():
+    """knowledge/attention/prefill_gluon_sm90.py as a module (its host side; nothing is compiled)."""
+    path = pathlib.Path(__file__).resolve().parents[2] / "knowledge" / "attention" / "prefill_gluon_sm90.py"
+    spec = importlib.util.spec_from_file_location("prefill_gluon_sm90", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def dealt(costs: list[int], programs: int, batch: int, length: int, deal) -> int:
+    """The busiest program's work on the family's dealt walk (BALANCED)."""
+    walk = deal(HEADS, batch, math.ceil(length / ROWS), programs)[1:]
+    return max(sum(costs[i] for i in walk[p::programs] if i < len(costs)) for p in range(programs))
 
 
 def main(argv=None) -> int:
@@ -52,14 +62,15 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", type=int, default=132, help="persistent programs (SMs: 132 on an H100 or H200)")
     ap.add_argument("--rows", default="4x2048,1x8192,8x4096,2x2048,16x1024", help="comma list of BxL")
     args = ap.parse_args(argv)
-    print("| B x L | items a program | plain walk | ALTERNATE | greedy longest-first |")
+    deal = family().deal
+    print("| B x L | items a program | plain walk | ALTERNATE | BALANCED |")
     print("|---|---|---|---|---|")
     for row in args.rows.split(","):
         batch, length = (int(n) for n in row.split("x"))
         costs = item_costs(batch, length)
         mean = sum(costs) / args.programs
         cells = [busiest(costs, args.programs, False), busiest(costs, args.programs, True),
-                 greedy(costs, args.programs)]
+                 dealt(costs, args.programs, batch, length, deal)]
         print(f"| {row} | {len(costs) / args.programs:.1f} | " + " | ".join(f"{c / mean:.3f}" for c in cells) + " |")
     return 0
 

@@ -94,10 +94,12 @@ def compile_prefill_kernel(mod):
                   STAGES=getattr(mod, "NUM_STAGES", 1), num_warps=options.get("num_warps", mod.NUM_WARPS))
     consts = {k: v for k, v in consts.items() if k in names}
     consts.update({n: getattr(mod, n) for n in names if n.isupper() and n not in consts and hasattr(mod, n)})
+    if "WALK" in names:
+        consts["WALK"] = mod.walk()     # the Gluon family's walk, from its knobs
     q_layout, kv_layout = (f",{layout!r}" for layout in mod.layouts(128)) if gluon else ("", "")
     descs = {"q": f"tensordesc<bf16[{mod.BLOCK_M}, 128]{q_layout}>", "k": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>",
              "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32",
-             "counter_ptr": "*i32"}
+             "work_ptr": "*i32"}
     sig = {n: "constexpr" if n in consts else descs.get(n.split("_")[0] if n.endswith(("_src", "_desc")) else n)
            or ("fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
