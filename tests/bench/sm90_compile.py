@@ -106,6 +106,20 @@ def compile_prefill_kernel(mod):
     return _compile(fn, sig, consts, attrs, mod, options.get("maxnreg"), options.get("num_warps", mod.NUM_WARPS))
 
 
+def compile_gluon_decode(mod):
+    """The Gluon decode family's kernel (knowledge/attention/decode_gluon_sm90.py) at the bench shape: pages of 16
+    through tensor descriptors, several splits (partials)."""
+    fn = mod._decode_kernel
+    layout = mod.gl.NVMMASharedLayout.get_default_for([mod.BLOCK_N, 128], mod.gl.bfloat16)
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_N=mod.BLOCK_N, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False)
+    desc = f"tensordesc<bf16[16, 128],{layout!r}>"
+    sig = {n: "constexpr" if n in consts else desc if n.endswith("_desc") else POINTERS.get(n)
+           or ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    options = mod.launch_options()
+    attrs = [n for n in fn.arg_names if sig[n].startswith("*") or n.startswith("stride_")]
+    return _compile(fn, sig, consts, attrs, mod, options["maxnreg"], options["num_warps"])
+
+
 def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None, stages=None):
     """(registers, stack bytes, shared bytes, wgmma issued, Counter of its waits' pendings, PTX) for sm90; `stages`:
     the pipelining depth the module launches with where it is not its NUM_STAGES."""
@@ -148,6 +162,8 @@ def code_lines(ptx: str) -> list[str]:
 
 def _build(spec: str, tmp: pathlib.Path, batch: int):
     label, mod = load_spec(spec, tmp)
+    if hasattr(mod, "_decode_kernel"):
+        return label, mod, compile_gluon_decode(mod)
     compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
     return label, mod, compiled
 

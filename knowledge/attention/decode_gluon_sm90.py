@@ -1,0 +1,339 @@
+"""Paged GQA decode for Hopper in Gluon: a loader warp keeps a deep ring of whole K/V pages in flight by TMA, one
+consumer warpgroup a persistent program (a kernel family for kevo's proposer; sm90 only).
+
+Why
+    The Triton GQA family (decode_paged_gqa.py) reads 0.95-0.99x cuDNN SDPA on issue 16's rows. Measured under
+    CUDA graphs on an H100 its time fits a fixed cost plus a stream 1.5-2.3% slower than cuDNN's, and about 7 us
+    a call more where sequences split (the partials' merge after the last split). Triton 3.6's pipeliner keeps one
+    K/V buffer a program at NUM_STAGES 2-4 (the page-table load is what it runs ahead), so a program has little in
+    flight and the family needs 4 programs an SM, and splits at batch 16, to stream. cuDNN's decode keeps 86 KB a
+    program in flight, 2 programs an SM (ncu, H200). Here one program an SM keeps NUM_STAGES tiles of K and V
+    (32 KB each at BLOCK_N 64) in shared memory, filled by a one-warp loader a whole page a copy (TMA; no
+    per-token address in any register), so that one program streams alone: batch x kv heads >= the SM count
+    needs no split and no merge.
+
+What it does
+    A work item is (split, sequence, kv head): the GQA group's query heads, padded to 64 rows (one wgmma's M),
+    against tokens [start, end) of the sequence. Programs (min(items, SMs)) take items program_id, program_id +
+    programs, ...; the ring's count and its barriers' phases run on across items, so the loader fills the next
+    item's stages while the consumer finishes this one. The loader issues one TMA per page (PAGE rows of one kv
+    head, [blocks x PAGE, kv heads x d] seen as rows), BLOCK_N / PAGE pages a stage on one mbarrier, their
+    block-table entries read together a tile ahead; pages past the sequence's last are its last page again
+    (masked). The consumer: S = Q K^T (wgmma, Q in registers), an exp2 online softmax with sm_scale * log2 e
+    folded into one multiply, O += P V (P in registers); tokens at or past `end` are masked, and a stage holding
+    rows past the sequence has its V rows there zeroed in shared memory first (a page's unused slots may hold
+    anything, NaN included, and 0 x NaN is NaN). Splits: the grid's split count is from shapes (the fewest whose
+    items fill the programs' rounds to ROUND_FILL); each item sizes its sequence's splits from the real length on
+    the device, as the GQA family does. With more than one split in the grid every item writes a
+    partial (unnormalised O, max, sum; an item past its sequence's splits writes a max of -inf) and a small Triton
+    kernel merges them; with one, the consumer writes O.
+
+Knobs (module constants below, one per line)
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL.
+
+Compiled, not yet run (2026-12-05): see Known limits. Its GPU test is `pytest -m cuda tests/test_gluon_decode.py`,
+    its bench row tests/bench/vs_library.py with this file as a SPEC.
+
+Known limits
+    * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128; the page size must divide BLOCK_N; GQA groups up to 64
+      heads. A cache a tensor descriptor cannot read ([blocks, page, kv heads, d] contiguous, 16-byte aligned) is
+      refused (a copy of the whole cache a call would cost more than the call).
+    * Equal split counts for every sequence of a batch (as the GQA family): a ragged batch's longest chunk sets
+      the time; items are taken by index, not by cost.
+    * The group's rows are padded to 64: the tensor cores do 16x the work a group of 4 needs (cheap beside the
+      stream: about a fifth of a tile's load time at 3 TB/s).
+"""
+import torch
+import triton
+import triton.language as tl
+import triton.experimental.gluon as gluon
+import triton.experimental.gluon.language.nvidia.hopper.mbarrier as mbarrier
+import triton.experimental.gluon.language.nvidia.hopper.tma as tma
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+BLOCK_N = 64  # KV tokens a ring stage (whole pages)
+NUM_STAGES = 6  # ring stages of K and V (2 x BLOCK_N x d x 2 bytes each: 32 KB at 64 x 128)
+MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
+MAX_SPLITS = 16  # upper bound on splits per sequence
+ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this well (see grid_splits)
+
+_LOG2E = 1.4426950408889634
+ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
+_ROWS = gl.constexpr(ROWS)
+
+
+@gluon.jit
+def _item(item, seqlens_ptr, batch, num_kv_heads, max_splits, min_tokens, BLOCK_N: gl.constexpr):
+    """Work item -> (its split, sequence, kv head, the sequence's length, its split count, the split's tokens
+    [start, end)); split-major, so that a program's first item holds work. The split count and chunk come from the
+    real length, as the GQA family sizes them."""
+    per_split = batch * num_kv_heads
+    pid_s = item // per_split
+    rest = item - pid_s * per_split
+    pid_b = rest // num_kv_heads
+    pid_kvh = rest - pid_b * num_kv_heads
+    seq_len = gl.load(seqlens_ptr + pid_b)
+    n = gl.maximum(gl.minimum(max_splits, gl.cdiv(seq_len, min_tokens)), 1)
+    chunk = gl.maximum(gl.cdiv(gl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N, BLOCK_N)
+    n_split = gl.cdiv(seq_len, chunk)
+    start = pid_s * chunk
+    return pid_s, pid_b, pid_kvh, seq_len, n_split, start, gl.minimum(start + chunk, seq_len)
+
+
+@gluon.jit
+def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
+            num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
+            ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+            STAGES: gl.constexpr, SINGLE: gl.constexpr):
+    """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
+    consumer's: Gluon gives every partition one signature)."""
+    slot = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
+                                                                    max_splits, min_tokens, BLOCK_N)
+        if pid_s < n_split:
+            bt_row = bt_ptr + pid_b.to(gl.int64) * stride_btb
+            last_page = (seq_len - 1) // PAGE
+            col = pid_kvh * HEAD_DIM
+            offs_p = gl.arange(0, BLOCK_N // PAGE, layout=gl.BlockedLayout([1], [32], [1], [0]))
+            pages_next = gl.load(bt_row + gl.minimum(start // PAGE + offs_p, last_page))
+            for tile in range(gl.cdiv(end - start, BLOCK_N)):
+                # this tile's block-table entries, read one tile ahead (past the last, clamped to the last page)
+                pages = pages_next
+                pages_next = gl.load(bt_row + gl.minimum((start + (tile + 1) * BLOCK_N) // PAGE + offs_p, last_page))
+                s = slot % STAGES
+                mbarrier.wait(empty.index(s), ((slot // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * (BLOCK_N // PAGE) * k_desc.block_type.nbytes)
+                for p in gl.static_range(BLOCK_N // PAGE):
+                    row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE
+                    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem.index(s).slice(p * PAGE, PAGE))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem.index(s).slice(p * PAGE, PAGE))
+                slot += 1
+
+
+@gluon.jit
+def _p_bf16(p):
+    """P in bf16, two values an instruction (cvt.rn.bf16x2.f32, the low half the first), packed as the P V wgmma
+    reads them: `.to` converts one value at a time and ptxas then swaps the halves of each register."""
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16, is_pure=True,
+                                     pack=2)
+
+
+@gluon.jit
+def _zero_rows_from(v_tile, valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """V rows `valid` and on of a ring stage set to zero in shared memory, seen by the next wgmma (its async proxy)
+    once every consumer thread has written."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    v = v_tile.load(layout)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    v_tile.store(gl.where((rows < valid)[:, None], v, gl.zeros_like(v)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
+              num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
+              ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+              STAGES: gl.constexpr, SINGLE: gl.constexpr):
+    """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
+    grid) or its partial; an item past its sequence's splits writes a max of -inf."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    offs_g = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, rows_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
+    slot = 0
+    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+        pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
+                                                                    max_splits, min_tokens, BLOCK_N)
+        heads = pid_kvh * GROUP + offs_g
+        partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
+        if pid_s < n_split:
+            q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                        mask=(offs_g < GROUP)[:, None], other=0.0)
+            q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+            m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+            acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
+            for tile in range(gl.cdiv(end - start, BLOCK_N)):
+                s_idx = slot % STAGES
+                mbarrier.wait(ready.index(s_idx), (slot // STAGES) & 1)
+                k_tile = k_smem.index(s_idx)
+                v_tile = v_smem.index(s_idx)
+                pos0 = start + tile * BLOCK_N
+                if pos0 + BLOCK_N > seq_len:
+                    _zero_rows_from(v_tile, seq_len - pos0, BLOCK_N, HEAD_DIM)
+                s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout),
+                                      use_acc=False, is_async=True)
+                s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+                offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+                p = gl.exp2(s * qk_scale - m_new[:, None])
+                alpha = gl.exp2(m_i - m_new)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+                acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
+                mbarrier.arrive(empty.index(s_idx), count=1)
+                slot += 1
+            o = gl.convert_layout(acc, rows_layout)
+            m_r = gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout))
+            l_r = gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout))
+            mine = offs_g < GROUP
+            if SINGLE:
+                o = o * (1.0 / gl.where(l_r > 0.0, l_r, 1.0))[:, None]
+                gl.store(out_ptr + pid_b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         o.to(gl.bfloat16), mask=mine[:, None])
+            else:
+                rows = partial * GROUP + offs_g
+                gl.store(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mine[:, None])
+                gl.store(pm_ptr + 2 * rows, m_r, mask=mine)
+                gl.store(pm_ptr + 2 * rows + 1, l_r, mask=mine)
+        elif not SINGLE:
+            rows = partial * GROUP + offs_g
+            gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
+                     mask=offs_g < GROUP)
+
+
+@gluon.jit
+def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
+                   min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+                   STAGES: gl.constexpr, SINGLE: gl.constexpr):
+    """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
+    the loader warp over its items."""
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
+    gl.warp_specialize([
+        (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
+                     min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+                     k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE)),
+        (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
+                   min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+                   k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE)),
+    ], [1], [24])
+
+
+@triton.jit
+def _merge_kernel(out_ptr, po_ptr, pm_ptr, splits, stride_ob, stride_oh, GROUP: tl.constexpr, GP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, kv head)'s `splits` partials [split, group, d] (a max of -inf: none)."""
+    pid_kvh, pid_b = tl.program_id(0), tl.program_id(1)
+    row = (pid_b.to(tl.int64) * tl.num_programs(0) + pid_kvh) * splits
+    offs_c, offs_g, offs_d = tl.arange(0, SPLIT_CHUNK), tl.arange(0, GP), tl.arange(0, HEAD_DIM)
+    mask_g = offs_g < GROUP
+    m_run = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, HEAD_DIM], dtype=tl.float32)
+    for s0 in range(0, splits, SPLIT_CHUNK):
+        msk = ((s0 + offs_c)[:, None] < splits) & mask_g[None, :]
+        at = (row + s0 + offs_c)[:, None] * GROUP + offs_g[None, :]
+        m_s = tl.load(pm_ptr + 2 * at, mask=msk, other=float("-inf"))
+        live = m_s > float("-inf")
+        l_s = tl.load(pm_ptr + 2 * at + 1, mask=msk & live, other=0.0)
+        o_s = tl.load(po_ptr + at[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=(msk & live)[:, :, None],
+                      other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m_s, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.where(live, tl.exp2(m_s - m_ref[None, :]), 0.0)
+        alpha = tl.exp2(m_run - m_ref)
+        l_run = l_run * alpha + tl.sum(w * l_s, 0)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 0)
+        m_run = m_new
+    o = acc * (1.0 / tl.where(l_run > 0.0, l_run, 1.0))[:, None]
+    heads = pid_kvh * GROUP + offs_g
+    tl.store(out_ptr + pid_b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
+
+
+def launch_options():
+    """num_warps (the consumer's) and the registers a thread launches with: the loader's warp rounds up to a
+    warpgroup, so 8 warps share an SM's 65,536 registers at 128 a thread until setmaxnreg moves them (the loader
+    24, the consumer what is left)."""
+    return {"num_warps": 4, "maxnreg": 128}
+
+
+def launch_warps():
+    """Warps a program launches with, the loader's partition rounded up to a warpgroup."""
+    return 8
+
+
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def grid_splits(batch, num_kv_heads, table_tokens, programs):
+    """The grid's splits per sequence, from shapes only: of the counts a sequence of the table's width can take
+    (MIN_TOKENS_PER_SPLIT, MAX_SPLITS), the fewest whose items fill the programs' rounds (items / (rounds x
+    programs)) at least ROUND_FILL, else the one that fills them best (ties to fewer): each split more costs a
+    partial and its merge."""
+    pairs = max(1, batch * num_kv_heads)
+    cap = max(1, min(MAX_SPLITS, -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))))
+    best, best_fill = 1, 0.0
+    for s in range(1, cap + 1):
+        items = pairs * s
+        fill = items / (-(-items // programs) * programs)
+        if fill >= ROUND_FILL:
+            return s
+        if fill > best_fill + 1e-9:
+            best, best_fill = s, fill
+    return best
+
+
+def cache_rows(cache):
+    """A [blocks, page, kv heads, d] cache as TMA reads it, [blocks x page, kv heads x d] rows, or None where a
+    tensor descriptor cannot (not contiguous, or not 16-byte aligned)."""
+    blocks, page, heads, d = cache.shape
+    if not cache.is_contiguous() or cache.data_ptr() % 16:
+        return None
+    return cache.view(blocks * page, heads * d)
+
+
+def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+    batch, num_q_heads, head_dim = q.shape
+    num_blocks, page, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    assert q.dtype == torch.bfloat16 and q.is_cuda and head_dim in (64, 128), "bf16 on CUDA, head_dim 64 or 128"
+    assert BLOCK_N % page == 0 and page & (page - 1) == 0 and group <= ROWS, "pages of 2^k tokens dividing BLOCK_N"
+    assert q.stride(2) == 1 and block_table.stride(1) == 1
+    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    assert k_rows is not None and v_rows is not None, "a contiguous, 16-byte aligned [blocks, page, kv heads, d] cache"
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    programs_max = _sm_count(q.device)
+    splits = grid_splits(batch, num_kv_heads, block_table.shape[1] * page, programs_max)
+    items = splits * num_kv_heads * batch
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16)
+    k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page, head_dim], layout)
+                      for r in (k_rows, v_rows))
+    single = splits == 1
+    po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32,
+                                        device=q.device)
+    pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
+    _decode_kernel[(min(items, programs_max),)](
+        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, float(sm_scale) * _LOG2E, splits,
+        max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items, q.stride(0), q.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
+        **launch_options())
+    if not single:
+        _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group,
+                                             GP=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+                                             SPLIT_CHUNK=max(2, min(8, triton.next_power_of_2(splits))), num_warps=4)
+    return out

@@ -1,0 +1,96 @@
+"""The Gluon decode family (knowledge/attention/decode_gluon_sm90.py), tested like code. Gluon has no CPU
+interpreter: on a machine without CUDA the kernel is compiled for sm90 with Triton's own ptxas
+(tests/bench/sm90_compile.py) and its host side is checked; on a GPU (`pytest -m cuda`) every variant is compared
+with the float64 reference. Speed is measured on the GPU by tests/bench/vs_library.py, not here."""
+import pathlib
+
+import pytest
+import torch
+
+from test_kernel_families import sm90_lines
+from test_reference_kernels_standalone import _load, decode_reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+GLUON_DECODE = ROOT / "knowledge" / "attention" / "decode_gluon_sm90.py"
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def knob_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gluon_decode_variants")
+
+
+def test_the_gluon_decode_compiled_for_sm90_holds_its_ring_in_shared_memory_at_one_program_an_sm_without_spills():
+    """What the family is for: NUM_STAGES K/V tiles of 32 KB (BLOCK_N 64, d 128) in flight a program, one program
+    an SM, nothing spilled at the registers it launches with; at 3 stages two programs fit an SM."""
+    deep, shallow = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:NUM_STAGES=3"])
+    for line, per_sm in ((deep, 1), (shallow, 2)):
+        assert " 0 B stack" in line and f"at most {per_sm} programs per SM" in line, line
+    assert float(deep.split(" KB shared")[0].split()[-1]) >= 6 * 32, deep
+    assert "wgmma 2 in the code" in deep, deep
+
+
+def test_the_gluon_decodes_split_plan_fills_the_programs_rounds_with_the_fewest_splits(knob_dir):
+    """From shapes only: no split (and no merge) once batch x kv heads fills the programs' rounds to ROUND_FILL
+    (128 or 512 pairs on 132 programs: 97%); at 8 x 8 pairs two splits (128 items), where more would fill no
+    better; one sequence takes as many as fill them, but never more than the table's width allows at
+    MIN_TOKENS_PER_SPLIT, and where none fills them, the count that fills them best."""
+    mod = _load(GLUON_DECODE, None, knob_dir)
+    assert mod.grid_splits(16, 8, 8192, 132) == 1
+    assert mod.grid_splits(64, 8, 4096, 132) == 1
+    assert mod.grid_splits(8, 8, 32768, 132) == 2
+    assert mod.grid_splits(1, 8, 32768, 132) == 15        # 120 items: the first count past 90% of one round
+    assert mod.grid_splits(1, 8, 512, 132) == 2          # 512 tokens: at most two splits of 256
+    assert mod.grid_splits(1, 8, 100, 132) == 1
+    assert mod.grid_splits(23, 8, 4096, 132) == 2         # 184 pairs: 70% of two rounds; 368 items 93% of three
+
+
+def test_the_gluon_decode_refuses_a_cache_a_tensor_descriptor_cannot_read(knob_dir):
+    """A cache that is not [blocks, page, kv heads, d] contiguous is refused, not copied (a copy of the whole cache
+    every call): cache_rows says None for it and the contiguous rows view otherwise."""
+    mod = _load(GLUON_DECODE, None, knob_dir)
+    cache = torch.zeros(6, 16, 8, 128, dtype=torch.bfloat16)
+    assert mod.cache_rows(cache).shape == (96, 1024)
+    assert mod.cache_rows(cache.transpose(1, 2)) is None
+    assert mod.cache_rows(cache[:, :, :4]) is None
+
+
+def _inputs(lens, hq, hkv, d, page, seed):
+    """bf16 on CUDA: a shuffled paged cache, NaN in every slot no sequence owns (the last pages' tails, spare
+    blocks), block-table entries past a sequence's pages pointing anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(-(-n // page) for n in lens) + 2
+    blocks = len(lens) * width + 3
+    table = torch.randperm(blocks, generator=g)[:len(lens) * width].view(len(lens), width).to(torch.int32)
+    k = torch.full((blocks, page, hkv, d), float("nan"))
+    v = torch.full((blocks, page, hkv, d), float("nan"))
+    for b, n in enumerate(lens):
+        for t in range(n):
+            k[table[b, t // page], t % page] = torch.randn(hkv, d, generator=g)
+            v[table[b, t // page], t % page] = torch.randn(hkv, d, generator=g)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    cast = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+    return (*cast, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
+@pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
+    ({}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),       # several splits: partials and the merge
+    ({}, [300] * 63 + [1, 33, 2100], 16, 4, 128),                           # 264 items, no split: two a program
+    ({}, [5, 130, 3000], 16, 2, 64),                                        # a group of 8, d 64
+    ({"NUM_STAGES": 2}, [1, 17, 64, 65, 1500], 32, 8, 128),               # the ring wraps every other tile
+    ({"BLOCK_N": 32, "NUM_STAGES": 8}, [3, 31, 32, 33, 900], 32, 8, 128),
+    ({"BLOCK_N": 128, "NUM_STAGES": 3}, [1, 127, 128, 129, 2000], 32, 8, 128),
+    ({"MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, [70, 640, 2500], 32, 4, 128),
+], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits"])
+def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
+    """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
+    kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""
+    mod = _load(GLUON_DECODE, knobs, knob_dir)
+    q, k, v, table, lens_t = _inputs(lens, hq, hkv, d, 16, seed=len(lens) * 7 + d)
+    out = mod.decode(q, k, v, table, lens_t, d ** -0.5).double().cpu()
+    ref = decode_reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens_t.cpu(), d ** -0.5)
+    assert torch.isfinite(out).all(), "an output row unwritten or not finite"
+    assert (out - ref).abs().max() < 3.2e-2 and (out - ref).norm() / ref.norm() < 1.2e-2
