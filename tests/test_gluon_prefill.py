@@ -220,3 +220,18 @@ def test_the_gluon_prefills_dealt_walk_gives_every_item_once_and_evens_the_progr
             mine = [cost(i) for i in dealt[p::programs] if i != items]
             assert mine == sorted(mine, reverse=True), f"program {p}: not heaviest first"
         assert max(work) / mean < 1.01 and max(plain) / mean >= plain_over, (batch, length, max(work) / mean)
+
+
+def test_the_gluon_prefill_deals_shapes_of_up_to_64_items_a_program_and_walks_the_stride_past_them(knob_dir):
+    """BALANCED's host deal grows with the items (2.6 ms at 8 x 4k's 8,192 on one core): a launch deals its walk,
+    and hands the kernel WALK 2 with it, only up to 64 items a program; past that it walks the plain stride (WALK 0),
+    or ALTERNATE's where that knob is on, and no walk is made."""
+    for alternate, past in ((False, 0), (True, 1)):
+        mod = _load(GLUON_PREFILL, {"BALANCED": True, "ALTERNATE": alternate}, knob_dir)
+        for batch, max_len, kind in ((8, 4096, 2), (100, 1024, past)):   # 8,192 and 25,600 items on 132 programs
+            q, k, v = (torch.empty(batch, h, 64, dtype=torch.bfloat16) for h in (32, 8, 8))
+            cu = torch.arange(batch + 1, dtype=torch.int32)
+            mod._DEALT.clear()
+            _, args, consts = mod.launch_args(q, k, v, cu, max_len, 0.125, torch.empty_like(q), 132)
+            assert consts["WALK"] == kind, (batch, max_len, alternate)
+            assert (args[-1] is cu) == (kind != 2) and len(mod._DEALT) == (kind == 2)

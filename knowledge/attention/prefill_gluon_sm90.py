@@ -101,8 +101,9 @@ Known limits
       and out-of-range shared addresses on an H100 (compute-sanitizer at the branch's wgmma) though its TTGIR read
       right. Its loop now walks live items only and issues its products unconditionally (a product of zeros
       before the first item); only the store and the barrier arrivals are under `if`.
-    * BALANCED deals each new shape (heads, batch, query tiles) on the host: 0.7 ms at 4 x 2k, 2.6 ms at 8 x 4k on
-      one CPU core, then a copy to the device; the last 256 shapes are kept. A CUDA graph captured around such a
+    * BALANCED deals each new shape (heads, batch, query tiles) on the host: 0.6 ms at 4 x 2k, 2.6 ms at 8 x 4k on
+      one CPU core, then a copy to the device; the last 256 shapes are kept. Past 64 items a program (a deal of
+      more than about 3 ms) it walks the plain stride (or ALTERNATE's). A CUDA graph captured around such a
       call reads its shape's walk from the device buffer kept here, which is released 256 shapes later (the served
       engine runs prefill eagerly). Compiled for sm90 it has the defaults' registers and shared memory (168, 128
       KB) and 56 more SASS instructions (the walk's loads). A ragged batch is dealt as if every sequence filled
@@ -787,24 +788,32 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
         return (hq, num_m_tiles, batch), args, consts
     num_items = hq * batch * num_m_tiles
     programs = min(num_items, sm_count) if PERSISTENT or DYNAMIC else num_items
+    kind = walk(triton.cdiv(num_items, programs))
     if DYNAMIC:
         work = torch.zeros(1, dtype=torch.int32, device=q.device)          # the counter all programs take items from
-    elif walk() == 2:
+    elif kind == 2:
         work = _dealt(q.device, hq, batch, num_m_tiles, programs)
     else:
         work = cu_seqlens                                                  # (not read)
     return (programs, ), [*args, hq, batch, num_items, work], \
         dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
-             OVERLAP_ITEMS=OVERLAP_ITEMS, WALK=walk())
+             OVERLAP_ITEMS=OVERLAP_ITEMS, WALK=kind)
 
 
-def walk():
+def walk(rounds=1):
     """The kernel's WALK over a persistent program's positions: 0 the plain stride, 1 ALTERNATE, 2 BALANCED (the
-    dealt walk); 0 unless PERSISTENT and not DYNAMIC."""
-    return 0 if DYNAMIC or not PERSISTENT else 2 if BALANCED else 1 if ALTERNATE else 0
+    dealt walk, for up to _DEAL_ROUNDS items a program: past that the host's deal costs more than evening the
+    programs saves, the plain stride's busiest program then within 2% of the mean); 0 unless PERSISTENT and not
+    DYNAMIC."""
+    if DYNAMIC or not PERSISTENT:
+        return 0
+    if BALANCED and rounds <= _DEAL_ROUNDS:
+        return 2
+    return 1 if ALTERNATE else 0
 
 
 _ITEM_TILES = 1   # BALANCED: what an item costs beyond its K/V tiles (its Q, its O's store), in tiles
+_DEAL_ROUNDS = 64  # BALANCED: the most items a program a shape is dealt for (8 x 4k: 63; its deal 2.6 ms a CPU core)
 _DEALT = {}       # BALANCED: (device, shape) -> the dealt walk on the host and on that device
 _DEALT_KEPT = 256
 
