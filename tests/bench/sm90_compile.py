@@ -1,6 +1,6 @@
 """Compile check (not a test): build a decode family's kernel (decode_paged_gqa.py, decode_paged_lean.py, the
-reference decode_paged_splitkv.py), the TMA prefill family's (prefill_causal_tma.py) or the Gluon prefill's
-(knowledge/attention/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
+reference decode_paged_splitkv.py, the Gluon decode_gluon_sm90.py), the TMA prefill family's (prefill_causal_tma.py)
+or the Gluon prefill's (knowledge/attention/prefill_gluon_sm90.py) for sm90 on a machine without a GPU, with Triton's bundled ptxas, and print its
 registers, stack (spills) and shared memory per program, its warpgroup MMAs (wgmma): how many the kernel
 issues and how its waits leave them in flight, and its SASS (Triton's bundled nvdisasm): how many instructions,
 and how many of them byte permutes (PRMT, the Gluon prefill's P repacked: its knob PACKED_CVT).
@@ -99,7 +99,7 @@ def compile_prefill_kernel(mod):
     q_layout, kv_layout = (f",{layout!r}" for layout in mod.layouts(128)) if gluon else ("", "")
     descs = {"q": f"tensordesc<bf16[{mod.BLOCK_M}, 128]{q_layout}>", "k": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>",
              "v": f"tensordesc<bf16[{mod.BLOCK_N}, 128]{kv_layout}>", "o_ptr": "*bf16", "cu_ptr": "*i32",
-             "work_ptr": "*i32"}
+             "work_ptr": "*i32", "counter_ptr": "*i32"}      # (counter_ptr: the same argument before 2026-12-05)
     sig = {n: "constexpr" if n in consts else descs.get(n.split("_")[0] if n.endswith(("_src", "_desc")) else n)
            or ("fp32" if n == "qk_scale" else "i32") for n in names}
     attrs = [n for n in names if sig[n].startswith("*") or n.startswith("stride_")]
