@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from test_kernel_families import sm90_lines
-from test_reference_kernels_standalone import _load, decode_reference
+from test_reference_kernels_standalone import DEVICE, _load, decode_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GLUON_DECODE = ROOT / "knowledge" / "attention" / "decode_gluon_sm90.py"
@@ -54,6 +54,40 @@ def test_the_gluon_decode_refuses_a_cache_a_tensor_descriptor_cannot_read(knob_d
     assert mod.cache_rows(cache).shape == (96, 1024)
     assert mod.cache_rows(cache.transpose(1, 2)) is None
     assert mod.cache_rows(cache[:, :, :4]) is None
+
+
+def test_the_gluon_decodes_merge_weighs_each_live_split_and_ignores_dead_ones_whatever_they_hold(knob_dir):
+    """The split grid's merge (a plain Triton kernel: the CPU runs it in Triton's interpreter): partials as the
+    consumer writes them (per split, the exp2-domain max of its scaled scores, the sum of exp2 of the rest, the
+    unnormalised P V), the splits past a sequence's own marked by a max of -inf and their sum and O left as NaN
+    (never written). The merged rows equal softmax(scores) V of each (sequence, query head) over the live splits'
+    tokens alone."""
+    mod = _load(GLUON_DECODE, None, knob_dir)
+    g = torch.Generator().manual_seed(5)
+    batch, hkv, group, d, splits, chunk = 3, 2, 4, 64, 4, 16
+    live = [4, 1, 3]                                          # splits each sequence uses; the rest are dead
+    po = torch.full((batch, hkv, splits, group, d), float("nan"), dtype=torch.float64)
+    pm = torch.full((batch, hkv, splits, group, 2), float("nan"), dtype=torch.float64)
+    want = torch.empty(batch, hkv * group, d, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(hkv):
+            s = torch.randn(group, live[b] * chunk, generator=g, dtype=torch.float64) * 3
+            v = torch.randn(live[b] * chunk, d, generator=g, dtype=torch.float64)
+            want[b, h * group:(h + 1) * group] = torch.softmax(s, 1) @ v
+            z = s * 1.4426950408889634                        # the exp2 domain
+            for k in range(splits):
+                if k >= live[b]:
+                    pm[b, h, k, :, 0] = float("-inf")
+                    continue
+                zk, vk = z[:, k * chunk:(k + 1) * chunk], v[k * chunk:(k + 1) * chunk]
+                m = zk.max(1).values
+                p = torch.exp2(zk - m[:, None])
+                pm[b, h, k, :, 0], pm[b, h, k, :, 1], po[b, h, k] = m, p.sum(1), p @ vk
+    out = torch.zeros(batch, hkv * group, d, dtype=torch.float32, device=DEVICE)
+    mod._merge_kernel[(hkv, batch)](out, po.float().to(DEVICE), pm.float().to(DEVICE), splits, out.stride(0),
+                                    out.stride(1), GROUP=group, GP=group, HEAD_DIM=d, SPLIT_CHUNK=2, num_warps=4)
+    assert torch.isfinite(out).all()
+    assert (out.double().cpu() - want).abs().max() < 1e-5
 
 
 def _inputs(lens, hq, hkv, d, page, seed):
