@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from test_kernel_families import sm90_lines
-from test_reference_kernels_standalone import DEVICE, _load, decode_reference
+from test_reference_kernels_standalone import DEVICE, _load, decode_reference, make_decode_inputs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 GLUON_DECODE = ROOT / "knowledge" / "attention" / "decode_gluon_sm90.py"
@@ -90,24 +90,6 @@ def test_the_gluon_decodes_merge_weighs_each_live_split_and_ignores_dead_ones_wh
     assert (out.double().cpu() - want).abs().max() < 1e-5
 
 
-def _inputs(lens, hq, hkv, d, page, seed):
-    """bf16 on CUDA: a shuffled paged cache, NaN in every slot no sequence owns (the last pages' tails, spare
-    blocks), block-table entries past a sequence's pages pointing anywhere."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(-(-n // page) for n in lens) + 2
-    blocks = len(lens) * width + 3
-    table = torch.randperm(blocks, generator=g)[:len(lens) * width].view(len(lens), width).to(torch.int32)
-    k = torch.full((blocks, page, hkv, d), float("nan"))
-    v = torch.full((blocks, page, hkv, d), float("nan"))
-    for b, n in enumerate(lens):
-        for t in range(n):
-            k[table[b, t // page], t % page] = torch.randn(hkv, d, generator=g)
-            v[table[b, t // page], t % page] = torch.randn(hkv, d, generator=g)
-    q = torch.randn(len(lens), hq, d, generator=g)
-    cast = [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
-    return (*cast, table.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda"))
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
@@ -123,7 +105,8 @@ def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""
     mod = _load(GLUON_DECODE, knobs, knob_dir)
-    q, k, v, table, lens_t = _inputs(lens, hq, hkv, d, 16, seed=len(lens) * 7 + d)
+    q, k, v, table, lens_t = make_decode_inputs(lens, hq, hkv, d, 16, extra_pages=2, seed=len(lens) * 7 + d)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))        # (NaN stays NaN)
     out = mod.decode(q, k, v, table, lens_t, d ** -0.5).double().cpu()
     ref = decode_reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens_t.cpu(), d ** -0.5)
     assert torch.isfinite(out).all(), "an output row unwritten or not finite"
