@@ -846,7 +846,7 @@ def _dealt(device, num_heads, batch, num_m_tiles, programs):
     """deal(...) on `device`, made once per shape (the last _DEALT_KEPT kept): copied from pinned host memory without
     waiting for the GPU (a copy from pageable memory would wait for the work queued before it); the host copy is
     kept with it."""
-    key = (device, num_heads, batch, num_m_tiles, programs, BLOCK_M, BLOCK_N, SEQUENCE_MAJOR)
+    key = (device, num_heads, batch, num_m_tiles, programs)
     if key not in _DEALT:
         if len(_DEALT) >= _DEALT_KEPT:
             _DEALT.pop(next(iter(_DEALT)))                                  # the oldest shape's

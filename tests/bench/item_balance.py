@@ -14,9 +14,13 @@ which is also what a shared counter, DYNAMIC, approaches).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import pathlib
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from vs_library import load_spec  # noqa: E402
 
 HEADS, ROWS, KEYS = 32, 128, 64
 
@@ -42,15 +46,6 @@ def busiest(costs: list[int], programs: int, alternate: bool) -> int:
     return max(loads)
 
 
-def family():
-    """knowledge/attention/prefill_gluon_sm90.py as a module (its host side; nothing is compiled)."""
-    path = pathlib.Path(__file__).resolve().parents[2] / "knowledge" / "attention" / "prefill_gluon_sm90.py"
-    spec = importlib.util.spec_from_file_location("prefill_gluon_sm90", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def dealt(costs: list[int], programs: int, batch: int, length: int, deal) -> int:
     """The busiest program's work on the family's dealt walk (BALANCED)."""
     walk = deal(HEADS, batch, math.ceil(length / ROWS), programs)[1:]
@@ -62,7 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--programs", type=int, default=132, help="persistent programs (SMs: 132 on an H100 or H200)")
     ap.add_argument("--rows", default="4x2048,1x8192,8x4096,2x2048,16x1024", help="comma list of BxL")
     args = ap.parse_args(argv)
-    deal = family().deal
+    family = pathlib.Path(__file__).resolve().parents[2] / "knowledge" / "attention" / "prefill_gluon_sm90.py"
+    deal = load_spec(str(family), pathlib.Path(tempfile.mkdtemp(prefix="item_balance_")))[1].deal   # host side only
     print("| B x L | items a program | plain walk | ALTERNATE | BALANCED |")
     print("|---|---|---|---|---|")
     for row in args.rows.split(","):
