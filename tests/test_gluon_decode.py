@@ -21,14 +21,15 @@ def knob_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gluon_decode_variants")
 
 
-def test_the_gluon_decode_compiled_for_sm90_holds_its_ring_in_shared_memory_at_one_program_an_sm_without_spills():
-    """What the family is for: NUM_STAGES K/V tiles of 32 KB (BLOCK_N 64, d 128) in flight a program, one program
-    an SM, nothing spilled at the registers it launches with; at 3 stages two programs fit an SM."""
-    deep, shallow = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:NUM_STAGES=3"])
+def test_the_gluon_decode_compiled_for_sm90_holds_its_ring_in_shared_memory_without_spills():
+    """What the family is for: NUM_STAGES K/V tiles of 32 KB (BLOCK_N 64, d 128) in flight a program, nothing
+    spilled at the registers it launches with; at its 3 stages two programs fit an SM (PROGRAMS_PER_SM 2), at 6
+    one."""
+    shallow, deep = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:NUM_STAGES=6"])
     for line, per_sm in ((deep, 1), (shallow, 2)):
         assert " 0 B stack" in line and f"at most {per_sm} programs per SM" in line, line
-    assert float(deep.split(" KB shared")[0].split()[-1]) >= 6 * 32, deep
-    assert "wgmma 2 in the code" in deep, deep
+    assert float(shallow.split(" KB shared")[0].split()[-1]) >= 3 * 32, shallow
+    assert "wgmma 2 in the code" in shallow, shallow
 
 
 def test_the_gluon_decodes_split_plan_fills_the_programs_rounds_with_the_fewest_splits(knob_dir):
@@ -100,7 +101,9 @@ def test_the_gluon_decodes_merge_weighs_each_live_split_and_ignores_dead_ones_wh
     ({"BLOCK_N": 32, "NUM_STAGES": 8}, [3, 31, 32, 33, 900], 32, 8, 128),
     ({"BLOCK_N": 128, "NUM_STAGES": 3}, [1, 127, 128, 129, 2000], 32, 8, 128),
     ({"MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, [70, 640, 2500], 32, 4, 128),
-], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits"])
+    ({"PROGRAMS_PER_SM": 2, "BLOCK_N": 128, "NUM_STAGES": 1}, [1, 129, 700, 4000], 32, 8, 128),
+], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
+        "two-programs-an-sm"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

@@ -35,7 +35,7 @@ def test_a_role_reads_only_the_entries_for_its_ops_and_the_gpu_in_use():
 @pytest.mark.parametrize("entry", KERNELS, ids=[e.id for e in KERNELS])
 def test_each_catalog_kernel_passes_the_evaluator_up_to_parity(entry, evaluate_source):
     if entry.arch not in ("any", HERE):
-        pytest.skip(f"{entry.id} runs on {entry.arch} only (tests/test_gluon_prefill.py compiles it for that GPU)")
+        pytest.skip(f"{entry.id} runs on {entry.arch} only (tests/test_gluon_*.py compile it for that GPU)")
     verdict = evaluate_source((KNOWLEDGE / entry.files[0]).read_text(), until="parity")
     assert verdict.ok, verdict.reason
     assert [s.name for s in verdict.stages] == ["compile", "dispatch", "parity"]
@@ -70,7 +70,7 @@ def test_a_catalog_naming_a_missing_file_or_a_foreign_default_is_refused(tmp_pat
 
 def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_of_the_op():
     assert [e.id for e, _ in CATALOG.families("attention", "decode")] == ["decode-paged-splitkv", "decode-paged-gqa",
-                                                                          "decode-paged-lean"]
+                                                                          "decode-paged-lean", "decode-gluon-sm90"]
     assert CATALOG.family("attention", "decode")[0].id == "decode-paged-splitkv"
     moved = CATALOG.heads_first("attention", {"decode": "decode-paged-gqa"}, "cpu")
     assert moved.family("attention", "decode")[0].id == "decode-paged-gqa"
@@ -78,7 +78,7 @@ def test_the_heads_are_the_reference_kernels_unless_config_names_another_family_
     assert sorted(e.id for e in moved.entries) == sorted(e.id for e in CATALOG.entries)
     with pytest.raises(CatalogError, match=r"^agent.heads.decode: 'prefill-causal-tma' is not a kernel family of "
                                            r"attention.decode in knowledge/catalog.yaml \(known: decode-paged-splitkv, "
-                                           r"decode-paged-gqa, decode-paged-lean\)$"):
+                                           r"decode-paged-gqa, decode-paged-lean, decode-gluon-sm90\)$"):
         CATALOG.heads_first("attention", {"decode": "prefill-causal-tma"}, "sm90")
     with pytest.raises(CatalogError, match=r"^agent.heads.prefill: prefill-gluon-sm90 runs on sm90 only, not on this "
                                            r"device \(cpu\)$"):

@@ -29,7 +29,7 @@ What it does
     kernel merges them; with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL.
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM.
 
 Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): 128 registers, nothing spilled,
     200 KB shared (6 stages), one program an SM; at 3 stages 104 KB, two. One block-table load a stage; each page's
@@ -57,10 +57,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK_N = 64  # KV tokens a ring stage (whole pages)
-NUM_STAGES = 6  # ring stages of K and V (2 x BLOCK_N x d x 2 bytes each: 32 KB at 64 x 128)
+NUM_STAGES = 3  # ring stages of K and V (2 x BLOCK_N x d x 2 bytes each: 32 KB at 64 x 128)
 MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
 MAX_SPLITS = 16  # upper bound on splits per sequence
 ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this well (see grid_splits)
+PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
@@ -319,7 +320,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    sms = _sm_count(q.device)
+    sms = _sm_count(q.device) * PROGRAMS_PER_SM
     splits = grid_splits(batch, num_kv_heads, block_table.shape[1] * page, sms)
     items = splits * num_kv_heads * batch
     layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16)
