@@ -51,7 +51,9 @@ Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
     that the program that took a round's heaviest item takes the next round's lightest), BALANCED (each program
-    walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape), DYNAMIC,
+    walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape; the
+    default since 2026-12-05: on an H100 over four passes 1.127-1.156x / 0.970-0.979x / 1.047-1.083x cuDNN at 1 x 1k /
+    4 x 2k / 1 x 8k against the plain stride's 1.009-1.028x / 0.960-0.972x / 0.994-1.035x), DYNAMIC,
     RESCALE_THRESHOLD (FlashAttention-4's conditional rescaling: O and l keep their scale until some row's max grows
     by more than 2^threshold, one decision a warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer
     issues an item's last P V with the next item's first Q K^T and stores O while that product runs; needs 3+
@@ -102,8 +104,9 @@ Known limits
       right. Its loop now walks live items only and issues its products unconditionally (a product of zeros
       before the first item); only the store and the barrier arrivals are under `if`.
     * BALANCED deals each new shape (heads, batch, query tiles) on the host: 0.6 ms at 4 x 2k, 2.6 ms at 8 x 4k on
-      one CPU core, then a copy to the device; the last 256 shapes are kept. Past 64 items a program (a deal of
-      more than about 3 ms) it walks the plain stride (or ALTERNATE's). A CUDA graph captured around such a
+      one CPU core, then a copy to the device; the last 256 shapes are kept. Past 32 items a program it walks the
+      plain stride (or ALTERNATE's): at 8 x 4k (63) the dealt walk measured 0.907-0.946x cuDNN over five passes
+      against the stride's 0.890-0.956x (H100), no better for its 2.6 ms deal. A CUDA graph captured around such a
       call reads its shape's walk from the device buffer kept here, which is released 256 shapes later (the served
       engine runs prefill eagerly). Compiled for sm90 it has the defaults' registers and shared memory (168, 128
       KB) and 56 more SASS instructions (the walk's loads). A ragged batch is dealt as if every sequence filled
@@ -132,7 +135,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 ALTERNATE = False  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
-BALANCED = False  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
+BALANCED = True  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
 OVERLAP_ITEMS = False  # PRODUCER_WARP, 3+ stages, not DYNAMIC: an item's last P V beside the next one's first Q K^T
@@ -803,8 +806,8 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
 def walk(rounds=1):
     """The kernel's WALK over a persistent program's positions: 0 the plain stride, 1 ALTERNATE, 2 BALANCED (the
     dealt walk, for up to _DEAL_ROUNDS items a program: past that the host's deal costs more than evening the
-    programs saves, the plain stride's busiest program then within 2% of the mean); 0 unless PERSISTENT and not
-    DYNAMIC."""
+    programs saves, and the plain stride measured as fast; its busiest program within 2% of the mean); 0 unless
+    PERSISTENT and not DYNAMIC."""
     if DYNAMIC or not PERSISTENT:
         return 0
     if BALANCED and rounds <= _DEAL_ROUNDS:
@@ -813,7 +816,7 @@ def walk(rounds=1):
 
 
 _ITEM_TILES = 1   # BALANCED: what an item costs beyond its K/V tiles (its Q, its O's store), in tiles
-_DEAL_ROUNDS = 64  # BALANCED: the most items a program a shape is dealt for (8 x 4k: 63; its deal 2.6 ms a CPU core)
+_DEAL_ROUNDS = 32  # BALANCED: the most items a program a shape is dealt for (4 x 2k and 1 x 8k: 16; 8 x 4k's 63 not)
 _DEALT = {}       # BALANCED: (device, shape) -> the dealt walk on the host and on that device
 _DEALT_KEPT = 256
 
