@@ -32,10 +32,10 @@ Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
-    128 x 1k / 8 x 32k / 16 x 8k): 0.980/0.985/0.993/0.996/0.990x cuDNN SDPA, against the GQA family's
-    0.959/0.983/0.992/0.970/0.950x in the same call; its GPU test passes. More bytes in flight was slower, not
+    128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
+    0.964/0.983/0.994/0.972/0.959x in the same call; its GPU test passes. More bytes in flight was slower, not
     faster: 6 stages 0.925-0.939x, 4 0.966-0.976x, 3 (the default) 0.983-0.990x, 2 0.973-0.984x; 128-token stages
-    at 2 0.983-0.992x. Pages laid out in order changed nothing (0.980-0.996x), nor did taking one kv head's
+    at 2 0.983-0.992x. Pages laid out in order changed little (0.980-0.996x), nor did taking one kv head's
     sequences one after another (0.964-0.994x). The last 1-2% against cuDNN is not found.
 
 Compiled for sm90 (Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): 128 registers, nothing spilled, 104 KB shared
