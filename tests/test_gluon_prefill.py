@@ -165,8 +165,8 @@ def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on
         assert torch.equal(changed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"
 
 
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}, {"BALANCED": False}],
-                         ids=["balanced", "dynamic", "one-warpgroup", "plain-walk"])
+@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}, {"BALANCED": True}],
+                         ids=["persistent", "dynamic", "one-warpgroup", "balanced"])
 def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
     """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
     two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a

@@ -51,9 +51,10 @@ Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
     CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
     that the program that took a round's heaviest item takes the next round's lightest), BALANCED (each program
-    walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape; the
-    default since 2026-12-05: on an H100 over four passes 1.127-1.156x / 0.970-0.979x / 1.047-1.083x cuDNN at 1 x 1k /
-    4 x 2k / 1 x 8k against the plain stride's 1.009-1.028x / 0.960-0.972x / 0.994-1.035x), DYNAMIC,
+    walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape; on an
+    H100 (2026-12-05) over four passes 1.127-1.156x / 0.970-0.979x / 1.047-1.083x cuDNN at 1 x 1k /
+    4 x 2k / 1 x 8k against the plain stride's 1.009-1.028x / 0.960-0.972x / 0.994-1.035x, with each shape's deal made
+    before the timing: a served mix of new shapes pays it, untimed, so it is a knob and not the default), DYNAMIC,
     RESCALE_THRESHOLD (FlashAttention-4's conditional rescaling: O and l keep their scale until some row's max grows
     by more than 2^threshold, one decision a warpgroup), PACKED_CVT (below), OVERLAP_ITEMS (a persistent consumer
     issues an item's last P V with the next item's first Q K^T and stores O while that product runs; needs 3+
@@ -135,7 +136,7 @@ PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to iss
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
 ALTERNATE = False  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
-BALANCED = True  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
+BALANCED = False  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
 OVERLAP_ITEMS = False  # PRODUCER_WARP, 3+ stages, not DYNAMIC: an item's last P V beside the next one's first Q K^T
