@@ -67,6 +67,25 @@ def test_the_gluon_prefills_item_overlap_keeps_an_items_last_pv_in_flight_beside
     assert plain2.split(" -> ")[1] == overlap2.split(" -> ")[1], (plain2, overlap2)
 
 
+def _steps(line: str) -> list[tuple[int, int]]:
+    """sm90_compile.py's softmax steps (innermost SASS loops holding ex2), in code order: (instructions, ex2)."""
+    return [(int(step.split()[0]), int(step.split("(")[1].split()[0]))
+            for step in line.split("softmax steps ")[1].split(" instructions")[0].split(", ")]
+
+
+def test_the_gluon_prefills_128_token_tiles_run_fewer_instructions_a_key_in_each_step():
+    """BLOCK_N 128 (FlashAttention-3's tile for d 128) spreads a step's fixed work (O's rescale, the row max's
+    shuffles, the barriers) over twice the keys: compiled for sm90 with the loader warp and Q in registers, every
+    step variant of the consumers' loop runs fewer instructions a key than at 64-token tiles, as many variants,
+    and nothing spills. A step is one tile: a thread's share of 64 rows x BLOCK_N exponentials (BLOCK_N / 2) and
+    its two rows' rescale factors."""
+    narrow, wide = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:BLOCK_N=128,NUM_STAGES=2"])
+    steps = {64: _steps(narrow), 128: _steps(wide)}
+    assert all(ex2 == block_n // 2 + 2 for block_n, found in steps.items() for _, ex2 in found), (narrow, wide)
+    assert len(steps[64]) == len(steps[128]) >= 3, (narrow, wide)
+    assert all(w / 128 < n / 64 for (n, _), (w, _) in zip(steps[64], steps[128])) and " 0 B stack" in wide, (narrow, wide)
+
+
 ONE_WARPGROUP = {"PRODUCER_WARP": False, "Q_REGS": False}
 ONE_ITEM = {"PERSISTENT": False}
 
@@ -86,13 +105,14 @@ ONE_ITEM = {"PERSISTENT": False}
     ({"OVERLAP_ITEMS": True}, 128), ({"OVERLAP_ITEMS": True, "Q_REGS": False, "PINGPONG": True, "NUM_STAGES": 4}, 64),
     ({"ALTERNATE": True}, 128), ({"ALTERNATE": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
     ({"BALANCED": True}, 128), ({"BALANCED": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
+    ({"BLOCK_N": 128, "NUM_STAGES": 2}, 128),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
         "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64",
         "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64",
         "alternate-d128", "alternate-overlap-sequence-major-d64", "balanced-d128",
-        "balanced-overlap-sequence-major-d64"])
+        "balanced-overlap-sequence-major-d64", "wide-kv-loader-warp-q-in-registers-d128"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's

@@ -47,6 +47,8 @@ from harness.stages.microbench import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 WAIT = re.compile(r"warp_group_dot_wait .*\{pendings = (\d+) : i32\}")
 SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")   # an instruction's opcode
+SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+SASS_BACK = re.compile(r"BRA\s.*?`\((\.L_x_\d+)\)")     # a branch to a label (a loop where the label is earlier)
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
             "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32"}
 # strides of 1 on the bench's contiguous tensors, which a launch specialises as the constant 1 (the reference's)
@@ -143,7 +145,26 @@ def _compile(fn, sig, consts, divisible, mod, cap, num_warps=None, stages=None):
     issued = len(re.findall(r"= ttng\.warp_group_dot ", ttgir))
     ops = collections.Counter(m.group(1) for m in SASS_OP.finditer(sass))
     return (int(fields["REG"]), int(fields["STACK"]), kernel.metadata.shared, issued, waits, kernel.asm["ptx"],
-            sum(ops.values()), ops["PRMT"])
+            sum(ops.values()), ops["PRMT"], softmax_steps(sass))
+
+
+def softmax_steps(sass: str) -> list[tuple[int, int]]:
+    """(instructions, of them ex2) of each innermost SASS loop that computes exponentials: a K/V step's body, one
+    a loop variant (unmasked, on the diagonal, ...), in code order. Divided by BLOCK_N: instructions a key."""
+    instrs, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        if m := SASS_LABEL.match(line):
+            pending.append(m.group(1))
+        elif SASS_OP.search(line):
+            labels.update(dict.fromkeys(pending, len(instrs)))
+            pending = []
+            instrs.append(line)
+    loops = [(labels[m.group(1)], end) for end, line in enumerate(instrs)
+             if (m := SASS_BACK.search(line)) and labels.get(m.group(1), end + 1) <= end]
+    ex2 = [(a, b, sum("MUFU.EX2" in line for line in instrs[a:b + 1])) for a, b in loops]
+    ex2 = [(a, b, n) for a, b, n in ex2 if n]
+    inner = [(a, b, n) for a, b, n in ex2 if not any(a <= c and d <= b and (c, d) != (a, b) for c, d, _ in ex2)]
+    return [(b - a + 1, n) for a, b, n in sorted(inner)]
 
 
 def code_lines(ptx: str) -> list[str]:
@@ -180,13 +201,14 @@ def main(argv=None):
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
     for spec in specs:
         label, mod, compiled = _build(spec, tmp, batch)
-        regs, stack, shared, issued, waits, ptx, sass, permutes = compiled
+        regs, stack, shared, issued, waits, ptx, sass, permutes, steps = compiled
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
                                            warps=getattr(mod, "launch_warps", lambda: mod.NUM_WARPS)()))
         # sm90's limits, as microbench counts them
         print(f"{label:<60} {regs:4d} registers  {stack:4d} B stack  {shared / 1024:6.1f} KB shared  "
               f"-> at most {per_sm} programs per SM; wgmma {issued} in the code, waits by pendings "
-              f"{dict(sorted(waits.items())) or 'none'}; SASS {sass} instructions, {permutes} byte permutes (PRMT)")
+              f"{dict(sorted(waits.items())) or 'none'}; SASS {sass} instructions, {permutes} byte permutes (PRMT)"
+              + (f"; softmax steps {', '.join(f'{n} ({e} ex2)' for n, e in steps)} instructions" if steps else ""))
         if args.same_code_as:
             other = _build(args.same_code_as + spec[len(spec.partition(":")[0]):], tmp, batch)[2][5]
             mine, theirs = code_lines(ptx), code_lines(other)
