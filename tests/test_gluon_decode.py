@@ -91,6 +91,17 @@ def test_the_gluon_decodes_merge_weighs_each_live_split_and_ignores_dead_ones_wh
     assert (out.double().cpu() - want).abs().max() < 1e-5
 
 
+def test_the_gluon_decodes_tile_overlap_keeps_the_tile_befores_pv_in_flight_through_the_next_tiles_softmax():
+    """OVERLAP_TILES issues tile j's Q K^T and tile j-1's P V together and waits for the first alone: compiled for
+    sm90, one wait leaves a product in flight (at the defaults none does) and nothing spills; with one ring stage,
+    where tile j's stage would be tile j-1's, still held, the knob falls back to the defaults' code."""
+    plain, overlap, plain1, overlap1 = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:OVERLAP_TILES=True",
+                                                   f"{GLUON_DECODE}:NUM_STAGES=1",
+                                                   f"{GLUON_DECODE}:NUM_STAGES=1,OVERLAP_TILES=True"])
+    assert "waits by pendings {0: 2}" in plain and "{0: 3, 1: 1}" in overlap and " 0 B stack" in overlap, overlap
+    assert plain1.split(" -> ")[1] == overlap1.split(" -> ")[1], (plain1, overlap1)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
@@ -102,8 +113,11 @@ def test_the_gluon_decodes_merge_weighs_each_live_split_and_ignores_dead_ones_wh
     ({"BLOCK_N": 128, "NUM_STAGES": 3}, [1, 127, 128, 129, 2000], 32, 8, 128),
     ({"MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, [70, 640, 2500], 32, 4, 128),
     ({"PROGRAMS_PER_SM": 2, "BLOCK_N": 128, "NUM_STAGES": 1}, [1, 129, 700, 4000], 32, 8, 128),
+    ({"OVERLAP_TILES": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),
+    ({"OVERLAP_TILES": True, "NUM_STAGES": 2}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
+    ({"OVERLAP_TILES": True, "BLOCK_N": 128, "NUM_STAGES": 2}, [5, 127, 128, 129, 3000], 16, 2, 64),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
-        "two-programs-an-sm"])
+        "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

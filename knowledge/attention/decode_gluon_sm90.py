@@ -29,7 +29,13 @@ What it does
     kernel merges them; with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM.
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, OVERLAP_TILES (the consumer
+    in FlashAttention-3's two-stage order: tile j's Q K^T issued with tile j-1's P V, j's softmax beside that
+    product, each stage released a softmax later; needs 2+ stages, else the plain loop). Why OVERLAP_TILES: the
+    plain loop waits for each product, so a tile costs the consumer two wgmma latencies plus a 515-instruction
+    softmax in series (sm90_compile.py), near the time a 32 KB tile streams in on an H200 (4.8 TB/s over 132 SMs:
+    about 1 us). Compiled (2026-12-06): one wait leaves a product in flight, 128 registers, nothing spilled; not
+    yet run on a GPU, so not in the catalog.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -71,10 +77,12 @@ MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this 
 MAX_SPLITS = 16  # upper bound on splits per sequence
 ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this well (see grid_splits)
 PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
+OVERLAP_TILES = False  # the consumer issues tile j's Q K^T with tile j-1's P V and runs j's softmax beside it (2+ stages)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
+_OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
 
 
 @gluon.jit
@@ -148,6 +156,68 @@ def _zero_rows_from(v_tile, valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr
 
 
 @gluon.jit
+def _ready_stage(k_smem, v_smem, ready, slot, pos0, seq_len, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Wait for the ring's stage of `slot` (tokens pos0 on) to land; where it runs past the sequence, its V rows
+    there are zeroed first. (Its K tile, its V tile.)"""
+    s_idx = slot % STAGES
+    mbarrier.wait(ready.index(s_idx), (slot // STAGES) & 1)
+    k_tile = k_smem.index(s_idx)
+    v_tile = v_smem.index(s_idx)
+    if pos0 + BLOCK_N > seq_len:
+        _zero_rows_from(v_tile, seq_len - pos0, BLOCK_N, HEAD_DIM)
+    return k_tile, v_tile
+
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, pos0, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """One tile's step of the online softmax from its raw scores (tokens pos0 on; at or past `end` masked):
+    (P, the new max, the new sum, the factor the old O takes)."""
+    offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, m_new, l_i * alpha + gl.sum(p, 1), alpha
+
+
+@gluon.jit
+def _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end, seq_len, qk_scale,
+                      s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      STAGES: gl.constexpr):
+    """OVERLAP_TILES: an item's tiles (the first in the ring's stage for `slot`) in FlashAttention-3's two-stage
+    order. Step j issues S_j = Q K_j^T, then P_{j-1} V_{j-1}, and waits for S_j alone: tile j's softmax runs while
+    the tensor cores compute the product before it; then that product is waited for, its stage released, and O
+    rescaled. A stage is held until the next tile's softmax is done. (O, max, sum)."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
+    k_tile, _ = _ready_stage(k_smem, v_smem, ready, slot, start, seq_len, BLOCK_N, HEAD_DIM, STAGES)
+    s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, end, qk_scale, s_layout, BLOCK_N)
+    p_prev = gl.convert_layout(_p_bf16(p), p_layout)
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    for tile in range(1, n_tiles):
+        k_tile, _ = _ready_stage(k_smem, v_smem, ready, slot + tile, start + tile * BLOCK_N, seq_len, BLOCK_N,
+                                 HEAD_DIM, STAGES)
+        v_prev = v_smem.index((slot + tile - 1) % STAGES)
+        s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+        # this tile's scores; the product before it may still run (its operands kept alive to its wait)
+        s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_op, k_tile))
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+        acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_prev))
+        mbarrier.arrive(empty.index((slot + tile - 1) % STAGES), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_prev = gl.convert_layout(_p_bf16(p), p_layout)
+    v_last = v_smem.index((slot + n_tiles - 1) % STAGES)
+    acc_tok = warpgroup_mma(p_prev, v_last, acc, is_async=True)
+    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_last))
+    mbarrier.arrive(empty.index((slot + n_tiles - 1) % STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
               num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
               ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
@@ -174,30 +244,27 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
             m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
             l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
             acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
-            for tile in range(gl.cdiv(end - start, BLOCK_N)):
-                s_idx = slot % STAGES
-                mbarrier.wait(ready.index(s_idx), (slot // STAGES) & 1)
-                k_tile = k_smem.index(s_idx)
-                v_tile = v_smem.index(s_idx)
-                pos0 = start + tile * BLOCK_N
-                if pos0 + BLOCK_N > seq_len:
-                    _zero_rows_from(v_tile, seq_len - pos0, BLOCK_N, HEAD_DIM)
-                s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout),
-                                      use_acc=False, is_async=True)
-                s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
-                offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-                s = gl.where((offs_n < end)[None, :], s, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-                p = gl.exp2(s * qk_scale - m_new[:, None])
-                alpha = gl.exp2(m_i - m_new)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
-                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-                acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
-                mbarrier.arrive(empty.index(s_idx), count=1)
-                slot += 1
+            if _OVERLAP_TILES:
+                acc, m_i, l_i = _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end,
+                                                  seq_len, qk_scale, s_layout, o_layout, BLOCK_N, HEAD_DIM, STAGES)
+                slot += gl.cdiv(end - start, BLOCK_N)
+            else:
+                for tile in range(gl.cdiv(end - start, BLOCK_N)):
+                    k_tile, v_tile = _ready_stage(k_smem, v_smem, ready, slot, start + tile * BLOCK_N, seq_len,
+                                                  BLOCK_N, HEAD_DIM, STAGES)
+                    s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)),
+                                          gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                          is_async=True)
+                    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+                    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale,
+                                                         s_layout, BLOCK_N)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                    p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                                             k_width=2))
+                    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+                    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
+                    mbarrier.arrive(empty.index(slot % STAGES), count=1)
+                    slot += 1
             o = gl.convert_layout(acc, rows_layout)
             m_r = gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout))
             l_r = gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout))
