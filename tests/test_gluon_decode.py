@@ -102,6 +102,19 @@ def test_the_gluon_decodes_tile_overlap_keeps_the_tile_befores_pv_in_flight_thro
     assert plain1.split(" -> ")[1] == overlap1.split(" -> ")[1], (plain1, overlap1)
 
 
+def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whole_page_of_every_kv_head():
+    """ALL_HEADS: a program takes every query head of a sequence (32 rows of the wgmma's 64) and a ring stage holds
+    whole pages, every kv head's rows (a page of 16 tokens x 8 kv heads: 128 keys, 32 KB of K contiguous in the
+    cache), each row masked to its own kv head's keys. Compiled for sm90: a thread's share of a step's scores is
+    64 x 128 / 128 = 64 exponentials (and its two rows' rescale factors), against 34 at the defaults, nothing
+    spills at the registers it launches with, and one program fits an SM."""
+    plain, all_heads = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:ALL_HEADS=True"])
+    for line, ex2 in ((plain, 34), (all_heads, 66)):
+        steps = line.split("softmax steps ")[1].split(" instructions")[0].split(", ")
+        assert steps and all(f"({ex2} ex2)" in step for step in steps), line
+    assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
@@ -116,8 +129,12 @@ def test_the_gluon_decodes_tile_overlap_keeps_the_tile_befores_pv_in_flight_thro
     ({"OVERLAP_TILES": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),
     ({"OVERLAP_TILES": True, "NUM_STAGES": 2}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
     ({"OVERLAP_TILES": True, "BLOCK_N": 128, "NUM_STAGES": 2}, [5, 127, 128, 129, 3000], 16, 2, 64),
+    ({"ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),    # a page a stage
+    ({"ALL_HEADS": True, "OVERLAP_TILES": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),   # two pages a stage
+    ({"ALL_HEADS": True, "NUM_STAGES": 2}, [5, 130, 3000], 16, 2, 64),                  # four, a group of 8
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
-        "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64"])
+        "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
+        "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

@@ -29,13 +29,24 @@ What it does
     kernel merges them; with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, OVERLAP_TILES (the consumer
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, ALL_HEADS (below),
+    OVERLAP_TILES (the consumer
     in FlashAttention-3's two-stage order: tile j's Q K^T issued with tile j-1's P V, j's softmax beside that
     product, each stage released a softmax later; needs 2+ stages, else the plain loop). Why OVERLAP_TILES: the
     plain loop waits for each product, so a tile costs the consumer two wgmma latencies plus a 515-instruction
     softmax in series (sm90_compile.py), near the time a 32 KB tile streams in on an H200 (4.8 TB/s over 132 SMs:
     about 1 us). Compiled (2026-12-06): one wait leaves a product in flight, 128 registers, nothing spilled; not
     yet run on a GPU, so not in the catalog.
+    ALL_HEADS: a work item is (split, sequence), its rows every query head (up to 64), and a ring stage whole pages
+    of every kv head, as the cache lays them out ([tokens, kv heads, d]: 16 tokens x 8 heads x 128 is 32 KB of K
+    in one place), as many pages as make 128 keys (BLOCK_N is not used); each row's scores are masked to its own
+    kv head's keys, so the tensor cores do 8x the products the group needs (idle otherwise: decode streams) and a
+    thread twice the exponentials a step, for twice the bytes. Partials keep the GQA layout, so the merge is the
+    same. Why: under ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of
+    256 bytes strided 2 KB apart; here a copy is 32 KB contiguous. More items split (32 sequences fill 132
+    programs at 4 splits, against 256 items unsplit), so a row pays the merge. Compiled (2026-12-06): 232
+    registers, nothing spilled, 200 KB shared at 3 stages (one program an SM); not yet run on a GPU, so not in
+    the catalog.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -77,7 +88,8 @@ MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this 
 MAX_SPLITS = 16  # upper bound on splits per sequence
 ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this well (see grid_splits)
 PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
-OVERLAP_TILES = False  # the consumer issues tile j's Q K^T with tile j-1's P V and runs j's softmax beside it (2+ stages)
+ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is whole pages, contiguous (see above)
+OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
@@ -107,9 +119,10 @@ def _item(item, seqlens_ptr, batch, num_kv_heads, max_splits, min_tokens, BLOCK_
 def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
             num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
             ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-            STAGES: gl.constexpr, SINGLE: gl.constexpr):
+            STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
     """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
     consumer's: Gluon gives every partition one signature)."""
+    PAGE_ROWS: gl.constexpr = PAGE * KV_HEADS     # a page's rows: one kv head's, or (ALL_HEADS) every kv head's
     slot = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
@@ -129,9 +142,11 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
                 bar = ready.index(s)
                 mbarrier.expect(bar, 2 * (BLOCK_N // PAGE) * k_desc.block_type.nbytes)
                 for p in gl.static_range(BLOCK_N // PAGE):
-                    row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE
-                    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem.index(s).slice(p * PAGE, PAGE))
-                    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem.index(s).slice(p * PAGE, PAGE))
+                    row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE_ROWS
+                    tma.async_copy_global_to_shared(k_desc, [row, col], bar,
+                                                    k_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], bar,
+                                                    v_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
                 slot += 1
 
 
@@ -157,7 +172,7 @@ def _zero_rows_from(v_tile, valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr
 
 @gluon.jit
 def _ready_stage(k_smem, v_smem, ready, slot, pos0, seq_len, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 STAGES: gl.constexpr):
+                 STAGES: gl.constexpr, KV_HEADS: gl.constexpr):
     """Wait for the ring's stage of `slot` (tokens pos0 on) to land; where it runs past the sequence, its V rows
     there are zeroed first. (Its K tile, its V tile.)"""
     s_idx = slot % STAGES
@@ -165,16 +180,25 @@ def _ready_stage(k_smem, v_smem, ready, slot, pos0, seq_len, BLOCK_N: gl.constex
     k_tile = k_smem.index(s_idx)
     v_tile = v_smem.index(s_idx)
     if pos0 + BLOCK_N > seq_len:
-        _zero_rows_from(v_tile, seq_len - pos0, BLOCK_N, HEAD_DIM)
+        _zero_rows_from(v_tile, (seq_len - pos0) * KV_HEADS, BLOCK_N * KV_HEADS, HEAD_DIM)
     return k_tile, v_tile
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, pos0, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """One tile's step of the online softmax from its raw scores (tokens pos0 on; at or past `end` masked):
+def _online_softmax(s, m_i, l_i, pos0, end, qk_scale, s_layout: gl.constexpr, BLOCK_N: gl.constexpr,
+                    GROUP: gl.constexpr, KV_HEADS: gl.constexpr):
+    """One tile's step of the online softmax from its raw scores (tokens pos0 on; at or past `end` masked; with
+    ALL_HEADS also a key of another kv head than the row's, a row past GROUP keeping every live key):
     (P, the new max, the new sum, the factor the old O takes)."""
-    offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s = gl.where((offs_n < end)[None, :], s, float("-inf"))
+    if KV_HEADS > 1:
+        keys = gl.arange(0, BLOCK_N * KV_HEADS, layout=gl.SliceLayout(0, s_layout))
+        rows = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, s_layout))
+        own = (keys % KV_HEADS)[None, :] == (rows // (GROUP // KV_HEADS))[:, None]
+        live = own | (rows >= GROUP)[:, None]
+        s = gl.where(live & ((pos0 + keys // KV_HEADS) < end)[None, :], s, float("-inf"))
+    else:
+        offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        s = gl.where((offs_n < end)[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
@@ -184,28 +208,29 @@ def _online_softmax(s, m_i, l_i, pos0, end, qk_scale, s_layout: gl.constexpr, BL
 @gluon.jit
 def _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end, seq_len, qk_scale,
                       s_layout: gl.constexpr, o_layout: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                      STAGES: gl.constexpr):
+                      STAGES: gl.constexpr, GROUP: gl.constexpr, KV_HEADS: gl.constexpr):
     """OVERLAP_TILES: an item's tiles (the first in the ring's stage for `slot`) in FlashAttention-3's two-stage
     order. Step j issues S_j = Q K_j^T, then P_{j-1} V_{j-1}, and waits for S_j alone: tile j's softmax runs while
     the tensor cores compute the product before it; then that product is waited for, its stage released, and O
     rescaled. A stage is held until the next tile's softmax is done. (O, max, sum)."""
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    zero = gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout)
-    k_tile, _ = _ready_stage(k_smem, v_smem, ready, slot, start, seq_len, BLOCK_N, HEAD_DIM, STAGES)
+    zero = gl.zeros([_ROWS, BLOCK_N * KV_HEADS], gl.float32, s_layout)
+    k_tile, _ = _ready_stage(k_smem, v_smem, ready, slot, start, seq_len, BLOCK_N, HEAD_DIM, STAGES, KV_HEADS)
     s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
     s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
-    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, end, qk_scale, s_layout, BLOCK_N)
+    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start, end, qk_scale, s_layout, BLOCK_N, GROUP, KV_HEADS)
     p_prev = gl.convert_layout(_p_bf16(p), p_layout)
     n_tiles = gl.cdiv(end - start, BLOCK_N)
     for tile in range(1, n_tiles):
         k_tile, _ = _ready_stage(k_smem, v_smem, ready, slot + tile, start + tile * BLOCK_N, seq_len, BLOCK_N,
-                                 HEAD_DIM, STAGES)
+                                 HEAD_DIM, STAGES, KV_HEADS)
         v_prev = v_smem.index((slot + tile - 1) % STAGES)
         s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)), zero, use_acc=False, is_async=True)
         acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
         # this tile's scores; the product before it may still run (its operands kept alive to its wait)
         s, _, _ = warpgroup_mma_wait(1, deps=(s_tok, q_op, k_tile))
-        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N)
+        p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale, s_layout, BLOCK_N,
+                                             GROUP, KV_HEADS)
         acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_prev, v_prev))
         mbarrier.arrive(empty.index((slot + tile - 1) % STAGES), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -218,14 +243,26 @@ def _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, s
 
 
 @gluon.jit
+def _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP: gl.constexpr, KV_HEADS: gl.constexpr):
+    """The rows of the partials [sequence, kv head, split, group] a program's query rows write: its GQA group's from
+    `partial`, its (sequence, kv head, split), or (ALL_HEADS) query head h's at (sequence, h's kv head, split)."""
+    if KV_HEADS > 1:
+        group: gl.constexpr = GROUP // KV_HEADS
+        rows = ((pid_b.to(gl.int64) * KV_HEADS + offs_g // group) * max_splits + pid_s) * group + offs_g % group
+    else:
+        rows = partial * GROUP + offs_g
+    return rows
+
+
+@gluon.jit
 def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
               num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
               ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, SINGLE: gl.constexpr):
+              STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
     grid) or its partial; an item past its sequence's splits writes a max of -inf."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
+                                                       instr_shape=[16, BLOCK_N * KV_HEADS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -246,18 +283,19 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
             acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
             if _OVERLAP_TILES:
                 acc, m_i, l_i = _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end,
-                                                  seq_len, qk_scale, s_layout, o_layout, BLOCK_N, HEAD_DIM, STAGES)
+                                                  seq_len, qk_scale, s_layout, o_layout, BLOCK_N, HEAD_DIM, STAGES,
+                                                  GROUP, KV_HEADS)
                 slot += gl.cdiv(end - start, BLOCK_N)
             else:
                 for tile in range(gl.cdiv(end - start, BLOCK_N)):
                     k_tile, v_tile = _ready_stage(k_smem, v_smem, ready, slot, start + tile * BLOCK_N, seq_len,
-                                                  BLOCK_N, HEAD_DIM, STAGES)
+                                                  BLOCK_N, HEAD_DIM, STAGES, KV_HEADS)
                     s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)),
-                                          gl.zeros([_ROWS, BLOCK_N], gl.float32, s_layout), use_acc=False,
+                                          gl.zeros([_ROWS, BLOCK_N * KV_HEADS], gl.float32, s_layout), use_acc=False,
                                           is_async=True)
                     s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
                     p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale,
-                                                         s_layout, BLOCK_N)
+                                                         s_layout, BLOCK_N, GROUP, KV_HEADS)
                     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                     p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout,
                                                                              k_width=2))
@@ -274,12 +312,12 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
                 gl.store(out_ptr + pid_b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                          o.to(gl.bfloat16), mask=mine[:, None])
             else:
-                rows = partial * GROUP + offs_g
+                rows = _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP, KV_HEADS)
                 gl.store(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mine[:, None])
                 gl.store(pm_ptr + 2 * rows, m_r, mask=mine)
                 gl.store(pm_ptr + 2 * rows + 1, l_r, mask=mine)
         elif not SINGLE:
-            rows = partial * GROUP + offs_g
+            rows = _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP, KV_HEADS)
             gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
                      mask=offs_g < GROUP)
 
@@ -288,11 +326,11 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
 def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
                    min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
                    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-                   STAGES: gl.constexpr, SINGLE: gl.constexpr):
+                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items."""
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -302,10 +340,10 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     gl.warp_specialize([
         (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
                      min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-                     k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE)),
+                     k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS)),
         (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
                    min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-                   k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE)),
+                   k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS)),
     ], [1], [24])
 
 
@@ -344,8 +382,8 @@ def _merge_kernel(out_ptr, po_ptr, pm_ptr, splits, stride_ob, stride_oh, GROUP: 
 def launch_options():
     """num_warps (the consumer's) and the registers a thread launches with: the loader's warp rounds up to a
     warpgroup, so 8 warps share an SM's 65,536 registers at 128 a thread until setmaxnreg moves them (the loader
-    24, the consumer what is left)."""
-    return {"num_warps": 4, "maxnreg": 128}
+    24, the consumer what is left). ALL_HEADS holds a 64 x 128 score tile beside O: 232 (one program an SM)."""
+    return {"num_warps": 4, "maxnreg": 232 if ALL_HEADS else 128}
 
 
 def launch_warps():
@@ -375,21 +413,32 @@ def grid_splits(batch, num_kv_heads, table_tokens, programs):
     return best
 
 
+def kernel_shape(num_q_heads, num_kv_heads, page):
+    """(query heads a program owns, kv heads a ring stage holds, kv heads a work item names, tokens a stage): one
+    GQA group against BLOCK_N tokens of its kv head's rows, or (ALL_HEADS) every query head of the sequence against
+    whole pages (each row masked to its own kv head's keys), as many as make 128 keys a stage (at least one)."""
+    if ALL_HEADS:
+        return num_q_heads, num_kv_heads, 1, max(page, 128 // num_kv_heads)
+    return num_q_heads // num_kv_heads, 1, num_kv_heads, BLOCK_N
+
+
 def cache_rows(cache):
-    """A [blocks, page, kv heads, d] cache as TMA reads it, [blocks x page, kv heads x d] rows, or None where a
-    tensor descriptor cannot (not contiguous, or not 16-byte aligned)."""
+    """A [blocks, page, kv heads, d] cache as TMA reads it, [blocks x page, kv heads x d] rows (ALL_HEADS:
+    [blocks x page x kv heads, d]), or None where a tensor descriptor cannot (not contiguous, or not 16-byte
+    aligned)."""
     blocks, page, heads, d = cache.shape
     if not cache.is_contiguous() or cache.data_ptr() % 16:
         return None
-    return cache.view(blocks * page, heads * d)
+    return cache.view(blocks * page * heads, d) if ALL_HEADS else cache.view(blocks * page, heads * d)
 
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     batch, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
+    rows, kv_heads, item_heads, block_n = kernel_shape(num_q_heads, num_kv_heads, page)
     assert q.dtype == torch.bfloat16 and q.is_cuda and head_dim in (64, 128), "bf16 on CUDA, head_dim 64 or 128"
-    assert BLOCK_N % page == 0 and page & (page - 1) == 0 and group <= ROWS, "pages of 2^k tokens dividing BLOCK_N"
+    assert block_n % page == 0 and page & (page - 1) == 0, "pages of 2^k tokens dividing BLOCK_N"
+    assert rows <= ROWS and block_n * kv_heads <= 256, f"{rows} query heads a program (<= {ROWS}), <= 256 keys a stage"
     assert q.stride(2) == 1 and block_table.stride(1) == 1
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
     assert k_rows is not None and v_rows is not None, "a contiguous, 16-byte aligned [blocks, page, kv heads, d] cache"
@@ -397,21 +446,22 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     if batch == 0:
         return out
     sms = _sm_count(q.device) * PROGRAMS_PER_SM
-    splits = grid_splits(batch, num_kv_heads, block_table.shape[1] * page, sms)
-    items = splits * num_kv_heads * batch
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl.bfloat16)
-    k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page, head_dim], layout)
+    splits = grid_splits(batch, item_heads, block_table.shape[1] * page, sms)
+    items = splits * item_heads * batch
+    layout = gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, head_dim], gl.bfloat16)
+    k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page * kv_heads, head_dim], layout)
                       for r in (k_rows, v_rows))
     single = splits == 1
+    group = num_q_heads // num_kv_heads
     po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32,
                                         device=q.device)
     pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
     _decode_kernel[(min(items, sms),)](
         q, k_desc, v_desc, block_table, seq_lens, out, po, pm, float(sm_scale) * _LOG2E, splits,
-        max(BLOCK_N, MIN_TOKENS_PER_SPLIT), num_kv_heads, batch, items, q.stride(0), q.stride(1),
+        max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
-        **launch_options())
+        GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
+        KV_HEADS=kv_heads, **launch_options())
     if not single:
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group,
                                              GP=triton.next_power_of_2(group), HEAD_DIM=head_dim,
