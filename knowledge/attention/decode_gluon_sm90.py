@@ -29,24 +29,22 @@ What it does
     kernel merges them; with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, ALL_HEADS (below),
-    OVERLAP_TILES (the consumer
-    in FlashAttention-3's two-stage order: tile j's Q K^T issued with tile j-1's P V, j's softmax beside that
-    product, each stage released a softmax later; needs 2+ stages, else the plain loop). Why OVERLAP_TILES: the
-    plain loop waits for each product, so a tile costs the consumer two wgmma latencies plus a 515-instruction
-    softmax in series (sm90_compile.py), near the time a 32 KB tile streams in on an H200 (4.8 TB/s over 132 SMs:
-    about 1 us). Compiled (2026-12-06): one wait leaves a product in flight, 128 registers, nothing spilled; not
-    yet run on a GPU, so not in the catalog.
-    ALL_HEADS: a work item is (split, sequence), its rows every query head (up to 64), and a ring stage whole pages
-    of every kv head, as the cache lays them out ([tokens, kv heads, d]: 16 tokens x 8 heads x 128 is 32 KB of K
-    in one place), as many pages as make 128 keys (BLOCK_N is not used); each row's scores are masked to its own
-    kv head's keys, so the tensor cores do 8x the products the group needs (idle otherwise: decode streams) and a
-    thread twice the exponentials a step, for twice the bytes. Partials keep the GQA layout, so the merge is the
-    same. Why: under ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of
-    256 bytes strided 2 KB apart; here a copy is 32 KB contiguous. More items split (32 sequences fill 132
-    programs at 4 splits, against 256 items unsplit), so a row pays the merge. Compiled (2026-12-06): 232
-    registers, nothing spilled, 200 KB shared at 3 stages (one program an SM); not yet run on a GPU, so not in
-    the catalog.
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and two designs off by
+    default, compiled for sm90 (2026-12-06) and not yet run on a GPU, so not in the catalog:
+    * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
+      P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
+      loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
+      515-instruction softmax in series (sm90_compile.py), near the time a 32 KB tile streams into an SM on an
+      H200 (4.8 TB/s over 132 SMs: about 1 us). Compiled: one wait leaves a product in flight, 128 registers.
+    * ALL_HEADS: a work item is (split, sequence), its rows every query head (up to 64), and a ring stage whole
+      pages of every kv head as the cache lays them out ([tokens, kv heads, d]: 16 tokens x 8 heads x 128 is 32 KB
+      of K in one place), as many pages as make 128 keys (BLOCK_N unused). Each row's scores are masked to its own
+      kv head's keys: the tensor cores do 8x the products (idle otherwise in a stream) and a thread twice the
+      exponentials a step, for twice the bytes. Partials keep the GQA layout, so the merge is the same. Why: under
+      ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of 256 bytes 2 KB
+      apart; here a copy is 32 KB contiguous. More rows split (32 sequences fill 132 programs at 4 splits) and pay
+      the merge. Compiled: 232 registers, 200 KB shared at 3 stages (one program an SM).
+    Neither spills; the defaults compile to the PTX measured below.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
