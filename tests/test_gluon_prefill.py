@@ -8,7 +8,7 @@ import pathlib
 import pytest
 import torch
 
-from test_kernel_families import sm90_lines
+from test_kernel_families import sm90_lines, softmax_steps
 from test_reference_kernels_standalone import _load, prefill_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -67,12 +67,6 @@ def test_the_gluon_prefills_item_overlap_keeps_an_items_last_pv_in_flight_beside
     assert plain2.split(" -> ")[1] == overlap2.split(" -> ")[1], (plain2, overlap2)
 
 
-def _steps(line: str) -> list[tuple[int, int]]:
-    """sm90_compile.py's softmax steps (innermost SASS loops holding ex2), in code order: (instructions, ex2)."""
-    return [(int(step.split()[0]), int(step.split("(")[1].split()[0]))
-            for step in line.split("softmax steps ")[1].split(" instructions")[0].split(", ")]
-
-
 def test_the_gluon_prefills_128_token_tiles_run_fewer_instructions_a_key_in_each_step():
     """BLOCK_N 128 (FlashAttention-3's tile for d 128) spreads a step's fixed work (O's rescale, the row max's
     shuffles, the barriers) over twice the keys: compiled for sm90 with the loader warp and Q in registers, every
@@ -80,7 +74,7 @@ def test_the_gluon_prefills_128_token_tiles_run_fewer_instructions_a_key_in_each
     and nothing spills. A step is one tile: a thread's share of 64 rows x BLOCK_N exponentials (BLOCK_N / 2) and
     its two rows' rescale factors."""
     narrow, wide = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:BLOCK_N=128,NUM_STAGES=2"])
-    steps = {64: _steps(narrow), 128: _steps(wide)}
+    steps = {64: softmax_steps(narrow), 128: softmax_steps(wide)}
     assert all(ex2 == block_n // 2 + 2 for block_n, found in steps.items() for _, ex2 in found), (narrow, wide)
     assert len(steps[64]) == len(steps[128]) >= 3, (narrow, wide)
     assert all(w / 128 < n / 64 for (n, _), (w, _) in zip(steps[64], steps[128])), (narrow, wide)

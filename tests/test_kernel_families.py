@@ -88,6 +88,13 @@ def sm90_lines(specs: list[str], batch: int = 32) -> list[str]:
     return lines
 
 
+def softmax_steps(line: str) -> list[tuple[int, int]]:
+    """sm90_compile.py's softmax steps in its line (innermost SASS loops holding ex2), in code order:
+    (instructions, ex2)."""
+    return [(int(step.split()[0]), int(step.split("(")[1].split()[0]))
+            for step in line.split("softmax steps ")[1].split(" instructions")[0].split(", ")]
+
+
 @pytest.mark.parametrize("path", [DECODE, LEAN, ROOT / "knowledge" / "attention" / "decode_paged_splitkv.py"],
                          ids=["gqa", "lean", "reference"])
 def test_the_catalog_offers_the_depth_at_which_a_decode_familys_kv_tiles_first_get_a_second_buffer(path):
