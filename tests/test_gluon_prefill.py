@@ -100,14 +100,16 @@ ONE_ITEM = {"PERSISTENT": False}
     ({"OVERLAP_ITEMS": True}, 128), ({"OVERLAP_ITEMS": True, "Q_REGS": False, "PINGPONG": True, "NUM_STAGES": 4}, 64),
     ({"ALTERNATE": True}, 128), ({"ALTERNATE": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
     ({"BALANCED": True}, 128), ({"BALANCED": True, "OVERLAP_ITEMS": True, "SEQUENCE_MAJOR": True}, 64),
-    ({"BLOCK_N": 128, "NUM_STAGES": 2}, 128),
+    ({"BLOCK_N": 128, "NUM_STAGES": 2}, 128), ({"BLOCK_N": 128, "NUM_STAGES": 3}, 128),
+    ({"BLOCK_N": 128, "NUM_STAGES": 3, "RESCALE_THRESHOLD": 8.0}, 64),
 ], ids=["defaults-d128", "one-warpgroup-d128", "two-warpgroups-d128", "wide-kv-d64", "q-in-registers-d128",
         "loader-warp-d128", "loader-warp-wide-kv-d128", "loader-warp-q-in-registers-d64", "loader-warp-turns-d128",
         "persistent-turns-d64", "persistent-sequence-major-d128", "dynamic-q-in-registers-d128",
         "dynamic-sequence-major-turns-d64", "rescale-threshold-d128", "one-warpgroup-rescale-often-d64",
         "plain-cvt-d128", "one-warpgroup-plain-cvt-d64", "overlap-items-d128", "overlap-items-q-shared-turns-d64",
         "alternate-d128", "alternate-overlap-sequence-major-d64", "balanced-d128",
-        "balanced-overlap-sequence-major-d64", "wide-kv-loader-warp-q-in-registers-d128"])
+        "balanced-overlap-sequence-major-d64", "wide-kv-loader-warp-q-in-registers-d128", "wide-kv-three-stages-d128",
+        "wide-kv-three-stages-rescale-threshold-d64"])
 def test_the_gluon_prefill_matches_float64_at_mixed_lengths_on_gpu(knob_dir, knobs, d):
     """bf16 at lengths around its tiles (1, one short of a tile, a tile, one past, several, a long one) in one packed
     batch, 32 q / 8 kv heads, every output row written (the allocator poisoned with NaN first); within parity's
