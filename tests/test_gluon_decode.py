@@ -132,12 +132,9 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     ({"ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),    # a page a stage
     ({"ALL_HEADS": True, "OVERLAP_TILES": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),   # two pages a stage
     ({"ALL_HEADS": True, "NUM_STAGES": 2}, [5, 130, 3000], 16, 2, 64),                  # four, a group of 8
-    ({"MERGE_PDL": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),    # the merge resident early
-    ({"MERGE_PDL": True, "ALL_HEADS": True, "NUM_STAGES": 2}, [70, 640, 2500], 32, 8, 128),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
-        "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64",
-        "pdl-merge-splits", "pdl-merge-all-heads-two-stages"])
+        "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

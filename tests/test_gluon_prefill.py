@@ -33,10 +33,11 @@ def _waits(line: str) -> dict[int, int]:
 def test_the_gluon_prefill_compiled_for_sm90_keeps_a_tiles_pv_in_flight_through_the_next_tiles_softmax():
     """What the Gluon prefill family is for (knowledge/attention/prefill_gluon_sm90.py): with one warpgroup a program,
     each step of its two tile loops waits for the new tile's scores with one product (the tile before's P V) left in
-    flight, which plain Triton's TMA family never does (its every wait leaves none), and it still fits two programs
-    an SM. At the family's defaults (a loader warp, PRODUCER_WARP) each of its two consumer warpgroups waits so,
+    flight, which plain Triton's TMA family never does (its every wait leaves none), and at 64-token tiles it still
+    fits two programs an SM. At the family's defaults (a loader warp, PRODUCER_WARP) each of its two consumer warpgroups waits so,
     and at its register split (the loader's 24, each consumer's CONSUMER_REGS) nothing spills."""
-    tma, gluon, ws = sm90_lines([str(PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=False,Q_REGS=False", str(GLUON_PREFILL)])
+    tma, gluon, ws = sm90_lines([str(PREFILL), f"{GLUON_PREFILL}:PRODUCER_WARP=False,Q_REGS=False,BLOCK_N=64",
+                               str(GLUON_PREFILL)])
     assert set(_waits(tma)) == {0}, tma
     assert _waits(gluon).get(1) == 2 and int(gluon.split("at most ")[1].split()[0]) >= 2, gluon
     assert _waits(ws).get(1, 0) >= 4 and " 0 B stack" in ws, ws
@@ -58,10 +59,11 @@ def test_the_gluon_prefills_packed_conversion_of_p_leaves_no_byte_permute_and_no
 def test_the_gluon_prefills_item_overlap_keeps_an_items_last_pv_in_flight_beside_the_next_items_first_qk():
     """OVERLAP_ITEMS issues a work item's last P V and the next item's first Q K^T together and waits for the first
     alone (O is stored while the second runs): compiled for sm90, each consumer warpgroup has one more wait that
-    leaves a product in flight than at the defaults, and nothing spills; at NUM_STAGES 2, where the next item's
-    first tile could wait on a stage this item has not released, the knob falls back to the defaults' code."""
-    plain, overlap, plain2, overlap2 = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:OVERLAP_ITEMS=True",
-                                                   f"{GLUON_PREFILL}:NUM_STAGES=2",
+    leaves a product in flight than without it, and at 64-token tiles nothing spills (at 128, 8 bytes do); at
+    NUM_STAGES 2, where the next item's first tile could wait on a stage this item has not released, the knob falls
+    back to the defaults' code."""
+    plain, overlap, plain2, overlap2 = sm90_lines([f"{GLUON_PREFILL}:BLOCK_N=64", f"{GLUON_PREFILL}:BLOCK_N=64,"
+                                                   "OVERLAP_ITEMS=True", f"{GLUON_PREFILL}:NUM_STAGES=2",
                                                    f"{GLUON_PREFILL}:NUM_STAGES=2,OVERLAP_ITEMS=True"])
     assert _waits(overlap).get(1, 0) == _waits(plain).get(1, 0) + 2 and " 0 B stack" in overlap, (plain, overlap)
     assert plain2.split(" -> ")[1] == overlap2.split(" -> ")[1], (plain2, overlap2)
@@ -72,8 +74,8 @@ def test_the_gluon_prefills_128_token_tiles_run_fewer_instructions_a_key_in_each
     shuffles, the barriers) over twice the keys: compiled for sm90 with the loader warp and Q in registers, every
     step variant of the consumers' loop runs fewer instructions a key than at 64-token tiles, as many variants,
     and nothing spills. A step is one tile: a thread's share of 64 rows x BLOCK_N exponentials (BLOCK_N / 2) and
-    its two rows' rescale factors."""
-    narrow, wide = sm90_lines([str(GLUON_PREFILL), f"{GLUON_PREFILL}:BLOCK_N=128,NUM_STAGES=2"])
+    its two rows' rescale factors. 128 is the default (3 stages)."""
+    narrow, wide = sm90_lines([f"{GLUON_PREFILL}:BLOCK_N=64", str(GLUON_PREFILL)])
     steps = {64: softmax_steps(narrow), 128: softmax_steps(wide)}
     assert all(ex2 == block_n // 2 + 2 for block_n, found in steps.items() for _, ex2 in found), (narrow, wide)
     assert len(steps[64]) == len(steps[128]) >= 3, (narrow, wide)

@@ -44,14 +44,12 @@ Knobs (module constants below, one per line)
       ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of 256 bytes 2 KB
       apart; here a copy is 32 KB contiguous. More rows split (32 sequences fill 132 programs at 4 splits) and pay
       the merge. Compiled: 232 registers, 200 KB shared at 3 stages (one program an SM).
-    * MERGE_PDL (off; compiled, not yet timed): where the grid splits, the merge is launched as the decode's
-      programmatic dependent (PDL): once every decode program has started, the merge's programs may take what the
-      SMs have left and wait there (griddepcontrol.wait) for the decode's end and its writes, so the launch's gap
-      between the two goes. Why: ALL_HEADS reads 0.995x cuDNN where nothing splits, 0.953-0.973x where it does.
     Neither spills; the defaults compile to the PTX measured below. Timed (H100 under CUDA graphs, 2026-12-06, the
     issue's rows in one call): OVERLAP_TILES 0.972-0.984x cuDNN against the defaults' 0.978-0.987x (the consumer
-    does not bound the stream there); ALL_HEADS at 2 stages 0.995x at 128 x 1k (defaults 0.978x), 0.953-0.973x on
-    the rows whose few sequences split.
+    does not bound the stream there); ALL_HEADS at 2 stages 0.995x at 128 x 1k (defaults 0.978x), 0.953-0.974x on
+    the rows whose few sequences split. The merge launched as the decode's programmatic dependent (PDL: resident
+    early, waiting on griddepcontrol.wait) was tried the same day and taken out: 0.978-0.987x with the defaults, no
+    gain, and 0.913-0.994x with ALL_HEADS, slower than its plain launch (docs/BENCHMARKS.md).
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -86,7 +84,6 @@ import triton.experimental.gluon.language.nvidia.hopper.tma as tma
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
-from triton.language.extra.cuda import gdc_wait
 
 BLOCK_N = 64  # KV tokens a ring stage (whole pages)
 NUM_STAGES = 3  # ring stages of K and V (2 x BLOCK_N x d x 2 bytes each: 32 KB at 64 x 128)
@@ -96,13 +93,11 @@ ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this
 PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
 ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is whole pages, contiguous (see above)
 OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
-MERGE_PDL = False  # the merge launched as a programmatic dependent: resident while the decode runs, then waits for it
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
-_MERGE_PDL = gl.constexpr(MERGE_PDL)
 
 
 @gluon.jit
@@ -344,9 +339,6 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    if _MERGE_PDL:   # every program is resident: the merge's programs may take what the SMs have left
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
         (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
@@ -360,11 +352,8 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
 
 @triton.jit
 def _merge_kernel(out_ptr, po_ptr, pm_ptr, splits, stride_ob, stride_oh, GROUP: tl.constexpr, GP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, AFTER_PDL: tl.constexpr = False):
-    """Log-sum-exp merge of one (sequence, kv head)'s `splits` partials [split, group, d] (a max of -inf: none);
-    AFTER_PDL: launched as the decode's programmatic dependent, it first waits for the decode's end and writes."""
-    if AFTER_PDL:
-        gdc_wait()
+                  HEAD_DIM: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """Log-sum-exp merge of one (sequence, kv head)'s `splits` partials [split, group, d] (a max of -inf: none)."""
     pid_kvh, pid_b = tl.program_id(0), tl.program_id(1)
     row = (pid_b.to(tl.int64) * tl.num_programs(0) + pid_kvh) * splits
     offs_c, offs_g, offs_d = tl.arange(0, SPLIT_CHUNK), tl.arange(0, GP), tl.arange(0, HEAD_DIM)
@@ -479,6 +468,5 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     if not single:
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group,
                                              GP=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-                                             SPLIT_CHUNK=max(2, min(8, triton.next_power_of_2(splits))),
-                                             AFTER_PDL=MERGE_PDL, launch_pdl=MERGE_PDL, num_warps=4)
+                                             SPLIT_CHUNK=max(2, min(8, triton.next_power_of_2(splits))), num_warps=4)
     return out

@@ -64,8 +64,8 @@ Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): on
     registers, 112 KB shared, two programs an SM; per step two wgmma groups, `wgmma.wait_group 1` before the 34
     ex2, `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP (the defaults): launched at
     168 registers a thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives
-    each consumer warpgroup 240 and the loader 24; 128-192 KB shared (3-5 stages), one program an SM, nothing
-    spilled. In SASS a consumer's step is 309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte
+    each consumer warpgroup 240 and the loader 24; 128-192 KB shared at 64-token tiles (3-5 stages), 224 KB at
+    the default 128 (3 stages), one program an SM, nothing spilled. In SASS a consumer's step is 309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte
     permutes (PRMT) swapping the halves of P's registers; with PACKED_CVT (the defaults since 2026-12-05) 297 and
     377, and no PRMT in the kernel (tests/bench/sm90_compile.py counts them); registers and shared memory unchanged.
     O is normalised by one reciprocal a row and a product a value: a division a value cost ptxas four instructions
@@ -82,6 +82,13 @@ Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 
     reciprocal (the defaults), 0.96-0.97 / 1.00-1.03 / 0.93-0.96 at 4 x 2k / 1 x 8k / 8 x 4k over six passes
     (1 x 1k eager is the host's launch: 0.34-1.05). NUM_STAGES 4 or 5 0.98-0.99 at 4 x 2k and 0.82-0.95 at
     8 x 4k; PINGPONG 0.89-0.92 and SEQUENCE_MAJOR 0.91-0.94 at 8 x 4k; OVERLAP_ITEMS 1-3% slower on every row.
+    Forty-third session (H100, CUDA graphs, tests/bench/vs_library.py): 128-token tiles at 3 stages (the defaults
+    since; 224 KB shared, 168 registers, no spill) over five passes 0.986-1.006 / 1.045-1.093 / 0.949-1.009 at
+    4 x 2k / 1 x 8k / 8 x 4k (median 0.996 / 1.062 / 0.993) and 1.031-1.034 at 1 x 1k, against 64-token tiles'
+    0.958-0.968 / 0.995-1.054 / 0.895-0.948. At 2 stages the same tile read 0.78-0.90: the two-stage order keeps
+    a tile's stage until the next tile's softmax is done, so with two stages the loader has none to refill. On
+    the 128-token tile RESCALE_THRESHOLD 8.0 and OVERLAP_ITEMS (8 bytes spilled there) are slower; ALTERNATE,
+    SEQUENCE_MAJOR, DYNAMIC, BALANCED and PINGPONG within the noise at 4 x 2k and 8 x 4k, 1.06-1.14 at 1 x 8k.
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128. Inputs a tensor descriptor cannot read (not
@@ -126,7 +133,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 BLOCK_M = 64  # query rows per program (16 per warp: 64 with 4 warps, 128 with 8)
-BLOCK_N = 64  # KV tokens per step
+BLOCK_N = 128  # KV tokens per step
 NUM_STAGES = 3  # K/V tiles in the TMA ring
 NUM_WARPS = 4  # warps per program: BLOCK_M // 16
 Q_REGS = True  # Q K^T with Q in registers (read from shared memory once) rather than from shared memory each step
