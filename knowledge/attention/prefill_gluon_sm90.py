@@ -65,11 +65,12 @@ Compiled for sm90 (2026-12-05, Triton 3.6's ptxas, 32 q / 8 kv heads, d 128): on
     ex2, `wait_group 0` after them, no shared-memory round trip for P. PRODUCER_WARP (the defaults): launched at
     168 registers a thread for 12 warps (the loader's partition rounds up to a warpgroup); `setmaxnreg` gives
     each consumer warpgroup 240 and the loader 24; 128-192 KB shared at 64-token tiles (3-5 stages), 224 KB at
-    the default 128 (3 stages), one program an SM, nothing spilled. In SASS a consumer's step is 309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte
-    permutes (PRMT) swapping the halves of P's registers; with PACKED_CVT (the defaults since 2026-12-05) 297 and
-    377, and no PRMT in the kernel (tests/bench/sm90_compile.py counts them); registers and shared memory unchanged.
-    O is normalised by one reciprocal a row and a product a value: a division a value cost ptxas four instructions
-    (3,824 -> 3,456 in the kernel).
+    the default 128 (3 stages), one program an SM, nothing spilled. In SASS at 64-token tiles a consumer's step is
+    309 instructions unmasked and 405 on the diagonal, 16 and 32 of them byte permutes (PRMT) swapping the halves
+    of P's registers; with PACKED_CVT (the defaults since 2026-12-05) 297 and 377 (at 128: 450 and 692, 3.52
+    instructions a key against 4.64), and no PRMT in the kernel (tests/bench/sm90_compile.py counts them);
+    registers and shared memory unchanged. O is normalised by one reciprocal a row and a product a value: a
+    division a value cost ptxas four instructions (3,824 -> 3,456 in the kernel).
 
 Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 4k, eager, each call on a new
     query): on the H200, PRODUCER_WARP, Q_REGS, PERSISTENT 0.95 / 0.99 / 0.90 (NUM_STAGES 4 or PINGPONG within
