@@ -2,7 +2,10 @@
 interpreter: on a machine without CUDA the kernel is compiled for sm90 with Triton's own ptxas
 (tests/bench/sm90_compile.py) and its host side is checked; on a GPU (`pytest -m cuda`) every variant is compared
 with the float64 reference. Speed is measured on the GPU by tests/bench/vs_library.py, not here."""
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -19,6 +22,18 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.fixture(scope="module")
 def knob_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gluon_decode_variants")
+
+
+def sm90_ptx(spec: str) -> list[str]:
+    """The PTX tests/bench/sm90_compile.py builds for `spec`, its lines (compiled in a process of its own, as
+    sm90_lines: this one may run Triton's interpreter)."""
+    code = ("import pathlib, sys, tempfile; sys.path.insert(0, sys.argv[1]); import sm90_compile; "
+            "print(sm90_compile._build(sys.argv[2], pathlib.Path(tempfile.mkdtemp()), 32)[2][5])")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests" / "bench"), spec], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [line.split("//")[0].strip() for line in done.stdout.splitlines()]
 
 
 def test_the_gluon_decode_compiled_for_sm90_holds_its_ring_in_shared_memory_without_spills():
@@ -115,6 +130,31 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
 
 
+def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_warpgroups_partial_stores():
+    """FUSED_COMBINE, on its own and with ALL_HEADS: compiled for sm90, nothing spills and the registers and shared
+    memory are those without it; the PTX takes one ticket, an acq_rel add at gpu scope, after a barrier that
+    follows the partial's stores (the release covers every thread's), resets it with one relaxed exchange and reads
+    the partials past L1 (.cg). The defaults take none."""
+    specs = [str(GLUON_DECODE), f"{GLUON_DECODE}:FUSED_COMBINE=True", f"{GLUON_DECODE}:ALL_HEADS=True",
+             f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True"]
+    lines = sm90_lines(specs)
+    for plain, fused in (lines[:2], lines[2:]):
+        regs = (lambda line: line.split(" registers")[0].split()[-1])
+        assert " 0 B stack" in fused and regs(fused) == regs(plain), (plain, fused)
+        assert fused.split(" B stack")[1].split("->")[0] == plain.split(" B stack")[1].split("->")[0], (plain, fused)
+    for spec in specs[1::2]:
+        ptx = sm90_ptx(spec)
+        atoms = [i for i, line in enumerate(ptx) if " atom." in f" {line}"]
+        adds = [i for i in atoms if "atom.global.gpu.acq_rel.add" in ptx[i]]
+        assert len(adds) == 1 and len(atoms) == 2, [ptx[i] for i in atoms]
+        assert "atom.global.gpu.relaxed.exch" in ptx[max(set(atoms) - set(adds))]
+        before = ptx[:adds[0]]
+        last_store = max(i for i, line in enumerate(before) if "st.global" in line)
+        assert any(line.startswith("bar.sync") for line in before[last_store:]), before[last_store:]
+        assert any("ld.global.cg" in line for line in ptx[adds[0]:])
+    assert not any(" atom." in f" {line}" for line in sm90_ptx(specs[0]))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
@@ -132,9 +172,14 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     ({"ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),    # a page a stage
     ({"ALL_HEADS": True, "OVERLAP_TILES": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),   # two pages a stage
     ({"ALL_HEADS": True, "NUM_STAGES": 2}, [5, 130, 3000], 16, 2, 64),                  # four, a group of 8
+    ({"FUSED_COMBINE": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # the last split merges
+    ({"FUSED_COMBINE": True, "MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, [70, 640, 2500], 32, 4, 128),
+    ({"FUSED_COMBINE": True, "ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),
+    ({"FUSED_COMBINE": True, "ALL_HEADS": True, "NUM_STAGES": 2}, [5, 130, 3000], 16, 2, 64),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
-        "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64"])
+        "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
+        "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""
@@ -145,3 +190,20 @@ def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_
     ref = decode_reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens_t.cpu(), d ** -0.5)
     assert torch.isfinite(out).all(), "an output row unwritten or not finite"
     assert (out - ref).abs().max() < 3.2e-2 and (out - ref).norm() / ref.norm() < 1.2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
+def test_the_gluon_decodes_fused_combine_leaves_its_tickets_at_zero_for_the_next_call_on_gpu(knob_dir):
+    """FUSED_COMBINE twice on the same inputs (fine splits: sequences with fewer live splits than the grid): each
+    (sequence, kv head)'s last split resets its ticket, so the second call merges as the first did, bit for bit
+    (the merging split reads every partial in split order, whichever it is), and the tickets end at zero."""
+    mod = _load(GLUON_DECODE, {"FUSED_COMBINE": True, "MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, knob_dir)
+    q, k, v, table, lens_t = make_decode_inputs([70, 640, 2500, 1], 32, 4, 128, 16, extra_pages=2, seed=11)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    first = mod.decode(q, k, v, table, lens_t, 128 ** -0.5)
+    second = mod.decode(q, k, v, table, lens_t, 128 ** -0.5)
+    ref = decode_reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens_t.cpu(), 128 ** -0.5)
+    assert torch.equal(first, second)
+    assert torch.isfinite(second).all() and (second.double().cpu() - ref).abs().max() < 3.2e-2
+    assert mod._TICKETS and all(int(t.count_nonzero()) == 0 for t in mod._TICKETS.values())

@@ -26,7 +26,7 @@ What it does
     items fill the programs' rounds to ROUND_FILL); each item sizes its sequence's splits from the real length on
     the device, as the GQA family does. With more than one split in the grid every item writes a
     partial (unnormalised O, max, sum; an item past its sequence's splits writes a max of -inf) and a small Triton
-    kernel merges them; with one, the consumer writes O.
+    kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and two designs off by
@@ -50,6 +50,15 @@ Knobs (module constants below, one per line)
     the rows whose few sequences split. The merge launched as the decode's programmatic dependent (PDL: resident
     early, waiting on griddepcontrol.wait) was tried the same day and taken out: 0.978-0.987x with the defaults, no
     gain, and 0.913-0.994x with ALL_HEADS, slower than its plain launch (docs/BENCHMARKS.md).
+    FUSED_COMBINE (off; compiled, not yet timed on a GPU): no merge kernel. As in the GQA family, the last split of
+    a (sequence, kv head) to finish merges: after its partial the consumer warpgroup syncs, one thread takes a
+    ticket (atom.acq_rel.gpu add on a per-device int32 buffer, one a pair), and the split that draws n_split - 1
+    resets it to 0 and merges the n_split live partials (SPLIT_CHUNK splits a load, read .cg, reductions over splits
+    in-thread); dead items write nothing. With ALL_HEADS a ticket is a sequence's, the merge every head's. Why: where
+    sequences split, the partials and their merge kernel cost 1-4% (above). Risk: a launch killed mid-way leaves
+    its tickets non-zero, and later calls then merge early (before every partial is written) or never, until
+    _TICKETS is dropped. Compiled: nothing spilled, the
+    same registers and shared memory (a split chunk times the item's rows kept <= 32 a thread: past that, spills).
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -93,11 +102,13 @@ ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this
 PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
 ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is whole pages, contiguous (see above)
 OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
+FUSED_COMBINE = False  # the last split of a (sequence, kv head) to finish merges (atomic ticket), no merge kernel
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
+_TICKETS = {}  # device -> int32 tickets, one a (sequence, kv head), zero between calls (FUSED_COMBINE)
 
 
 @gluon.jit
@@ -119,10 +130,11 @@ def _item(item, seqlens_ptr, batch, num_kv_heads, max_splits, min_tokens, BLOCK_
 
 
 @gluon.jit
-def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
-            num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
-            ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-            STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
+def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
+            min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem,
+            v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
+            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
     """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
     consumer's: Gluon gives every partition one signature)."""
     PAGE_ROWS: gl.constexpr = PAGE * KV_HEADS     # a page's rows: one kv head's, or (ALL_HEADS) every kv head's
@@ -258,12 +270,56 @@ def _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP: gl.constexpr
 
 
 @gluon.jit
-def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits, min_tokens,
-              num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem, v_smem,
-              ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
+def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh,
+                 GROUP: gl.constexpr, GP: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+                 KV_HEADS: gl.constexpr):
+    """FUSED: log-sum-exp merge of one item's n_split partials [pair, split, group] (its query rows: one GQA group,
+    partials from pair `pair` on; ALL_HEADS: every head, pair `pair` + its kv head), SPLIT_CHUNK splits a load:
+    splits and rows in each thread's registers (reductions over splits in-thread), d over the warpgroup's lanes.
+    Read past L1 (.cg): other SMs wrote them in this launch."""
+    l3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 1, 4], [2, 1, 0])
+    sg: gl.constexpr = gl.SliceLayout(2, l3)                  # [split, group]
+    gd: gl.constexpr = gl.SliceLayout(0, l3)                  # [group, d]
+    offs_c = gl.arange(0, SPLIT_CHUNK, layout=gl.SliceLayout(1, sg))
+    offs_g = gl.arange(0, GP, layout=gl.SliceLayout(0, sg))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gd))
+    offs_d3 = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3)))    # (expanded at 0, then 1)
+    mask_g = offs_g < GROUP
+    group: gl.constexpr = GROUP // KV_HEADS                 # query heads a kv head's partial rows hold
+    m_run = gl.full([GP], float("-inf"), gl.float32, gl.SliceLayout(0, sg))
+    l_run = gl.zeros([GP], gl.float32, gl.SliceLayout(0, sg))
+    acc = gl.zeros([GP, HEAD_DIM], gl.float32, gd)
+    for s0 in range(0, n_split, SPLIT_CHUNK):
+        msk = ((s0 + offs_c) < n_split)[:, None] & mask_g[None, :]
+        at = ((pair + offs_g // group) * max_splits)[None, :] * group + (s0 + offs_c)[:, None] * group \
+            + (offs_g % group)[None, :]
+        m_s = gl.load(pm_ptr + 2 * at, mask=msk, other=float("-inf"), cache_modifier=".cg")
+        l_s = gl.load(pm_ptr + 2 * at + 1, mask=msk, other=0.0, cache_modifier=".cg")
+        o_s = gl.load(po_ptr + at[:, :, None] * HEAD_DIM + offs_d3[None, None, :], mask=msk[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        m_new = gl.maximum(m_run, gl.max(m_s, 0))
+        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_run - m_ref)
+        w = gl.exp2(m_s - m_ref[None, :])
+        l_run = l_run * alpha + gl.sum(w * l_s, 0)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, gd))[:, None] + gl.sum(w[:, :, None] * o_s, 0)
+        m_run = m_new
+    o = acc * gl.convert_layout(1.0 / gl.where(l_run > 0.0, l_run, 1.0), gl.SliceLayout(1, gd))[:, None]
+    offs_h = gl.arange(0, GP, layout=gl.SliceLayout(1, gd))
+    heads = pid_kvh * GROUP + offs_h
+    gl.store(out_ptr + pid_b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+             o.to(gl.bfloat16), mask=(offs_h < GROUP)[:, None])
+
+
+@gluon.jit
+def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
+              min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+              k_smem, v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+              PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
+              FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
-    grid) or its partial; an item past its sequence's splits writes a max of -inf."""
+    grid) or its partial; an item past its sequence's splits writes a max of -inf (FUSED: nothing; the last of a
+    (sequence, kv head)'s splits to finish merges its partials)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N * KV_HEADS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -319,17 +375,27 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
                 gl.store(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mine[:, None])
                 gl.store(pm_ptr + 2 * rows, m_r, mask=mine)
                 gl.store(pm_ptr + 2 * rows + 1, l_r, mask=mine)
-        elif not SINGLE:
+                if FUSED:
+                    gl.thread_barrier()     # the warpgroup's partial stores precede the ticket (release, gpu scope)
+                    ticket = ticket_ptr + pid_b * num_kv_heads + pid_kvh
+                    done = gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+                    if done == n_split - 1:
+                        gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")      # reset for the next call
+                        _merge_fused(out_ptr, po_ptr, pm_ptr, (pid_b * num_kv_heads + pid_kvh) * KV_HEADS,
+                                     max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh, GROUP, GP, HEAD_DIM,
+                                     SPLIT_CHUNK, KV_HEADS)
+        elif not SINGLE and not FUSED:
             rows = _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP, KV_HEADS)
             gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
                      mask=offs_g < GROUP)
 
 
 @gluon.jit
-def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
-                   min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr):
+def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+                   max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
+                   stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
+                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items."""
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
@@ -341,12 +407,14 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
         mbarrier.init(empty.index(i), count=1)
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
-        (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
-                     min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-                     k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS)),
-        (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, qk_scale, max_splits,
-                   min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-                   k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS)),
+        (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+                     max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
+                     stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
+                     FUSED, GP, SPLIT_CHUNK)),
+        (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+                   max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
+                   stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
+                   FUSED, GP, SPLIT_CHUNK)),
     ], [1], [24])
 
 
@@ -435,6 +503,23 @@ def cache_rows(cache):
     return cache.view(blocks * page * heads, d) if ALL_HEADS else cache.view(blocks * page, heads * d)
 
 
+def fused_merge_shape(rows, splits):
+    """FUSED_COMBINE's merge: (its rows padded to a power of two, splits a load). A thread holds splits x rows of
+    each partial a load, at most 32: ALL_HEADS' 32 rows at 2 splits spill beside its 64 x 128 scores, and 16 rows
+    at 8 splits at the defaults."""
+    gp = triton.next_power_of_2(rows)
+    return gp, max(1, min(8, triton.next_power_of_2(splits), 32 // gp))
+
+
+def _tickets(device, n):
+    """FUSED_COMBINE's tickets on `device`, at least n, all zero (each call's last split resets its own)."""
+    buf = _TICKETS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _TICKETS[device] = buf
+    return buf
+
+
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     batch, num_q_heads, head_dim = q.shape
     num_blocks, page, num_kv_heads, _ = k_cache.shape
@@ -459,14 +544,17 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32,
                                         device=q.device)
     pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
+    fused = bool(FUSED_COMBINE) and not single
+    tickets = _tickets(q.device, batch * item_heads) if fused else seq_lens
+    gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
+    fused_gp, fused_chunk = fused_merge_shape(rows, splits) if fused else (1, 1)
     _decode_kernel[(min(items, sms),)](
-        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, float(sm_scale) * _LOG2E, splits,
+        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, float(sm_scale) * _LOG2E, splits,
         max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
-        KV_HEADS=kv_heads, **launch_options())
-    if not single:
-        _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group,
-                                             GP=triton.next_power_of_2(group), HEAD_DIM=head_dim,
-                                             SPLIT_CHUNK=max(2, min(8, triton.next_power_of_2(splits))), num_warps=4)
+        KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, **launch_options())
+    if not single and not fused:
+        _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group, GP=gp,
+                                             HEAD_DIM=head_dim, SPLIT_CHUNK=split_chunk, num_warps=4)
     return out
