@@ -102,6 +102,22 @@ def test_each_check_draws_sm_scale_and_what_unused_slots_hold_from_its_seed(cfg)
     assert 0 < sum(s == served_scale for s in scales) < len(scales) / 2     # the served value, now and then
 
 
+def test_a_checks_label_names_the_served_sm_scale_only_where_it_drew_exactly_that(cfg):
+    """A drawn factor of 1.0016 is not the served scale: its label must not read "1/sqrt(D)" (feedback and parity's
+    reasons would then say a kernel failed where the served scale was used). Over 3,000 draws some factors fall
+    within rounding of 1."""
+    ctx = _ctx(cfg)
+    case = ctx.cases("decode", boundary=False)[0]
+    served = 1 / math.sqrt(case.params["head_dim"])
+    near = 0
+    for seed in range(3000):
+        varied = ATTENTION.vary(case, "normal", random.Random(seed), ctx)
+        exact = varied.params["sm_scale"] == served
+        near += not exact and abs(varied.params["sm_scale"] / served - 1) < 0.005
+        assert ("(1/sqrt(" in varied.label) == exact, varied.label
+    assert near > 0
+
+
 def test_the_served_distribution_is_the_served_models_own_queries_keys_and_values(cfg):
     ctx = _ctx(cfg)
     layers = served_qkv(cfg, CPU, torch.float32)
