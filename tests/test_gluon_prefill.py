@@ -152,7 +152,8 @@ def test_the_gluon_prefill_launched_as_compiled_gives_the_jit_launchs_outputs_ac
         cu = torch.tensor([7, *bounds], dtype=torch.int32, device="cuda")[1:] if n % 2 else \
             torch.tensor(bounds, dtype=torch.int32, device="cuda")
         for _ in range(2):
-            q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
+            q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16)
+                       for h in (hq, hkv, hkv))
             want = jit.prefill(q, k, v, cu, max(lens), 0.088)
             got = direct.prefill(q, k, v, cu, max(lens), 0.088)
             assert torch.equal(got, want), f"lengths {lens}, cu_seqlens aligned: {cu.data_ptr() % 16 == 0}"
@@ -185,8 +186,8 @@ def test_the_gluon_prefills_exact_knobs_give_the_defaults_outputs_bit_for_bit_on
         assert torch.equal(changed.prefill(q, k, v, cu, max(lens), d ** -0.5), want), f"lengths {lens}"
 
 
-@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False}, {"BALANCED": True}],
-                         ids=["persistent", "dynamic", "one-warpgroup", "balanced"])
+@pytest.mark.parametrize("knobs", [{}, {"DYNAMIC": True}, {"PRODUCER_WARP": False, "Q_REGS": False},
+                                   {"BALANCED": True}], ids=["persistent", "dynamic", "one-warpgroup", "balanced"])
 def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializes_apart(knob_dir, knobs):
     """DIRECT_LAUNCH keeps a compiled kernel under `_specialization` and launches it for any call with that key, so
     two calls with one key must be ones Triton's own binder (3.6, sm90, no GPU needed) specializes alike: else a
