@@ -108,7 +108,7 @@ _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
-_TICKETS = {}  # device -> int32 tickets, one a (sequence, kv head), zero between calls (FUSED_COMBINE)
+_TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE)
 
 
 @gluon.jit
@@ -512,12 +512,12 @@ def fused_merge_shape(rows, splits):
 
 
 def _tickets(device, n):
-    """FUSED_COMBINE's tickets on `device`, at least n, all zero (each call's last split resets its own)."""
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
+    """The merge's tickets on `device`, at least n, all zero between calls (each call's last split resets its own).
+    A smaller buffer is kept when a larger one is made: a CUDA graph captured on it launches on its address."""
+    bufs = _TICKETS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):

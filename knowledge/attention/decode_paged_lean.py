@@ -79,7 +79,7 @@ MERGE_LAUNCH = False  # True: every piece writes one tile and a second launch me
 CPU_SM_COUNT = 4  # pretend SM count when running on the CPU interpreter
 
 _LOG2E = 1.4426950408889634
-_TICKETS = {}
+_TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed
 
 
 @triton.jit
@@ -346,11 +346,12 @@ def register_cap():
 
 
 def _tickets(device, n):
-    buf = _TICKETS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _TICKETS[device] = buf
-    return buf
+    """The merge's tickets on `device`, at least n, all zero between calls (each call's last split resets its own).
+    A smaller buffer is kept when a larger one is made: a CUDA graph captured on it launches on its address."""
+    bufs = _TICKETS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
