@@ -354,8 +354,7 @@ def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
     factor = 1.0 if rng.random() < 0.25 else math.exp(rng.uniform(math.log(lo), math.log(hi)))
     params = {**case.params, "sm_scale": factor / math.sqrt(D)}
     notes = [f"batch {params['batch']} drawn"] if drawn else []
-    shown = f"{factor:.3g}" if factor == 1.0 or f"{factor:.3g}" != "1" else f"{factor:.6g}"   # 1.0016 is not 1
-    notes.append(f"sm_scale {params['sm_scale']:.4g} ({shown}/sqrt({D}))")
+    notes.append(f"sm_scale {params['sm_scale']:.4g} ({factor:.6g}/sqrt({D}))")     # six figures: 1.0016 is not 1
     if case.op == "decode":
         params["unused"] = rng.choice(p.unused_slots)
         notes.append(f"unused slots hold {params['unused']}")
