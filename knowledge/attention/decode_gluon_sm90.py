@@ -29,8 +29,8 @@ What it does
     kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and two designs off by
-    default (their GPU tests pass; timed below):
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, two designs off by
+    default (their GPU tests pass; timed below) and a third, FUSED_COMBINE (after them: compiled only):
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -57,8 +57,8 @@ Knobs (module constants below, one per line)
     in-thread); dead items write nothing. With ALL_HEADS a ticket is a sequence's, the merge every head's. Why: where
     sequences split, the partials and their merge kernel cost 1-4% (above). Risk: a launch killed mid-way leaves
     its tickets non-zero, and later calls then merge early (before every partial is written) or never, until
-    _TICKETS is dropped. Compiled: nothing spilled, the
-    same registers and shared memory (a split chunk times the item's rows kept <= 32 a thread: past that, spills).
+    _TICKETS is dropped. Compiled: nothing spilled, the same registers and shared memory (a split chunk times the
+    item's rows kept <= 32 a thread: past that, spills).
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -381,7 +381,7 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
                     done = gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
                     if done == n_split - 1:
                         gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")      # reset for the next call
-                        _merge_fused(out_ptr, po_ptr, pm_ptr, (pid_b * num_kv_heads + pid_kvh) * KV_HEADS,
+                        _merge_fused(out_ptr, po_ptr, pm_ptr, (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * KV_HEADS,
                                      max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh, GROUP, GP, HEAD_DIM,
                                      SPLIT_CHUNK, KV_HEADS)
         elif not SINGLE and not FUSED:
