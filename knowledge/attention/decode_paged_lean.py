@@ -346,8 +346,7 @@ def register_cap():
 
 
 def _tickets(device, n):
-    """The merge's tickets on `device`, at least n, all zero between calls (each call's last split resets its own).
-    A smaller buffer is kept when a larger one is made: a CUDA graph captured on it launches on its address."""
+    """At least n zeroed tickets on `device`; a smaller buffer stays alive (a CUDA graph may launch on it)."""
     bufs = _TICKETS.setdefault(device, [])
     if not bufs or bufs[-1].numel() < n:
         bufs.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
