@@ -2,10 +2,7 @@
 interpreter: on a machine without CUDA the kernel is compiled for sm90 with Triton's own ptxas
 (tests/bench/sm90_compile.py) and its host side is checked; on a GPU (`pytest -m cuda`) every variant is compared
 with the float64 reference. Speed is measured on the GPU by tests/bench/vs_library.py, not here."""
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,16 +21,9 @@ def knob_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("gluon_decode_variants")
 
 
-def sm90_ptx(spec: str) -> list[str]:
-    """The PTX tests/bench/sm90_compile.py builds for `spec`, its lines (compiled in a process of its own, as
-    sm90_lines: this one may run Triton's interpreter)."""
-    code = ("import pathlib, sys, tempfile; sys.path.insert(0, sys.argv[1]); import sm90_compile; "
-            "print(sm90_compile._build(sys.argv[2], pathlib.Path(tempfile.mkdtemp()), 32)[2][5])")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "tests" / "bench"), spec], capture_output=True,
-                          text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return [line.split("//")[0].strip() for line in done.stdout.splitlines()]
+def ptx_lines(path: pathlib.Path) -> list[str]:
+    """A PTX file sm90_compile.py wrote (`--ptx`), its lines without comments."""
+    return [line.split("//")[0].strip() for line in path.read_text().splitlines()]
 
 
 def test_the_gluon_decode_compiled_for_sm90_holds_its_ring_in_shared_memory_without_spills():
@@ -130,20 +120,20 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
 
 
-def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_warpgroups_partial_stores():
+def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_warpgroups_partial_stores(tmp_path):
     """FUSED_COMBINE, on its own and with ALL_HEADS: compiled for sm90, nothing spills and the registers and shared
     memory are those without it; the PTX takes one ticket, an acq_rel add at gpu scope, after a barrier that
     follows the partial's stores (the release covers every thread's), resets it with one relaxed exchange and reads
     the partials past L1 (.cg). The defaults take none."""
     specs = [str(GLUON_DECODE), f"{GLUON_DECODE}:FUSED_COMBINE=True", f"{GLUON_DECODE}:ALL_HEADS=True",
              f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True"]
-    lines = sm90_lines(specs)
+    lines = sm90_lines(specs, options=("--ptx", str(tmp_path)))
     for plain, fused in (lines[:2], lines[2:]):
         regs = (lambda line: line.split(" registers")[0].split()[-1])
         assert " 0 B stack" in fused and regs(fused) == regs(plain), (plain, fused)
         assert fused.split(" B stack")[1].split("->")[0] == plain.split(" B stack")[1].split("->")[0], (plain, fused)
-    for spec in specs[1::2]:
-        ptx = sm90_ptx(spec)
+    for i in (1, 3):
+        ptx = ptx_lines(tmp_path / f"{i}.ptx")
         atoms = [i for i, line in enumerate(ptx) if " atom." in f" {line}"]
         adds = [i for i in atoms if "atom.global.gpu.acq_rel.add" in ptx[i]]
         assert len(adds) == 1 and len(atoms) == 2, [ptx[i] for i in atoms]
@@ -152,7 +142,7 @@ def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_wa
         last_store = max(i for i, line in enumerate(before) if "st.global" in line)
         assert any(line.startswith("bar.sync") for line in before[last_store:]), before[last_store:]
         assert any("ld.global.cg" in line for line in ptx[adds[0]:])
-    assert not any(" atom." in f" {line}" for line in sm90_ptx(specs[0]))
+    assert not any(" atom." in f" {line}" for line in ptx_lines(tmp_path / "0.ptx"))
 
 
 @pytest.mark.cuda

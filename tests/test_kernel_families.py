@@ -77,12 +77,13 @@ def sm90_figures(spec: str, batch: int = 32) -> str:
     return sm90_lines([spec], batch)[0]
 
 
-def sm90_lines(specs: list[str], batch: int = 32) -> list[str]:
-    """tests/bench/sm90_compile.py's lines for `specs`, compiled in one process (one import of torch and triton)."""
+def sm90_lines(specs: list[str], batch: int = 32, options: tuple[str, ...] = ()) -> list[str]:
+    """tests/bench/sm90_compile.py's lines for `specs` (with its `options`), compiled in one process (one import of
+    torch and triton)."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), *specs],
+    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), *options, *specs],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.strip().splitlines()[-len(specs):]

@@ -203,12 +203,16 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32, help="sequences in the launch the kernel is specialised for")
     ap.add_argument("--same-code-as", metavar="FILE", help="also build FILE (another version of each SPEC's file, "
                     "e.g. from `git show REV:PATH`) with the SPEC's knobs and say how many PTX lines differ")
+    ap.add_argument("--ptx", metavar="DIR", type=pathlib.Path, help="also write each SPEC's PTX to DIR/<i>.ptx")
     args = ap.parse_args(argv)
     batch, specs = args.batch, args.specs or [str(DEFAULT)]
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sm90_compile_"))
-    for spec in specs:
+    for i, spec in enumerate(specs):
         label, mod, compiled = _build(spec, tmp, batch)
         regs, stack, shared, issued, waits, ptx, sass, permutes, steps = compiled
+        if args.ptx:
+            args.ptx.mkdir(parents=True, exist_ok=True)
+            (args.ptx / f"{i}.ptx").write_text(ptx)
         per_sm = programs_per_sm(KernelUse(name=label[:256], registers=regs, spills=stack // 4, shared_bytes=shared,
                                            warps=getattr(mod, "launch_warps", lambda: mod.NUM_WARPS)()))
         # sm90's limits, as microbench counts them
