@@ -120,19 +120,19 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
 
 
-def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_warpgroups_partial_stores(tmp_path):
-    """FUSED_COMBINE, on its own and with ALL_HEADS: compiled for sm90, nothing spills and the registers and shared
-    memory are those without it; the PTX takes one ticket, an acq_rel add at gpu scope, after a barrier that
-    follows the partial's stores (the release covers every thread's), resets it with one relaxed exchange and reads
-    the partials past L1 (.cg). The defaults take none."""
+def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_partials_stores(tmp_path):
+    """FUSED_COMBINE (on its own and with ALL_HEADS) and LEAN: compiled for sm90, nothing spills and the registers
+    and shared memory are those without it; the PTX takes one ticket, an acq_rel add at gpu scope, after a barrier
+    that follows the partial's stores (the release covers every thread's), resets it with one relaxed exchange and
+    reads the partials past L1 (.cg). The defaults take none."""
     specs = [str(GLUON_DECODE), f"{GLUON_DECODE}:FUSED_COMBINE=True", f"{GLUON_DECODE}:ALL_HEADS=True",
-             f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True"]
+             f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True", f"{GLUON_DECODE}:LEAN=True"]
     lines = sm90_lines(specs, options=("--ptx", str(tmp_path)))
-    for plain, fused in (lines[:2], lines[2:]):
+    for plain, merged in ((lines[0], lines[1]), (lines[2], lines[3]), (lines[0], lines[4])):
         regs = (lambda line: line.split(" registers")[0].split()[-1])
-        assert " 0 B stack" in fused and regs(fused) == regs(plain), (plain, fused)
-        assert fused.split(" B stack")[1].split("->")[0] == plain.split(" B stack")[1].split("->")[0], (plain, fused)
-    for i in (1, 3):
+        assert " 0 B stack" in merged and regs(merged) == regs(plain), (plain, merged)
+        assert merged.split(" B stack")[1].split("->")[0] == plain.split(" B stack")[1].split("->")[0], (plain, merged)
+    for i in (1, 3, 4):
         ptx = ptx_lines(tmp_path / f"{i}.ptx")
         atoms = [i for i, line in enumerate(ptx) if " atom." in f" {line}"]
         adds = [i for i in atoms if "atom.global.gpu.acq_rel.add" in ptx[i]]
@@ -166,10 +166,17 @@ def test_the_gluon_decodes_fused_combine_takes_one_gpu_scope_ticket_after_its_wa
     ({"FUSED_COMBINE": True, "MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, [70, 640, 2500], 32, 4, 128),
     ({"FUSED_COMBINE": True, "ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),
     ({"FUSED_COMBINE": True, "ALL_HEADS": True, "NUM_STAGES": 2}, [5, 130, 3000], 16, 2, 64),
+    ({"LEAN": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # pieces of 4 tiles, merged
+    ({"LEAN": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),       # stretches of whole (sequence, kv head)s
+    ({"LEAN": True}, [5, 130, 3000], 16, 2, 64),
+    ({"LEAN": True, "OVERLAP_TILES": True, "NUM_STAGES": 2}, [1, 17, 64, 65, 1500], 32, 8, 128),
+    ({"LEAN": True, "MIN_TOKENS_PER_SPLIT": 4096}, [70, 640, 2500, 1], 32, 4, 128),   # 4 programs, the rest idle
+    ({"LEAN": True}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),  # lengths read in several chunks
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
-        "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64"])
+        "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
+        "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""
@@ -184,11 +191,14 @@ def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-def test_the_gluon_decodes_fused_combine_leaves_its_tickets_at_zero_for_the_next_call_on_gpu(knob_dir):
-    """FUSED_COMBINE twice on the same inputs (fine splits: sequences with fewer live splits than the grid): each
-    (sequence, kv head)'s last split resets its ticket, so the second call merges as the first did, bit for bit
-    (the merging split reads every partial in split order, whichever it is), and the tickets end at zero."""
-    mod = _load(GLUON_DECODE, {"FUSED_COMBINE": True, "MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32}, knob_dir)
+@pytest.mark.parametrize("knobs", [{"FUSED_COMBINE": True, "MIN_TOKENS_PER_SPLIT": 64, "MAX_SPLITS": 32},
+                                   {"LEAN": True, "MIN_TOKENS_PER_SPLIT": 64}], ids=["fused", "lean"])
+def test_the_gluon_decodes_in_kernel_merge_leaves_its_tickets_at_zero_for_the_next_call_on_gpu(knob_dir, knobs):
+    """FUSED_COMBINE (fine splits: sequences with fewer live splits than the grid) or LEAN (pieces of one tile)
+    twice on the same inputs: each (sequence, kv head)'s last split or piece resets its ticket, so the second call
+    merges as the first did, bit for bit (the merging program reads every partial in order, whichever it is), and
+    the tickets end at zero."""
+    mod = _load(GLUON_DECODE, knobs, knob_dir)
     q, k, v, table, lens_t = make_decode_inputs([70, 640, 2500, 1], 32, 4, 128, 16, extra_pages=2, seed=11)
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     first = mod.decode(q, k, v, table, lens_t, 128 ** -0.5)

@@ -29,8 +29,8 @@ What it does
     kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, two designs off by
-    default (their GPU tests pass; timed below) and a third, FUSED_COMBINE (after them: compiled only):
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and four designs off by
+    default: OVERLAP_TILES, ALL_HEADS and FUSED_COMBINE (their GPU tests pass; timed below), LEAN (compiled only):
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -50,7 +50,7 @@ Knobs (module constants below, one per line)
     the rows whose few sequences split. The merge launched as the decode's programmatic dependent (PDL: resident
     early, waiting on griddepcontrol.wait) was tried the same day and taken out: 0.978-0.987x with the defaults, no
     gain, and 0.913-0.994x with ALL_HEADS, slower than its plain launch (docs/BENCHMARKS.md).
-    FUSED_COMBINE (off; compiled, not yet timed on a GPU): no merge kernel. As in the GQA family, the last split of
+    FUSED_COMBINE (off): no merge kernel. As in the GQA family, the last split of
     a (sequence, kv head) to finish merges: after its partial the consumer warpgroup syncs, one thread takes a
     ticket (atom.acq_rel.gpu add on a per-device int32 buffer, one a pair), and the split that draws n_split - 1
     resets it to 0 and merges the n_split live partials (SPLIT_CHUNK splits a load, read .cg, reductions over splits
@@ -58,7 +58,20 @@ Knobs (module constants below, one per line)
     sequences split, the partials and their merge kernel cost 1-4% (above). Risk: a launch killed mid-way leaves
     its tickets non-zero, and later calls then merge early (before every partial is written) or never, until
     _TICKETS is dropped. Compiled: nothing spilled, the same registers and shared memory (a split chunk times the
-    item's rows kept <= 32 a thread: past that, spills).
+    item's rows kept <= 32 a thread: past that, spills). Timed (H100 under CUDA graphs, 2026-12-06, forty-fifth
+    session): 0.983-0.993x cuDNN on the issue's rows against the defaults' 0.984-0.989x in the same call, and
+    0.888/0.909/0.948x on the served shapes (ragged 0.5) against 0.887/0.907/0.946x: within the noise, so off.
+    LEAN (off; compiled, not yet run on a GPU): the batch's K/V as one line of tiles (sequence by sequence, kv head
+    by kv head, BLOCK_N tokens a tile, from the real lengths on the device), one equal stretch of it a program
+    (at least MIN_TOKENS_PER_SPLIT; a short line takes fewer programs), as the Triton lean family
+    (decode_paged_lean.py) cuts it. A stretch's pieces are the (sequence, kv head)s it touches: a whole one writes
+    its O, a piece of one its partial at [program, first or last piece], and the last piece of a (sequence, kv
+    head) to finish merges them by the ticket FUSED_COMBINE takes. Both partitions read the lengths a chunk at a
+    time (a lane each) and walk the same pieces; the ring runs on across them. Why: on the served shapes (ragged
+    lengths) the defaults read 0.89-0.95x cuDNN against 0.98-0.99x on equal lengths (above): an item is a whole
+    (sequence, kv head), taken by index, so the programs holding the longest finish last. Risk: a piece's partial
+    and the merge on the rows that split; the ticket's risk above. Compiled: 128 registers, nothing spilled, 104.1
+    KB shared, as the defaults.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -80,7 +93,7 @@ Known limits
       heads. A cache a tensor descriptor cannot read ([blocks, page, kv heads, d] contiguous, 16-byte aligned) is
       refused (a copy of the whole cache a call would cost more than the call).
     * Equal split counts for every sequence of a batch (as the GQA family): a ragged batch's longest chunk sets
-      the time; items are taken by index, not by cost.
+      the time; items are taken by index, not by cost (LEAN: equal stretches instead; not with ALL_HEADS).
     * The group's rows are padded to 64: the tensor cores do 16x the work a group of 4 needs (cheap beside the
       stream: about a fifth of a tile's load time at 3 TB/s).
 """
@@ -103,12 +116,13 @@ PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 1
 ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is whole pages, contiguous (see above)
 OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
 FUSED_COMBINE = False  # the last split of a (sequence, kv head) to finish merges (atomic ticket), no merge kernel
+LEAN = False  # the batch's tiles cut into one equal stretch a program, from the real lengths (see above)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
-_TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE)
+_TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE, LEAN)
 
 
 @gluon.jit
@@ -130,39 +144,144 @@ def _item(item, seqlens_ptr, batch, num_kv_heads, max_splits, min_tokens, BLOCK_
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _stretch_start(p, programs, total):
+    """LEAN: the first tile of program p's stretch of the line's `total` tiles."""
+    return ((p.to(gl.int64) * total) // programs).to(gl.int32)
+
+
+@gluon.jit
+def _owner(x, programs, total):
+    """LEAN: the program whose stretch holds tile x."""
+    return (((x + 1).to(gl.int64) * programs + total - 1) // total - 1).to(gl.int32)
+
+
+@gluon.jit
+def _tiles_of(seqlens_ptr, b, batch, BLOCK_N: gl.constexpr):
+    """LEAN: sequence b's tiles a kv head (at least one; none past the batch)."""
+    return gl.where(b < batch, gl.maximum(gl.cdiv(gl.load(seqlens_ptr + b, mask=b < batch, other=0), BLOCK_N), 1), 0)
+
+
+@gluon.jit
+def _segment_at(x, seqlens_ptr, batch, num_kv_heads, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
+                layout: gl.constexpr):
+    """LEAN: (the segment holding tile x of the line, numbered sequence x kv heads + kv head; its first tile on the
+    line), the lengths read CHUNK at a time (a lane each in `layout`)."""
+    offs = gl.arange(0, CHUNK, layout=layout)
+    zero = gl.program_id(0) * 0
+    seqs = zero                 # sequences whose every tile lies before x
+    before = zero               # their tiles
+    carry = zero
+    for b0 in range(0, batch, CHUNK):
+        live = (b0 + offs) < batch
+        steps = gl.where(live, gl.maximum(gl.cdiv(gl.load(seqlens_ptr + b0 + offs, mask=live, other=0), BLOCK_N), 1),
+                         0)
+        upto = (gl.associative_scan(steps, 0, _add) + carry) * num_kv_heads     # tiles through sequence b's heads
+        done = live & (upto <= x)
+        seqs += gl.sum(done.to(gl.int32), 0)
+        before = gl.maximum(before, gl.max(gl.where(done, upto, 0), 0))
+        carry += gl.sum(steps, 0)
+    n_b = gl.maximum(_tiles_of(seqlens_ptr, seqs, batch, BLOCK_N), 1)
+    h = (x - before) // n_b
+    return seqs * num_kv_heads + h, before + h * n_b
+
+
+@gluon.jit
+def _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
+               layout: gl.constexpr):
+    """LEAN: the batch's K/V as one line of tiles (sequence by sequence, kv head by kv head, BLOCK_N tokens a tile,
+    from the real lengths), cut into one equal stretch a program, each at least min_tokens (fewer programs
+    where the line is short; the rest idle). (This program's stretch [u0, u1), the programs in use, the line's
+    length, the segments it touches [s_lo, s_hi), the first one's first tile.)"""
+    offs = gl.arange(0, CHUNK, layout=layout)
+    total = gl.program_id(0) * 0
+    for b0 in range(0, batch, CHUNK):
+        live = (b0 + offs) < batch
+        lens = gl.load(seqlens_ptr + b0 + offs, mask=live, other=0)
+        total += gl.sum(gl.where(live, gl.maximum(gl.cdiv(lens, BLOCK_N), 1), 0), 0)
+    total = total * num_kv_heads
+    programs = gl.maximum(gl.minimum(gl.num_programs(0), gl.cdiv(total, gl.cdiv(min_tokens, BLOCK_N))), 1)
+    pid = gl.program_id(0)
+    u0 = _stretch_start(gl.minimum(pid, programs), programs, total)
+    u1 = _stretch_start(gl.minimum(pid + 1, programs), programs, total)   # a program past `programs`: empty
+    s_lo, seg_start = _segment_at(u0, seqlens_ptr, batch, num_kv_heads, BLOCK_N, CHUNK, layout)
+    s_last, _ = _segment_at(gl.maximum(u1 - 1, 0), seqlens_ptr, batch, num_kv_heads, BLOCK_N, CHUNK, layout)
+    s_hi = gl.where(u1 > u0, s_last + 1, s_lo)
+    return u0, u1, programs, total, s_lo, s_hi, seg_start
+
+
+@gluon.jit
+def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, batch, num_kv_heads, BLOCK_N: gl.constexpr):
+    """LEAN: segment seg (first tile on the line seg_start) as this stretch sees it: (its sequence, kv head, the
+    sequence's length, the piece's tokens [start, end), its tiles on the line [u, piece_end), the segment's end)."""
+    pid_b = seg // num_kv_heads
+    pid_kvh = seg - pid_b * num_kv_heads
+    seq_len = gl.load(seqlens_ptr + pid_b)
+    seg_end = seg_start + _tiles_of(seqlens_ptr, pid_b, batch, BLOCK_N)
+    u = gl.maximum(u0, seg_start)
+    piece_end = gl.minimum(u1, seg_end)
+    end = gl.minimum((piece_end - seg_start) * BLOCK_N, seq_len)
+    return pid_b, pid_kvh, seq_len, (u - seg_start) * BLOCK_N, end, u, piece_end, seg_end
+
+
+@gluon.jit
 def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
             min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem,
             v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
             PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
+            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
     """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
     consumer's: Gluon gives every partition one signature)."""
-    PAGE_ROWS: gl.constexpr = PAGE * KV_HEADS     # a page's rows: one kv head's, or (ALL_HEADS) every kv head's
     slot = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
-                                                                    max_splits, min_tokens, BLOCK_N)
-        if pid_s < n_split:
-            bt_row = bt_ptr + pid_b.to(gl.int64) * stride_btb
-            last_page = (seq_len - 1) // PAGE
-            col = pid_kvh * HEAD_DIM
-            offs_p = gl.arange(0, BLOCK_N // PAGE, layout=gl.BlockedLayout([1], [32], [1], [0]))
-            pages_next = gl.load(bt_row + gl.minimum(start // PAGE + offs_p, last_page))
-            for tile in range(gl.cdiv(end - start, BLOCK_N)):
-                # this tile's block-table entries, read one tile ahead (past the last, clamped to the last page)
-                pages = pages_next
-                pages_next = gl.load(bt_row + gl.minimum((start + (tile + 1) * BLOCK_N) // PAGE + offs_p, last_page))
-                s = slot % STAGES
-                mbarrier.wait(empty.index(s), ((slot // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, 2 * (BLOCK_N // PAGE) * k_desc.block_type.nbytes)
-                for p in gl.static_range(BLOCK_N // PAGE):
-                    row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE_ROWS
-                    tma.async_copy_global_to_shared(k_desc, [row, col], bar,
-                                                    k_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
-                    tma.async_copy_global_to_shared(v_desc, [row, col], bar,
-                                                    v_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
-                slot += 1
+    if LEAN:
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        u0, u1, programs, total, s_lo, s_hi, seg_start = _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens,
+                                                                    BLOCK_N, 32, lanes)
+        for seg in range(s_lo, s_hi):
+            pid_b, pid_kvh, seq_len, start, end, _, _, seg_end = _lean_piece(seg, seg_start, u0, u1, seqlens_ptr,
+                                                                             batch, num_kv_heads, BLOCK_N)
+            slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
+                               pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
+            seg_start = seg_end
+    else:
+        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
+            pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
+                                                                        max_splits, min_tokens, BLOCK_N)
+            if pid_s < n_split:
+                slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
+                                   pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
+
+
+@gluon.jit
+def _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b, pid_kvh, seq_len,
+                start, end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr,
+                KV_HEADS: gl.constexpr):
+    """The loader's share of one item: tokens [start, end) of a sequence's kv head (ALL_HEADS: every kv head) into
+    the ring, a page a TMA copy, from the ring's count `slot` on (returned past them)."""
+    PAGE_ROWS: gl.constexpr = PAGE * KV_HEADS     # a page's rows: one kv head's, or (ALL_HEADS) every kv head's
+    bt_row = bt_ptr + pid_b.to(gl.int64) * stride_btb
+    last_page = (seq_len - 1) // PAGE
+    col = pid_kvh * HEAD_DIM
+    offs_p = gl.arange(0, BLOCK_N // PAGE, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    pages_next = gl.load(bt_row + gl.minimum(start // PAGE + offs_p, last_page))
+    for tile in range(gl.cdiv(end - start, BLOCK_N)):
+        # this tile's block-table entries, read one tile ahead (past the last, clamped to the last page)
+        pages = pages_next
+        pages_next = gl.load(bt_row + gl.minimum((start + (tile + 1) * BLOCK_N) // PAGE + offs_p, last_page))
+        s = slot % STAGES
+        mbarrier.wait(empty.index(s), ((slot // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * (BLOCK_N // PAGE) * k_desc.block_type.nbytes)
+        for p in gl.static_range(BLOCK_N // PAGE):
+            row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE_ROWS
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
+        slot += 1
+    return slot
 
 
 @gluon.jit
@@ -270,13 +389,15 @@ def _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP: gl.constexpr
 
 
 @gluon.jit
-def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh,
-                 GROUP: gl.constexpr, GP: gl.constexpr, HEAD_DIM: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
-                 KV_HEADS: gl.constexpr):
+def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh, first,
+                 seg_start, programs, total, GROUP: gl.constexpr, GP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 SPLIT_CHUNK: gl.constexpr, KV_HEADS: gl.constexpr, LEAN: gl.constexpr):
     """FUSED: log-sum-exp merge of one item's n_split partials [pair, split, group] (its query rows: one GQA group,
     partials from pair `pair` on; ALL_HEADS: every head, pair `pair` + its kv head), SPLIT_CHUNK splits a load:
     splits and rows in each thread's registers (reductions over splits in-thread), d over the warpgroup's lanes.
-    Read past L1 (.cg): other SMs wrote them in this launch."""
+    LEAN: the pieces of programs first.. (n_split of them) of the segment from tile seg_start, each at [program,
+    0 where its stretch starts in the segment else 1, group]. Read past L1 (.cg): other SMs wrote them in this
+    launch."""
     l3: gl.constexpr = gl.BlockedLayout([1, 1, 1], [1, 1, 32], [1, 1, 4], [2, 1, 0])
     sg: gl.constexpr = gl.SliceLayout(2, l3)                  # [split, group]
     gd: gl.constexpr = gl.SliceLayout(0, l3)                  # [group, d]
@@ -291,8 +412,13 @@ def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_
     acc = gl.zeros([GP, HEAD_DIM], gl.float32, gd)
     for s0 in range(0, n_split, SPLIT_CHUNK):
         msk = ((s0 + offs_c) < n_split)[:, None] & mask_g[None, :]
-        at = ((pair + offs_g // group) * max_splits)[None, :] * group + (s0 + offs_c)[:, None] * group \
-            + (offs_g % group)[None, :]
+        if LEAN:
+            progs = first + s0 + offs_c
+            part = progs.to(gl.int64) * 2 + (_stretch_start(progs, programs, total) < seg_start).to(gl.int64)
+            at = part[:, None] * GROUP + offs_g[None, :]
+        else:
+            at = ((pair + offs_g // group) * max_splits)[None, :] * group + (s0 + offs_c)[:, None] * group \
+                + (offs_g % group)[None, :]
         m_s = gl.load(pm_ptr + 2 * at, mask=msk, other=float("-inf"), cache_modifier=".cg")
         l_s = gl.load(pm_ptr + 2 * at + 1, mask=msk, other=0.0, cache_modifier=".cg")
         o_s = gl.load(po_ptr + at[:, :, None] * HEAD_DIM + offs_d3[None, None, :], mask=msk[:, :, None], other=0.0,
@@ -316,10 +442,11 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
               min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
               k_smem, v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
               PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-              FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
+              FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
     grid) or its partial; an item past its sequence's splits writes a max of -inf (FUSED: nothing; the last of a
-    (sequence, kv head)'s splits to finish merges its partials)."""
+    (sequence, kv head)'s splits to finish merges its partials). LEAN: each piece of its stretch, the whole of a
+    (sequence, kv head) its O, else a partial, and the last piece of a (sequence, kv head) to finish merges."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N * KV_HEADS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -328,43 +455,104 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
     offs_g = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, rows_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
     slot = 0
+    mine = offs_g < GROUP
+    if LEAN:
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        u0, u1, programs, total, s_lo, s_hi, seg_start = _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens,
+                                                                    BLOCK_N, 128, lanes)
+        for seg in range(s_lo, s_hi):
+            pid_b, pid_kvh, seq_len, start, end, u, piece_end, seg_end = _lean_piece(seg, seg_start, u0, u1,
+                                                                                     seqlens_ptr, batch,
+                                                                                     num_kv_heads, BLOCK_N)
+            heads = pid_kvh * GROUP + offs_g
+            o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
+                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
+                                             o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
+            if (u == seg_start) & (piece_end == seg_end):      # the whole (sequence, kv head): its output
+                o = o * (1.0 / gl.where(l_r > 0.0, l_r, 1.0))[:, None]
+                gl.store(out_ptr + pid_b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+                         o.to(gl.bfloat16), mask=mine[:, None])
+            else:
+                # a piece: its partial at [program, 0 (the stretch's first piece) or 1 (its last), group]
+                rows = (gl.program_id(0).to(gl.int64) * 2 + (u != u0).to(gl.int64)) * GROUP + offs_g
+                gl.store(po_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mine[:, None])
+                gl.store(pm_ptr + 2 * rows, m_r, mask=mine)
+                gl.store(pm_ptr + 2 * rows + 1, l_r, mask=mine)
+                gl.thread_barrier()     # the warpgroup's partial stores precede the ticket (release, gpu scope)
+                first = _owner(seg_start, programs, total)
+                last = _owner(seg_end - 1, programs, total)
+                ticket = ticket_ptr + pid_b * num_kv_heads + pid_kvh
+                done = gl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu")
+                if done == last - first:
+                    gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")      # reset for the next call
+                    _merge_fused(out_ptr, po_ptr, pm_ptr, 0, 0, last - first + 1, pid_b, pid_kvh, stride_ob,
+                                 stride_oh, first, seg_start, programs, total, GROUP, GP, HEAD_DIM, SPLIT_CHUNK,
+                                 KV_HEADS, True)
+            seg_start = seg_end
+    else:
+        _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
+                       num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem,
+                       ready, empty, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N,
+                       STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK)
+
+
+@gluon.jit
+def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem, v_smem, ready, empty, slot, start,
+                 end, seq_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, rows_layout: gl.constexpr,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 KV_HEADS: gl.constexpr):
+    """The consumer's online softmax of one item (tokens [start, end) of a sequence) over the ring's stages from
+    its count `slot` on: (unnormalised O, max, sum, in `rows_layout`; the ring's count past the item)."""
+    q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)
+    q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
+    if _OVERLAP_TILES:
+        acc, m_i, l_i = _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end,
+                                          seq_len, qk_scale, s_layout, o_layout, BLOCK_N, HEAD_DIM, STAGES,
+                                          GROUP, KV_HEADS)
+        slot += gl.cdiv(end - start, BLOCK_N)
+    else:
+        for tile in range(gl.cdiv(end - start, BLOCK_N)):
+            k_tile, v_tile = _ready_stage(k_smem, v_smem, ready, slot, start + tile * BLOCK_N, seq_len,
+                                          BLOCK_N, HEAD_DIM, STAGES, KV_HEADS)
+            s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)),
+                                  gl.zeros([_ROWS, BLOCK_N * KV_HEADS], gl.float32, s_layout), use_acc=False,
+                                  is_async=True)
+            s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
+            p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale,
+                                                 s_layout, BLOCK_N, GROUP, KV_HEADS)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                                     k_width=2))
+            acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
+            acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
+            mbarrier.arrive(empty.index(slot % STAGES), count=1)
+            slot += 1
+    return (gl.convert_layout(acc, rows_layout), gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout)),
+            gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout)), slot)
+
+
+@gluon.jit
+def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
+                   num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem, ready,
+                   empty, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr, rows_layout: gl.constexpr,
+                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr,
+                   SPLIT_CHUNK: gl.constexpr):
+    """The consumer over its items (split, sequence, kv head) taken by index (not LEAN)."""
+    slot = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
         pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
                                                                     max_splits, min_tokens, BLOCK_N)
         heads = pid_kvh * GROUP + offs_g
         partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
         if pid_s < n_split:
-            q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                        mask=(offs_g < GROUP)[:, None], other=0.0)
-            q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-            m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
-            l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
-            acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
-            if _OVERLAP_TILES:
-                acc, m_i, l_i = _tiles_overlapped(q_op, k_smem, v_smem, ready, empty, acc, m_i, l_i, slot, start, end,
-                                                  seq_len, qk_scale, s_layout, o_layout, BLOCK_N, HEAD_DIM, STAGES,
-                                                  GROUP, KV_HEADS)
-                slot += gl.cdiv(end - start, BLOCK_N)
-            else:
-                for tile in range(gl.cdiv(end - start, BLOCK_N)):
-                    k_tile, v_tile = _ready_stage(k_smem, v_smem, ready, slot, start + tile * BLOCK_N, seq_len,
-                                                  BLOCK_N, HEAD_DIM, STAGES, KV_HEADS)
-                    s_tok = warpgroup_mma(q_op, k_tile.permute((1, 0)),
-                                          gl.zeros([_ROWS, BLOCK_N * KV_HEADS], gl.float32, s_layout), use_acc=False,
-                                          is_async=True)
-                    s, _, _ = warpgroup_mma_wait(0, deps=(s_tok, q_op, k_tile))
-                    p, m_i, l_i, alpha = _online_softmax(s, m_i, l_i, start + tile * BLOCK_N, end, qk_scale,
-                                                         s_layout, BLOCK_N, GROUP, KV_HEADS)
-                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-                    p_op = gl.convert_layout(_p_bf16(p), gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                                             k_width=2))
-                    acc_tok = warpgroup_mma(p_op, v_tile, acc, is_async=True)
-                    acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
-                    mbarrier.arrive(empty.index(slot % STAGES), count=1)
-                    slot += 1
-            o = gl.convert_layout(acc, rows_layout)
-            m_r = gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout))
-            l_r = gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout))
+            o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
+                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
+                                             o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
             mine = offs_g < GROUP
             if SINGLE:
                 o = o * (1.0 / gl.where(l_r > 0.0, l_r, 1.0))[:, None]
@@ -382,8 +570,8 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
                     if done == n_split - 1:
                         gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")      # reset for the next call
                         _merge_fused(out_ptr, po_ptr, pm_ptr, (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * KV_HEADS,
-                                     max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh, GROUP, GP, HEAD_DIM,
-                                     SPLIT_CHUNK, KV_HEADS)
+                                     max_splits, n_split, pid_b, pid_kvh, stride_ob, stride_oh, 0, 0, 1, 1, GROUP, GP,
+                                     HEAD_DIM, SPLIT_CHUNK, KV_HEADS, False)
         elif not SINGLE and not FUSED:
             rows = _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP, KV_HEADS)
             gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
@@ -395,7 +583,7 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
                    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
                    stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                    STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr):
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items."""
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
@@ -410,11 +598,11 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
         (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                      max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
                      stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
-                     FUSED, GP, SPLIT_CHUNK)),
+                     FUSED, GP, SPLIT_CHUNK, LEAN)),
         (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
                    stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
-                   FUSED, GP, SPLIT_CHUNK)),
+                   FUSED, GP, SPLIT_CHUNK, LEAN)),
     ], [1], [24])
 
 
@@ -533,27 +721,35 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     if batch == 0:
         return out
     sms = _sm_count(q.device) * PROGRAMS_PER_SM
-    splits = grid_splits(batch, item_heads, block_table.shape[1] * page, sms)
-    items = splits * item_heads * batch
     layout = gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, head_dim], gl.bfloat16)
     k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page * kv_heads, head_dim], layout)
                       for r in (k_rows, v_rows))
-    single = splits == 1
     group = num_q_heads // num_kv_heads
-    po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), dtype=torch.float32,
-                                        device=q.device)
-    pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), dtype=torch.float32, device=q.device)
-    fused = bool(FUSED_COMBINE) and not single
-    tickets = _tickets(q.device, batch * item_heads) if fused else seq_lens
-    gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
-    fused_gp, fused_chunk = fused_merge_shape(rows, splits) if fused else (1, 1)
-    _decode_kernel[(min(items, sms),)](
+    f32 = dict(dtype=torch.float32, device=q.device)
+    if LEAN:
+        # every program a stretch; a piece's partial at [program, its first or last piece, group]
+        assert not ALL_HEADS, "LEAN cuts one kv head's tiles a segment (not built with ALL_HEADS)"
+        splits, items, programs, single, fused = 1, 0, sms, False, False
+        po, pm = torch.empty((sms, 2, group, head_dim), **f32), torch.empty((sms, 2, group, 2), **f32)
+        tickets = _tickets(q.device, batch * num_kv_heads)
+        fused_gp, fused_chunk = fused_merge_shape(rows, 8)
+    else:
+        splits = grid_splits(batch, item_heads, block_table.shape[1] * page, sms)
+        items = splits * item_heads * batch
+        programs, single = min(items, sms), splits == 1
+        po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), **f32)
+        pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), **f32)
+        fused = bool(FUSED_COMBINE) and not single
+        tickets = _tickets(q.device, batch * item_heads) if fused else seq_lens
+        fused_gp, fused_chunk = fused_merge_shape(rows, splits) if fused else (1, 1)
+    _decode_kernel[(programs,)](
         q, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, float(sm_scale) * _LOG2E, splits,
         max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
-        KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, **launch_options())
-    if not single and not fused:
+        KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, LEAN=bool(LEAN), **launch_options())
+    if not LEAN and not single and not fused:
+        gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group, GP=gp,
                                              HEAD_DIM=head_dim, SPLIT_CHUNK=split_chunk, num_warps=4)
     return out

@@ -111,13 +111,14 @@ def compile_prefill_kernel(mod):
 def compile_gluon_decode(mod):
     """The Gluon decode family's kernel (knowledge/attention/decode_gluon_sm90.py) at the bench shape: pages of 16
     through tensor descriptors, several splits (partials; FUSED_COMBINE: merged in the kernel, 8 splits in the
-    grid)."""
+    grid; LEAN: equal stretches, pieces merged in the kernel)."""
     fn = mod._decode_kernel
     shape = getattr(mod, "kernel_shape", lambda hq, hkv, page: (hq // hkv, 1, hkv, mod.BLOCK_N))
     rows, kv_heads, _, block_n = shape(32, 8, 16)
     layout = mod.gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, 128], mod.gl.bfloat16)
     consts = dict(GROUP=rows, HEAD_DIM=128, BLOCK_N=block_n, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False,
-                  KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)))
+                  KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)),
+                  LEAN=bool(getattr(mod, "LEAN", False)))
     if hasattr(mod, "fused_merge_shape"):
         consts["GP"], consts["SPLIT_CHUNK"] = mod.fused_merge_shape(rows, 8)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
