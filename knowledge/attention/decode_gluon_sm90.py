@@ -215,13 +215,13 @@ def _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, batch, num_kv_heads, BLOCK_N: gl.constexpr):
+def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, num_kv_heads, BLOCK_N: gl.constexpr):
     """LEAN: segment seg (first tile on the line seg_start) as this stretch sees it: (its sequence, kv head, the
     sequence's length, the piece's tokens [start, end), its tiles on the line [u, piece_end), the segment's end)."""
     pid_b = seg // num_kv_heads
     pid_kvh = seg - pid_b * num_kv_heads
     seq_len = gl.load(seqlens_ptr + pid_b)
-    seg_end = seg_start + _tiles_of(seqlens_ptr, pid_b, batch, BLOCK_N)
+    seg_end = seg_start + gl.maximum(gl.cdiv(seq_len, BLOCK_N), 1)          # as _tiles_of counts it
     u = gl.maximum(u0, seg_start)
     piece_end = gl.minimum(u1, seg_end)
     end = gl.minimum((piece_end - seg_start) * BLOCK_N, seq_len)
@@ -243,7 +243,7 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
                                                                     BLOCK_N, 32, lanes)
         for seg in range(s_lo, s_hi):
             pid_b, pid_kvh, seq_len, start, end, _, _, seg_end = _lean_piece(seg, seg_start, u0, u1, seqlens_ptr,
-                                                                             batch, num_kv_heads, BLOCK_N)
+                                                                             num_kv_heads, BLOCK_N)
             slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
                                pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
             seg_start = seg_end
@@ -455,15 +455,15 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
     offs_g = gl.arange(0, _ROWS, layout=gl.SliceLayout(1, rows_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows_layout))
     slot = 0
-    mine = offs_g < GROUP
     if LEAN:
+        mine = offs_g < GROUP
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         u0, u1, programs, total, s_lo, s_hi, seg_start = _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens,
                                                                     BLOCK_N, 128, lanes)
         for seg in range(s_lo, s_hi):
             pid_b, pid_kvh, seq_len, start, end, u, piece_end, seg_end = _lean_piece(seg, seg_start, u0, u1,
-                                                                                     seqlens_ptr, batch,
-                                                                                     num_kv_heads, BLOCK_N)
+                                                                                     seqlens_ptr, num_kv_heads,
+                                                                                     BLOCK_N)
             heads = pid_kvh * GROUP + offs_g
             o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
                                              v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
