@@ -161,9 +161,16 @@ def _owner(x, programs, total):
 
 
 @gluon.jit
+def _tiles(lens, BLOCK_N: gl.constexpr):
+    """LEAN: the tiles a kv head of sequences of these lengths take on the line (at least one each)."""
+    return gl.maximum(gl.cdiv(lens, BLOCK_N), 1)
+
+
+@gluon.jit
 def _tiles_of(seqlens_ptr, b, batch, BLOCK_N: gl.constexpr):
-    """LEAN: sequence b's tiles a kv head (at least one; none past the batch)."""
-    return gl.where(b < batch, gl.maximum(gl.cdiv(gl.load(seqlens_ptr + b, mask=b < batch, other=0), BLOCK_N), 1), 0)
+    """LEAN: the tiles a kv head of sequence(s) b (a scalar or a chunk's lanes); none past the batch."""
+    live = b < batch
+    return gl.where(live, _tiles(gl.load(seqlens_ptr + b, mask=live, other=0), BLOCK_N), 0)
 
 
 @gluon.jit
@@ -178,8 +185,7 @@ def _segment_at(x, seqlens_ptr, batch, num_kv_heads, BLOCK_N: gl.constexpr, CHUN
     carry = zero
     for b0 in range(0, batch, CHUNK):
         live = (b0 + offs) < batch
-        steps = gl.where(live, gl.maximum(gl.cdiv(gl.load(seqlens_ptr + b0 + offs, mask=live, other=0), BLOCK_N), 1),
-                         0)
+        steps = _tiles_of(seqlens_ptr, b0 + offs, batch, BLOCK_N)
         upto = (gl.associative_scan(steps, 0, _add) + carry) * num_kv_heads     # tiles through sequence b's heads
         done = live & (upto <= x)
         seqs += gl.sum(done.to(gl.int32), 0)
@@ -200,9 +206,7 @@ def _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, BLOCK_N: gl.constex
     offs = gl.arange(0, CHUNK, layout=layout)
     total = gl.program_id(0) * 0
     for b0 in range(0, batch, CHUNK):
-        live = (b0 + offs) < batch
-        lens = gl.load(seqlens_ptr + b0 + offs, mask=live, other=0)
-        total += gl.sum(gl.where(live, gl.maximum(gl.cdiv(lens, BLOCK_N), 1), 0), 0)
+        total += gl.sum(_tiles_of(seqlens_ptr, b0 + offs, batch, BLOCK_N), 0)
     total = total * num_kv_heads
     programs = gl.maximum(gl.minimum(gl.num_programs(0), gl.cdiv(total, gl.cdiv(min_tokens, BLOCK_N))), 1)
     pid = gl.program_id(0)
@@ -221,7 +225,7 @@ def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, num_kv_heads, BLOCK_N: gl.c
     pid_b = seg // num_kv_heads
     pid_kvh = seg - pid_b * num_kv_heads
     seq_len = gl.load(seqlens_ptr + pid_b)
-    seg_end = seg_start + gl.maximum(gl.cdiv(seq_len, BLOCK_N), 1)          # as _tiles_of counts it
+    seg_end = seg_start + _tiles(seq_len, BLOCK_N)
     u = gl.maximum(u0, seg_start)
     piece_end = gl.minimum(u1, seg_end)
     end = gl.minimum((piece_end - seg_start) * BLOCK_N, seq_len)
