@@ -30,7 +30,7 @@ What it does
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and four designs off by
-    default: OVERLAP_TILES, ALL_HEADS and FUSED_COMBINE (their GPU tests pass; timed below), LEAN (compiled only):
+    default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass; timed below):
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -61,17 +61,25 @@ Knobs (module constants below, one per line)
     item's rows kept <= 32 a thread: past that, spills). Timed (H100 under CUDA graphs, 2026-12-06, forty-fifth
     session): 0.983-0.993x cuDNN on the issue's rows against the defaults' 0.984-0.989x in the same call, and
     0.888/0.909/0.948x on the served shapes (ragged 0.5) against 0.887/0.907/0.946x: within the noise, so off.
-    LEAN (off; compiled, not yet run on a GPU): the batch's K/V as one line of tiles (sequence by sequence, kv head
-    by kv head, BLOCK_N tokens a tile, from the real lengths on the device), one equal stretch of it a program
-    (at least MIN_TOKENS_PER_SPLIT; a short line takes fewer programs), as the Triton lean family
-    (decode_paged_lean.py) cuts it. A stretch's pieces are the (sequence, kv head)s it touches: a whole one writes
-    its O, a piece of one its partial at [program, first or last piece], and the last piece of a (sequence, kv
-    head) to finish merges them by the ticket FUSED_COMBINE takes. Both partitions read the lengths a chunk at a
-    time (a lane each) and walk the same pieces; the ring runs on across them. Why: on the served shapes (ragged
-    lengths) the defaults read 0.89-0.95x cuDNN against 0.98-0.99x on equal lengths (above): an item is a whole
-    (sequence, kv head), taken by index, so the programs holding the longest finish last. Risk: a piece's partial
-    and the merge on the rows that split; the ticket's risk above. Compiled: 128 registers, nothing spilled, 104.1
-    KB shared, as the defaults.
+    LEAN (off): the batch's K/V as one line of tiles (sequence by sequence, kv head by kv head, BLOCK_N tokens a
+    tile, from the real lengths on the device), one equal stretch of it a program (at least MIN_TOKENS_PER_SPLIT; a
+    short line takes fewer programs), as the Triton lean family (decode_paged_lean.py) cuts it. A stretch's pieces
+    are the (sequence, kv head)s it touches: a whole one writes its O, a piece of one its partial at [program, first
+    or last piece], and the last piece of a (sequence, kv head) to finish merges them by the ticket FUSED_COMBINE
+    takes. Both partitions read the lengths a chunk at a time (the first chunk once; one walk finds both ends of
+    the stretch) and visit the same pieces in the same order: the stretch's first and last (the cut ones) before
+    the whole ones between, so that a merge's partners both come early and the merge runs mid-stream, where the
+    ring hides it. Why: on the served shapes (ragged lengths) the defaults read 0.89-0.95x cuDNN against
+    0.98-0.99x on equal lengths: an item is a whole (sequence, kv head), taken by index, so the programs holding
+    the longest finish last (ncu at 64 x 4k ragged: SMs busy 312k-502k cycles of 524k; LEAN 451k-488k of 491k).
+    Timed (H100 under CUDA graphs, 2026-12-06, forty-sixth session): 0.928/0.956/0.961x cuDNN on the served shapes
+    against the defaults' 0.886/0.907/0.947x, but 0.944-0.959x on the issue's equal rows against 0.983-0.991x, so
+    it stays off (a catalog knob). Where its time goes, measured the same day: stretches that are whole segments
+    (16 x 8k, 128 programs) read 0.979x against the defaults' 0.988x (the plan and the piece loop: about 1%);
+    cutting segments costs 2-3% more (the partials, the tickets and a merge that ends a program whose pieces are
+    all cut); the first version, which walked the lengths three times and visited pieces in line order, read
+    0.907/0.946/0.957x served. Risk: the ticket's (above). Compiled: 128 registers, nothing spilled, 104.1 KB
+    shared, as the defaults.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
@@ -174,26 +182,12 @@ def _tiles_of(seqlens_ptr, b, batch, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _segment_at(x, seqlens_ptr, batch, num_kv_heads, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr,
-                layout: gl.constexpr):
-    """LEAN: (the segment holding tile x of the line, numbered sequence x kv heads + kv head; its first tile on the
-    line), the lengths read CHUNK at a time (a lane each in `layout`)."""
-    offs = gl.arange(0, CHUNK, layout=layout)
-    zero = gl.program_id(0) * 0
-    seqs = zero                 # sequences whose every tile lies before x
-    before = zero               # their tiles
-    carry = zero
-    for b0 in range(0, batch, CHUNK):
-        live = (b0 + offs) < batch
-        steps = _tiles_of(seqlens_ptr, b0 + offs, batch, BLOCK_N)
-        upto = (gl.associative_scan(steps, 0, _add) + carry) * num_kv_heads     # tiles through sequence b's heads
-        done = live & (upto <= x)
-        seqs += gl.sum(done.to(gl.int32), 0)
-        before = gl.maximum(before, gl.max(gl.where(done, upto, 0), 0))
-        carry += gl.sum(steps, 0)
-    n_b = gl.maximum(_tiles_of(seqlens_ptr, seqs, batch, BLOCK_N), 1)
-    h = (x - before) // n_b
-    return seqs * num_kv_heads + h, before + h * n_b
+def _hit(x, upto, steps, b, num_kv_heads):
+    """LEAN: of a chunk's sequences b (tiles through their kv heads `upto`, `steps` a head), the one whose tiles
+    hold tile x, as sums over the chunk (all zero where none does): (its index, its first tile, its tiles a head)."""
+    lo = upto - steps * num_kv_heads
+    hit = (lo <= x) & (x < upto)
+    return gl.sum(gl.where(hit, b, 0), 0), gl.sum(gl.where(hit, lo, 0), 0), gl.sum(gl.where(hit, steps, 0), 0)
 
 
 @gluon.jit
@@ -201,21 +195,48 @@ def _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens, BLOCK_N: gl.constex
                layout: gl.constexpr):
     """LEAN: the batch's K/V as one line of tiles (sequence by sequence, kv head by kv head, BLOCK_N tokens a tile,
     from the real lengths), cut into one equal stretch a program, each at least min_tokens (fewer programs
-    where the line is short; the rest idle). (This program's stretch [u0, u1), the programs in use, the line's
-    length, the segments it touches [s_lo, s_hi), the first one's first tile.)"""
+    where the line is short; the rest idle). The lengths are read CHUNK at a time (a lane each in `layout`), the
+    first chunk once (a batch of up to CHUNK: one load in all), and one walk finds the segments (numbered sequence
+    x kv heads + kv head) of both ends of the stretch. (This program's stretch [u0, u1), the programs in use, the
+    line's length, the segments it touches [s_lo, s_hi), the first one's first tile, the last one's.)"""
     offs = gl.arange(0, CHUNK, layout=layout)
-    total = gl.program_id(0) * 0
-    for b0 in range(0, batch, CHUNK):
+    steps0 = _tiles_of(seqlens_ptr, offs, batch, BLOCK_N)
+    total = gl.sum(steps0, 0)
+    for b0 in range(CHUNK, batch, CHUNK):
         total += gl.sum(_tiles_of(seqlens_ptr, b0 + offs, batch, BLOCK_N), 0)
     total = total * num_kv_heads
     programs = gl.maximum(gl.minimum(gl.num_programs(0), gl.cdiv(total, gl.cdiv(min_tokens, BLOCK_N))), 1)
     pid = gl.program_id(0)
     u0 = _stretch_start(gl.minimum(pid, programs), programs, total)
     u1 = _stretch_start(gl.minimum(pid + 1, programs), programs, total)   # a program past `programs`: empty
-    s_lo, seg_start = _segment_at(u0, seqlens_ptr, batch, num_kv_heads, BLOCK_N, CHUNK, layout)
-    s_last, _ = _segment_at(gl.maximum(u1 - 1, 0), seqlens_ptr, batch, num_kv_heads, BLOCK_N, CHUNK, layout)
-    s_hi = gl.where(u1 > u0, s_last + 1, s_lo)
-    return u0, u1, programs, total, s_lo, s_hi, seg_start
+    x1 = gl.maximum(u1 - 1, 0)
+    upto = gl.associative_scan(steps0, 0, _add) * num_kv_heads            # tiles through sequence b's kv heads
+    b_lo, lo_lo, n_lo = _hit(u0, upto, steps0, offs, num_kv_heads)
+    b_hi, lo_hi, n_hi = _hit(x1, upto, steps0, offs, num_kv_heads)
+    carry = gl.sum(steps0, 0)
+    for b0 in range(CHUNK, batch, CHUNK):
+        steps = _tiles_of(seqlens_ptr, b0 + offs, batch, BLOCK_N)
+        upto = (gl.associative_scan(steps, 0, _add) + carry) * num_kv_heads
+        b, lo, n = _hit(u0, upto, steps, b0 + offs, num_kv_heads)
+        b_lo, lo_lo, n_lo = b_lo + b, lo_lo + lo, n_lo + n
+        b, lo, n = _hit(x1, upto, steps, b0 + offs, num_kv_heads)
+        b_hi, lo_hi, n_hi = b_hi + b, lo_hi + lo, n_hi + n
+        carry += gl.sum(steps, 0)
+    h_lo = (u0 - lo_lo) // gl.maximum(n_lo, 1)        # an empty stretch past the line: no hit, never walked
+    h_hi = (x1 - lo_hi) // gl.maximum(n_hi, 1)
+    s_lo = b_lo * num_kv_heads + h_lo
+    s_hi = gl.where(u1 > u0, b_hi * num_kv_heads + h_hi + 1, s_lo)
+    return u0, u1, programs, total, s_lo, s_hi, lo_lo + h_lo * n_lo, lo_hi + h_hi * n_hi
+
+
+@gluon.jit
+def _visit(i, s_lo, s_hi, start_lo, start_hi, mid):
+    """LEAN: the i-th segment a stretch visits and its first tile: its first segment, its last, then those between
+    (from `mid`, the first tile past the ones visited between). A cut segment's pieces are a stretch's first or
+    last, so both partners of a merge come early in their programs, and the merge runs mid-stream, where the ring
+    hides it, not at a program's end."""
+    seg = gl.where(i == 0, s_lo, gl.where(i == 1, s_hi - 1, s_lo + i - 1))
+    return seg, gl.where(i == 0, start_lo, gl.where(i == 1, start_hi, mid))
 
 
 @gluon.jit
@@ -242,15 +263,17 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
     consumer's: Gluon gives every partition one signature)."""
     slot = 0
     if LEAN:
-        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        u0, u1, programs, total, s_lo, s_hi, seg_start = _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens,
-                                                                    BLOCK_N, 32, lanes)
-        for seg in range(s_lo, s_hi):
+        lanes: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        u0, u1, programs, total, s_lo, s_hi, start_lo, start_hi = _lean_plan(seqlens_ptr, batch, num_kv_heads,
+                                                                             min_tokens, BLOCK_N, 64, lanes)
+        mid = start_lo
+        for i in range(s_hi - s_lo):
+            seg, seg_start = _visit(i, s_lo, s_hi, start_lo, start_hi, mid)
             pid_b, pid_kvh, seq_len, start, end, _, _, seg_end = _lean_piece(seg, seg_start, u0, u1, seqlens_ptr,
                                                                              num_kv_heads, BLOCK_N)
             slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
                                pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
-            seg_start = seg_end
+            mid = gl.where(i == 1, mid, seg_end)
     else:
         for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
             pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
@@ -462,9 +485,11 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
     if LEAN:
         mine = offs_g < GROUP
         lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        u0, u1, programs, total, s_lo, s_hi, seg_start = _lean_plan(seqlens_ptr, batch, num_kv_heads, min_tokens,
-                                                                    BLOCK_N, 128, lanes)
-        for seg in range(s_lo, s_hi):
+        u0, u1, programs, total, s_lo, s_hi, start_lo, start_hi = _lean_plan(seqlens_ptr, batch, num_kv_heads,
+                                                                             min_tokens, BLOCK_N, 128, lanes)
+        mid = start_lo
+        for i in range(s_hi - s_lo):
+            seg, seg_start = _visit(i, s_lo, s_hi, start_lo, start_hi, mid)
             pid_b, pid_kvh, seq_len, start, end, u, piece_end, seg_end = _lean_piece(seg, seg_start, u0, u1,
                                                                                      seqlens_ptr, num_kv_heads,
                                                                                      BLOCK_N)
@@ -492,7 +517,7 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
                     _merge_fused(out_ptr, po_ptr, pm_ptr, 0, 0, last - first + 1, pid_b, pid_kvh, stride_ob,
                                  stride_oh, first, seg_start, programs, total, GROUP, GP, HEAD_DIM, SPLIT_CHUNK,
                                  KV_HEADS, True)
-            seg_start = seg_end
+            mid = gl.where(i == 1, mid, seg_end)
     else:
         _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                        num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem,
