@@ -77,9 +77,10 @@ Knobs (module constants below, one per line)
     it stays off (a catalog knob). Where its time goes, measured the same day: stretches that are whole segments
     (16 x 8k, 128 programs) read 0.979x against the defaults' 0.988x (the plan and the piece loop: about 1%);
     cutting segments costs 2-3% more (the partials, the tickets and a merge that ends a program whose pieces are
-    all cut); the first version, which walked the lengths three times and visited pieces in line order, read
-    0.907/0.946/0.957x served. Risk: the ticket's (above). Compiled: 128 registers, nothing spilled, 104.1 KB
-    shared, as the defaults.
+    all cut); at 85-110 us a call (32 x 1.5k-2k, equal) it reads 0.93x against the defaults' 0.98x, the pieces'
+    own costs (Q load, the last tile's zeroed V rows, the epilogue) weighing more; the first version, which walked
+    the lengths three times and visited pieces in line order, read 0.907/0.946/0.957x served. Risk: the ticket's
+    (above). Compiled: 128 registers, nothing spilled, 104.1 KB shared, as the defaults.
 
 Measured (H100, 2026-12-05, tests/bench/vs_library.py under CUDA graphs, issue 16's rows 32 x 4k / 64 x 4k /
     128 x 1k / 8 x 32k / 16 x 8k): 0.983/0.986/0.982/0.990/0.990x cuDNN SDPA, against the GQA family's
