@@ -177,7 +177,7 @@ def _tiles(lens, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _tiles_of(seqlens_ptr, b, batch, BLOCK_N: gl.constexpr):
-    """LEAN: the tiles a kv head of sequence(s) b (a scalar or a chunk's lanes); none past the batch."""
+    """LEAN: the tiles a kv head of each of a chunk's sequences b (a lane each) takes; none past the batch."""
     live = b < batch
     return gl.where(live, _tiles(gl.load(seqlens_ptr + b, mask=live, other=0), BLOCK_N), 0)
 
