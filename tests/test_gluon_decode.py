@@ -52,6 +52,22 @@ def test_the_gluon_decodes_split_plan_fills_the_programs_rounds_with_the_fewest_
     assert mod.grid_splits(23, 8, 4096, 132) == 2         # 184 pairs: 70% of two rounds; 368 items 93% of three
 
 
+def test_the_gluon_decodes_longest_first_deal_ranks_a_batch_of_up_to_256_in_lanes_and_deals_larger_by_index(
+        knob_dir):
+    """LONGEST_FIRST ranks the batch's sequences in a power of two of lanes (at least a warp's 32), and compiled
+    for sm90 at 32 and at 256 sequences spills nothing and keeps the defaults' registers; past 256 sequences (every
+    pair compared in every program would cost more than it saves), with LEAN, or off, items are dealt by index."""
+    longest = _load(GLUON_DECODE, {"LONGEST_FIRST": True}, knob_dir)
+    assert [longest.rank_lanes(b) for b in (1, 32, 33, 64, 200, 256, 257)] == [32, 32, 64, 64, 256, 256, 0]
+    assert _load(GLUON_DECODE, {"LONGEST_FIRST": False}, knob_dir).rank_lanes(64) == 0
+    assert _load(GLUON_DECODE, {"LONGEST_FIRST": True, "LEAN": True}, knob_dir).rank_lanes(64) == 0
+    plain, = sm90_lines([str(GLUON_DECODE)])
+    for batch in (32, 256):
+        line, = sm90_lines([f"{GLUON_DECODE}:LONGEST_FIRST=True"], batch=batch)
+        regs = (lambda text: text.split(" registers")[0].split()[-1])
+        assert " 0 B stack" in line and regs(line) == regs(plain), (batch, line, plain)
+
+
 def test_the_gluon_decode_refuses_a_cache_a_tensor_descriptor_cannot_read(knob_dir):
     """A cache that is not [blocks, page, kv heads, d] contiguous is refused, not copied (a copy of the whole cache
     every call): cache_rows says None for it and the contiguous rows view otherwise."""
@@ -122,13 +138,14 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
 
 def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_partials_stores(tmp_path):
     """FUSED_COMBINE (on its own and with ALL_HEADS) and LEAN: compiled for sm90, nothing spills and the registers
-    and shared memory are those without it; the PTX takes one ticket, an acq_rel add at gpu scope, after a barrier
-    that follows the partial's stores (the release covers every thread's), resets it with one relaxed exchange and
-    reads the partials past L1 (.cg). The defaults take none."""
+    and shared memory are those without it (LEAN's: those of items dealt by index); the PTX takes one ticket, an
+    acq_rel add at gpu scope, after a barrier that follows the partial's stores (the release covers every thread's),
+    resets it with one relaxed exchange and reads the partials past L1 (.cg). The defaults take none."""
     specs = [str(GLUON_DECODE), f"{GLUON_DECODE}:FUSED_COMBINE=True", f"{GLUON_DECODE}:ALL_HEADS=True",
-             f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True", f"{GLUON_DECODE}:LEAN=True"]
+             f"{GLUON_DECODE}:ALL_HEADS=True,FUSED_COMBINE=True", f"{GLUON_DECODE}:LEAN=True",
+             f"{GLUON_DECODE}:LONGEST_FIRST=False"]      # (LEAN deals no items: no ranks in shared memory)
     lines = sm90_lines(specs, options=("--ptx", str(tmp_path)))
-    for plain, merged in ((lines[0], lines[1]), (lines[2], lines[3]), (lines[0], lines[4])):
+    for plain, merged in ((lines[0], lines[1]), (lines[2], lines[3]), (lines[5], lines[4])):
         regs = (lambda line: line.split(" registers")[0].split()[-1])
         assert " 0 B stack" in merged and regs(merged) == regs(plain), (plain, merged)
         assert merged.split(" B stack")[1].split("->")[0] == plain.split(" B stack")[1].split("->")[0], (plain, merged)
@@ -149,7 +166,7 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
 @pytest.mark.parametrize("knobs, lens, hq, hkv, d", [
     ({}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),       # several splits: partials and the merge
-    ({}, [300] * 63 + [1, 33, 2100], 16, 4, 128),                           # 264 items, no split: two a program
+    ({}, [300] * 63 + [1, 33, 2100], 16, 4, 128),       # 264 items, no split: two a program, ties, dealt back
     ({}, [5, 130, 3000], 16, 2, 64),                                        # a group of 8, d 64
     ({"NUM_STAGES": 2}, [1, 17, 64, 65, 1500], 32, 8, 128),               # the ring wraps every other tile
     ({"BLOCK_N": 32, "NUM_STAGES": 8}, [3, 31, 32, 33, 900], 32, 8, 128),
@@ -172,11 +189,18 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"LEAN": True, "OVERLAP_TILES": True, "NUM_STAGES": 2}, [1, 17, 64, 65, 1500], 32, 8, 128),
     ({"LEAN": True, "MIN_TOKENS_PER_SPLIT": 4096}, [70, 640, 2500, 1], 32, 4, 128),   # 4 programs, the rest idle
     ({"LEAN": True}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),  # lengths read in several chunks
+    ({}, [(i * 37) % 700 + 1 for i in range(200)], 16, 2, 128),            # ranks in 256 lanes, two rounds
+    ({}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),            # past 256 sequences: by index
+    ({"ALL_HEADS": True}, [5, 130, 3000, 64, 65], 16, 2, 64),
+    ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
+    ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
         "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
-        "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300"])
+        "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300",
+        "batch-200", "batch-300-by-index", "all-heads-group8-d64-five", "by-index-splits",
+        "by-index-no-split-many-items"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

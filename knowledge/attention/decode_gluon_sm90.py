@@ -14,8 +14,9 @@ Why
 
 What it does
     A work item is (split, sequence, kv head): the GQA group's query heads, padded to 64 rows (one wgmma's M),
-    against tokens [start, end) of the sequence. Programs (min(items, SMs)) take items program_id, program_id +
-    programs, ...; the ring's count and its barriers' phases run on across items, so the loader fills the next
+    against tokens [start, end) of the sequence. Programs (min(items, SMs)) take items in rounds, longest
+    sequence first (LONGEST_FIRST, below); the ring's count and its barriers' phases run on across items, so the
+    loader fills the next
     item's stages while the consumer finishes this one. The loader issues one TMA per page (PAGE rows of one kv
     head, [blocks x PAGE, kv heads x d] seen as rows), BLOCK_N / PAGE pages a stage on one mbarrier, their
     block-table entries read together a tile ahead; pages past the sequence's last are its last page again
@@ -29,8 +30,21 @@ What it does
     kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, and four designs off by
-    default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass; timed below):
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, LONGEST_FIRST (on), and
+    four designs off by default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass; timed
+    below):
+    * LONGEST_FIRST (on): before the partitions start, the consumer's warps rank the batch's sequences by their
+      real length (every pair compared; ties by index) into shared memory, and each partition deals itself items
+      in that order (sequence, then split, then kv head): round k takes items k x programs on, to programs 0..P-1
+      in even rounds and P-1..0 in odd ones, so that the program with one round's longest item has the next
+      round's shortest. Why: by index, a ragged batch's programs that draw the longest sequences finish last
+      (SMs busy 312k-502k cycles of 524k at 64 x 4k ragged, ncu). Equal lengths keep the index order (one split)
+      or put a sequence's splits together. Off (or past 256 sequences, or with LEAN): items by index, split-major.
+      Timed (H100 under CUDA graphs, 2026-12-06, forty-seventh session): 0.968/0.979/0.942x cuDNN on the served
+      shapes (ragged 0.5) against 0.886/0.906/0.946x by index and LEAN's 0.926/0.955/0.960x; 0.978-0.990x on the
+      issue's equal rows against 0.982-0.991x. One round of items (8 x 32k: 128 items on 132 programs) it cannot
+      balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
+      1 KB more shared.
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -44,7 +58,7 @@ Knobs (module constants below, one per line)
       ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of 256 bytes 2 KB
       apart; here a copy is 32 KB contiguous. More rows split (32 sequences fill 132 programs at 4 splits) and pay
       the merge. Compiled: 232 registers, 200 KB shared at 3 stages (one program an SM).
-    Neither spills; the defaults compile to the PTX measured below. Timed (H100 under CUDA graphs, 2026-12-06, the
+    Neither spills. Timed (H100 under CUDA graphs, 2026-12-06, the
     issue's rows in one call): OVERLAP_TILES 0.972-0.984x cuDNN against the defaults' 0.978-0.987x (the consumer
     does not bound the stream there); ALL_HEADS at 2 stages 0.995x at 128 x 1k (defaults 0.978x), 0.953-0.974x on
     the rows whose few sequences split. The merge launched as the decode's programmatic dependent (PDL: resident
@@ -101,8 +115,9 @@ Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128; the page size must divide BLOCK_N; GQA groups up to 64
       heads. A cache a tensor descriptor cannot read ([blocks, page, kv heads, d] contiguous, 16-byte aligned) is
       refused (a copy of the whole cache a call would cost more than the call).
-    * Equal split counts for every sequence of a batch (as the GQA family): a ragged batch's longest chunk sets
-      the time; items are taken by index, not by cost (LEAN: equal stretches instead; not with ALL_HEADS).
+    * Equal split counts for every sequence of a batch (as the GQA family): dealt longest first, items balance
+      where they take two rounds or more; in one round a ragged batch's longest chunk sets the time (LEAN: equal
+      stretches instead; not with ALL_HEADS).
     * The group's rows are padded to 64: the tensor cores do 16x the work a group of 4 needs (cheap beside the
       stream: about a fifth of a tile's load time at 3 TB/s).
 """
@@ -126,6 +141,7 @@ ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is w
 OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
 FUSED_COMBINE = False  # the last split of a (sequence, kv head) to finish merges (atomic ticket), no merge kernel
 LEAN = False  # the batch's tiles cut into one equal stretch a program, from the real lengths (see above)
+LONGEST_FIRST = True  # items dealt longest sequence first, every other round reversed (see above; batch <= 256)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
@@ -134,22 +150,81 @@ _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: 
 _TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE, LEAN)
 
 
+@gluon.constexpr_function
+def _pairs_layout(rb):
+    """LONGEST_FIRST: a [rb, 4c] tile of sequence pairs over the consumer's warps, 16 a thread: rows i (the ranked
+    sequence) over lanes, columns j (the sequence it is compared with) over warps, c a thread."""
+    return gl.BlockedLayout([max(1, rb // 32), max(1, 512 // rb)], [32, 1], [1, 4], [1, 0])
+
+
+@gluon.constexpr_function
+def _rank_slots(rb):
+    """LONGEST_FIRST: the ranks' shared memory (32 slots, unused, where items are dealt by index)."""
+    return max(32, rb)
+
+
+@gluon.constexpr_function
+def _rank_lanes(rb, warps):
+    """LONGEST_FIRST: the layout a partition of `warps` reads the ranks in (every warp all of them)."""
+    return gl.BlockedLayout([max(1, rb // 32)], [32], [warps], [0])
+
+
 @gluon.jit
-def _item(item, seqlens_ptr, batch, num_kv_heads, max_splits, min_tokens, BLOCK_N: gl.constexpr):
-    """Work item -> (its split, sequence, kv head, the sequence's length, its split count, the split's tokens
-    [start, end)); split-major, so that a program's first item holds work. The split count and chunk come from the
-    real length, as the GQA family sizes them."""
-    per_split = batch * num_kv_heads
-    pid_s = item // per_split
-    rest = item - pid_s * per_split
-    pid_b = rest // num_kv_heads
-    pid_kvh = rest - pid_b * num_kv_heads
+def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
+    """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
+    of RB (RB for a lane past the batch): every pair compared, a chunk of the batch a step, counted in place and
+    summed once."""
+    pairs: gl.constexpr = _pairs_layout(RB)
+    JC: gl.constexpr = 4 * pairs.size_per_thread[1]
+    offs_i = gl.arange(0, RB, layout=gl.SliceLayout(1, pairs))
+    len_i = gl.load(seqlens_ptr + offs_i, mask=offs_i < batch, other=0)
+    ahead = gl.zeros([RB, JC], gl.int32, pairs)
+    for j0 in range(0, batch, JC):
+        offs_j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, pairs))
+        len_j = gl.load(seqlens_ptr + offs_j, mask=offs_j < batch, other=0)
+        before = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) &
+                                                      (offs_j[None, :] < offs_i[:, None]))
+        ahead += (before & (offs_j < batch)[None, :]).to(gl.int32)
+    return gl.where(offs_i < batch, gl.sum(ahead, 1), RB)
+
+
+@gluon.jit
+def _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB: gl.constexpr, layout: gl.constexpr):
+    """A program's k-th work item: (its index in the deal, split, sequence, kv head). By index (RB 0): items
+    program_id, program_id + programs, ..., split-major, so that a program's first item holds work. LONGEST_FIRST
+    (RB lanes of ranks in shared memory): items in order of their sequence's rank, then split, then kv head, dealt
+    program 0 to the last in even rounds and back in odd ones, so that a program holding one round's longest
+    holds the next round's shortest."""
+    programs = gl.num_programs(0)
+    if RB > 0:
+        r = k * programs + gl.where(k % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
+        per_seq = max_splits * num_kv_heads
+        place = r // per_seq
+        offs = gl.arange(0, RB, layout=layout)
+        pid_b = gl.sum(gl.where(ranks_smem.load(layout) == place, offs, 0), 0)
+        rest = r - place * per_seq
+        pid_s = rest // num_kv_heads
+        pid_kvh = rest - pid_s * num_kv_heads
+    else:
+        r = k * programs + gl.program_id(0)
+        per_split = batch * num_kv_heads
+        pid_s = r // per_split
+        rest = r - pid_s * per_split
+        pid_b = rest // num_kv_heads
+        pid_kvh = rest - pid_b * num_kv_heads
+    return r, pid_s, pid_b, pid_kvh
+
+
+@gluon.jit
+def _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N: gl.constexpr):
+    """A work item's sequence length, its sequence's split count and the split's tokens [start, end): the split
+    count and chunk come from the real length, as the GQA family sizes them."""
     seq_len = gl.load(seqlens_ptr + pid_b)
     n = gl.maximum(gl.minimum(max_splits, gl.cdiv(seq_len, min_tokens)), 1)
     chunk = gl.maximum(gl.cdiv(gl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N, BLOCK_N)
     n_split = gl.cdiv(seq_len, chunk)
     start = pid_s * chunk
-    return pid_s, pid_b, pid_kvh, seq_len, n_split, start, gl.minimum(start + chunk, seq_len)
+    return seq_len, n_split, start, gl.minimum(start + chunk, seq_len)
 
 
 @gluon.jit
@@ -257,9 +332,9 @@ def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, num_kv_heads, BLOCK_N: gl.c
 @gluon.jit
 def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
             min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem,
-            v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+            v_smem, ready, empty, ranks_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
             PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
+            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr):
     """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
     consumer's: Gluon gives every partition one signature)."""
     slot = 0
@@ -276,10 +351,11 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
                                pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
             mid = gl.where(i == 1, mid, seg_end)
     else:
-        for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-            pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
-                                                                        max_splits, min_tokens, BLOCK_N)
-            if pid_s < n_split:
+        rank_lanes: gl.constexpr = _rank_lanes(RB, 1)
+        for k in range(gl.cdiv(n_items, gl.num_programs(0))):
+            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, rank_lanes)
+            seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
+            if (r < n_items) & (pid_s < n_split):
                 slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
                                    pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
 
@@ -468,9 +544,10 @@ def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_
 @gluon.jit
 def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
               min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-              k_smem, v_smem, ready, empty, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-              PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-              FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
+              k_smem, v_smem, ready, empty, ranks_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+              KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+              LEAN: gl.constexpr, RB: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
     grid) or its partial; an item past its sequence's splits writes a max of -inf (FUSED: nothing; the last of a
     (sequence, kv head)'s splits to finish merges its partials). LEAN: each piece of its stretch, the whole of a
@@ -522,8 +599,8 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
     else:
         _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                        num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem,
-                       ready, empty, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N,
-                       STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK)
+                       ready, empty, ranks_smem, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP, HEAD_DIM,
+                       BLOCK_N, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, RB)
 
 
 @gluon.jit
@@ -568,18 +645,20 @@ def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_sm
 @gluon.jit
 def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                    num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem, ready,
-                   empty, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr, rows_layout: gl.constexpr,
-                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr,
-                   SPLIT_CHUNK: gl.constexpr):
-    """The consumer over its items (split, sequence, kv head) taken by index (not LEAN)."""
+                   empty, ranks_smem, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr):
+    """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN)."""
     slot = 0
-    for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        pid_s, pid_b, pid_kvh, seq_len, n_split, start, end = _item(item, seqlens_ptr, batch, num_kv_heads,
-                                                                    max_splits, min_tokens, BLOCK_N)
+    rank_lanes: gl.constexpr = _rank_lanes(RB, 4)
+    for k in range(gl.cdiv(n_items, gl.num_programs(0))):
+        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, rank_lanes)
+        seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
         heads = pid_kvh * GROUP + offs_g
         partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
-        if pid_s < n_split:
+        live = r < n_items
+        if live & (pid_s < n_split):
             o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
                                              v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
                                              o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
@@ -605,7 +684,7 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
         elif not SINGLE and not FUSED:
             rows = _partial_rows(partial, pid_b, pid_s, offs_g, max_splits, GROUP, KV_HEADS)
             gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
-                     mask=offs_g < GROUP)
+                     mask=(offs_g < GROUP) & live)
 
 
 @gluon.jit
@@ -613,9 +692,10 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
                    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
                    stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
                    STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr):
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
-    the loader warp over its items."""
+    the loader warp over its items (LONGEST_FIRST: the sequences' ranks found first, by all warps of the consumer,
+    into shared memory)."""
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -623,16 +703,19 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    ranks_smem = gl.allocate_shared_memory(gl.int32, [_rank_slots(RB)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    if RB > 0:
+        ranks_smem.store(_seq_ranks(seqlens_ptr, batch, RB))
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
         (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                      max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-                     stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
-                     FUSED, GP, SPLIT_CHUNK, LEAN)),
+                     stride_oh, k_smem, v_smem, ready, empty, ranks_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES,
+                     SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB)),
         (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-                   stride_oh, k_smem, v_smem, ready, empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS,
-                   FUSED, GP, SPLIT_CHUNK, LEAN)),
+                   stride_oh, k_smem, v_smem, ready, empty, ranks_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES,
+                   SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB)),
     ], [1], [24])
 
 
@@ -729,6 +812,14 @@ def fused_merge_shape(rows, splits):
     return gp, max(1, min(8, triton.next_power_of_2(splits), 32 // gp))
 
 
+def rank_lanes(batch):
+    """LONGEST_FIRST's lanes of sequence ranks (a power of two, 32 to 256), or 0: items dealt by index (off, LEAN,
+    or a batch past 256, where comparing every pair of sequences in each program would cost more than it saves)."""
+    if not LONGEST_FIRST or LEAN or batch > 256:
+        return 0
+    return max(32, triton.next_power_of_2(batch))
+
+
 def _tickets(device, n):
     """At least n zeroed tickets on `device`; a smaller buffer stays alive (a CUDA graph may launch on it)."""
     bufs = _TICKETS.setdefault(device, [])
@@ -777,7 +868,8 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
-        KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, LEAN=bool(LEAN), **launch_options())
+        KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, LEAN=bool(LEAN),
+        RB=rank_lanes(batch), **launch_options())
     if not LEAN and not single and not fused:
         gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group, GP=gp,

@@ -108,17 +108,18 @@ def compile_prefill_kernel(mod):
     return _compile(fn, sig, consts, attrs, mod, options.get("maxnreg"), options.get("num_warps", mod.NUM_WARPS))
 
 
-def compile_gluon_decode(mod):
-    """The Gluon decode family's kernel (knowledge/attention/decode_gluon_sm90.py) at the bench shape: pages of 16
-    through tensor descriptors, several splits (partials; FUSED_COMBINE: merged in the kernel, 8 splits in the
-    grid; LEAN: equal stretches, pieces merged in the kernel)."""
+def compile_gluon_decode(mod, batch=32):
+    """The Gluon decode family's kernel (knowledge/attention/decode_gluon_sm90.py) at the bench shape, `batch`
+    sequences: pages of 16 through tensor descriptors, several splits (partials; FUSED_COMBINE: merged in the
+    kernel, 8 splits in the grid; LEAN: equal stretches, pieces merged in the kernel; LONGEST_FIRST: the
+    sequences' ranks as many lanes as the batch takes)."""
     fn = mod._decode_kernel
     shape = getattr(mod, "kernel_shape", lambda hq, hkv, page: (hq // hkv, 1, hkv, mod.BLOCK_N))
     rows, kv_heads, _, block_n = shape(32, 8, 16)
     layout = mod.gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, 128], mod.gl.bfloat16)
     consts = dict(GROUP=rows, HEAD_DIM=128, BLOCK_N=block_n, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False,
                   KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)),
-                  LEAN=bool(getattr(mod, "LEAN", False)))
+                  LEAN=bool(getattr(mod, "LEAN", False)), RB=getattr(mod, "rank_lanes", lambda b: 0)(batch))
     if hasattr(mod, "fused_merge_shape"):
         consts["GP"], consts["SPLIT_CHUNK"] = mod.fused_merge_shape(rows, 8)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
@@ -192,7 +193,7 @@ def code_lines(ptx: str) -> list[str]:
 def _build(spec: str, tmp: pathlib.Path, batch: int):
     label, mod = load_spec(spec, tmp)
     if hasattr(mod, "_decode_kernel"):
-        return label, mod, compile_gluon_decode(mod)
+        return label, mod, compile_gluon_decode(mod, batch)
     compiled = compile_prefill_kernel(mod) if hasattr(mod, "_prefill_kernel") else compile_split_kernel(mod, batch)
     return label, mod, compiled
 
