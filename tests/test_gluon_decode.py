@@ -52,6 +52,18 @@ def test_the_gluon_decodes_split_plan_fills_the_programs_rounds_with_the_fewest_
     assert mod.grid_splits(23, 8, 4096, 132) == 2         # 184 pairs: 70% of two rounds; 368 items 93% of three
 
 
+def test_the_gluon_decodes_split_plan_at_min_rounds_2_splits_until_the_items_take_two_rounds(knob_dir):
+    """MIN_ROUNDS 2 (for a ragged batch's deal to balance): 8 x 8 pairs take 4 splits (256 items, two rounds 97%
+    full) where one round of 128 would do; 16 x 8 take 2; pairs that take two rounds unsplit stay unsplit; where no
+    count reaches two rounds, the one that fills them best."""
+    mod = _load(GLUON_DECODE, {"MIN_ROUNDS": 2}, knob_dir)
+    assert mod.grid_splits(8, 8, 32768, 132) == 4
+    assert mod.grid_splits(16, 8, 8192, 132) == 2
+    assert mod.grid_splits(64, 8, 4096, 132) == 1
+    assert mod.grid_splits(32, 8, 4096, 132) == 1         # 256 pairs: two rounds, 97%
+    assert mod.grid_splits(1, 8, 512, 132) == 2           # 16 items at most: one round whatever the count
+
+
 def test_the_gluon_decodes_longest_first_deal_ranks_a_batch_of_up_to_256_in_lanes_and_deals_larger_by_index(
         knob_dir):
     """LONGEST_FIRST ranks the batch's sequences in a power of two of lanes (at least a warp's 32), and compiled
@@ -194,13 +206,14 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"ALL_HEADS": True}, [5, 130, 3000, 64, 65], 16, 2, 64),
     ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
     ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
+    ({"MIN_ROUNDS": 2}, [5000, 16000, 9000, 12000, 1, 700], 32, 8, 128),     # 8 splits: two rounds dealt
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
         "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
         "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300",
         "batch-200", "batch-300-by-index", "all-heads-group8-d64-five", "by-index-splits",
-        "by-index-no-split-many-items"])
+        "by-index-no-split-many-items", "two-rounds-of-splits"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

@@ -30,9 +30,9 @@ What it does
     kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
-    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, PROGRAMS_PER_SM, LONGEST_FIRST (on), and
-    four designs off by default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass; timed
-    below):
+    BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS, PROGRAMS_PER_SM, LONGEST_FIRST
+    (on), and four designs off by default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass;
+    timed below):
     * LONGEST_FIRST (on): before the partitions start, the consumer's warps rank the batch's sequences by their
       real length (every pair compared; ties by index) into shared memory, and each partition deals itself items
       in that order (sequence, then split, then kv head): round k takes items k x programs on, to programs 0..P-1
@@ -44,7 +44,10 @@ Knobs (module constants below, one per line)
       shapes (ragged 0.5) against 0.886/0.906/0.946x by index and LEAN's 0.926/0.955/0.960x; 0.978-0.990x on the
       issue's equal rows against 0.982-0.991x. One round of items (8 x 32k: 128 items on 132 programs) it cannot
       balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
-      1 KB more shared.
+      1 KB more shared. MIN_ROUNDS 2 splits such a grid until its items take two rounds (8 x 32k: 4 splits, 256
+      items; 16 x 8k: 2), for the deal to balance, at the cost of more partials to merge (equal rows pay it for
+      nothing); a model of the deal (lengths from [L/2, L]) puts the busiest program at 0.92 of the mean's load at
+      8 x [16k, 32k] against 0.77 at two splits. Not timed.
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -136,6 +139,7 @@ NUM_STAGES = 3  # ring stages of K and V (2 x BLOCK_N x d x 2 bytes each: 32 KB 
 MIN_TOKENS_PER_SPLIT = 256  # on device: never split a sequence finer than this many tokens
 MAX_SPLITS = 16  # upper bound on splits per sequence
 ROUND_FILL = 0.9  # the fewest splits whose items fill the programs' rounds this well (see grid_splits)
+MIN_ROUNDS = 1  # ... and take at least this many rounds (2: a ragged batch's items can be dealt to balance)
 PROGRAMS_PER_SM = 1  # persistent programs an SM (2 needs NUM_STAGES <= 3 at d 128 to fit two in shared memory)
 ALL_HEADS = False  # a program takes every kv head of its sequence: a stage is whole pages, contiguous (see above)
 OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax run beside that product (2+ stages)
@@ -769,19 +773,20 @@ def _sm_count(device):
 
 def grid_splits(batch, num_kv_heads, table_tokens, programs):
     """The grid's splits per sequence, from shapes only: of the counts a sequence of the table's width can take
-    (MIN_TOKENS_PER_SPLIT, MAX_SPLITS), the fewest whose items fill the programs' rounds (items / (rounds x
-    programs)) at least ROUND_FILL, else the one that fills them best (ties to fewer): each split more costs a
-    partial and its merge."""
+    (MIN_TOKENS_PER_SPLIT, MAX_SPLITS), the fewest whose items take at least MIN_ROUNDS rounds of the programs and
+    fill them (items / (rounds x programs)) at least ROUND_FILL, else the one that fills them best, rounds enough
+    first (ties to fewer): each split more costs a partial and its merge."""
     pairs = max(1, batch * num_kv_heads)
     cap = max(1, min(MAX_SPLITS, -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))))
-    best, best_fill = 1, 0.0
+    best, best_key = 1, (False, 0.0)
     for s in range(1, cap + 1):
         items = pairs * s
-        fill = items / (-(-items // programs) * programs)
-        if fill >= ROUND_FILL:
+        rounds = -(-items // programs)
+        fill, enough = items / (rounds * programs), rounds >= MIN_ROUNDS
+        if enough and fill >= ROUND_FILL:
             return s
-        if fill > best_fill + 1e-9:
-            best, best_fill = s, fill
+        if (enough, fill) > (best_key[0], best_key[1] + 1e-9):
+            best, best_key = s, (enough, fill)
     return best
 
 
