@@ -46,8 +46,8 @@ Knobs (module constants below, one per line)
       balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
       1 KB more shared. MIN_ROUNDS 2 splits such a grid until its items take two rounds (8 x 32k: 4 splits, 256
       items; 16 x 8k: 2), for the deal to balance, at the cost of more partials to merge (equal rows pay it for
-      nothing); a model of the deal (lengths from [L/2, L]) puts the busiest program at 0.92 of the mean's load at
-      8 x [16k, 32k] against 0.77 at two splits. Not timed.
+      nothing); a model of the deal (tests/bench/decode_deal.py) puts the mean program's load at 0.925 of the
+      busiest's at 8 x [16k, 32k] against 0.795 at two splits. Not timed.
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
