@@ -206,7 +206,7 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"ALL_HEADS": True}, [5, 130, 3000, 64, 65], 16, 2, 64),
     ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
     ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
-    ({"MIN_ROUNDS": 2}, [5000, 16000, 9000, 12000, 1, 700], 32, 8, 128),     # 8 splits: two rounds dealt
+    ({"MIN_ROUNDS": 2}, [5000, 16000, 9000, 12000, 1, 700], 32, 8, 128),     # 5 splits (132 SMs): two rounds
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
