@@ -6,14 +6,14 @@
 With no SPEC it times the two reference kernels (knowledge/attention/decode_paged_splitkv.py,
 prefill_causal_tiled.py). `--run DIR` adds a run's current heads and best kernels as its ledger holds them now
 (the files DIR/heads/<op>.json names, DIR/best/<op>.py; labelled `<run>:<ref>`, e.g. `h200-b:c002`). Every kernel, cuDNN SDPA and flash SDPA run in this one process on the same
-data: bf16, 32 query / 8 kv heads, head_dim 128; the median of `triton.testing.do_bench`'s protocol (its L2
+data: bf16, 32 query / 8 kv heads (`--heads`), head_dim 128; the median of `triton.testing.do_bench`'s protocol (its L2
 flush before each call), each call on a fresh query (since 2026-12-05: `bench`).
 Decode: kevo reads a paged cache (block 16, shuffled pages, a block table `--table-tokens` wide, by
 default as wide as the longest row, as a server sizes it; its unused entries point at random pages),
 the library reads the same values as contiguous [B, kv heads, L, D] K/V. Prefill: causal, equal
 lengths, kevo packed (cu_seqlens), the library one batched [B, H, N, D] call. Figures: decode TB/s
 (K/V bytes once, q and out), prefill causal TFLOP/s (4 x D x N(N+1)/2 x H x B), kevo/cuDNN, and a
-correctness column, rel L2 against an fp32 reference (decode all heads; prefill heads 0-3 and 28-31),
+correctness column, rel L2 against an fp32 reference (decode all heads; prefill the first and last four),
 the worse of the first call and one after the timed calls. The library is timed before and after
 the row's kernels and counted at its faster time (clock or thermal drift never favours kevo).
 --graphs times every call (kevo's and the library's) as the replay of one CUDA graph captured from it,
@@ -395,7 +395,7 @@ def copy_ceiling():
 
 
 def main(argv=None):
-    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS, PAGES_IN_ORDER, HEAD_MAJOR_PAGES
+    global DEV, DT, DECODE_ROWS, PREFILL_ROWS, GRAPHS, PAGES_IN_ORDER, HEAD_MAJOR_PAGES, HQ, HKV, REF_HEADS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("specs", nargs="*", help="kernel file[:KNOB=VALUE,...]; default: the reference kernels")
     ap.add_argument("--run", type=pathlib.Path, action="append", default=[],
@@ -417,9 +417,18 @@ def main(argv=None):
                     help="check this script on the CPU: Triton's interpreter, float32, tiny rows, no timing")
     ap.add_argument("--pages", choices=["shuffled", "in-order"], default="shuffled",
                     help="decode: each sequence's pages drawn at random from the pool (default), or consecutive")
+    ap.add_argument("--heads", default=f"{HQ}x{HKV}", metavar="QxKV",
+                    help="query x kv heads (the served model's: 16x8; default the issue's 32x8)")
     ap.add_argument("--page-layout", choices=["nhd", "hnd"], default="nhd",
                     help="decode: pages stored [16, kv heads, D] (default, served) or head-major [kv heads, 16, D]")
     args = ap.parse_args(argv)
+    try:
+        HQ, HKV = (int(n) for n in args.heads.split("x"))
+    except ValueError:
+        raise SystemExit(f"--heads {args.heads!r}: query x kv heads, e.g. 16x8") from None
+    if HKV < 1 or HQ < HKV or HQ % HKV:
+        raise SystemExit(f"--heads {args.heads}: the query heads must be a multiple of the kv heads")
+    REF_HEADS = sorted({h % HQ for h in (0, 1, 2, 3, -4, -3, -2, -1)})
     GRAPHS, PAGES_IN_ORDER = args.graphs, args.pages == "in-order"
     HEAD_MAJOR_PAGES = args.page_layout == "hnd"
     if args.decode_rows:
@@ -444,7 +453,7 @@ def main(argv=None):
             "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
             "torch": torch.__version__, "triton": triton.__version__,
             "specs": specs, "argv": sys.argv[1:], "timing": "cuda-graph replay" if GRAPHS else "eager calls",
-            "pages": args.pages, "page_layout": args.page_layout}
+            "pages": args.pages, "page_layout": args.page_layout, "heads": [HQ, HKV]}
     info["copy_TBps"] = copy_ceiling()
     print(f"{info['gpu']}  torch {info['torch']}  triton {info['triton']}  copy {info['copy_TBps']:.2f} TB/s  "
           f"timing: {info['timing']}  pages: {args.pages}, {args.page_layout}")
