@@ -154,32 +154,14 @@ _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: 
 _TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE, LEAN)
 
 
-@gluon.constexpr_function
-def _pairs_layout(rb):
-    """LONGEST_FIRST: a [rb, 4c] tile of sequence pairs over the consumer's warps, 16 a thread: rows i (the ranked
-    sequence) over lanes, columns j (the sequence it is compared with) over warps, c a thread."""
-    return gl.BlockedLayout([max(1, rb // 32), max(1, 512 // rb)], [32, 1], [1, 4], [1, 0])
-
-
-@gluon.constexpr_function
-def _rank_slots(rb):
-    """LONGEST_FIRST: the ranks' shared memory (32 slots, unused, where items are dealt by index)."""
-    return max(32, rb)
-
-
-@gluon.constexpr_function
-def _rank_lanes(rb, warps):
-    """LONGEST_FIRST: the layout a partition of `warps` reads the ranks in (every warp all of them)."""
-    return gl.BlockedLayout([max(1, rb // 32)], [32], [warps], [0])
-
-
 @gluon.jit
 def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
     of RB (RB for a lane past the batch): every pair compared, a chunk of the batch a step, counted in place and
-    summed once."""
-    pairs: gl.constexpr = _pairs_layout(RB)
-    JC: gl.constexpr = 4 * pairs.size_per_thread[1]
+    summed once. The pairs, 16 a thread of the consumer's 128: i (the ranked sequence) over lanes, j (the one it is
+    compared with) over warps."""
+    pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
+    JC: gl.constexpr = 4 * (512 // RB)
     offs_i = gl.arange(0, RB, layout=gl.SliceLayout(1, pairs))
     len_i = gl.load(seqlens_ptr + offs_i, mask=offs_i < batch, other=0)
     ahead = gl.zeros([RB, JC], gl.int32, pairs)
@@ -193,19 +175,20 @@ def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
 
 
 @gluon.jit
-def _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB: gl.constexpr, layout: gl.constexpr):
+def _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB: gl.constexpr, WARPS: gl.constexpr):
     """A program's k-th work item: (its index in the deal, split, sequence, kv head). By index (RB 0): items
     program_id, program_id + programs, ..., split-major, so that a program's first item holds work. LONGEST_FIRST
-    (RB lanes of ranks in shared memory): items in order of their sequence's rank, then split, then kv head, dealt
-    program 0 to the last in even rounds and back in odd ones, so that a program holding one round's longest
-    holds the next round's shortest."""
+    (RB lanes of ranks in shared memory, read by each of a partition's WARPS whole): items in order of their
+    sequence's rank, then split, then kv head, dealt program 0 to the last in even rounds and back in odd ones, so
+    that a program holding one round's longest holds the next round's shortest."""
     programs = gl.num_programs(0)
     if RB > 0:
         r = k * programs + gl.where(k % 2 == 0, gl.program_id(0), programs - 1 - gl.program_id(0))
         per_seq = max_splits * num_kv_heads
         place = r // per_seq
-        offs = gl.arange(0, RB, layout=layout)
-        pid_b = gl.sum(gl.where(ranks_smem.load(layout) == place, offs, 0), 0)
+        lanes: gl.constexpr = gl.BlockedLayout([RB // 32], [32], [WARPS], [0])
+        offs = gl.arange(0, RB, layout=lanes)
+        pid_b = gl.sum(gl.where(ranks_smem.load(lanes) == place, offs, 0), 0)
         rest = r - place * per_seq
         pid_s = rest // num_kv_heads
         pid_kvh = rest - pid_s * num_kv_heads
@@ -355,9 +338,8 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
                                pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
             mid = gl.where(i == 1, mid, seg_end)
     else:
-        rank_lanes: gl.constexpr = _rank_lanes(RB, 1)
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
-            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, rank_lanes)
+            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, 1)
             seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
             if (r < n_items) & (pid_s < n_split):
                 slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
@@ -655,9 +637,8 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
                    GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr):
     """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN)."""
     slot = 0
-    rank_lanes: gl.constexpr = _rank_lanes(RB, 4)
     for k in range(gl.cdiv(n_items, gl.num_programs(0))):
-        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, rank_lanes)
+        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, 4)
         seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
         heads = pid_kvh * GROUP + offs_g
         partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
@@ -707,7 +688,7 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
-    ranks_smem = gl.allocate_shared_memory(gl.int32, [_rank_slots(RB)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if RB > 0:
         ranks_smem.store(_seq_ranks(seqlens_ptr, batch, RB))
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
