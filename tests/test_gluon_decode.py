@@ -73,11 +73,11 @@ def test_the_gluon_decodes_longest_first_deal_ranks_a_batch_of_up_to_256_in_lane
     assert [longest.rank_lanes(b) for b in (1, 32, 33, 64, 200, 256, 257)] == [32, 32, 64, 64, 256, 256, 0]
     assert _load(GLUON_DECODE, {"LONGEST_FIRST": False}, knob_dir).rank_lanes(64) == 0
     assert _load(GLUON_DECODE, {"LONGEST_FIRST": True, "LEAN": True}, knob_dir).rank_lanes(64) == 0
-    plain, = sm90_lines([str(GLUON_DECODE)])
-    for batch in (32, 256):
-        line, = sm90_lines([f"{GLUON_DECODE}:LONGEST_FIRST=True"], batch=batch)
-        regs = (lambda text: text.split(" registers")[0].split()[-1])
-        assert " 0 B stack" in line and regs(line) == regs(plain), (batch, line, plain)
+    by_index, at_32 = sm90_lines([f"{GLUON_DECODE}:LONGEST_FIRST=False", f"{GLUON_DECODE}:LONGEST_FIRST=True"])
+    at_256, = sm90_lines([f"{GLUON_DECODE}:LONGEST_FIRST=True"], batch=256)
+    regs = (lambda text: text.split(" registers")[0].split()[-1])
+    for line in (at_32, at_256):
+        assert " 0 B stack" in line and regs(line) == regs(by_index), (line, by_index)
 
 
 def test_the_gluon_decode_refuses_a_cache_a_tensor_descriptor_cannot_read(knob_dir):
