@@ -688,6 +688,7 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
+    # LONGEST_FIRST's ranks; by index (RB 0) 32 unused slots, as both partitions take the buffer either way
     ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if RB > 0:
         ranks_smem.store(_seq_ranks(seqlens_ptr, batch, RB))
