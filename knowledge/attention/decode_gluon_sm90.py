@@ -146,18 +146,21 @@ OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax 
 FUSED_COMBINE = False  # the last split of a (sequence, kv head) to finish merges (atomic ticket), no merge kernel
 LEAN = False  # the batch's tiles cut into one equal stretch a program, from the real lengths (see above)
 LONGEST_FIRST = True  # items dealt longest sequence first, every other round reversed (see above; batch <= 256)
+SPLITS_FROM_LENGTHS = False  # the split count chosen on device from the real lengths: one round of items or two
+ITEM_COST_TOKENS = 256  # ... by an estimate of the deal, an item costing its tokens and this many more (a guess)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
 _TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE, LEAN)
+_CHOSEN = {}  # device -> int32[1]: the split count the last call that chose one chose (SPLITS_FROM_LENGTHS)
 
 
 @gluon.jit
 def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
-    of RB (RB for a lane past the batch): every pair compared, a chunk of the batch a step, counted in place and
+    of RB (RB for a lane past the batch), and its length (0 past the batch): every pair compared, a chunk of the batch a step, counted in place and
     summed once. The pairs, 16 a thread of the consumer's 128: i (the ranked sequence) over lanes, j (the one it is
     compared with) over warps."""
     pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
@@ -171,7 +174,7 @@ def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
         before = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) &
                                                       (offs_j[None, :] < offs_i[:, None]))
         ahead += (before & (offs_j < batch)[None, :]).to(gl.int32)
-    return gl.where(offs_i < batch, gl.sum(ahead, 1), RB)
+    return gl.where(offs_i < batch, gl.sum(ahead, 1), RB), len_i
 
 
 @gluon.jit
@@ -207,11 +210,59 @@ def _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N: gl.constex
     """A work item's sequence length, its sequence's split count and the split's tokens [start, end): the split
     count and chunk come from the real length, as the GQA family sizes them."""
     seq_len = gl.load(seqlens_ptr + pid_b)
-    n = gl.maximum(gl.minimum(max_splits, gl.cdiv(seq_len, min_tokens)), 1)
-    chunk = gl.maximum(gl.cdiv(gl.cdiv(seq_len, n), BLOCK_N) * BLOCK_N, BLOCK_N)
+    chunk = _chunk(seq_len, max_splits, min_tokens, BLOCK_N)
     n_split = gl.cdiv(seq_len, chunk)
     start = pid_s * chunk
     return seq_len, n_split, start, gl.minimum(start + chunk, seq_len)
+
+
+@gluon.jit
+def _chunk(length, splits, min_tokens, BLOCK_N: gl.constexpr):
+    """A split's tokens for a sequence of `length` when the batch takes `splits`: the count from the real length
+    (MIN_TOKENS_PER_SPLIT a split at least), its chunk whole tiles."""
+    n = gl.maximum(gl.minimum(splits, gl.cdiv(length, min_tokens)), 1)
+    return gl.maximum(gl.cdiv(gl.cdiv(length, n), BLOCK_N) * BLOCK_N, BLOCK_N)
+
+
+@gluon.jit
+def _split_choice(lens, batch, ranks, lo, hi, num_kv_heads, min_tokens, ITEM_COST: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """SPLITS_FROM_LENGTHS (a batch of up to 32, ranked; `lo` splits one round of items, `hi` two): `hi` where the
+    deal would finish it sooner, as split_estimates finds it on the host. An item costs its tokens and ITEM_COST.
+    One round takes the longest sequence's first split; in two, program p holds items p and 2P - 1 - p (P
+    programs, items ranked longest first), so the busiest holds about the mean of those pairs (or the longest's
+    first split, if more). A lane a sequence (its rank, its splits' items summed over where they fall)."""
+    lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.arange(0, 32, layout=lanes)
+    lens = gl.convert_layout(lens, lanes)
+    ranks = gl.convert_layout(ranks, lanes)
+    longest = gl.max(lens, 0)
+    programs = gl.num_programs(0)
+    per_seq = hi * num_kv_heads
+    n_items = batch * per_seq
+    first = 2 * programs - n_items          # the first item that shares its program with another
+    chunk = _chunk(lens, hi, min_tokens, BLOCK_N)
+    paired = gl.zeros_like(lens)
+    for j in range(hi):
+        tokens = gl.minimum(chunk, lens - j * chunk)
+        at = ranks * per_seq + j * num_kv_heads
+        count = gl.maximum(gl.minimum(at + num_kv_heads, n_items) - gl.maximum(at, first), 0)
+        paired += gl.where((offs < batch) & (tokens > 0), count * (tokens + ITEM_COST), 0)
+    one_round = _chunk(longest, lo, min_tokens, BLOCK_N) + ITEM_COST
+    two_rounds = gl.maximum(_chunk(longest, hi, min_tokens, BLOCK_N) + ITEM_COST,
+                            gl.sum(paired, 0) // gl.maximum(n_items - programs, 1))
+    return lo + (hi - lo) * (two_rounds < one_round).to(gl.int32)
+
+
+@gluon.jit
+def _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE: gl.constexpr, WARPS: gl.constexpr):
+    """The batch's (split count, items): the count its programs chose into shared memory (SPLITS_FROM_LENGTHS),
+    else the grid's."""
+    if CHOOSE:
+        splits = gl.max(plan_smem.load(gl.BlockedLayout([1], [32], [WARPS], [0])), 0)
+        return splits, batch * num_kv_heads * splits
+    else:
+        return max_splits, n_items
 
 
 @gluon.jit
@@ -319,9 +370,10 @@ def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, num_kv_heads, BLOCK_N: gl.c
 @gluon.jit
 def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
             min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem,
-            v_smem, ready, empty, ranks_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-            PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-            FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr):
+            v_smem, ready, empty, ranks_smem, plan_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+            BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+            KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+            LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
     """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
     consumer's: Gluon gives every partition one signature)."""
     slot = 0
@@ -338,9 +390,10 @@ def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr,
                                pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
             mid = gl.where(i == 1, mid, seg_end)
     else:
+        splits, n_items = _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE, 1)
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
-            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, 1)
-            seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
+            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, splits, RB, 1)
+            seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, splits, min_tokens, BLOCK_N)
             if (r < n_items) & (pid_s < n_split):
                 slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
                                    pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
@@ -530,10 +583,10 @@ def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_
 @gluon.jit
 def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
               min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
-              k_smem, v_smem, ready, empty, ranks_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
               BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
               KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
-              LEAN: gl.constexpr, RB: gl.constexpr):
+              LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
     grid) or its partial; an item past its sequence's splits writes a max of -inf (FUSED: nothing; the last of a
     (sequence, kv head)'s splits to finish merges its partials). LEAN: each piece of its stretch, the whole of a
@@ -585,8 +638,8 @@ def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_pt
     else:
         _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                        num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem,
-                       ready, empty, ranks_smem, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP, HEAD_DIM,
-                       BLOCK_N, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, RB)
+                       ready, empty, ranks_smem, plan_smem, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP,
+                       HEAD_DIM, BLOCK_N, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, RB, CHOOSE)
 
 
 @gluon.jit
@@ -631,15 +684,26 @@ def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_sm
 @gluon.jit
 def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                    num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem, ready,
-                   empty, ranks_smem, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   empty, ranks_smem, plan_smem, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr,
                    rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr):
-    """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN)."""
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
+    """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN); partials are
+    max_splits a (sequence, kv head) apart, and where the batch chose fewer (CHOOSE) its last split's item marks
+    the rest dead for the merge."""
     slot = 0
+    splits, n_items = _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE, 4)
+    if CHOOSE and not FUSED:
+        # the partials past the count chosen, of (sequence, kv head) pid (one a program at most: one round), dead
+        pid = gl.program_id(0)
+        pid_b = pid // num_kv_heads
+        for j in range(splits, gl.where(pid < batch * num_kv_heads, max_splits, splits)):
+            rows = _partial_rows(pid.to(gl.int64) * max_splits + j, pid_b, j, offs_g, max_splits, GROUP, KV_HEADS)
+            gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
+                     mask=offs_g < GROUP)
     for k in range(gl.cdiv(n_items, gl.num_programs(0))):
-        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, max_splits, RB, 4)
-        seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N)
+        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, splits, RB, 4)
+        seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, splits, min_tokens, BLOCK_N)
         heads = pid_kvh * GROUP + offs_g
         partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
         live = r < n_items
@@ -673,14 +737,15 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
 
 
 @gluon.jit
-def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
-                   max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-                   stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr):
+def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, chosen_ptr,
+                   qk_scale, max_splits, min_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh,
+                   stride_btb, stride_ob, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+                   KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+                   LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr, ITEM_COST: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items (LONGEST_FIRST: the sequences' ranks found first, by all warps of the consumer,
-    into shared memory)."""
+    into shared memory; CHOOSE: then the batch's split count, min_splits or max_splits, the grid's)."""
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -690,18 +755,28 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
         mbarrier.init(empty.index(i), count=1)
     # LONGEST_FIRST's ranks; by index (RB 0) 32 unused slots, as both partitions take the buffer either way
     ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    plan_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if RB > 0:
-        ranks_smem.store(_seq_ranks(seqlens_ptr, batch, RB))
+        ranks, lens = _seq_ranks(seqlens_ptr, batch, RB)
+        ranks_smem.store(ranks)
+        if CHOOSE:
+            splits = _split_choice(lens, batch, ranks, min_splits, max_splits, num_kv_heads, min_tokens, ITEM_COST,
+                                   BLOCK_N)
+            lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+            plan = gl.zeros([32], gl.int32, lanes) + splits
+            plan_smem.store(plan)
+            offs = gl.arange(0, 32, layout=lanes)
+            gl.store(chosen_ptr + offs, plan, mask=(offs == 0) & (gl.program_id(0) == 0))
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
         (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                      max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-                     stride_oh, k_smem, v_smem, ready, empty, ranks_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES,
-                     SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB)),
+                     stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE,
+                     STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB, CHOOSE)),
         (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
                    max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-                   stride_oh, k_smem, v_smem, ready, empty, ranks_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES,
-                   SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB)),
+                   stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE,
+                   STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB, CHOOSE)),
     ], [1], [24])
 
 
@@ -753,13 +828,18 @@ def _sm_count(device):
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def split_cap(table_tokens):
+    """The most splits a sequence of the table's width can take (MIN_TOKENS_PER_SPLIT a split, MAX_SPLITS)."""
+    return max(1, min(MAX_SPLITS, -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))))
+
+
 def grid_splits(batch, num_kv_heads, table_tokens, programs):
     """The grid's splits per sequence, from shapes only: of the counts a sequence of the table's width can take
-    (MIN_TOKENS_PER_SPLIT, MAX_SPLITS), the fewest whose items take at least MIN_ROUNDS rounds of the programs and
-    fill them (items / (rounds x programs)) at least ROUND_FILL, else the one that fills them best, rounds enough
-    first (ties to fewer): each split more costs a partial and its merge."""
+    (split_cap), the fewest whose items take at least MIN_ROUNDS rounds of the programs and fill them (items /
+    (rounds x programs)) at least ROUND_FILL, else the one that fills them best, rounds enough first (ties to
+    fewer): each split more costs a partial and its merge."""
     pairs = max(1, batch * num_kv_heads)
-    cap = max(1, min(MAX_SPLITS, -(-max(1, table_tokens) // max(BLOCK_N, MIN_TOKENS_PER_SPLIT))))
+    cap = split_cap(table_tokens)
     best, best_key = 1, (False, 0.0)
     for s in range(1, cap + 1):
         items = pairs * s
@@ -770,6 +850,49 @@ def grid_splits(batch, num_kv_heads, table_tokens, programs):
         if (enough, fill) > (best_key[0], best_key[1] + 1e-9):
             best, best_key = s, (enough, fill)
     return best
+
+
+def split_range(batch, num_kv_heads, table_tokens, programs):
+    """(fewest, most) splits a sequence the batch may take: the grid's plan (grid_splits), and with
+    SPLITS_FROM_LENGTHS, where that plan splits (a merge either way) into one round of items and the batch is
+    ranked in one warp's lanes (<= 32), twice as many (where the table's width allows them): the grid is then one
+    program an item of the fewer, and the programs choose between one round and two whole ones from the real
+    lengths (_split_choice)."""
+    lo, pairs = grid_splits(batch, num_kv_heads, table_tokens, programs), batch * num_kv_heads
+    if not SPLITS_FROM_LENGTHS or lo == 1 or lo * pairs > programs or rank_lanes(batch) != 32:
+        return lo, lo
+    return lo, 2 * lo if 2 * lo <= split_cap(table_tokens) else lo
+
+
+def item_tokens(length, split, splits):
+    """Tokens of split `split` of a sequence of `length` when the batch takes `splits` (0: past its own), as the
+    kernel sizes them (_chunk)."""
+    min_tokens = max(BLOCK_N, MIN_TOKENS_PER_SPLIT)
+    n = max(min(splits, -(-length // min_tokens)), 1)
+    chunk = max(-(-(-(-length // n)) // BLOCK_N) * BLOCK_N, BLOCK_N)
+    return max(0, min(chunk, length - split * chunk))
+
+
+def split_estimates(lengths, num_kv_heads, lo, hi, programs):
+    """SPLITS_FROM_LENGTHS: the busiest program's load (tokens, and ITEM_COST_TOKENS an item) as the kernel
+    estimates it (_split_choice) for `lo` splits (one round of items) and for `hi` (two) on `programs`."""
+    order = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))
+    per_seq, n_items, cost = hi * num_kv_heads, len(lengths) * hi * num_kv_heads, ITEM_COST_TOKENS
+    first, paired = 2 * programs - n_items, 0
+    for rank, b in enumerate(order):
+        for j in range(hi):
+            at, tokens = rank * per_seq + j * num_kv_heads, item_tokens(lengths[b], j, hi)
+            paired += max(0, min(at + num_kv_heads, n_items) - max(at, first)) * (tokens + cost) if tokens else 0
+    longest = max(lengths)
+    return (item_tokens(longest, 0, lo) + cost,
+            max(item_tokens(longest, 0, hi) + cost, paired // max(n_items - programs, 1)))
+
+
+def chosen_splits(lengths, num_kv_heads, lo, hi, programs):
+    """SPLITS_FROM_LENGTHS: the split count a batch of these lengths takes on `programs` programs, as the kernel
+    chooses it: `hi` where its estimate finishes sooner than `lo`'s."""
+    one_round, two_rounds = split_estimates(lengths, num_kv_heads, lo, hi, programs)
+    return hi if two_rounds < one_round else lo
 
 
 def kernel_shape(num_q_heads, num_kv_heads, page):
@@ -834,6 +957,7 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
                       for r in (k_rows, v_rows))
     group = num_q_heads // num_kv_heads
     f32 = dict(dtype=torch.float32, device=q.device)
+    fewest = 0
     if LEAN:
         # every program a stretch; a piece's partial at [program, its first or last piece, group]
         assert not ALL_HEADS, "LEAN cuts one kv head's tiles a segment (not built with ALL_HEADS)"
@@ -842,21 +966,25 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         tickets = _tickets(q.device, batch * num_kv_heads)
         fused_gp, fused_chunk = fused_merge_shape(rows, 8)
     else:
-        splits = grid_splits(batch, item_heads, block_table.shape[1] * page, sms)
+        fewest, splits = split_range(batch, item_heads, block_table.shape[1] * page, sms)
         items = splits * item_heads * batch
-        programs, single = min(items, sms), splits == 1
+        programs, single = min(fewest * item_heads * batch, sms), splits == 1
         po = out if single else torch.empty((batch, num_kv_heads, splits, group, head_dim), **f32)
         pm = out if single else torch.empty((batch, num_kv_heads, splits, group, 2), **f32)
         fused = bool(FUSED_COMBINE) and not single
         tickets = _tickets(q.device, batch * item_heads) if fused else seq_lens
         fused_gp, fused_chunk = fused_merge_shape(rows, splits) if fused else (1, 1)
+    choose = 0 < fewest < splits
+    if choose and q.device not in _CHOSEN:
+        _CHOSEN[q.device] = torch.zeros(1, dtype=torch.int32, device=q.device)
+    chosen = _CHOSEN[q.device] if choose else seq_lens
     _decode_kernel[(programs,)](
-        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, float(sm_scale) * _LOG2E, splits,
-        max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
+        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, chosen, float(sm_scale) * _LOG2E, splits,
+        fewest, max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
         KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, LEAN=bool(LEAN),
-        RB=rank_lanes(batch), **launch_options())
+        RB=rank_lanes(batch), CHOOSE=choose, ITEM_COST=ITEM_COST_TOKENS, **launch_options())
     if not LEAN and not single and not fused:
         gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group, GP=gp,

@@ -4,8 +4,9 @@
                                       [--trials 200] [--item-tokens 256] [SPEC ...]
 
 knowledge/attention/decode_gluon_sm90.py (or each SPEC, `path[:KNOB=VALUE,...]` as in vs_library.py): the grid's
-splits come from the module's own `grid_splits` (its MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS); each
-item's tokens follow the kernel's sizing from the real length (the same rule as its `_item`, written again here);
+splits come from the module's own `split_range` (its MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS; with
+SPLITS_FROM_LENGTHS each batch's count as its `chosen_splits` picks it); each item's tokens from its `item_tokens`
+(the kernel's sizing from the real length);
 an item costs its tokens plus `--item-tokens` (its fixed cost - Q load, first page, epilogue - as tokens' worth: a
 guess). Lengths are drawn as vs_library.py's --ragged draws them (uniform in [LO x L, L]), `--trials` batches a row.
 Printed per row and spec: the splits, items a program, and the mean program's load over the busiest's (1.0: all
@@ -29,13 +30,6 @@ from vs_library import load_spec  # noqa: E402
 FAMILY = pathlib.Path(__file__).resolve().parents[2] / "knowledge" / "attention" / "decode_gluon_sm90.py"
 
 
-def item_tokens(length: int, split: int, splits: int, mod) -> int:
-    """Tokens of split `split` of a sequence of `length` (0: past its splits), as the kernel sizes them."""
-    n = max(min(splits, math.ceil(length / max(mod.BLOCK_N, mod.MIN_TOKENS_PER_SPLIT))), 1)
-    chunk = max(math.ceil(math.ceil(length / n) / mod.BLOCK_N) * mod.BLOCK_N, mod.BLOCK_N)
-    return max(0, min(chunk, length - split * chunk))
-
-
 def balance(lengths: list[int], heads: int, splits: int, programs: int, longest: bool, mod, fixed: int) -> float:
     """The mean program's load over the busiest's, items by index (split-major) or dealt longest first."""
     order = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b)) if longest else range(len(lengths))
@@ -46,7 +40,7 @@ def balance(lengths: list[int], heads: int, splits: int, programs: int, longest:
     loads = [0] * min(programs, len(items))
     for r, (b, s) in enumerate(items):
         k, pos = divmod(r, len(loads))
-        tokens = item_tokens(lengths[b], s, splits, mod)
+        tokens = mod.item_tokens(lengths[b], s, splits)
         loads[len(loads) - 1 - pos if longest and k % 2 else pos] += tokens + fixed if tokens else 0
     return sum(loads) / len(loads) / max(loads)
 
@@ -69,13 +63,16 @@ def main(argv=None) -> int:
     for label, mod in mods:
         for row in args.rows.split(","):
             batch, length = (int(n) for n in row.split("x"))
-            splits = mod.grid_splits(batch, args.heads, length, args.programs)
+            lo, hi = mod.split_range(batch, args.heads, length, args.programs)
+            programs = min(args.programs, batch * args.heads * lo) if lo < hi else args.programs
             rng = random.Random(args.seed)
             draws = [[rng.randint(max(1, math.ceil(args.ragged * length)), length) for _ in range(batch)]
                      for _ in range(args.trials)]
-            cells = [sum(balance(lengths, args.heads, splits, args.programs, longest, mod, args.item_tokens)
-                         for lengths in draws) / len(draws) for longest in (False, True)]
-            print(f"| {label} | {row} | {splits} | {batch * args.heads * splits / args.programs:.2f} | "
+            splits = [mod.chosen_splits(lengths, args.heads, lo, hi, programs) if lo < hi else lo for lengths in draws]
+            cells = [sum(balance(lengths, args.heads, n, programs, longest, mod, args.item_tokens)
+                         for lengths, n in zip(draws, splits)) / len(draws) for longest in (False, True)]
+            chose = f"{lo} or {hi} ({splits.count(hi) / len(splits):.0%} {hi})" if lo < hi else f"{lo}"
+            print(f"| {label} | {row} | {chose} | {batch * args.heads * sum(splits) / len(splits) / programs:.2f} | "
                   + " | ".join(f"{c:.3f}" for c in cells) + " |")
     return 0
 

@@ -50,7 +50,8 @@ SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 SASS_BACK = re.compile(r"BRA\s.*?`\((\.L_x_\d+)\)")     # a branch to a label (a loop where the label is earlier)
 POINTERS = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bt_ptr": "*i32", "seqlens_ptr": "*i32",
-            "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32"}
+            "out_ptr": "*bf16", "po_ptr": "*fp32", "pm_ptr": "*fp32", "pl_ptr": "*fp32", "ticket_ptr": "*i32",
+            "chosen_ptr": "*i32"}
 # strides of 1 on the bench's contiguous tensors, which a launch specialises as the constant 1 (the reference's)
 UNIT_STRIDES = ("stride_qd", "stride_kd", "stride_vd", "stride_od", "stride_pod", "stride_btp")
 CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
@@ -112,14 +113,19 @@ def compile_gluon_decode(mod, batch=32):
     """The Gluon decode family's kernel (knowledge/attention/decode_gluon_sm90.py) at the bench shape, `batch`
     sequences: pages of 16 through tensor descriptors, several splits (partials; FUSED_COMBINE: merged in the
     kernel, 8 splits in the grid; LEAN: equal stretches, pieces merged in the kernel; LONGEST_FIRST: the
-    sequences' ranks as many lanes as the batch takes)."""
+    sequences' ranks as many lanes as the batch takes; SPLITS_FROM_LENGTHS: the choice, where the batch's plan at
+    32k tokens has one)."""
     fn = mod._decode_kernel
     shape = getattr(mod, "kernel_shape", lambda hq, hkv, page: (hq // hkv, 1, hkv, mod.BLOCK_N))
     rows, kv_heads, _, block_n = shape(32, 8, 16)
     layout = mod.gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, 128], mod.gl.bfloat16)
     consts = dict(GROUP=rows, HEAD_DIM=128, BLOCK_N=block_n, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False,
                   KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)),
-                  LEAN=bool(getattr(mod, "LEAN", False)), RB=getattr(mod, "rank_lanes", lambda b: 0)(batch))
+                  LEAN=bool(getattr(mod, "LEAN", False)), RB=getattr(mod, "rank_lanes", lambda b: 0)(batch),
+                  ITEM_COST=getattr(mod, "ITEM_COST_TOKENS", 0))
+    if hasattr(mod, "split_range"):     # SPLITS_FROM_LENGTHS: the plan 8 x 32k takes on 132 programs, where it chooses
+        lo, hi = mod.split_range(batch, 8, 32768, 132) if batch <= 32 else (1, 1)
+        consts["CHOOSE"] = lo < hi
     if hasattr(mod, "fused_merge_shape"):
         consts["GP"], consts["SPLIT_CHUNK"] = mod.fused_merge_shape(rows, 8)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
