@@ -83,19 +83,20 @@ def test_the_gluon_decodes_longest_first_deal_ranks_a_batch_of_up_to_256_in_lane
 def test_the_gluon_decode_may_choose_one_round_more_of_splits_only_where_its_plan_splits_a_batch_of_32_or_fewer(
         knob_dir):
     """SPLITS_FROM_LENGTHS: 8 x 8 pairs on 132 SMs may take 2 splits (one round of 128 programs) or 4 (two); a plan
-    without a split (16 x 8: no merge to share), a table too narrow for twice the splits, a plan of more than one
-    round, a batch past one warp's lanes of ranks, or the knob off leaves no choice; and
-    the kernel that chooses compiles for sm90 without a spill, in the defaults' registers."""
-    choosing = _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": True}, knob_dir)
+    without a split (16 x 8) only at 2 (it then pays a merge either way), and a table too narrow for twice the
+    splits, a plan of more than one round, a batch past one warp's lanes of ranks, or the knob off leaves none; and
+    the kernel that chooses compiles for sm90 without a spill, in the registers of the kernel that does not."""
+    choosing = _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": 1}, knob_dir)
     assert choosing.split_range(8, 8, 32768, 132) == (2, 4)
     assert choosing.split_range(16, 8, 8192, 132) == (1, 1)
-    assert choosing.split_range(40, 2, 32768, 132) == (3, 3)        # 240 items: two rounds already
+    assert _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": 2}, knob_dir).split_range(16, 8, 8192, 132) == (1, 2)
+    assert choosing.split_range(20, 8, 32768, 132) == (3, 3)        # 480 items: four rounds already
     assert choosing.split_range(33, 1, 32768, 132) == (4, 4)        # 33 sequences: ranked in 64 lanes
     assert choosing.split_range(8, 1, 4096, 132) == (15, 15)          # 8 pairs: at most 16 splits of 256
-    assert _load(GLUON_DECODE, None, knob_dir).split_range(8, 8, 32768, 132) == (2, 2)
-    defaults, chooses = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:SPLITS_FROM_LENGTHS=True"], batch=8)
+    assert _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": 0}, knob_dir).split_range(8, 8, 32768, 132) == (2, 2)
+    plain, chooses = sm90_lines([f"{GLUON_DECODE}:SPLITS_FROM_LENGTHS=0", str(GLUON_DECODE)], batch=8)
     regs = (lambda text: text.split(" registers")[0].split()[-1])
-    assert " 0 B stack" in chooses and regs(chooses) == regs(defaults), (chooses, defaults)
+    assert " 0 B stack" in chooses and regs(chooses) == regs(plain), (chooses, plain)
 
 
 def test_the_gluon_decodes_estimate_of_its_deal_keeps_one_round_for_equal_lengths_and_takes_two_for_ragged_ones(
@@ -104,7 +105,7 @@ def test_the_gluon_decodes_estimate_of_its_deal_keeps_one_round_for_equal_length
     sequences of 4k at 2 splits are one round of 2k-token items, at 4 two rounds of 1k items, later by an item's
     cost; of 8 drawn from [2k, 4k], at 2 splits the longest's 2k sets the time, at 4 the deal pairs long items with
     short ones and they finish sooner: a program's load is about the mean of its pair's."""
-    mod = _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": True}, knob_dir)
+    mod = _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": 1}, knob_dir)
     cost = mod.ITEM_COST_TOKENS
     assert mod.split_estimates([4096] * 8, 8, 2, 4, 128) == (2048 + cost, 2 * (1024 + cost))
     assert mod.chosen_splits([4096] * 8, 8, 2, 4, 128) == 2
@@ -264,24 +265,28 @@ def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA): Gluon has no CPU interpreter")
-@pytest.mark.parametrize("knobs", [{}, {"FUSED_COMBINE": True}], ids=["merge-kernel", "fused"])
-def test_the_gluon_decode_chooses_its_split_count_from_the_real_lengths_as_its_model_does_on_gpu(knob_dir, knobs):
-    """SPLITS_FROM_LENGTHS on 8 sequences of up to 4k (2 splits or 4, on 128 programs): each batch's
+@pytest.mark.parametrize("knobs, batch", [({"SPLITS_FROM_LENGTHS": 1}, 8),
+                                          ({"SPLITS_FROM_LENGTHS": 1, "FUSED_COMBINE": True}, 8),
+                                          ({"SPLITS_FROM_LENGTHS": 2}, 16)], ids=["merge-kernel", "fused", "unsplit"])
+def test_the_gluon_decode_chooses_its_split_count_from_the_real_lengths_as_its_model_does_on_gpu(knob_dir, knobs,
+                                                                                                 batch):
+    """SPLITS_FROM_LENGTHS on 8 sequences of up to 4k (2 splits or 4, on 128 programs; 16: 1 or 2): each batch's
     programs choose the count the host's model of the deal picks, the equal batch the fewer and a ragged one (a
     sequence of one token among them) the more, and either way the output is the float64 reference's (the
     partials past a fewer count marked dead for the merge, whatever they held)."""
-    mod = _load(GLUON_DECODE, {"SPLITS_FROM_LENGTHS": True, **knobs}, knob_dir)
+    mod = _load(GLUON_DECODE, knobs, knob_dir)
     chosen = set()
-    for lens in ([4096] * 8, [4096, 1, 3000, 2500, 3900, 2048, 2800, 3500]):
+    ragged = [4096, 1, 3000, 2500, 3900, 2048, 2800, 3500, 1000, 4000, 2222, 3333, 1500, 3700, 2900, 2600][:batch]
+    for lens in ([4096] * batch, ragged):
         q, k, v, table, lens_t = make_decode_inputs(lens, 32, 8, 128, 16, extra_pages=2, seed=len(set(lens)))
         q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
         _, _, item_heads, _ = mod.kernel_shape(32, 8, 16)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count * mod.PROGRAMS_PER_SM
-        lo, hi = mod.split_range(8, item_heads, table.shape[1] * 16, sms)
+        lo, hi = mod.split_range(batch, item_heads, table.shape[1] * 16, sms)
         assert lo < hi, (lo, hi)
         mod._CHOSEN.pop(q.device, None)
         out = mod.decode(q, k, v, table, lens_t, 128 ** -0.5).double().cpu()
-        expect = mod.chosen_splits(lens, item_heads, lo, hi, min(8 * item_heads * lo, sms))
+        expect = mod.chosen_splits(lens, item_heads, lo, hi, min(batch * item_heads * lo, sms))
         assert int(mod._CHOSEN[q.device]) == expect
         chosen.add(expect == hi)
         ref = decode_reference(q.cpu(), k.cpu(), v.cpu(), table.cpu(), lens_t.cpu(), 128 ** -0.5)

@@ -24,15 +24,16 @@ What it does
     folded into one multiply, O += P V (P in registers); tokens at or past `end` are masked, and a stage holding
     rows past the sequence has its V rows there zeroed in shared memory first (a page's unused slots may hold
     anything, NaN included, and 0 x NaN is NaN). Splits: the grid's split count is from shapes (the fewest whose
-    items fill the programs' rounds to ROUND_FILL); each item sizes its sequence's splits from the real length on
-    the device, as the GQA family does. With more than one split in the grid every item writes a
+    items fill the programs' rounds to ROUND_FILL), or where that is one round of items, chosen by the programs
+    from the real lengths (SPLITS_FROM_LENGTHS, below); each item sizes its sequence's splits from the real length
+    on the device, as the GQA family does. With more than one split in the grid every item writes a
     partial (unnormalised O, max, sum; an item past its sequence's splits writes a max of -inf) and a small Triton
     kernel merges them (FUSED_COMBINE: the last split to finish); with one, the consumer writes O.
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS, PROGRAMS_PER_SM, LONGEST_FIRST
-    (on), and four designs off by default: OVERLAP_TILES, ALL_HEADS, FUSED_COMBINE and LEAN (their GPU tests pass;
-    timed below):
+    (on), SPLITS_FROM_LENGTHS (1) and ITEM_COST_TOKENS, and four designs off by default: OVERLAP_TILES, ALL_HEADS,
+    FUSED_COMBINE and LEAN (their GPU tests pass; timed below):
     * LONGEST_FIRST (on): before the partitions start, the consumer's warps rank the batch's sequences by their
       real length (every pair compared; ties by index) into shared memory, and each partition deals itself items
       in that order (sequence, then split, then kv head): round k takes items k x programs on, to programs 0..P-1
@@ -44,10 +45,22 @@ Knobs (module constants below, one per line)
       shapes (ragged 0.5) against 0.886/0.906/0.946x by index and LEAN's 0.926/0.955/0.960x; 0.978-0.990x on the
       issue's equal rows against 0.982-0.991x. One round of items (8 x 32k: 128 items on 132 programs) it cannot
       balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
-      1 KB more shared. MIN_ROUNDS 2 splits such a grid until its items take two rounds (8 x 32k: 4 splits, 256
-      items; 16 x 8k: 2), for the deal to balance, at the cost of more partials to merge (equal rows pay it for
-      nothing); a model of the deal (tests/bench/decode_deal.py) puts the mean program's load at 0.925 of the
-      busiest's at 8 x [16k, 32k] against 0.795 at two splits. Not timed.
+      1 KB more shared.
+    * SPLITS_FROM_LENGTHS (1): where the shapes' plan is one round of items (few sequences: 8 x 32k takes 2 splits,
+      128 items) and the batch is ranked in one warp's 32 lanes, the grid is one program an item of that plan and
+      each program, after the ranks, chooses that count or twice it (two whole rounds, which the deal can balance)
+      from the real lengths: one round takes the longest sequence's first split; in two, program p holds items p
+      and 2P - 1 - p, so the busiest holds about the mean of those pairs; an item costs its tokens and
+      ITEM_COST_TOKENS (a guess). Equal lengths keep one round, ragged ones take two. The partials past the chosen
+      count are marked dead before the items, for the merge. At 2 also where the plan has no split (16 x 8k), which
+      then pays partials and their merge either way. Why: one round cannot be balanced, and MIN_ROUNDS 2 (splits
+      from shapes until two rounds) costs equal rows the round's remainder and the merge. Timed (H100 under CUDA
+      graphs, 2026-12-06, forty-eighth session): ragged 0.5 8 x 32k 0.972x cuDNN against 0.944x, 4 x 32k 0.961x
+      against 0.910x (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.4%
+      of the plan's except 8 x 8k, 0.977x against 0.991x (2: 16 x 8k 0.970x against 0.990x): about 1.5 us a call,
+      from the choice made before the loader starts and the merge over twice the slots (not profiled). Compiled:
+      128 registers, nothing spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal
+      rows it splits (16 x 8k, 8 x 32k).
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -119,8 +132,9 @@ Known limits
       heads. A cache a tensor descriptor cannot read ([blocks, page, kv heads, d] contiguous, 16-byte aligned) is
       refused (a copy of the whole cache a call would cost more than the call).
     * Equal split counts for every sequence of a batch (as the GQA family): dealt longest first, items balance
-      where they take two rounds or more; in one round a ragged batch's longest chunk sets the time (LEAN: equal
-      stretches instead; not with ALL_HEADS).
+      where they take two rounds or more; a one-round plan takes two where its programs find that sooner
+      (SPLITS_FROM_LENGTHS, batches of up to 32); otherwise in one round a ragged batch's longest chunk sets the
+      time (LEAN: equal stretches instead; not with ALL_HEADS).
     * The group's rows are padded to 64: the tensor cores do 16x the work a group of 4 needs (cheap beside the
       stream: about a fifth of a tile's load time at 3 TB/s).
 """
@@ -146,7 +160,7 @@ OVERLAP_TILES = False  # tile j's Q K^T issued with tile j-1's P V, j's softmax 
 FUSED_COMBINE = False  # the last split of a (sequence, kv head) to finish merges (atomic ticket), no merge kernel
 LEAN = False  # the batch's tiles cut into one equal stretch a program, from the real lengths (see above)
 LONGEST_FIRST = True  # items dealt longest sequence first, every other round reversed (see above; batch <= 256)
-SPLITS_FROM_LENGTHS = False  # the split count chosen on device from the real lengths: one round of items or two
+SPLITS_FROM_LENGTHS = 1  # the split count chosen on device from the real lengths: one round of items or two (1 or 2)
 ITEM_COST_TOKENS = 256  # ... by an estimate of the deal, an item costing its tokens and this many more (a guess)
 
 _LOG2E = 1.4426950408889634
@@ -160,9 +174,9 @@ _CHOSEN = {}  # device -> int32[1]: the split count the last call that chose one
 @gluon.jit
 def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
-    of RB (RB for a lane past the batch), and its length (0 past the batch): every pair compared, a chunk of the batch a step, counted in place and
-    summed once. The pairs, 16 a thread of the consumer's 128: i (the ranked sequence) over lanes, j (the one it is
-    compared with) over warps."""
+    of RB (RB for a lane past the batch), and its length (0 past the batch): every pair compared, a chunk of the
+    batch a step, counted in place and summed once. The pairs, 16 a thread of the consumer's 128: i (the ranked
+    sequence) over lanes, j (the one it is compared with) over warps."""
     pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
     JC: gl.constexpr = 4 * (512 // RB)
     offs_i = gl.arange(0, RB, layout=gl.SliceLayout(1, pairs))
@@ -227,11 +241,12 @@ def _chunk(length, splits, min_tokens, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _split_choice(lens, batch, ranks, lo, hi, num_kv_heads, min_tokens, ITEM_COST: gl.constexpr,
                   BLOCK_N: gl.constexpr):
-    """SPLITS_FROM_LENGTHS (a batch of up to 32, ranked; `lo` splits one round of items, `hi` two): `hi` where the
-    deal would finish it sooner, as split_estimates finds it on the host. An item costs its tokens and ITEM_COST.
-    One round takes the longest sequence's first split; in two, program p holds items p and 2P - 1 - p (P
-    programs, items ranked longest first), so the busiest holds about the mean of those pairs (or the longest's
-    first split, if more). A lane a sequence (its rank, its splits' items summed over where they fall)."""
+    """SPLITS_FROM_LENGTHS (a batch of up to 32, ranked; `lo` splits one round of items, one program an item, and
+    `hi` = 2 lo two whole rounds): `hi` where the deal would finish it sooner, as split_estimates finds it on the
+    host. An item costs its tokens and ITEM_COST. One round takes the longest sequence's first split; in two, program
+    p holds items p and 2P - 1 - p (P programs, items ranked longest first), so the busiest holds about the mean of
+    those pairs (or the longest's first split, if more). A lane a sequence (its rank, its splits' items summed over
+    where they fall; with two whole rounds every item is in a pair)."""
     lanes: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     offs = gl.arange(0, 32, layout=lanes)
     lens = gl.convert_layout(lens, lanes)
@@ -854,12 +869,13 @@ def grid_splits(batch, num_kv_heads, table_tokens, programs):
 
 def split_range(batch, num_kv_heads, table_tokens, programs):
     """(fewest, most) splits a sequence the batch may take: the grid's plan (grid_splits), and with
-    SPLITS_FROM_LENGTHS, where that plan splits (a merge either way) into one round of items and the batch is
-    ranked in one warp's lanes (<= 32), twice as many (where the table's width allows them): the grid is then one
-    program an item of the fewer, and the programs choose between one round and two whole ones from the real
-    lengths (_split_choice)."""
+    SPLITS_FROM_LENGTHS, where that plan is one round of items and the batch is ranked in one warp's lanes (<= 32),
+    twice as many (where the table's width allows them): the grid is then one program an item of the fewer, and the
+    programs choose between one round and two whole ones from the real lengths (_split_choice). At 1 only where
+    the plan splits (a merge either way); at 2 also where it does not, which then pays partials and their merge
+    whichever count the programs choose."""
     lo, pairs = grid_splits(batch, num_kv_heads, table_tokens, programs), batch * num_kv_heads
-    if not SPLITS_FROM_LENGTHS or lo == 1 or lo * pairs > programs or rank_lanes(batch) != 32:
+    if SPLITS_FROM_LENGTHS < (2 if lo == 1 else 1) or lo * pairs > programs or rank_lanes(batch) != 32:
         return lo, lo
     return lo, 2 * lo if 2 * lo <= split_cap(table_tokens) else lo
 
@@ -875,7 +891,8 @@ def item_tokens(length, split, splits):
 
 def split_estimates(lengths, num_kv_heads, lo, hi, programs):
     """SPLITS_FROM_LENGTHS: the busiest program's load (tokens, and ITEM_COST_TOKENS an item) as the kernel
-    estimates it (_split_choice) for `lo` splits (one round of items) and for `hi` (two) on `programs`."""
+    estimates it (_split_choice) for `lo` splits (one round of items) and for `hi` (two rounds of `programs`): the
+    longest sequence's first split, or in two rounds that or the mean load of the programs holding two items."""
     order = sorted(range(len(lengths)), key=lambda b: (-lengths[b], b))
     per_seq, n_items, cost = hi * num_kv_heads, len(lengths) * hi * num_kv_heads, ITEM_COST_TOKENS
     first, paired = 2 * programs - n_items, 0
