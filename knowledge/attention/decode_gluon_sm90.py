@@ -56,7 +56,7 @@ Knobs (module constants below, one per line)
       then pays partials and their merge either way. Why: one round cannot be balanced, and MIN_ROUNDS 2 (splits
       from shapes until two rounds) costs equal rows the round's remainder and the merge. Timed (H100 under CUDA
       graphs, 2026-12-06, forty-eighth session): ragged 0.5 8 x 32k 0.972x cuDNN against 0.944x, 4 x 32k 0.961x
-      against 0.910x (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.4%
+      against 0.910x (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.5%
       of the plan's except 8 x 8k, 0.977x against 0.991x (2: 16 x 8k 0.970x against 0.990x): about 1.5 us a call,
       from the choice made before the loader starts and the merge over twice the slots (not profiled). Compiled:
       128 registers, nothing spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal
