@@ -46,21 +46,21 @@ Knobs (module constants below, one per line)
       issue's equal rows against 0.982-0.991x. One round of items (8 x 32k: 128 items on 132 programs) it cannot
       balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
       1 KB more shared.
-    * SPLITS_FROM_LENGTHS (1): where the shapes' plan is one round of items (few sequences: 8 x 32k takes 2 splits,
-      128 items) and the batch is ranked in one warp's 32 lanes, the grid is one program an item of that plan and
-      each program, after the ranks, chooses that count or twice it (two whole rounds, which the deal can balance)
-      from the real lengths: one round takes the longest sequence's first split; in two, program p holds items p
-      and 2P - 1 - p, so the busiest holds about the mean of those pairs; an item costs its tokens and
+    * SPLITS_FROM_LENGTHS (1; not with ALL_HEADS): where the shapes' plan is one round of items (few sequences:
+      8 x 32k takes 2 splits, 128 items) and the batch is ranked in one warp's 32 lanes, the grid is one program an
+      item of that plan and each program, after the ranks, chooses that count or twice it (two whole rounds, which the
+      deal can balance) from the real lengths: one round takes the longest sequence's first split; in two, program p
+      holds items p and 2P - 1 - p, so the busiest holds about the mean of those pairs; an item costs its tokens and
       ITEM_COST_TOKENS (a guess). Equal lengths keep one round, ragged ones take two. The partials past the chosen
       count are marked dead before the items, for the merge. At 2 also where the plan has no split (16 x 8k), which
-      then pays partials and their merge either way. Why: one round cannot be balanced, and MIN_ROUNDS 2 (splits
-      from shapes until two rounds) costs equal rows the round's remainder and the merge. Timed (H100 under CUDA
-      graphs, 2026-12-06, forty-eighth session): ragged 0.5 8 x 32k 0.972x cuDNN against 0.944x, 4 x 32k 0.961x
-      against 0.910x (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.5%
-      of the plan's except 8 x 8k, 0.977x against 0.991x (2: 16 x 8k 0.970x against 0.990x): about 1.5 us a call,
-      from the choice made before the loader starts and the merge over twice the slots (not profiled). Compiled:
-      128 registers, nothing spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal
-      rows it splits (16 x 8k, 8 x 32k).
+      then pays partials and their merge either way. Why: one round cannot be balanced, and MIN_ROUNDS 2 (splits from
+      shapes until two rounds) costs equal rows the round's remainder and the merge. Timed (H100 under CUDA graphs,
+      2026-12-06, forty-eighth session): ragged 0.5 8 x 32k 0.972x cuDNN against 0.944x, 4 x 32k 0.961x against 0.910x
+      (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.5% of the plan's except
+      8 x 8k, 0.977x against 0.991x (2: 16 x 8k 0.970x against 0.990x): about 1.5 us a call, from the choice made
+      before the loader starts and the merge over twice the slots (not profiled). Compiled: 128 registers, nothing
+      spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal rows it splits (16 x 8k,
+      8 x 32k).
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -704,8 +704,8 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
                    STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
                    GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
     """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN); partials are
-    max_splits a (sequence, kv head) apart, and where the batch chose fewer (CHOOSE) its last split's item marks
-    the rest dead for the merge."""
+    max_splits a (sequence, kv head) apart, and where the batch chose fewer (CHOOSE), program p first marks the
+    rest of (sequence, kv head) p's dead for the merge."""
     slot = 0
     splits, n_items = _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE, 4)
     if CHOOSE and not FUSED:
@@ -876,6 +876,8 @@ def split_range(batch, num_kv_heads, table_tokens, programs):
     whichever count the programs choose."""
     lo, pairs = grid_splits(batch, num_kv_heads, table_tokens, programs), batch * num_kv_heads
     if SPLITS_FROM_LENGTHS < (2 if lo == 1 else 1) or lo * pairs > programs or rank_lanes(batch) != 32:
+        return lo, lo
+    if ALL_HEADS:       # (its partials' rows are written for it, but no GPU test has run a choice with it)
         return lo, lo
     return lo, 2 * lo if 2 * lo <= split_cap(table_tokens) else lo
 
