@@ -108,9 +108,11 @@ class Proposal(Record):
 
 
 class Round(Record):
-    """One evaluated source: the first is the coder's, later ones compile repairs."""
+    """One evaluated source: the first is the coder's, later ones compile repairs, or the same source judged
+    again (`again`) because the head it was accepted against was replaced before its verdict was committed."""
     source: str
     verdict: Verdict
+    again: str = ""                 # why it was judged again, against which head; empty: a first or repair round
 
 
 class Conclusion(Record):

@@ -15,7 +15,8 @@ from conftest import CPU_GATES, config_with
 from harness.evaluate import evaluate
 from harness.records import StageResult, Verdict
 
-from agent.roles.evaluator import judge
+from agent.roles.evaluator import judge, judge_again
+from agent.ledger.messages import readme
 from agent.knowledge import KNOWLEDGE, load_catalog, read_knobs, with_knobs
 from agent.ledger.repository import Ledger
 from agent.run.loop import run, settings_from
@@ -23,7 +24,7 @@ from agent.roles.offline import OfflineProposer
 from agent.rejudging.rejudge import _verdicts, kernels_of, served_as_then
 from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
 from harness.amdahl import ceiling
-from agent.run.state import ProposalState, kernel_of, search_parent
+from agent.run.state import ProposalState, kernel_of, search_parent, stale_acceptance
 from agent.reading.view import RunView
 
 CATALOG = load_catalog()
@@ -391,6 +392,34 @@ def timed(speedup: float, anchor_ms: float, replay: bool = False) -> Verdict:
     if replay:
         stages.append(StageResult.passed("replay", "accepted", accepted=1.0, tpot_p90_speedup=1.08, throughput_ratio=1.0))
     return Verdict.of(stages)
+
+
+def test_a_candidate_accepted_against_a_head_replaced_while_it_was_judged_is_judged_again_against_the_new_one():
+    """Two candidates of one op judged at once (two slots, as in the forty-ninth session's H100 run): the earlier
+    one is accepted and becomes the head while the later one's replay still serves the old head beside it. The
+    later acceptance is stale, and the candidate is judged once more against the new head and its bar. The
+    evaluator's verdicts stand in for a GPU's: accepted over the old head, then rejected at microbench by the
+    new head's bar; its first verdict stays in its rounds. (Waiting for the earlier verdict to be recorded
+    before asking is the drive's, agent/run/drive.py, and needs a GPU to accept anything.)"""
+    old = head("decode", speedup=1.0)
+    new = Kernel(ref="c001", op="decode", path="candidates/c001/candidate.py", source="# c001\n", speedup=1.5)
+    prop, calls = proposer(["decode"]), []
+
+    def evaluate_fn(job: str, source: str, beat: float, against: str | None = None) -> Verdict:
+        calls.append((job, beat, against))
+        return timed(1.4, anchor_ms=0.050, replay=True) if len(calls) == 1 else verdict("microbench", 1.4)
+    p = prop.propose(state([], {"decode": old}, ops=["decode"]))
+    first, exchanges, _ = judge(p, old, prop, config_with(), "attention", None, evaluate_fn=evaluate_fn, head=old)
+    assert first.outcome == "accepted" and calls == [(p.id, 1.0, old.source)]
+    assert stale_acceptance(first, old, old) == "" and stale_acceptance(record("c002", old, "decode", p.knobs), old, new) == ""
+    why = stale_acceptance(first, old, new)
+    assert why == "c001 became the decode head while it was judged against head:decode"
+    again = judge_again(first, exchanges, p, old, new, new, why, evaluate_fn)
+    assert calls[1] == (f"{p.id}.again", 1.5, "# c001\n")              # the new head served beside it, its bar
+    assert (again.outcome, again.stage, again.speedup) == ("rejected", "microbench", 1.4)
+    assert [r.again for r in again.rounds] == ["", why] and again.rounds[0].verdict == first.verdict
+    assert "judged again" in again.conclusion.learned and "repair" not in again.conclusion.learned
+    assert f"Judged again: {why}." in readme(again)
 
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):

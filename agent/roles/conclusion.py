@@ -104,7 +104,8 @@ def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds:
     if not rounds:
         return Conclusion(learned=_first(reason, 240), kill_test_fired=None, predicted=predicted, observed=None)
     verdict = rounds[-1].verdict
-    repaired = f" after {len(rounds) - 1} compile repair round(s)" if len(rounds) > 1 else ""
+    repairs = sum(1 for rnd in rounds[1:] if not rnd.again)
+    repaired = f" after {repairs} compile repair round(s)" if repairs else ""
     if outcome == "rejected":
         failed = next(s for s in verdict.stages if s.name == verdict.failed_stage)
         learned = _first(failed.reason) + repaired
@@ -116,6 +117,8 @@ def conclude(claim: Claim | None, outcome: str, stage: str, reason: str, rounds:
         skipped = [f"{s.name} skipped: {_why(s.reason)}" for s in verdict.stages if s.status == "skipped"]
         learned += "; speed not measured here" + (f" ({', '.join(skipped)})" if skipped else "")
     learned += _served(claim, verdict, head)
+    if rounds[-1].again:
+        learned += f"; judged again, its first verdict (accepted) against a replaced head: {rounds[-1].again}"
     fired = _kill_fired(claim, verdict, observed) if claim else None
     if fired is not None:
         learned += f"; kill test ({claim.kill_test.stage}) {'fired' if fired else 'did not fire'}"

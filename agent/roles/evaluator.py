@@ -4,7 +4,9 @@ and the CandidateRecord that results — outcome, speedups, conclusion, cost.
 The stages run in cost order and the full scored replay, where it exists, only after microbench
 passed (the harness's driver stops at the first rejection). A candidate the compile stage rejects
 goes back to its proposer with the stage's verbatim feedback, at most agent.compile_repair_rounds
-times; every round is kept (a repair the run stopped waiting for ends the rounds, not the run). Also
+times; every round is kept (a repair the run stopped waiting for ends the rounds, not the run). A candidate
+accepted against a head that was replaced while it was judged is judged once more against the new one
+(`judge_again`; the drive decides when, agent/run/drive.py). Also
 evaluates the heads (the reference kernels) a run starts from (through the verdict cache, as every
 candidate: harness/verdicts.py), checks the device after a candidate's
 worker crashed, hung or hit a CUDA error, and adds up the stage time (the device-time budget).
@@ -105,6 +107,26 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
     record = _record(proposal, outcome, stage, rounds[-1].verdict.reason, rounds, exchanges, parent,
                      time.monotonic() - t0, started, head)
     return record, exchanges, stop
+
+
+def judge_again(record: CandidateRecord, exchanges: list[Exchange], proposal: Proposal, parent: Kernel, head: Kernel,
+                bar: Kernel, why: str, evaluate_fn) -> CandidateRecord:
+    """`record`, accepted against a head that has since been replaced (`why`: state.stale_acceptance), judged once
+    more, its accepted source unchanged, against the op's head now (`head`, which its replay serves beside it)
+    and the search parent now (`bar`, which microbench must beat). The new round's verdict is the record's; the
+    first stays in its rounds. `exchanges`: every exchange behind `record` (its cost). `evaluate_fn(job, source,
+    beat, head_source)`, as for `judge`."""
+    t0 = time.monotonic()
+    beat = bar.speedup if bar.speedup else 1.0
+    try:
+        verdict = evaluate_fn(f"{proposal.id}.again", record.source, beat, head.source or None)
+    except EvaluationLost as e:     # the first verdict no longer holds and no second one came: not judged
+        return _record(proposal, "unevaluated", "evaluator", f"{why}; judging it again was lost: {e}", record.rounds,
+                       exchanges, parent, record.seconds + time.monotonic() - t0, record.started, head)
+    rounds = [*record.rounds, Round(source=record.source, verdict=verdict, again=why)]
+    outcome, stage = outcome_of(verdict)
+    return _record(proposal, outcome, stage, verdict.reason, rounds, exchanges, parent,
+                   record.seconds + time.monotonic() - t0, record.started, head)
 
 
 def device_seconds(heads: dict[str, Kernel], history: list[CandidateRecord]) -> float:

@@ -13,7 +13,9 @@ at once (malformed, not worth coding); the built-in proposer's never are (it pai
 Candidates start in the ledger's order, up to the evaluator's `capacity` at once, each judged in a thread
 of its own (its compile repairs too: they ask the LLM from that thread), and their verdicts are committed
 through Run.record strictly in that order (`InOrder`): one that finished early waits for those before it,
-so the ledger does not depend on which slot was faster. What the evaluator adds to a verdict's commit
+so the ledger does not depend on which slot was faster. A candidate accepted against a head that one recorded
+before it replaced meanwhile is judged again against the new head before its verdict is handed in (judge_one).
+What the evaluator adds to a verdict's commit
 (the device's health check after a lost worker, the slots that judged it) comes with it; a device that
 failed its check, or a provider that stopped during a repair, ends the run (fatal). A job whose evaluator
 was lost more often than `executor.requeue_limit` allows is recorded unevaluated at `evaluator`; an
@@ -34,6 +36,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from itertools import takewhile
 from typing import TYPE_CHECKING
 
 from harness.errors import HarnessError
@@ -42,8 +45,8 @@ from harness.executors import InOrder
 from agent.ledger.repository import id_number
 from agent.llm.providers import ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal
-from agent.roles.evaluator import judge, others_of, unevaluated
-from agent.run.state import kernel_of
+from agent.roles.evaluator import judge, judge_again, others_of, unevaluated
+from agent.run.state import kernel_of, stale_acceptance
 
 if TYPE_CHECKING:
     from agent.run.loop import Run
@@ -114,6 +117,8 @@ class _Drive:
         self.hold = False                               # the proposer had nothing: ask again after the next verdict
         self.stop, self.fatal, self.broken = "", False, ""
         self.wake, self.lock = threading.Event(), threading.Lock()
+        self.settled: set[str] = set()                  # ids recorded, or given up, in the ledger's order
+        self.settled_cv = threading.Condition()
         self.stages: dict[str, str] = {}                # candidate id -> the stage it is at (the live view)
         self.proposing = ""
 
@@ -240,21 +245,38 @@ class _Drive:
             run.view.update(claim=f"{p.id} [{p.op}] {p.claim.hypothesis}" if p.claim else "")
             bar = run.parents[p.op]                     # the kernel to beat; the one it was written from may be slower
             parent = kernel_of(p.parent, run.heads, run.history) or bar
-            self.running[p.id] = in_thread(f"kevo-judge-{p.id}", self.judge_one, p, parent, bar, fut=self.futures[p.id])
+            before = list(takewhile(lambda c: c != cid, self.order.pending))
+            self.running[p.id] = in_thread(f"kevo-judge-{p.id}", self.judge_one, p, parent, bar, run.heads.get(p.op),
+                                           before, fut=self.futures[p.id])
 
-    def judge_one(self, p: Proposal, parent: Kernel, bar: Kernel) -> Judged:
-        """One candidate, in its judge thread: its rounds on the evaluator, then what the evaluator adds."""
+    def judge_one(self, p: Proposal, parent: Kernel, bar: Kernel, head: Kernel | None, before: list[str]) -> Judged:
+        """One candidate, in its judge thread: its rounds on the evaluator against the op's head when it started,
+        then what the evaluator adds. Accepted, it waits for the verdicts of the candidates `before` it to be
+        recorded; if one of them became the head meanwhile, it is judged again against that one
+        (state.stale_acceptance): no kernel becomes the head unmeasured against the kernel it replaces."""
         run, ev = self.run, self.run.evaluator
         others = others_of({op: k.source for op, k in run.heads.items()}, p.op)
+
+        def evaluate_fn(job: str, src: str, beat: float, against: str | None):
+            return ev.evaluate(job, src, beat, against, other_heads=others, on_stage=lambda name: self.news(p.id, name))
         try:
-            record, exchanges, stop = judge(
-                p, parent, run.proposer, run.cfg, run.settings.target, None, head=run.heads.get(p.op), bar=bar,
-                evaluate_fn=lambda job, src, beat, head: ev.evaluate(job, src, beat, head, other_heads=others,
-                                                                     on_stage=lambda name: self.news(p.id, name)))
+            record, exchanges, stop = judge(p, parent, run.proposer, run.cfg, run.settings.target, None, head=head,
+                                            bar=bar, evaluate_fn=evaluate_fn)
+            if record.outcome == "accepted" and not stop and (why := stale_acceptance(record, head,
+                                                                                      self.head_after(p.op, before))):
+                self.news(p.id, "judged again")
+                record = judge_again(record, exchanges, p, parent, run.heads[p.op], run.parents[p.op], why, evaluate_fn)
             trailers, sick = ev.after(record, say=lambda text: run.view.update(activity=text))
         finally:
             self.news(p.id, "")
         return Judged(record, exchanges, stop or sick, trailers)
+
+    def head_after(self, op: str, before: list[str]) -> Kernel | None:
+        """The head of `op` once every id in `before` is recorded or given up (None if the evaluator broke first:
+        the run is ending and they never will be)."""
+        with self.settled_cv:
+            self.settled_cv.wait_for(lambda: self.broken or self.settled.issuperset(before))
+            return None if self.broken else self.run.heads.get(op)
 
     def commit_verdicts(self) -> None:
         """The verdicts in, strictly in the ledger's order."""
@@ -263,15 +285,19 @@ class _Drive:
             try:
                 judged = self.order.next()
             except HarnessError as e:                   # the evaluator itself cannot go on (no slot left)
-                self.broken, self.stop, self.fatal = cid, f"{e}; resume the run once the evaluator can run", True
+                with self.settled_cv:
+                    self.broken, self.stop, self.fatal = cid, f"{e}; resume the run once the evaluator can run", True
+                    self.settled_cv.notify_all()
                 return
-            if judged is None:                          # asked for, and no proposal came
-                continue
-            del self.held[cid]
-            self.run.record(judged.record, judged.exchanges, judged.trailers)
-            self.hold = False
-            if judged.stop and not self.fatal:
-                self.stop, self.fatal = judged.stop, True
+            if judged is not None:                      # None: asked for, and no proposal came
+                del self.held[cid]
+                self.run.record(judged.record, judged.exchanges, judged.trailers)
+                self.hold = False
+                if judged.stop and not self.fatal:
+                    self.stop, self.fatal = judged.stop, True
+            with self.settled_cv:                       # a judge waiting for it (judge_one) sees the head it left
+                self.settled.add(cid)
+                self.settled_cv.notify_all()
 
     def leave(self) -> None:
         """What is not recorded when the run ends, in order. Answered (a verdict, a malformed proposal): recorded,
