@@ -112,7 +112,8 @@ class Round(Record):
     again (`again`) because the head it was accepted against was replaced before its verdict was committed."""
     source: str
     verdict: Verdict
-    again: str = ""                 # why it was judged again, against which head; empty: a first or repair round
+    against: str = ""               # the head its replay serves beside it (head:decode, c005); empty: none (torch)
+    again: str = ""                 # why it was judged again; empty: a first or repair round
 
 
 class Conclusion(Record):

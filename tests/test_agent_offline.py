@@ -408,18 +408,21 @@ def test_a_candidate_accepted_against_a_head_replaced_while_it_was_judged_is_jud
     def evaluate_fn(job: str, source: str, beat: float, against: str | None = None) -> Verdict:
         calls.append((job, beat, against))
         return timed(1.4, anchor_ms=0.050, replay=True) if len(calls) == 1 else verdict("microbench", 1.4)
-    p = prop.propose(state([], {"decode": old}, ops=["decode"]))
+    p = prop.propose(state([], {"decode": old}, ops=["decode"])).model_copy(update={"id": "c002"})
     first, exchanges, _ = judge(p, old, prop, config_with(), "attention", None, evaluate_fn=evaluate_fn, head=old)
     assert first.outcome == "accepted" and calls == [(p.id, 1.0, old.source)]
-    assert stale_acceptance(first, old, old) == "" and stale_acceptance(record("c002", old, "decode", p.knobs), old, new) == ""
-    why = stale_acceptance(first, old, new)
+    assert first.rounds[0].against == "head:decode"
+    passed = record("c003", old, "decode", p.knobs)
+    assert stale_acceptance(first, old) == "" and stale_acceptance(passed, new) == ""
+    why = stale_acceptance(first, new)
     assert why == "c001 became the decode head while it was judged against head:decode"
     again = judge_again(first, exchanges, p, old, new, new, why, evaluate_fn)
     assert calls[1] == (f"{p.id}.again", 1.5, "# c001\n")              # the new head served beside it, its bar
     assert (again.outcome, again.stage, again.speedup) == ("rejected", "microbench", 1.4)
-    assert [r.again for r in again.rounds] == ["", why] and again.rounds[0].verdict == first.verdict
+    assert [(r.against, r.again) for r in again.rounds] == [("head:decode", ""), ("c001", why)]
+    assert again.rounds[0].verdict == first.verdict
     assert "judged again" in again.conclusion.learned and "repair" not in again.conclusion.learned
-    assert f"Judged again: {why}." in readme(again)
+    assert "## Verdict (round 1, against c001)" in readme(again) and f"Judged again: {why}." in readme(again)
 
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):

@@ -119,7 +119,8 @@ def readme(r: CandidateRecord) -> str:
                   "Risks:", *[f"- {x}" for x in c.risks], "",
                   f"Kill test ({c.kill_test.stage}): {c.kill_test.observation}", ""]
     for i, rnd in enumerate(r.rounds):
-        lines += [f"## Verdict{f' (round {i})' if len(r.rounds) > 1 else ''}", "",
+        about = ", ".join([f"round {i}"] * (len(r.rounds) > 1) + [f"against {rnd.against}"] * bool(rnd.against))
+        lines += [f"## Verdict{f' ({about})' if about else ''}", "",
                   *([f"Judged again: {rnd.again}.", ""] if rnd.again else []), "| stage | status | s | reason |",
                   "|---|---|---|---|"]
         lines += [f"| {s.name} | {s.status}{f' ({s.failure})' if s.failure else ''} | {s.seconds:.2f} | "

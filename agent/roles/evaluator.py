@@ -89,7 +89,7 @@ def judge(proposal: Proposal, parent: Kernel, proposer, cfg: Config, target: str
             if not rounds:
                 return unevaluated(proposal, "unevaluated", "evaluator", str(e)), exchanges, ""
             break                       # a repair's: the rounds judged stand
-        rounds.append(Round(source=source, verdict=verdict))
+        rounds.append(Round(source=source, verdict=verdict, against=head.ref if against else ""))
         if verdict.failed_stage != "compile" or round_no == cfg.agent.compile_repair_rounds:
             break
         try:
@@ -119,11 +119,11 @@ def judge_again(record: CandidateRecord, exchanges: list[Exchange], proposal: Pr
     t0 = time.monotonic()
     beat = bar.speedup if bar.speedup else 1.0
     try:
-        verdict = evaluate_fn(f"{proposal.id}.again", record.source, beat, head.source or None)
+        verdict = evaluate_fn(f"{proposal.id}.again", record.source, beat, head.source)
     except EvaluationLost as e:     # the first verdict no longer holds and no second one came: not judged
         return _record(proposal, "unevaluated", "evaluator", f"{why}; judging it again was lost: {e}", record.rounds,
                        exchanges, parent, record.seconds + time.monotonic() - t0, record.started, head)
-    rounds = [*record.rounds, Round(source=record.source, verdict=verdict, again=why)]
+    rounds = [*record.rounds, Round(source=record.source, verdict=verdict, against=head.ref, again=why)]
     outcome, stage = outcome_of(verdict)
     return _record(proposal, outcome, stage, verdict.reason, rounds, exchanges, parent,
                    record.seconds + time.monotonic() - t0, record.started, head)

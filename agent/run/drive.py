@@ -262,7 +262,7 @@ class _Drive:
         try:
             record, exchanges, stop = judge(p, parent, run.proposer, run.cfg, run.settings.target, None, head=head,
                                             bar=bar, evaluate_fn=evaluate_fn)
-            if record.outcome == "accepted" and not stop and (why := stale_acceptance(record, head,
+            if record.outcome == "accepted" and not stop and (why := stale_acceptance(record,
                                                                                       self.head_after(p.op, before))):
                 self.news(p.id, "judged again")
                 record = judge_again(record, exchanges, p, parent, run.heads[p.op], run.parents[p.op], why, evaluate_fn)

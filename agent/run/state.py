@@ -71,14 +71,15 @@ def search_parent(op: str, head: Kernel, history: list[CandidateRecord], min_mar
     return parent
 
 
-def stale_acceptance(record: CandidateRecord, against: Kernel | None, head: Kernel | None) -> str:
-    """Why an accepted `record` must be judged again before it may become its op's head: `against`, the head
-    its replay served beside it, was replaced by `head` while it was judged (two candidates of one op in
-    flight, the earlier one accepted), so nothing has measured it against the kernel it would replace.
+def stale_acceptance(record: CandidateRecord, head: Kernel | None) -> str:
+    """Why an accepted `record` must be judged again before it may become its op's head: the head its replay
+    served beside it (its last round's `against`) was replaced by `head` while it was judged (two candidates of
+    one op in flight, the earlier one accepted), so nothing has measured it against the kernel it would replace.
     Empty when it stands: not accepted, or the head did not move."""
-    if record.outcome != "accepted" or against is None or head is None or head.ref == against.ref:
+    against = record.rounds[-1].against if record.rounds else ""
+    if record.outcome != "accepted" or not against or head is None or head.ref == against:
         return ""
-    return f"{head.ref} became the {record.op} head while it was judged against {against.ref}"
+    return f"{head.ref} became the {record.op} head while it was judged against {against}"
 
 
 def best_kernel(op: str, head: Kernel, history: list[CandidateRecord]) -> Kernel:
