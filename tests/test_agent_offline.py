@@ -24,7 +24,7 @@ from agent.roles.offline import OfflineProposer
 from agent.rejudging.rejudge import _verdicts, kernels_of, served_as_then
 from agent.records import CandidateRecord, Conclusion, Kernel, OpEvidence, Profile, Round
 from harness.amdahl import ceiling
-from agent.run.state import ProposalState, kernel_of, search_parent, stale_acceptance
+from agent.run.state import ProposalState, head_changes, kernel_of, search_parent, stale_acceptance
 from agent.reading.view import RunView
 
 CATALOG = load_catalog()
@@ -423,6 +423,26 @@ def test_a_candidate_accepted_against_a_head_replaced_while_it_was_judged_is_jud
     assert again.rounds[0].verdict == first.verdict
     assert "judged again" in again.conclusion.learned and "repair" not in again.conclusion.learned
     assert "## Verdict (round 1, against c001)" in readme(again) and f"Judged again: {why}." in readme(again)
+
+
+def test_a_ledgers_head_changes_show_a_kernel_that_became_the_head_unmeasured_against_the_one_it_replaced():
+    """head_changes reads, from the records alone, what each accepted candidate replaced and what its accepted
+    round was judged against: the forty-ninth session's c006 (accepted against the reference after c005 had
+    replaced it) shows as a mismatch; judged again against c005 it does not; a ledger whose rounds never named
+    their head shows neither."""
+    old = head("decode", speedup=1.0)
+
+    def accepted(cid: str, *against: str) -> CandidateRecord:
+        verdict = timed(1.4, anchor_ms=0.050, replay=True)
+        rounds = [Round(source=f"# {cid}\n", verdict=verdict, against=a) for a in against]
+        return record(cid, old, "decode", {"NUM_WARPS": 8}).model_copy(update={"outcome": "accepted", "rounds": rounds})
+    rejected = record("c002", old, "decode", {"NUM_STAGES": 3}, failed="microbench", speedup=1.2)
+    first = accepted("c001", "head:decode")
+    assert head_changes({"decode": old}, [first, rejected, accepted("c003", "head:decode")]) == [
+        ("c001", "head:decode", "head:decode"), ("c003", "c001", "head:decode")]
+    again = accepted("c003", "head:decode", "c001")
+    assert head_changes({"decode": old}, [first, again])[-1] == ("c003", "c001", "c001")
+    assert head_changes({"decode": old}, [accepted("c001", "")]) == [("c001", "head:decode", "")]
 
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):

@@ -82,6 +82,19 @@ def stale_acceptance(record: CandidateRecord, head: Kernel | None) -> str:
     return f"{head.ref} became the {record.op} head while it was judged against {against}"
 
 
+def head_changes(heads: dict[str, Kernel], history: list[CandidateRecord]) -> list[tuple[str, str, str]]:
+    """Each head change of a run, in order, from its first heads (`heads`) and its records: (the accepted
+    candidate, the head it replaced, the head its accepted round was judged against; empty where a ledger
+    from before rounds named it). Where the last two differ, a kernel became the head unmeasured against the
+    one it replaced."""
+    now, out = {op: k.ref for op, k in heads.items()}, []
+    for r in history:
+        if r.outcome == "accepted" and r.op in now:
+            out.append((r.id, now[r.op], r.rounds[-1].against if r.rounds else ""))
+            now[r.op] = r.id
+    return out
+
+
 def best_kernel(op: str, head: Kernel, history: list[CandidateRecord]) -> Kernel:
     """The best so far: the fastest kernel of `op` that passed every stage that ran, else the head."""
     return _fastest(head, [r for r in history if r.op == op and r.outcome in ("passed", "accepted")

@@ -68,6 +68,7 @@ from fakes.scripts import claim, code  # noqa: E402
 
 from agent.ledger.repository import Ledger  # noqa: E402
 from agent.reading.pace import pace  # noqa: E402
+from agent.run.state import head_changes  # noqa: E402
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 
@@ -358,6 +359,9 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
            "cached_verdicts": cached,
            "accepted": [r.id for r in history if r.outcome == "accepted"],
+           # (candidate, the head it replaced, the head it was judged against): the last two differ for a kernel
+           # that became the head unmeasured against its predecessor (empty: a ledger from before rounds named it)
+           "head_changes": head_changes(ledger.heads(at_start=True), history),
            # the whole run's, as its summary.md says it: every session, the heads' stages, the waits for the GPU
            "pace": pace(ledger.heads(at_start=True), history, ledger.summary().get("elapsed_s", 0.0)).record(),
            "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
