@@ -327,7 +327,7 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
     if not (root / ".git").exists():                      # the run ended before its first commit
         return {"ledger": None, "wall_s": round(wall_s, 1)}
     ledger = Ledger(root)
-    history = ledger.history()
+    history, started = ledger.history(), ledger.heads(at_start=True)
     pending = ledger.pending()
     evaluated = [r for r in history if r.rounds and r.id not in before]
     stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
@@ -361,9 +361,9 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "accepted": [r.id for r in history if r.outcome == "accepted"],
            # (candidate, the head it replaced, the head it was judged against): the last two differ for a kernel
            # that became the head unmeasured against its predecessor (empty: a ledger from before rounds named it)
-           "head_changes": head_changes(ledger.heads(at_start=True), history),
+           "head_changes": head_changes(started, history),
            # the whole run's, as its summary.md says it: every session, the heads' stages, the waits for the GPU
-           "pace": pace(ledger.heads(at_start=True), history, ledger.summary().get("elapsed_s", 0.0)).record(),
+           "pace": pace(started, history, ledger.summary().get("elapsed_s", 0.0)).record(),
            "lost_workers": [(r.id, s.name, s.worker_lost) for r in history for rnd in r.rounds
                             for s in rnd.verdict.stages if s.worker_lost],
            "exchange_notes": [f"{r.id}: {note}" for r in history
