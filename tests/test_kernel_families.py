@@ -6,6 +6,7 @@ either side, mixed lengths in one batch, NaN in every unused cache slot, shuffle
 tables, peaky queries. Speed is measured on the H200 by tests/bench/vs_library.py, not here. The Gluon prefill,
 which the interpreter cannot run, is tested in tests/test_gluon_prefill.py."""
 import gc
+import json
 import os
 
 import torch
@@ -70,6 +71,24 @@ def test_the_tma_prefill_compiles_for_sm90_two_programs_an_sm_and_its_warp_speci
     assert ws.kill == "compile"
     with pytest.raises(AssertionError, match="TaskIdPropagation|PassManager"):
         sm90_figures(f"{PREFILL}:WARP_SPECIALIZE=True")
+
+
+def test_sm90_compiles_same_code_check_tells_swapped_operands_apart_and_ignores_source_locations():
+    """`sm90_compile.py --same-code-as` says whether a figure's PTX survived a change. A comparison inverted compiles
+    to the same setp with its selp's operands exchanged (seen on the Gluon decode's split choice), so the check
+    must keep register numbers; moved source lines and comments alone leave the code the same."""
+    import subprocess
+    import sys
+    timed = "\t.loc\t1 269 42\n\tsetp.lt.s32 \t%p149, %r5, %r6;\n\tselp.b32 \t%r308, %r77, %r78, %p149; // x\n"
+    swapped = timed.replace("%r77, %r78", "%r78, %r77")
+    moved = timed.replace("269 42", "270 42").replace("// x", "// another comment")
+    probe = ("import json, sys; sys.path.insert(0, sys.argv[1]); import sm90_compile as m; a, b, c = json.load("
+             "sys.stdin); print(m.code_lines(a) == m.code_lines(b), m.code_lines(a) == m.code_lines(c))")
+    done = subprocess.run([sys.executable, "-c", probe, str(SM90_COMPILE.parent)], capture_output=True, text=True,
+                          input=json.dumps([timed, swapped, moved]), timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True"]
 
 
 def sm90_figures(spec: str, batch: int = 32) -> str:

@@ -183,16 +183,16 @@ def softmax_steps(sass: str) -> list[tuple[int, int]]:
 
 
 def code_lines(ptx: str) -> list[str]:
-    """A kernel's PTX instructions, its registers and labels unnumbered and its debug sections, source locations
-    and file names dropped: two builds with equal lists run the same instructions."""
+    """A kernel's PTX instructions, its debug sections, source locations, file names and comments dropped: two builds
+    with equal lists run the same instructions. Registers and labels keep their numbers: the compiler numbers them
+    alike for the same code, and unnumbering them would hide operands swapped (a comparison inverted compiles to the
+    same setp with its selp's operands exchanged)."""
     code = ptx.split("\t.section\t.debug")[0]
     lines = []
     for line in code.splitlines():
         line = line.split("//")[0].strip()
-        if not line or line.startswith((".loc", ".file")) or re.fullmatch(r"\$L__tmp\d+:", line):
-            continue
-        line = re.sub(r"%(r|rd|p|rs|f)\d+", r"%\1", line)
-        lines.append(re.sub(r"param_\d+", "param_N", re.sub(r"\$L__(tmp|BB\d+_)\d+", "$L", line)))
+        if line and not line.startswith((".loc", ".file")) and not re.fullmatch(r"\$L__tmp\d+:", line):
+            lines.append(line)
     return lines
 
 
