@@ -320,6 +320,19 @@ def claims_in_ledger(ledger: Ledger, history: list, pending: list) -> dict:
     return {"claims_in_ledger": len(history) + len(pending) + len(paid), "paid_claims_cut": paid, "calls_cut": cut}
 
 
+def replay_phases(metrics: list[dict]) -> dict[str, float] | None:
+    """Where the candidates' replays went, summed over them (each replay's own metrics): its servers' start, to the
+    last one ready (their warm-up: first calls at the served shapes, CUDA graphs' capture), the untimed
+    continuation, its scoring and the warm pass, and the timed segments, the only part whose figures need a quiet
+    GPU. The stage holds the GPU whole throughout (harness/lease.py)."""
+    if not metrics:
+        return None
+    up = [max(v for k, v in m.items() if k.endswith("_server_ready_s")) for m in metrics]
+    return {"servers_up": round(sum(up), 1),
+            "untimed": round(sum(m["arms_ready_s"] - u for m, u in zip(metrics, up)), 1),
+            "timed": round(sum(m["stage_s"] - m["arms_ready_s"] for m in metrics), 1)}
+
+
 def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None,
             before: frozenset[str] = frozenset()) -> dict:
     """The run's account from its ledger; the rates count only the candidates judged after `before` (a
@@ -340,6 +353,8 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
             if per_case := [v for k, v in st.metrics.items() if k.rsplit(".", 1)[-1] in ALONE_FIGURES]:
                 alone.append(sum(per_case))
             compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
+    replays = [st.metrics for r in evaluated for rnd in r.rounds if rnd.verdict.cached_from is None
+               for st in rnd.verdict.stages if st.name == "replay" and "arms_ready_s" in st.metrics]
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
     cached = sum(1 for r in evaluated if r.rounds[-1].verdict.cached_from is not None)
     judging_s = search_s - sum(by_stage.get("replay", [])) if search_s else None   # candidates' replays: whole GPU
@@ -357,6 +372,7 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "compiles_while_timed": compiles,
            "stage_runs": {k: len(v) for k, v in by_stage.items()},
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
+           "replay_phases_s": replay_phases(replays),
            "cached_verdicts": cached,
            "accepted": [r.id for r in history if r.outcome == "accepted"],
            # (candidate, the head it replaced, the head it was judged against): the last two differ for a kernel
