@@ -19,6 +19,7 @@ import torch
 import candidates as C
 from conftest import config_with
 from harness.errors import HarnessError
+from harness.served.accounting import startup
 from harness.served.client import replay
 from harness.served.launch import ServerFailure, embedded_spec, start_server
 from harness.served.model import build_model
@@ -120,6 +121,16 @@ def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=server.model, **{"max_tokens": 4, **kwargs})
     assert words in str(err.value)
+
+
+def test_the_server_reports_how_long_each_part_of_its_start_took_and_the_replay_reads_it_as_metrics(server):
+    stats = server.stats()
+    parts = stats["startup_s"]
+    assert list(parts) == ["load", "build", "warm_fixed", "warm_capture"]     # no served lengths on a CPU's server
+    assert all(s >= 0.0 for s in parts.values()) and 0.0 < parts["warm_fixed"] < sum(parts.values()) < server.ready_s
+    assert startup(stats, "head") == {f"head_start_{p}_s": s for p, s in parts.items()}
+    hostile = {"startup_s": {"warm_fixed": "1", "x" * 40: 1.0, "a b": 2.0, "build": 3, **{f"p{i}": 0.5 for i in range(9)}}}
+    assert startup(hostile) == {"candidate_start_build_s": 3.0, **{f"candidate_start_p{i}_s": 0.5 for i in range(4)}}
 
 
 def test_a_group_is_held_until_all_its_members_came_in_then_admitted_in_their_positions(server):

@@ -1,6 +1,7 @@
 """What a kernel's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
 for the replay's verdict: the share of the candidate's own ops' calls that fell back, the calls that held
 the host in the window, the host time of each arm's calls, whether each arm decoded from CUDA graphs,
+how long each arm's server took to start, by part (`startup`: diagnostics, nothing decides on them),
 and the candidate's calls as watched there (`dispatch`). Each gives metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
 them (harness/replies.py) before they get here; the fallbacks (any at all means no acceptance) and the watched
 calls (held to the worker's dispatch rules) decide. Not covered: fetching the stats (launch.py) or judging
@@ -94,6 +95,16 @@ def host_times(stats: dict | None, head_stats: dict | None) -> tuple[dict[str, f
     metrics = {f"{who}_{op}_host_ms_per_call": ms for who, arm in (("candidate", mine), ("head", head)) for op, ms in arm.items()}
     words = [f"{op} {ms:.3f} ms" + (f" (the head's {head[op]:.3f} ms)" if op in head else "") for op, ms in mine.items()]
     return metrics, ("; host time an eager call: " + ", ".join(words)) if words else ""
+
+
+def startup(stats: dict | None, who: str = "candidate") -> dict[str, float]:
+    """`who`'s server's start, by part, as its process reports it (harness/served/server.py: loading the kernels,
+    building the engine, each part of its warm-up): metrics `<who>_start_<part>_s`, a few short names at most."""
+    parts = stats.get("startup_s") if isinstance(stats, dict) else None
+    if not isinstance(parts, dict):
+        return {}
+    return {f"{who}_start_{part}_s": float(s) for part, s in list(parts.items())[:8]
+            if isinstance(part, str) and part.isidentifier() and len(part) <= 16 and type(s) in (int, float)}
 
 
 def graphs(stats: dict | None, who: str = "candidate") -> tuple[dict[str, float], str]:

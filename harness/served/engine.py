@@ -265,7 +265,7 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
     return out
 
 
-def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None) -> None:
+def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None) -> dict[str, float]:
     """Compile and tune before anything is timed. First, fixed: prompts either side of a cache block,
     all admitted in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1).
 
@@ -281,12 +281,20 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
     - then each distinct length alone, as a prompt arriving at an idle server is served.
     Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
     Then the engine's CUDA graphs, if it has them, are captured (harness/served/graphs.py).
-    Counts and recorded shapes start afresh."""
+    Counts and recorded shapes start afresh. Returns each part's seconds (fixed, served, alone, capture)."""
     from harness.served.traces import TraceRequest
+    took: dict[str, float] = {}
+    t = time.perf_counter()
+
+    def lap(part: str) -> None:
+        nonlocal t
+        took[part] = time.perf_counter() - t
+        t = time.perf_counter()
     bs, cap, vocab = engine.bs, engine.allocator.num_blocks * engine.bs, engine.model.p.vocab
     lengths = [n for n in (1, bs - 1, bs + 1, 2 * bs + 3, 100) if 1 <= n and n + 6 <= cap // 8]
     reqs = [TraceRequest(i, 0.0, [(7 * i + j) % vocab for j in range(n)], 2 + i) for i, n in enumerate(lengths)]
     run_requests(engine, reqs, realtime=False)
+    lap("fixed")
     k = min(len(prompts), engine.max_running if limit is None else limit)
     if k:
         spread = [prompts[i * len(prompts) // k] for i in range(k)]
@@ -301,9 +309,13 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
         admitting = math.ceil(sum(spread) / engine.max_prefill_tokens) + math.ceil(k / engine.max_running)
         for order in (spread, sorted(spread, reverse=True)):
             run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
+        lap("served")
         for i, n in enumerate(alone):
             run_requests(engine, [filler(k + i, n, 2)], realtime=False)
+        lap("alone")
     if engine.graphs is not None:
         engine.graphs.capture()
+        lap("capture")
     engine.ops.reset()
     engine.steps = engine.tokens_out = 0
+    return took

@@ -195,7 +195,7 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
             "forced": forced, "scored": scored, "group": group}, ""
 
 
-def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
+def build_app(loop: EngineLoop, model_name: str, notes: list[str], startup: dict[str, float] | None = None):
     from aiohttp import web
 
     from harness.served.engine import EngineError, Request
@@ -276,7 +276,7 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str]):
     async def stats(_):
         e = loop.engine
         return web.json_response({"ops": e.ops.stats(), "steps": e.steps, "tokens": e.tokens_out, "error": loop.error,
-                                  "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary(),
+                                  "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary(), "startup_s": startup or {},
                                   "graphs": e.graphs.stats() if e.graphs is not None else {"on": False, "reason": "not configured"}})
 
     app = web.Application(client_max_size=64 << 20)
@@ -296,6 +296,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.served.ops import TARGET, AttentionOps, load_candidate
     from harness.served.spot import SpotChecks
     from harness.transport import DTYPES
+    t0 = time.perf_counter()
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
         expandable_segments()
@@ -311,17 +312,20 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
                        spot=SpotChecks(target, float(spec["spot_share"]), float(factor), (float(floor[0]), float(floor[1]))),
                        gather_bound=int(spec["cuda_graphs"]["max_padded_tokens"]))
     g = spec["cuda_graphs"]
+    startup = {"load": time.perf_counter() - t0}
+    t0 = time.perf_counter()
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
                          root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"],
                                           int(g["max_padded_tokens"])))
-    warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"))
+    startup["build"] = time.perf_counter() - t0
+    startup |= {f"warm_{part}": s for part, s in warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit")).items()}
     ops.audit_all = False              # serving from here: a share of the calls audited, drawn in secret
     gc.collect()
     gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
     loop = EngineLoop(engine)
     loop.thread.start()
-    app = build_app(loop, spec["model_name"], notes)
+    app = build_app(loop, spec["model_name"], notes, startup)
 
     async def run() -> None:
         runner = web.AppRunner(app, access_log=None)

@@ -54,7 +54,7 @@ from harness.records import StageResult
 from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
 from harness.served.launch import ServerHandle
-from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls
+from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls, startup
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
 from harness.stages.arms import Servers, served_lines
@@ -208,7 +208,8 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     head_graph_metrics, head_graph_words = graphs(head_stats, "head")
     host_metrics, host_words = host_times(stats, head_stats)
     stall_metrics, stall_words = (stall_metrics | graph_metrics | head_graph_metrics | host_metrics
-                                  | dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)), \
+                                  | dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)
+                                  | startup(stats) | startup(head_stats, "head")), \
         stall_words + graph_words + head_graph_words + host_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),

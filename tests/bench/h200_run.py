@@ -324,13 +324,20 @@ def replay_phases(metrics: list[dict]) -> dict[str, float] | None:
     """Where the candidates' replays went, summed over them (each replay's own metrics): its servers' start, to the
     last one ready (their warm-up: first calls at the served shapes, CUDA graphs' capture), the untimed
     continuation, its scoring and the warm pass, and the timed segments, the only part whose figures need a quiet
-    GPU. The stage holds the GPU whole throughout (harness/lease.py)."""
+    GPU. The stage holds the GPU whole throughout (harness/lease.py). Then each arm's server's start by part, as
+    the server reports it (`<arm>_start_<part>_s`, summed; replays from before the servers reported it have none)."""
     if not metrics:
         return None
     up = [max(v for k, v in m.items() if k.endswith("_server_ready_s")) for m in metrics]
+    parts = defaultdict(float)
+    for m in metrics:
+        for k, v in m.items():
+            if "_start_" in k and k.endswith("_s"):
+                parts[k.removesuffix("_s")] += v
     return {"servers_up": round(sum(up), 1),
             "untimed": round(sum(m["arms_ready_s"] - u for m, u in zip(metrics, up)), 1),
-            "timed": round(sum(m["stage_s"] - m["arms_ready_s"] for m in metrics), 1)}
+            "timed": round(sum(m["stage_s"] - m["arms_ready_s"] for m in metrics), 1)} | {
+        k: round(v, 1) for k, v in sorted(parts.items())}
 
 
 def account(root: Path, wall_s: float, service: Service | None, first_claim_s: float | None = None,
