@@ -117,6 +117,8 @@ def continuation_pass(cfg: Config, device: str, servers: Servers, requests: list
         for seg in segments(requests, getattr(cfg.served, device).window_s, r.segments):
             feed = forced(seg, servers.send(source, seg, r.load == "burst"))
             pending.append(pool.submit(servers.send, "reference", [replace(x, arrival_s=0.0, scored=True) for x in feed]))
+        log.info("replay: the %s server served the continuation (%d segments; the reference scored %d of them)",
+                 source, len(pending), sum(p.done() for p in pending))
         ref = merged("reference", [p.result() for p in pending])
     parted = parting(ref, r.gates[getattr(cfg.targets.attention, device).dtype].near_tie_margin)
     if parted:
