@@ -35,9 +35,9 @@ dies or errs is rejected, saying how; a reference or head that cannot be served 
 
 On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter):
 reference and candidate, the reference's own greedy tokens the continuation, every token compared,
-nothing timed and nothing accepted - so a kernel wrong
-only in serving is rejected on any machine. Not covered: what a candidate does to its server process
-beyond attention (its accounting is self-reported; its tokens and the client's clock are not).
+nothing timed and nothing accepted - so a kernel wrong only in serving is rejected on any machine. Not covered:
+what a candidate does to its server process beyond attention (its accounting is self-reported; its tokens and the
+client's clock are not).
 """
 from __future__ import annotations
 
@@ -90,9 +90,8 @@ def draw(cfg: Config, device: str, rng: random.Random, window_s: float | None = 
 
 @dataclass
 class Continuation:
-    """The reference's run on the tokens every arm is fed: their logprobs and its own top choices. `source`:
-    whose greedy tokens they are; `parted`: why a source's were not used (they left the reference's choice at
-    a clear lead), in words."""
+    """The reference's run on the tokens every arm is fed: their logprobs and its own top choices. `source`: whose
+    greedy tokens they are; `parted`: why a source's were not used (they left the reference's choice at a clear lead)."""
     ref: ReplayRun
     source: str
     parted: str = ""
@@ -117,8 +116,7 @@ def continuation_pass(cfg: Config, device: str, servers: Servers, requests: list
         for seg in segments(requests, getattr(cfg.served, device).window_s, r.segments):
             feed = forced(seg, servers.send(source, seg, r.load == "burst"))
             pending.append(pool.submit(servers.send, "reference", [replace(x, arrival_s=0.0, scored=True) for x in feed]))
-        log.info("replay: the %s server served the continuation (%d segments; the reference scored %d of them)",
-                 source, len(pending), sum(p.done() for p in pending))
+        log.info("replay: the %s served the continuation, %d segments scored", source, sum(p.done() for p in pending))
         ref = merged("reference", [p.result() for p in pending])
     parted = parting(ref, r.gates[getattr(cfg.targets.attention, device).dtype].near_tie_margin)
     if parted:
@@ -209,9 +207,8 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     graph_metrics, graph_words = graphs(stats)
     head_graph_metrics, head_graph_words = graphs(head_stats, "head")
     host_metrics, host_words = host_times(stats, head_stats)
-    stall_metrics, stall_words = (stall_metrics | graph_metrics | head_graph_metrics | host_metrics
-                                  | dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)
-                                  | startup(stats) | startup(head_stats, "head")), \
+    stall_metrics, stall_words = (stall_metrics | graph_metrics | head_graph_metrics | host_metrics | startup(stats)
+                                  | startup(head_stats, "head") | dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)), \
         stall_words + graph_words + head_graph_words + host_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
