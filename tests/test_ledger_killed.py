@@ -8,10 +8,12 @@ tests/test_agent_killed.py, which kills whole `kevo-agent run` processes a few t
 from __future__ import annotations
 
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,15 +63,21 @@ def test_a_ledger_killed_at_random_moments_reopens_sound_with_every_acknowledged
         # the kill's moment counted from the writer's own progress, so a loaded machine moves it no earlier: after
         # 0-3 commits it saw return, then up to 0.3 s into what follows (a commit takes tens of ms; with none
         # waited for, the kill lands in the writer's start-up or its first commit)
+        lines: queue.Queue[str] = queue.Queue()
+        reader = threading.Thread(target=lambda: [lines.put(x.strip()) for x in proc.stdout if x.strip()], daemon=True)
+        reader.start()
         for _ in range(rng.randrange(4)):
-            line = proc.stdout.readline()
-            if not line:
-                break
-            acknowledged.add(line.strip())
+            try:
+                acknowledged.add(lines.get(timeout=60))
+            except queue.Empty:
+                proc.kill()
+                raise AssertionError(f"trial {trial}: the writer committed nothing in 60 s") from None
         time.sleep(rng.uniform(0.0, 0.3))
         proc.kill()
-        out, _ = proc.communicate()
-        acknowledged.update(out.split())
+        proc.wait()
+        reader.join()
+        while not lines.empty():
+            acknowledged.add(lines.get())
         state = folder_state(root) if root.exists() else "new"
         assert state != "foreign", trial
         if state != "started":
