@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 Status = Literal["passed", "failed", "skipped"]
 Finite = Annotated[float, Field(allow_inf_nan=False)]
-FailureKind = Literal["timeout", "crashed", "cuda_error", "protocol", "server_failed", "library_ops", "allowlist"]
+FailureKind = Literal["timeout", "crashed", "cuda_error", "protocol", "server_failed", "library_ops", "allowlist",
+                      "wrong_output"]
 FAILURE_KINDS: dict[str, str] = {        # each kind, in words; the keys are FailureKind's values
     "timeout": "the worker gave no reply in time, or the stage's time ran out",
     "crashed": "the worker died (a signal, an exit)",
@@ -31,6 +32,8 @@ FAILURE_KINDS: dict[str, str] = {        # each kind, in words; the keys are Fai
     "server_failed": "the candidate's server failed to start or to serve the replay",
     "library_ops": "the candidate called library compute instead of running its own kernel",
     "allowlist": "the kernel file names what the allowlisted surface does not hold",
+    "wrong_output": "the candidate's outputs where it was served were wrong: a spot check against the float64 "
+                    "reference, or the served tokens against the reference's",
 }
 
 

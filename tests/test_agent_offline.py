@@ -364,6 +364,35 @@ def test_the_search_parent_moves_only_on_a_gain_beyond_the_noise_band_microbench
     assert p.parent == "c003"
 
 
+def served(r: CandidateRecord, failure: str | None) -> CandidateRecord:
+    """`r`, timed by microbench, then rejected by the replay: found wrong when served (`failure`), or not faster."""
+    reason = ("prefill in the candidate's served process: 1 of the 38 served calls checked (a secret share) differ"
+              if failure else "not faster than the head beyond noise")
+    v = Verdict.of([*r.verdict.stages, StageResult.failed("replay", reason, failure)])
+    return r.model_copy(update={"outcome": "rejected", "stage": "replay", "reason": v.reason,
+                                "rounds": [Round(source=r.source, verdict=v)]})
+
+
+def test_a_kernel_the_replay_found_wrong_when_served_is_never_built_on_however_fast_it_timed():
+    """2026-12-06, H100: a prefill accepted by one run's replay (s50 c022) failed another's spot check, one served call
+    of 38 checked wrong in its last rows. Microbench had timed it 1.7x over torch: its speedup is no evidence."""
+    heads = {"decode": head("decode", speedup=1.2)}
+    fast = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, speedup=1.5)
+    slow = served(fast, None)
+    assert search_parent("decode", heads["decode"], [slow], MARGIN).ref == "c001"        # slow when served: still timed
+    for failure in ("wrong_output", "library_ops"):
+        wrong = served(fast, failure)
+        assert search_parent("decode", heads["decode"], [wrong], MARGIN).ref == "head:decode", failure
+        history, prop = [wrong], proposer(["decode"])
+        while (p := prop.propose(state(history, heads, ops=["decode"]))) is not None:
+            assert p.parent == "head:decode", p.claim.hypothesis
+            if set(p.knobs) == set(fast.knobs):                     # its family: 4 was wrong, so 8 lies beyond it
+                assert p.knobs["SPLITS_PER_SM_TARGET"] not in (4, 8), p.claim.hypothesis
+            history.append(record(p.id, heads["decode"], "decode", p.knobs))
+            assert len(history) < 40
+        assert sum(set(r.knobs) == set(fast.knobs) for r in history[1:]) >= 5        # its family was searched
+
+
 def test_once_a_family_move_measured_faster_the_search_steps_that_familys_knobs():
     heads = {"decode": head("decode", speedup=1.0)}
     prop = proposer(["decode"])

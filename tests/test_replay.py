@@ -67,7 +67,7 @@ def test_kernel_wrong_only_in_serving_fails_the_gates(source):
     assert outcome.reason.startswith("the served tokens differ from the reference's: ")
     with pytest.raises(Rejected) as err:
         outcome.stage_result()
-    assert err.value.metrics["gate_passed"] == 0.0
+    assert err.value.metrics["gate_passed"] == 0.0 and err.value.failure == "wrong_output"     # wrong, not slow
 
 
 SOMETIMES_DECLINES = C.REF_DECODE + """
@@ -240,8 +240,9 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
     same = judge(CFG, "float32", ref, head, noisy, ALL_CANDIDATE)
     assert not same.accepted and "not faster than the head beyond noise" in same.reason
     assert same.metrics["noise_band"] > 0.05 and same.metrics["gain_lower"] < 0
-    with pytest.raises(Rejected):
+    with pytest.raises(Rejected) as slow:
         same.stage_result()
+    assert slow.value.failure is None                               # slow, not wrong: a kernel still to build on
     unaccounted = judge(CFG, "float32", ref, *_arms([1.0] * 4, [0.9] * 4)[1:], None)
     assert not unaccounted.accepted and "reports no fallback accounting" in unaccounted.reason
     ref, head, fast = _arms([1.0, 1.02, 0.99, 1.01], [0.9, 0.92, 0.89, 0.91])

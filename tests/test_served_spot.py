@@ -44,6 +44,7 @@ def test_a_prefill_wrong_only_in_rows_no_gate_sees_passes_parity_and_the_gates_a
     words = str(e.value)
     assert words.startswith("prefill in the candidate's served process: ") and "float64 reference" in words, words
     assert "(the last among them): max abs error" in words, words
+    assert e.value.failure == "wrong_output"                        # the search never builds on it (agent/run/state.py)
 
 
 def _call(op: str, seed: int):

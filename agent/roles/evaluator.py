@@ -28,7 +28,7 @@ from agent.roles.conclusion import conclude, outcome_of, served_over_torch, spee
 from agent.knowledge import Catalog, KNOWLEDGE, read_knobs
 from agent.llm.providers import ProviderDown, ProviderStop
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, Round
-from agent.run.state import CORRECTNESS_STAGES
+from agent.run.state import found_wrong
 
 
 def now() -> str:
@@ -54,7 +54,7 @@ def evaluate_head(op: str, cfg: Config, target: str, pool: Pool, catalog: Catalo
     source = head_source(catalog, target, op)
     verdict = (evaluate_fn(f"head-{op}", source, 1.0, None) if evaluate_fn
                else evaluate_cached(source, target, cfg, pool, job=f"head-{op}", other_heads=other_heads))
-    if verdict.failed_stage in CORRECTNESS_STAGES:
+    if found_wrong(verdict):
         raise HarnessError(f"the {op} head (knowledge/{entry.files[0]}) fails its own evaluation: {verdict.reason}")
     return Kernel(ref=f"head:{op}", op=op, path=f"heads/{op}.py", source=source, knobs=read_knobs(source),
                   speedup=speedup_of(verdict), verdict=verdict, served_over_torch=served_over_torch(verdict))

@@ -41,7 +41,7 @@ from harness.stages import STAGE_NAMES
 
 from agent.knowledge import KNOWLEDGE, Catalog, Entry, Family, KnobSpec, read_knobs, with_knobs
 from agent.records import Claim, Kernel, KillTest, Knob, Proposal
-from agent.run.state import CORRECTNESS_STAGES, ProposalState, kernel_of
+from agent.run.state import CORRECTNESS_STAGES, ProposalState, found_wrong, kernel_of
 
 _HEADER = "kevo offline proposer:"
 BEAM = 3                # exploring: the kernels of an op searched from, the search parent and the next-fastest timed
@@ -154,11 +154,11 @@ class OfflineProposer:
         return None
 
     def _beam(self, op: str, state: ProposalState) -> list[Kernel]:
-        """The search parent, then the op's other timed kernels that passed the correctness stages, fastest first,
+        """The search parent, then the op's other timed kernels not found wrong (`found_wrong`), fastest first,
         each of a family and a setting of its own: `BEAM` in all."""
         beam, seen = [state.parents[op]], {_key(state.parents[op].knobs)}
         timed = sorted((r for r in state.history if r.op == op and r.speedup is not None and r.knobs and r.verdict
-                        and r.verdict.failed_stage not in CORRECTNESS_STAGES), key=lambda r: -r.speedup)
+                        and not found_wrong(r.verdict)), key=lambda r: -r.speedup)
         for r in timed:
             if len(beam) == BEAM:
                 break
@@ -216,7 +216,7 @@ class OfflineProposer:
         parent = state.parents[op]
         keys = set(self.defaults[theirs[0].id])
         timed = [r for r in state.history if r.op == op and set(r.knobs) == keys and r.speedup
-                 and r.verdict is not None and r.verdict.failed_stage not in CORRECTNESS_STAGES]
+                 and r.verdict is not None and not found_wrong(r.verdict)]
         if timed and parent.speedup:
             best = max(timed, key=lambda r: r.speedup)
             s = best.speedup / parent.speedup
@@ -233,7 +233,7 @@ class OfflineProposer:
     def _banned(steps, specs: dict[str, KnobSpec]) -> set[tuple[str, int]]:
         banned = set()
         for name, d, new, r in steps:
-            if r.outcome == "rejected" and r.stage in CORRECTNESS_STAGES:
+            if r.outcome == "rejected" and (r.stage in CORRECTNESS_STAGES or found_wrong(r.verdict)):
                 values = specs[name].values
                 j = values.index(new)
                 banned |= {(name, i) for i in (range(j, len(values)) if d > 0 else range(0, j + 1))}

@@ -8,9 +8,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from harness.records import Verdict
+
 from agent.records import CandidateRecord, Kernel, Profile, Proposal
 
 CORRECTNESS_STAGES = ("compile", "dispatch", "parity")
+# How a replay fails when it finds the kernel wrong or not its own where served (harness/records.py FailureKind),
+# rather than slow: its spot checks or token gates, or its served calls computing elsewhere.
+WRONG_WHEN_SERVED = ("wrong_output", "library_ops")
+
+
+def found_wrong(verdict: Verdict | None) -> bool:
+    """Whether `verdict` found its kernel wrong: a correctness stage failed, or the replay (which runs after
+    microbench has timed it) found it wrong when served. Such a kernel's speedup is no evidence to build on: it
+    is never a search parent, a beam's kernel or a family's measurement, and its step is a rejected region."""
+    if verdict is None or verdict.failed_stage is None:
+        return False
+    failed = next(s for s in verdict.stages if s.name == verdict.failed_stage)
+    return failed.name in CORRECTNESS_STAGES or failed.failure in WRONG_WHEN_SERVED
 
 
 @dataclass(frozen=True)
@@ -57,14 +72,13 @@ def noise_band(r: CandidateRecord) -> float:
 
 def search_parent(op: str, head: Kernel, history: list[CandidateRecord], min_margin: float) -> Kernel:
     """What the next candidate of `op` starts from. From the head, in the order they were judged, a correct
-    timed kernel (a candidate that microbench rejected as not beating torch still counts) replaces the
-    parent only when its served-mix speedup over torch beats the parent's by more than the noise band
-    microbench measured for it, and at least `min_margin` (stages.microbench.min_margin): a step inside
-    the noise is chance, not a better kernel to build on."""
+    timed kernel (a candidate that microbench rejected as not beating torch still counts; one the replay found
+    wrong when served does not) replaces the parent only when its served-mix speedup over torch beats the
+    parent's by more than the noise band microbench measured for it, and at least `min_margin`
+    (stages.microbench.min_margin): a step inside the noise is chance, not a better kernel to build on."""
     parent = head
     for r in history:
-        if (r.op != op or r.speedup is None or r.verdict is None
-                or r.verdict.failed_stage in CORRECTNESS_STAGES):
+        if r.op != op or r.speedup is None or r.verdict is None or found_wrong(r.verdict):
             continue
         if parent.speedup is None or r.speedup > parent.speedup * (1 + max(noise_band(r), min_margin)):
             parent = _as_kernel(r)

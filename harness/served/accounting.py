@@ -61,7 +61,7 @@ def spot_checks(stats: dict | None) -> dict[str, float]:
         if s.get("spot_failed"):
             raise Rejected(f"{op} in the candidate's served process: {s['spot_failed']} of the {s['spot_checked']} "
                            f"served calls checked (a secret share) differ from the float64 reference beyond parity's "
-                           f"tolerance; the first: {s.get('spot_first', '')}")
+                           f"tolerance; the first: {s.get('spot_first', '')}", "wrong_output")
         metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
         metrics[f"served_{op}_spot_replayed"] = float(s.get("spot_replayed", 0))
     return metrics

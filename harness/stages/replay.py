@@ -177,7 +177,7 @@ class ReplayOutcome:
 
     def stage_result(self) -> StageResult:
         if not self.accepted and (self.timed or not self.gate.passed or self.metrics.get("fallback_share", 0.0) > 0):
-            raise Rejected(self.reason, **self.metrics)
+            raise Rejected(self.reason, None if self.gate.passed else "wrong_output", **self.metrics)
         return StageResult.passed("replay", self.reason, **self.metrics)
 
 
