@@ -375,7 +375,7 @@ def served(r: CandidateRecord, failure: str | None) -> CandidateRecord:
 
 def test_a_kernel_the_replay_found_wrong_when_served_is_never_built_on_however_fast_it_timed():
     """2026-12-06, H100: a prefill accepted by one run's replay (s50 c022) failed another's spot check, one served call
-    of 38 checked wrong in every row checked. Microbench had timed it 1.7x over torch: its speedup is no evidence."""
+    of 38 checked wrong by up to 3.4. Microbench had timed it 1.7x over torch: its speedup is no evidence."""
     heads = {"decode": head("decode", speedup=1.2)}
     fast = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, speedup=1.5)
     slow = served(fast, None)

@@ -121,11 +121,11 @@ Known limits
       KB) and 56 more SASS instructions (the walk's loads). A ragged batch is dealt as if every sequence filled
       max_seqlen's query tiles.
     * DYNAMIC gave wrong outputs twice on an H100 (2026-12-06), never reproduced alone: a replay's spot check
-      (one served call of 38: every row checked of a sequence of 3,968 in a batch of 3, s50's c022), and one call
+      (one served call of 38: a few rows checked of a sequence of 3,968 in a batch of 3, s50's c022), and one call
       with rows left unwritten (NaN from the poisoned allocator) in each of two processes sharing the GPU with a
       third; 4,800 calls alone (40 shapes, 16 and 32 query heads, the first call of each compared too) and a
-      second three-process run were right, as are parity and the GPU tests. Unwritten rows mean items skipped:
-      the counter's start or an item's number handed over wrongly, not the arithmetic. The sm90 compile shows
+      second three-process run were right, as are parity and the GPU tests. Unwritten rows mean work skipped (an
+      item, or a part of its store), not wrong arithmetic. The sm90 compile shows
       the loader's atomic broadcast through a shared word of its own (the unused turn barriers' space) and the
       consumers reading the item's number after Q's barrier completes. Until explained it is not a catalog knob.
 """
