@@ -24,8 +24,8 @@ def found_wrong(verdict: Verdict | None) -> bool:
     is never a search parent, a beam's kernel or a family's measurement, and its step is a rejected region."""
     if verdict is None or verdict.failed_stage is None:
         return False
-    failed = next(s for s in verdict.stages if s.name == verdict.failed_stage)
-    return failed.name in CORRECTNESS_STAGES or failed.failure in WRONG_WHEN_SERVED
+    failed = next((s for s in verdict.stages if s.name == verdict.failed_stage), None)
+    return verdict.failed_stage in CORRECTNESS_STAGES or (failed is not None and failed.failure in WRONG_WHEN_SERVED)
 
 
 @dataclass(frozen=True)
