@@ -260,6 +260,26 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
 
 
 
+def test_the_heads_own_spot_checks_are_said_and_counted_beside_a_verdict_they_do_not_decide():
+    """Both arms' servers check a secret share of their calls. A head found wrong there (2026-12-06, H100: s50's
+    c022, accepted by one replay, failed a spot check in a later one) is said in the reason; the candidate is
+    judged on its own checks and its speed."""
+    ref, head, fast = _arms([1.0, 1.02, 0.99, 1.01], [0.9, 0.92, 0.89, 0.91])
+    checked = {"calls": 40, "candidate": 40, "unsupported": 0, "not_implemented": 0, "implemented": True,
+               "spot_checked": 38, "spot_failed": 0}
+    wrong = {"ops": {"prefill": checked | {"spot_failed": 1, "spot_first": "prefill of 3 sequences, sequence 2 of "
+                                                                          "length 3968, 17 of its rows"}}}
+    outcome = judge(CFG, "float32", ref, head, fast, {"ops": {"prefill": checked}}, head_stats=wrong)
+    assert outcome.accepted and outcome.metrics["head_spot_failed_ops"] == 1.0, outcome.reason
+    assert ("; the head FAILS its spot checks: prefill in the head's served process: 1 of the 38 served calls checked"
+            in outcome.reason and "sequence 2 of length 3968" in outcome.reason), outcome.reason
+    right = judge(CFG, "float32", ref, head, fast, {"ops": {"prefill": checked}}, head_stats={"ops": {"prefill": checked}})
+    assert right.metrics["head_spot_failed_ops"] == 0.0 and "spot checks" not in right.reason, right.reason
+    with pytest.raises(Rejected) as e:                       # the same failure in the candidate's server rejects it
+        judge(CFG, "float32", ref, head, fast, wrong, head_stats={"ops": {"prefill": checked}})
+    assert e.value.failure == "wrong_output" and str(e.value).startswith("prefill in the candidate's served process")
+
+
 def test_the_verdict_says_how_long_each_arms_eager_calls_held_the_host():
     """2026-12-05, H100: a prefill 18% faster on the device (one process) lost 21% of p90 TTFT in the replay with no
     call over served.stall_ms; a call's host time, each arm's, is what the verdict now says."""

@@ -1,11 +1,11 @@
-"""What a kernel's served process reports of itself (GET /kevo/stats, harness/served/server.py), read
-for the replay's verdict: the share of the candidate's own ops' calls that fell back, the calls that held
-the host in the window, the host time of each arm's calls, whether each arm decoded from CUDA graphs,
-how long each arm's server took to start, by part (`startup`: diagnostics, nothing decides on them),
-and the candidate's calls as watched there (`dispatch`). Each gives metrics and words for the reason. The process the candidate runs in wrote these figures: the replay validates
-them (harness/replies.py) before they get here; the fallbacks (any at all means no acceptance) and the watched
-calls (held to the worker's dispatch rules) decide. Not covered: fetching the stats (launch.py) or judging
-tokens and timings (score.py).
+"""What a kernel's served process reports of itself (GET /kevo/stats, harness/served/server.py), read for the
+replay's verdict: the share of the candidate's own ops' calls that fell back, the calls that held the host in the
+window, the host time of each arm's calls, whether each arm decoded from CUDA graphs, how long each arm's server
+took to start, by part (`startup`: diagnostics, nothing decides on them), the candidate's calls as watched there
+(`dispatch`), and each arm's spot checks. Each gives metrics and words for the reason. The process the candidate
+runs in wrote these figures: the replay validates them (harness/replies.py) before they get here; the fallbacks
+(any at all means no acceptance), the watched calls (held to the worker's dispatch rules) and the candidate's spot
+checks decide. Not covered: fetching the stats (launch.py) or judging tokens and timings (score.py).
 """
 from __future__ import annotations
 
@@ -50,21 +50,34 @@ def dispatch(stats: dict | None, rules) -> dict[str, float]:
     return metrics
 
 
-def spot_checks(stats: dict | None) -> dict[str, float]:
-    """The candidate's served calls checked against the float64 reference (harness/served/spot.py: a secret share, one
-    sequence each): Rejected if any fell outside parity's tolerance; the calls checked per op as metrics."""
+def _spot_failures(stats: dict | None, who: str) -> list[str]:
+    """Each implemented op of `who`'s served process with served calls outside parity's tolerance, in words."""
+    ops = stats.get("ops") if isinstance(stats, dict) else None
+    return [f"{op} in the {who}'s served process: {s['spot_failed']} of the {s['spot_checked']} served calls checked "
+            f"(a secret share) differ from the float64 reference beyond parity's tolerance; the first: "
+            f"{s.get('spot_first', '')}"
+            for op, s in (ops or {}).items() if isinstance(s, dict) and s.get("implemented") and s.get("spot_failed")]
+
+
+def spot_checks(stats: dict | None, head_stats: dict | None = None) -> tuple[dict[str, float], str]:
+    """The arms' served calls checked against the float64 reference (harness/served/spot.py: a secret share, one
+    sequence each; both arms' servers check at the same share, so both pay for it in the window). The candidate's:
+    Rejected if any fell outside parity's tolerance; the calls checked per op as metrics. The head's (where given):
+    said and counted, not held against the candidate. A head accepted once can still be wrong where it is served
+    (2026-12-06, H100: s50's c022 failed a spot check in a later replay)."""
+    failed = _spot_failures(stats, "candidate")
+    if failed:
+        raise Rejected(failed[0], "wrong_output")
     ops = stats.get("ops") if isinstance(stats, dict) else None
     metrics = {}
     for op, s in (ops or {}).items():
-        if not isinstance(s, dict) or not s.get("implemented"):
-            continue
-        if s.get("spot_failed"):
-            raise Rejected(f"{op} in the candidate's served process: {s['spot_failed']} of the {s['spot_checked']} "
-                           f"served calls checked (a secret share) differ from the float64 reference beyond parity's "
-                           f"tolerance; the first: {s.get('spot_first', '')}", "wrong_output")
-        metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
-        metrics[f"served_{op}_spot_replayed"] = float(s.get("spot_replayed", 0))
-    return metrics
+        if isinstance(s, dict) and s.get("implemented"):
+            metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
+            metrics[f"served_{op}_spot_replayed"] = float(s.get("spot_replayed", 0))
+    head_failed = _spot_failures(head_stats, "head") if head_stats is not None else []
+    if head_stats is not None:
+        metrics["head_spot_failed_ops"] = float(len(head_failed))
+    return metrics, "".join(f"; the head FAILS its spot checks: {f}" for f in head_failed)
 
 
 def stalls(stats: dict | None) -> tuple[dict[str, float], str]:

@@ -6,38 +6,36 @@ reference every arm is held to), the head (the current head of the candidate's o
 torch's baselines in the served dtype) and the candidate. Once the reference is up, the trusted side
 draws the requests (harness/served/traces.py `draw_requests`: the trace's arrivals, its length pairs
 drawn with a secret seed, fresh token ids); the arms see them only when fed. Then:
-  1. the continuation: the head serves the requests free-running, untimed, as the timed segments will
-     come (a burst a segment): its greedy tokens are the continuation every arm is fed. As each
-     segment's tokens come in, the reference scores them (`kevo_score`: the prompt and the tokens in one
-     float32 prefill, no decode step): its logprobs of every token and its own top choices are what
-     every arm is held to. The head was a candidate once: its tokens are used only if they are the
-     reference's own greedy path up to near-ties (score.py `parting`); else the reference decodes its
-     own (the slow way) and the reason says why. Meanwhile the candidate
-     serves a window of its own (`warm_pass`: the scored requests' twins, the same arrivals and lengths
-     with fresh token ids, so nothing served there answers a scored request): both arms have served the
-     steps they are timed on, shape for shape, once before (a server is about 10% slower on steps of
-     shapes it has not served yet: docs/SERVED.md).
-     The reference server is stopped before anything is timed.
-  2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to
-     the head and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on
-     both arms alike), each arm fed the continuation (teacher forcing: `kevo_forced`), so both do the
-     same work and every generated token can be compared. With `load: burst` a segment's
-  3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's,
-     within fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens; where an
-     arm's own choice is not the reference's, the reference's lead must have been a near-tie.
+  1. the continuation: the head serves the requests free-running, untimed, as the timed segments will come (a
+     burst a segment): its greedy tokens are the continuation every arm is fed. As each segment's tokens come
+     in, the reference scores them (`kevo_score`: the prompt and the tokens in one float32 prefill, no decode
+     step): its logprobs of every token and its own top choices are what every arm is held to. The head was a
+     candidate once: its tokens are used only if they are the reference's own greedy path up to near-ties
+     (score.py `parting`); else the reference decodes its own (the slow way) and the reason says why.
+     Meanwhile the candidate serves a window of its own (`warm_pass`: the scored requests' twins, the same
+     arrivals and lengths with fresh token ids, so nothing served there answers a scored request): both arms
+     have served the steps they are timed on, shape for shape, once before (a server is about 10% slower on
+     steps of shapes it has not served yet: docs/SERVED.md). The reference server is stopped before anything
+     is timed.
+  2. timed, paired: the window is cut into `segments` by arrival time and each segment is replayed to the head
+     and to the candidate in turn, in the order AB BA AB ... (a drift over the stage falls on both arms alike),
+     each arm fed the continuation (teacher forcing: `kevo_forced`), so both do the same work and every
+     generated token can be compared. With `load: burst` a segment's requests come at once, queued together.
+  3. gates (harness/served/score.py `compare_forced`): every token's logprob against the reference's, within
+     fixed bounds and, on the mean, within `head_factor` x the head's on the same tokens; where an arm's own
+     choice is not the reference's, the reference's lead must have been a near-tie.
   4. fallbacks: the candidate's server reports, per op, the calls its `supports()` declined; any on an
-     op the candidate implements means no acceptance.
+     op the candidate implements means no acceptance. Its spot checks (served/spot.py) reject a wrong call.
   5. speed (score.py `paired`): per request the head-over-candidate ratio of TTFT and of TPOT, per
      segment their mean log, over segments a one-sided bound at `false_accept`.
 `accepted` is 1 only when the gates pass, nothing fell back and the gain's lower bound beats
 `min_margin`. The head's own gates and gain figures are reported beside. A candidate whose server
 dies or errs is rejected, saying how; a reference or head that cannot be served is a harness error.
 
-On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter):
-reference and candidate, the reference's own greedy tokens the continuation, every token compared,
-nothing timed and nothing accepted - so a kernel wrong only in serving is rejected on any machine. Not covered:
-what a candidate does to its server process beyond attention (its accounting is self-reported; its tokens and the
-client's clock are not).
+On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter): reference and
+candidate, the reference's own greedy tokens the continuation, every token compared, nothing timed and nothing
+accepted - so a kernel wrong only in serving is rejected on any machine. Not covered: what a candidate does to its
+server process beyond attention (its accounting is self-reported; its tokens and the client's clock are not).
 """
 from __future__ import annotations
 
@@ -207,8 +205,9 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     graph_metrics, graph_words = graphs(stats)
     head_graph_metrics, head_graph_words = graphs(head_stats, "head")
     host_metrics, host_words = host_times(stats, head_stats)
+    spot_metrics, head_spot_words = spot_checks(stats, head_stats)
     stall_metrics, stall_words = (stall_metrics | graph_metrics | head_graph_metrics | host_metrics | startup(stats)
-                                  | startup(head_stats, "head") | dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)), \
+                                  | startup(head_stats, "head") | dispatch(stats, cfg.stages.dispatch) | spot_metrics), \
         stall_words + graph_words + head_graph_words + host_words
     hs, cs = summarize(h_all), summarize(c_all)
     metrics = {"accepted": 0.0, **_gate_metrics("", gate), **_gate_metrics("head_", head_gate),
@@ -228,7 +227,8 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
     against = "torch (no head given)" if head_is_torch else "the head"
     score = (f"served {speed.detail.replace('over the head', 'over ' + against)}; p90 TPOT {cs['tpot_p90_ms']:.2f} vs "
              f"{hs['tpot_p90_ms']:.2f} ms, p90 TTFT {cs['ttft_p90_ms']:.1f} vs {hs['ttft_p90_ms']:.1f} ms{stall_words}")
-    head_words = f"the head's gates: {head_gate.detail}" if head_gate.passed else f"the head FAILS its gates: {head_gate.detail}"
+    head_words = (f"the head's gates: {head_gate.detail}" if head_gate.passed
+                  else f"the head FAILS its gates: {head_gate.detail}") + head_spot_words
     if not gate.passed:
         return ReplayOutcome(False, f"the served tokens differ from the reference's: {gate.detail}", gate, metrics)
     if not fallback_share == 0.0:
@@ -268,7 +268,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
         head_metrics = _gate_metrics("head_", head_gate)
     fallback_share, fallback_words = fallbacks(stats)
     stall_metrics, stall_words = stalls(stats)
-    stall_metrics |= dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)
+    stall_metrics |= dispatch(stats, cfg.stages.dispatch) | spot_checks(stats)[0]
     metrics = {"accepted": 0.0, "timed": 0.0, **_gate_metrics("", gate), **head_metrics, "fallback_share": fallback_share,
                "stage_s": time.monotonic() - t0} | stall_metrics
     if not gate.passed:
