@@ -125,9 +125,9 @@ Known limits
       with rows left unwritten (NaN from the poisoned allocator) in each of two processes sharing the GPU with a
       third; 4,800 calls alone (40 shapes, 16 and 32 query heads, the first call of each compared too) and a
       second three-process run were right, as are parity and the GPU tests. Unwritten rows mean work skipped (an
-      item, or a part of its store), not wrong arithmetic. The sm90 compile shows
-      the loader's atomic broadcast through a shared word of its own (the unused turn barriers' space) and the
-      consumers reading the item's number after Q's barrier completes. Until explained it is not a catalog knob.
+      item, or a part of its store), not wrong arithmetic. The sm90 compile shows the loader's atomic broadcast
+      through a shared word of its own (the unused turn barriers' space) and the consumers reading the item's
+      number after Q's barrier completes. Until explained it is not a catalog knob.
 """
 import heapq
 from functools import lru_cache
