@@ -452,3 +452,33 @@ def test_the_pace_says_how_long_the_stages_waited_for_their_gpu_and_held_it_alon
     assert "a GPU was held alone 6.0 s (5% of the run's time)" in words
     bare = pace_words(pace({}, [history[1]], 60.0).record())
     assert "held alone" not in bare and "waited 3.0 s" in bare
+
+
+def test_the_end_and_the_report_name_each_head_a_later_replay_found_wrong_where_served(tmp_path):
+    """2026-12-06, H100: s50's c022, accepted as a prefill head, failed a spot check in a later replay. A replay reads
+    the head's own spot checks beside the candidate's (`head_spot_failed_ops`); the end commit's summary and the
+    report name the head and the candidate whose replay found it (nothing is undone), and a run without one says
+    nothing of it."""
+    from agent.reading.pace import pace
+    from agent.reading.report import render
+    from agent.run.ending import end_text, heads_found_wrong
+    stages = verdict("prefill", speedup=1.2, replay="passed").stages
+    stages[-1] = stages[-1].model_copy(update={"metrics": {**stages[-1].metrics, "head_spot_failed_ops": 1.0}})
+    found = record("c031", "prefill", 3.0, [Verdict.of(stages)])
+    found = found.model_copy(update={"rounds": [found.rounds[0].model_copy(update={"against": "c022"})]})
+    clean = record("c030", "prefill", 2.0, [verdict("prefill", speedup=1.2, replay="passed")])
+    assert heads_found_wrong([clean, found]) == [
+        "c022, the prefill head, failed its own spot checks in c031's replay (that verdict's reason says how)"]
+    assert heads_found_wrong([clean]) == []
+    summary = {"best": {}, "pace": pace({}, [clean, found], 120.0).record(), "untimed": "",
+               "heads_found_wrong": heads_found_wrong([clean, found])}
+    text = end_text("r1", "2 candidates reached", summary, [], [], [])
+    assert ("Heads found wrong where served (nothing was undone):\n- c022, the prefill head, failed its own spot "
+            "checks in c031's replay") in text, text
+    assert "found wrong" not in end_text("r1", "2 candidates reached", {**summary, "heads_found_wrong": []}, [], [], [])
+    def heads():                                    # (write_ledger moves a head on an accepted record)
+        return {"prefill": head("prefill", verdict("prefill", speedup=1.0))}
+    text = render(write_ledger(tmp_path / "found", "cuda", [clean, found], heads()))
+    assert ("id='heads-found-wrong'><b>Heads found wrong where served</b>" in text
+            and "<li>c022, the prefill head, failed its own spot checks in c031&#x27;s replay" in text), text[:2000]
+    assert "heads-found-wrong" not in render(write_ledger(tmp_path / "clean", "cuda", [clean], heads()))

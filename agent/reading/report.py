@@ -22,7 +22,7 @@ from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, sp
 from agent.ledger.repository import Ledger
 from agent.ledger.store import write_inside
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
-from agent.run.ending import not_run
+from agent.run.ending import heads_found_wrong, not_run
 from agent.run.state import best_kernel
 from agent.reading.table import Row, row, x
 
@@ -133,6 +133,11 @@ def render(ledger: Ledger) -> str:
                      + ("No speed figure exists for this run: nothing was timed, so no candidate could beat a head. "
                         if untimed else "")
                      + (f"<span id='untimed'>{e(untimed_words(passed))}.</span>" if only_correct else "") + "</div>")
+    wrong_heads = heads_found_wrong(history)
+    if wrong_heads:
+        parts.append("<div class='notrun' id='heads-found-wrong'><b>Heads found wrong where served</b> (their own spot "
+                     "checks, in a later replay; nothing was undone):<ul>"
+                     + "".join(f"<li>{e(line)}</li>" for line in wrong_heads) + "</ul></div>")
     figures = {"best-so-far": _plot(plots.best_so_far(header, started, history), no_timing),
                "funnel": _plot(plots.funnel(history)),
                "stage-time": _plot(plots.stage_time(header, history, _exchanges(ledger, history)))

@@ -1,6 +1,6 @@
 """What a run's end says: `RunResult` (what `run()` hands back), the funnel of its outcomes, the stages that
-could not run here and what a pass means on a machine that timed nothing, and the end commit's
-summary.md. Pure functions of the heads, the history and the run's summary.
+could not run here and what a pass means on a machine that timed nothing, the heads a later replay found
+wrong, and the end commit's summary.md. Pure functions of the heads, the history and the run's summary.
 Not here: the summary's figures themselves (Run.summary), the end commit (Run.finish), showing the
 result to a person (agent/reading/view.py).
 """
@@ -61,14 +61,31 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[st
     return seen
 
 
+def heads_found_wrong(history: list[CandidateRecord]) -> list[str]:
+    """Each head a later replay found wrong where it was served (its own spot checks, read beside the candidate's:
+    harness/served/accounting.py `spot_checks`), a line each: the head, its op, the candidate whose replay found
+    it. Said, not undone: the run goes on building on it, and the reader judges."""
+    lines = []
+    for r in history:
+        rnd = r.rounds[-1] if r.rounds else None
+        replay = next((s for s in rnd.verdict.stages if s.name == "replay"), None) if rnd and rnd.verdict else None
+        if replay is not None and replay.metrics.get("head_spot_failed_ops", 0) > 0:
+            lines.append(f"{rnd.against or 'the head'}, the {r.op} head, failed its own spot checks in {r.id}'s "
+                         f"replay (that verdict's reason says how)")
+    return lines
+
+
 def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: list[str], notes: list[str]) -> str:
-    """The end commit's message and summary.md: why it stopped, the best per op, the run's pace, what is left to
-    evaluate, how the LLM providers fared, the stages not run here."""
+    """The end commit's message and summary.md: why it stopped, the best per op, the run's pace, any head a later
+    replay found wrong, what is left to evaluate, how the LLM providers fared, the stages not run here."""
     best = [f"- {op}: {b['ref']}, {speed_words(b)}" for op, b in summary["best"].items()]
     return "\n".join([f"# {run_id}: ended", "", f"Stopped: {stop}", "",
                       "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
                       f"Pace: {pace_words(summary['pace'])}", "",
                       *([summary["untimed"], ""] if summary["untimed"] else []),
+                      *(["Heads found wrong where served (nothing was undone):",
+                         *[f"- {line}" for line in summary.get("heads_found_wrong", [])], ""]
+                        if summary.get("heads_found_wrong") else []),
                       *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]
                         if pending else []),
                       *(["LLM providers (all sessions):", *[f"- {line}" for line in fared], ""] if fared else []),

@@ -30,7 +30,7 @@ from harness.evaluate import resolve_device
 from harness.targets import TARGETS
 
 from agent.run.drive import drive
-from agent.run.ending import RunResult, end_text, funnel, not_run, untimed_note
+from agent.run.ending import RunResult, end_text, funnel, heads_found_wrong, not_run, untimed_note
 from agent.run.environment import describe
 from agent.run.evaluators import evaluator_for
 from agent.roles.conclusion import served_over_torch
@@ -147,6 +147,7 @@ class Run:
                 "best": {op: {"ref": k.ref, **speed(k.verdict, op).record(), "speedup": k.speedup, "path": self._path(k)}
                          for op, k in best.items()},
                 "untimed": untimed_note(self.heads, self.history),
+                "heads_found_wrong": heads_found_wrong(self.history),
                 "pace": pace(self.start_heads, self.history, self.elapsed()).record(),
                 "stopped": stop}
 
