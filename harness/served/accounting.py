@@ -74,7 +74,7 @@ def spot_checks(stats: dict | None, head_stats: dict | None = None) -> tuple[dic
         if isinstance(s, dict) and s.get("implemented"):
             metrics[f"served_{op}_spot_checked"] = float(s.get("spot_checked", 0))
             metrics[f"served_{op}_spot_replayed"] = float(s.get("spot_replayed", 0))
-    head_failed = _spot_failures(head_stats, "head") if head_stats is not None else []
+    head_failed = _spot_failures(head_stats, "head")
     if head_stats is not None:
         metrics["head_spot_failed_ops"] = float(len(head_failed))
     return metrics, "".join(f"; the head FAILS its spot checks: {f}" for f in head_failed)
