@@ -380,9 +380,11 @@ def test_a_kernel_the_replay_found_wrong_when_served_is_never_built_on_however_f
     fast = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, speedup=1.5)
     slow = served(fast, None)
     assert search_parent("decode", heads["decode"], [slow], MARGIN).ref == "c001"        # slow when served: still timed
+    assert kernel_of("c001", heads, [slow]).speedup == 1.5
     for failure in ("wrong_output", "library_ops"):
         wrong = served(fast, failure)
         assert search_parent("decode", heads["decode"], [wrong], MARGIN).ref == "head:decode", failure
+        assert kernel_of("c001", heads, [wrong]) is None, failure                # named as a parent: not built on
         history, prop = [wrong], proposer(["decode"])
         while (p := prop.propose(state(history, heads, ops=["decode"]))) is not None:
             assert p.parent == "head:decode", p.claim.hypothesis

@@ -48,11 +48,13 @@ def _as_kernel(r: CandidateRecord) -> Kernel:
 
 def kernel_of(ref: str, heads: dict[str, Kernel], history: list[CandidateRecord]) -> Kernel | None:
     """The kernel a proposal names as its parent: a head (the reference `head:<op>` or an accepted candidate),
-    else a candidate of the run that was timed; None if the run has no such kernel."""
+    else a candidate of the run that was timed and not found wrong (`found_wrong`); None if the run has no such
+    kernel (a proposal naming one it may not build on, as an LLM's may, is then judged from its op's bar)."""
     for k in heads.values():
         if k.ref == ref:
             return k
-    return next((_as_kernel(r) for r in history if r.id == ref and r.speedup is not None), None)
+    return next((_as_kernel(r) for r in history if r.id == ref and r.speedup is not None
+                 and not found_wrong(r.verdict)), None)
 
 
 def _fastest(head: Kernel, records) -> Kernel:
