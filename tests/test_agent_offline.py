@@ -348,6 +348,15 @@ def test_a_rejudged_candidate_is_served_with_the_heads_of_its_time():
     assert served["c001"] == (d0.source, {"prefill": p0.source})       # judged against the head it then replaced
     assert served["c002"] == (p0.source, {"decode": c001.source})       # served with the decode head it became
     assert served["c003"] == (c001.source, {"prefill": p0.source})
+    # c004's replay found its head c001 wrong: from then on the decode head is the one c001 replaced
+    v = verdict(None, speedup=1.1)
+    found = Verdict.of([*v.stages, StageResult.failed("replay", "slower", head_spot_failed_ops=1.0)])
+    c004 = record("c004", d0, "decode", {"NUM_WARPS": 4})
+    c004 = c004.model_copy(update={"rounds": [c004.rounds[0].model_copy(update={"verdict": found, "against": "c001"})]})
+    c005, c006 = record("c005", p0, "prefill", {"NUM_WARPS": 2}), record("c006", d0, "decode", {"NUM_STAGES": 3})
+    served = served_as_then({"decode": d0.source, "prefill": p0.source}, [c001, c002, c003, c004, c005, c006])
+    assert served["c004"] == (c001.source, {"prefill": p0.source})
+    assert served["c005"] == (p0.source, {"decode": d0.source}) and served["c006"] == (d0.source, {"prefill": p0.source})
 
 
 def test_the_search_parent_moves_only_on_a_gain_beyond_the_noise_band_microbench_measured():
@@ -476,20 +485,26 @@ def test_a_ledgers_head_changes_show_a_kernel_that_became_the_head_unmeasured_ag
     assert head_changes({"decode": old}, [accepted("c001", "")]) == [("c001", "head:decode", "")]
 
 
-def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):
+def resumed_run(tmp_path, run_id: str):
+    """A decode run's loop resumed from a ledger holding only its reference head, timed at 1.0x torch: it
+    records verdicts given to it (the GPU's, standing in) with no evaluator."""
     from agent.records import RunHeader
     from agent.run.loop import Run
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
-    settings = settings_from(cfg, "cpu", run_id="accepted")
     ref = head("decode", speedup=1.0).model_copy(update={"verdict": timed(1.0, anchor_ms=0.050)})
     f = cfg.agent.standin_op_share["decode"]
     profile = Profile(source="stand-in", note="", device="cpu", arch="cpu", ops={"decode": OpEvidence(share=f, lines=["f"])})
-    header = RunHeader(id="accepted", target="attention", provider="offline", device="cpu", arch="cpu", ops=["decode"],
+    header = RunHeader(id=run_id, target="attention", provider="offline", device="cpu", arch="cpu", ops=["decode"],
                        budget_minutes=3, max_candidates=None, max_cost_usd=0, started="2026-12-01T10:00:00+00:00",
                        kevo_commit="0" * 12)
-    Ledger.create(tmp_path / "accepted", header, "agent: {}\n", {}, profile, {"note": "-"}, {"decode": ref}, {})
-    loop = Run(cfg, settings, RunView(console=Console(file=io.StringIO())))
-    loop.start()                                      # resumes from the ledger: no evaluator needed
+    Ledger.create(tmp_path / run_id, header, "agent: {}\n", {}, profile, {"note": "-"}, {"decode": ref}, {})
+    loop = Run(cfg, settings_from(cfg, "cpu", run_id=run_id), RunView(console=Console(file=io.StringIO())))
+    loop.start()
+    return loop, ref, f
+
+
+def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):
+    loop, ref, f = resumed_run(tmp_path, "accepted")
     first = loop.proposer.propose(loop.state([]))
     assert first.claim.op_share == pytest.approx(f)   # a head at 1.0x torch: the base share stands
     accepted = record(first.id, ref, "decode", first.knobs).model_copy(update={
@@ -508,3 +523,49 @@ def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_ne
     assert message.index("Vs-cuDNN:") < message.index("\nSpeedup:")                   # the library first, torch second
     best = json.loads(Ledger(loop.root).committed("summary.json"))["best"]["decode"]
     assert best["vs_cudnn"] == pytest.approx(0.050 / (0.060 / 1.4)) and best["vs_torch"] == pytest.approx(1.4)
+
+
+def test_a_head_a_later_replay_found_wrong_gives_its_place_back_and_a_resumed_run_keeps_it_so(tmp_path):
+    """2026-12-06, H100: s50's c022, the run's accepted prefill head, failed its own spot checks in a later replay.
+    A head found wrong is the head no more: the one it replaced is again (heads/ in the finder's commit, a resumed
+    run reads it), it is neither the best nor a parent, its step is not tried again; the reference found wrong
+    too leaves no head, and the run must stop. The GPU's verdicts stand in."""
+    from agent.run.loop import Run
+    from agent.run.state import best_kernel
+
+    def judged(cid: str, knobs: dict, speedup: float, against: str, head_wrong: bool, slower: bool) -> CandidateRecord:
+        v = timed(speedup, anchor_ms=0.050, replay=True)
+        metrics = {**v.stages[-1].metrics, "head_spot_failed_ops": 1.0 if head_wrong else 0.0}
+        last = (StageResult.failed("replay", "slower than the head", **metrics) if slower else
+                v.stages[-1].model_copy(update={"metrics": metrics}))
+        r = record(cid, ref, "decode", knobs, speedup=speedup)
+        rnd = r.rounds[0].model_copy(update={"verdict": Verdict.of([*v.stages[:-1], last]), "against": against})
+        return r.model_copy(update={"outcome": "rejected" if slower else "accepted", "stage": "replay", "rounds": [rnd]})
+    loop, ref, _ = resumed_run(tmp_path, "found")
+    c001 = judged("c001", {"SPLITS_PER_SM_TARGET": 4}, 1.4, "head:decode", head_wrong=False, slower=False)
+    assert loop.record(c001, []) == "" and loop.heads["decode"].ref == "c001"
+    assert loop.proposer.propose(loop.state([])).parent == "c001"
+    c002 = judged("c002", {"NUM_WARPS": 8}, 1.3, "c001", head_wrong=True, slower=True)
+    assert loop.record(c002, []) == ""
+    # c002, slower than c001 where served and faster than the reference, is the parent; c001 (1.4x) no longer is
+    assert loop.heads["decode"].ref == "head:decode" and loop.parents["decode"].ref == "c002"
+    assert best_kernel("decode", loop.heads["decode"], loop.history).ref == "head:decode"
+    ledger = Ledger(loop.root)
+    assert json.loads(ledger.committed("heads/decode.json"))["ref"] == "head:decode"
+    assert "Head: decode=head:decode" in ledger.repo.head.commit.message
+    assert "c001 was found wrong in c002's replay; head:decode is again the decode head" in ledger.committed("profile.json")
+    assert json.loads(ledger.committed("summary.json"))["heads_found_wrong"] == [
+        "c001, the decode head, failed its own spot checks in c002's replay (that verdict's reason says how): no "
+        "longer the head, never built on again"]
+    again = Run(loop.cfg, loop.settings, RunView(console=Console(file=io.StringIO())))
+    again.start()                                     # resumed: the head it reads is the one given back
+    assert again.heads["decode"].ref == "head:decode" and again.parents["decode"].ref == "c002"
+    while len(again.history) < 40 and (p := again.proposer.propose(again.state([]))) is not None:
+        assert p.parent != "c001", p.claim.hypothesis
+        if set(p.knobs) == set(c001.knobs):                     # its family: 4 was wrong, so 8 lies beyond it
+            assert p.knobs["SPLITS_PER_SM_TARGET"] not in (4, 8), p.claim.hypothesis
+        again.history.append(record(p.id, ref, "decode", p.knobs, failed="microbench", speedup=0.9))
+    assert sum(set(r.knobs) == set(c001.knobs) for r in again.history[2:]) >= 5        # its family was searched
+    stop = again.record(judged("c099", {"NUM_WARPS": 2}, 1.2, "head:decode", head_wrong=True, slower=True), [])
+    assert stop == ("no decode head is left that no replay found wrong: head:decode, the run's first, was found "
+                    "wrong where served, in c099's replay"), stop

@@ -457,8 +457,8 @@ def test_the_pace_says_how_long_the_stages_waited_for_their_gpu_and_held_it_alon
 def test_the_end_and_the_report_name_each_head_a_later_replay_found_wrong_where_served(tmp_path):
     """2026-12-06, H100: s50's c022, accepted as a prefill head, failed a spot check in a later replay. A replay reads
     the head's own spot checks beside the candidate's (`head_spot_failed_ops`); the end commit's summary and the
-    report name the head and the candidate whose replay found it (nothing is undone), and a run without one says
-    nothing of it."""
+    report name the head and the candidate whose replay found it (it gave its place back: test_agent_offline.py),
+    and a run without one says nothing of it."""
     from agent.reading.pace import pace
     from agent.reading.report import render
     from agent.run.ending import end_text, heads_found_wrong
@@ -468,13 +468,14 @@ def test_the_end_and_the_report_name_each_head_a_later_replay_found_wrong_where_
     found = found.model_copy(update={"rounds": [found.rounds[0].model_copy(update={"against": "c022"})]})
     clean = record("c030", "prefill", 2.0, [verdict("prefill", speedup=1.2, replay="passed")])
     assert heads_found_wrong([clean, found]) == [
-        "c022, the prefill head, failed its own spot checks in c031's replay (that verdict's reason says how)"]
+        "c022, the prefill head, failed its own spot checks in c031's replay (that verdict's reason says how): no longer "
+        "the head, never built on again"]
     assert heads_found_wrong([clean]) == []
     summary = {"best": {}, "pace": pace({}, [clean, found], 120.0).record(), "untimed": "",
                "heads_found_wrong": heads_found_wrong([clean, found])}
     text = end_text("r1", "2 candidates reached", summary, [], [], [])
-    assert ("Heads found wrong where served (nothing was undone):\n- c022, the prefill head, failed its own spot "
-            "checks in c031's replay") in text, text
+    assert ("Heads found wrong where served (each gave its place back to the head before it):\n- c022, the prefill "
+            "head, failed its own spot checks in c031's replay") in text, text
     assert "found wrong" not in end_text("r1", "2 candidates reached", {**summary, "heads_found_wrong": []}, [], [], [])
     def heads():                                    # (write_ledger moves a head on an accepted record)
         return {"prefill": head("prefill", verdict("prefill", speedup=1.0))}

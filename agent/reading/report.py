@@ -136,7 +136,7 @@ def render(ledger: Ledger) -> str:
     wrong_heads = heads_found_wrong(history)
     if wrong_heads:
         parts.append("<div class='notrun' id='heads-found-wrong'><b>Heads found wrong where served</b> (their own spot "
-                     "checks, in a later replay; nothing was undone):<ul>"
+                     "checks, in a later replay; each gave its place back to the head before it):<ul>"
                      + "".join(f"<li>{e(line)}</li>" for line in wrong_heads) + "</ul></div>")
     figures = {"best-so-far": _plot(plots.best_so_far(header, started, history), no_timing),
                "funnel": _plot(plots.funnel(history)),

@@ -32,6 +32,7 @@ from harness.stages import STAGE_NAMES
 from agent.roles.conclusion import outcome_of, speedup_of
 from agent.roles.evaluator import others_of
 from agent.run.evaluators import in_parallel
+from agent.run.state import wrong_later
 from agent.records import CandidateRecord
 from agent.ledger.repository import Ledger
 from agent.rejudging.rerun import RejudgeError, config_changes, here, stamp, where
@@ -101,13 +102,18 @@ def served_as_then(heads: dict[str, str], history: list[CandidateRecord]) -> dic
     """Per kernel ref, the head its replay was judged against and the other ops' heads served beside it, in the
     run's order: the heads it started from (`heads`, op -> source) judged against torch, beside each other; each
     candidate against its op's head at the time, the other ops' beside it; an accepted candidate its op's head
-    from then on (agent/run/drive.py serves a candidate so)."""
+    from then on, until a later replay finds it wrong and the head before it is again (agent/run/drive.py serves
+    a candidate so; state.standing_head)."""
     out: dict[str, tuple[str | None, dict[str, str]]] = {f"head:{op}": (None, others_of(heads, op)) for op in heads}
-    current = dict(heads)
-    for r in history:
+    current, chains = dict(heads), {op: [(f"head:{op}", source)] for op, source in heads.items()}
+    for i, r in enumerate(history):
         out[r.id] = (current.get(r.op), others_of(current, r.op))
         if r.outcome == "accepted" and r.source:
-            current[r.op] = r.source
+            chains.setdefault(r.op, []).append((r.id, r.source))
+        wrong = wrong_later(history[:i + 1])
+        standing = next((source for ref, source in reversed(chains.get(r.op, [])) if ref not in wrong), None)
+        if standing is not None:
+            current[r.op] = standing
     return out
 
 

@@ -41,7 +41,7 @@ from harness.stages import STAGE_NAMES
 
 from agent.knowledge import KNOWLEDGE, Catalog, Entry, Family, KnobSpec, read_knobs, with_knobs
 from agent.records import Claim, Kernel, KillTest, Knob, Proposal
-from agent.run.state import CORRECTNESS_STAGES, ProposalState, found_wrong, kernel_of
+from agent.run.state import CORRECTNESS_STAGES, ProposalState, found_wrong, kernel_of, wrong_later
 
 _HEADER = "kevo offline proposer:"
 BEAM = 3                # exploring: the kernels of an op searched from, the search parent and the next-fastest timed
@@ -154,11 +154,11 @@ class OfflineProposer:
         return None
 
     def _beam(self, op: str, state: ProposalState) -> list[Kernel]:
-        """The search parent, then the op's other timed kernels not found wrong (`found_wrong`), fastest first,
-        each of a family and a setting of its own: `BEAM` in all."""
-        beam, seen = [state.parents[op]], {_key(state.parents[op].knobs)}
+        """The search parent, then the op's other timed kernels not found wrong (`found_wrong`, `wrong_later`),
+        fastest first, each of a family and a setting of its own: `BEAM` in all."""
+        beam, seen, wrong = [state.parents[op]], {_key(state.parents[op].knobs)}, wrong_later(state.history)
         timed = sorted((r for r in state.history if r.op == op and r.speedup is not None and r.knobs and r.verdict
-                        and not found_wrong(r.verdict)), key=lambda r: -r.speedup)
+                        and not found_wrong(r.verdict) and r.id not in wrong), key=lambda r: -r.speedup)
         for r in timed:
             if len(beam) == BEAM:
                 break
@@ -180,7 +180,7 @@ class OfflineProposer:
         tried |= {_key(p.knobs) for p in state.pending if p.op == op and p.knobs}
         tried |= {_key(parent), _key(state.heads[op].knobs), _key(self.reference[op])}
         steps = list(_single_steps(op, state, specs, self.reference[op], set(self.defaults[entry.id])))
-        banned = self._banned(steps, specs)
+        banned = self._banned(steps, specs, wrong_later(state.history))
         moves, single = [], []
         for size in (1, 2):
             for name, spec in specs.items():
@@ -213,10 +213,10 @@ class OfflineProposer:
                         theirs: tuple[Entry, Family]) -> tuple[float, str]:
         """s of a move from the parent's family to another: what the other family measured in this run over
         the parent, else the ratio of the two families' measured priors over the reference kernel."""
-        parent = state.parents[op]
+        parent, wrong = state.parents[op], wrong_later(state.history)
         keys = set(self.defaults[theirs[0].id])
         timed = [r for r in state.history if r.op == op and set(r.knobs) == keys and r.speedup
-                 and r.verdict is not None and not found_wrong(r.verdict)]
+                 and r.verdict is not None and not found_wrong(r.verdict) and r.id not in wrong]
         if timed and parent.speedup:
             best = max(timed, key=lambda r: r.speedup)
             s = best.speedup / parent.speedup
@@ -230,10 +230,10 @@ class OfflineProposer:
         return min(2.0, max(0.5, s)), basis
 
     @staticmethod
-    def _banned(steps, specs: dict[str, KnobSpec]) -> set[tuple[str, int]]:
+    def _banned(steps, specs: dict[str, KnobSpec], wrong: dict[str, str]) -> set[tuple[str, int]]:
         banned = set()
         for name, d, new, r in steps:
-            if r.outcome == "rejected" and (r.stage in CORRECTNESS_STAGES or found_wrong(r.verdict)):
+            if (r.outcome == "rejected" and (r.stage in CORRECTNESS_STAGES or found_wrong(r.verdict))) or r.id in wrong:
                 values = specs[name].values
                 j = values.index(new)
                 banned |= {(name, i) for i in (range(j, len(values)) if d > 0 else range(0, j + 1))}

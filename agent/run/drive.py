@@ -291,10 +291,10 @@ class _Drive:
                 return
             if judged is not None:                      # None: asked for, and no proposal came
                 del self.held[cid]
-                self.run.record(judged.record, judged.exchanges, judged.trailers)
+                no_head = self.run.record(judged.record, judged.exchanges, judged.trailers)
                 self.hold = False
-                if judged.stop and not self.fatal:
-                    self.stop, self.fatal = judged.stop, True
+                if (judged.stop or no_head) and not self.fatal:
+                    self.stop, self.fatal = judged.stop or no_head, True
             with self.settled_cv:                       # a judge waiting for it (judge_one) sees the head it left
                 self.settled.add(cid)
                 self.settled_cv.notify_all()

@@ -14,6 +14,7 @@ from harness.stages import STAGE_NAMES
 from agent.reading.figures import nothing_timed, speed_words, untimed_pass, untimed_words
 from agent.reading.pace import pace_words
 from agent.records import CandidateRecord, Kernel
+from agent.run.state import wrong_later
 
 FUNNEL = ("malformed", "not-worth-coding", *STAGE_NAMES, "passed", "accepted", "unevaluated")
 
@@ -62,17 +63,11 @@ def not_run(heads: dict[str, Kernel], history: list[CandidateRecord]) -> dict[st
 
 
 def heads_found_wrong(history: list[CandidateRecord]) -> list[str]:
-    """Each head a later replay found wrong where it was served (its own spot checks, read beside the candidate's:
-    harness/served/accounting.py `spot_checks`), a line each: the head, its op, the candidate whose replay found
-    it. Said, not undone: the run goes on building on it, and the reader judges."""
-    lines = []
-    for r in history:
-        rnd = r.rounds[-1] if r.rounds else None
-        replay = next((s for s in rnd.verdict.stages if s.name == "replay"), None) if rnd and rnd.verdict else None
-        if replay is not None and replay.metrics.get("head_spot_failed_ops", 0) > 0:
-            lines.append(f"{rnd.against or 'the head'}, the {r.op} head, failed its own spot checks in {r.id}'s "
-                         f"replay (that verdict's reason says how)")
-    return lines
+    """Each head a later replay found wrong where it was served (state.wrong_later), a line each: the head, its
+    op, the candidate whose replay found it. The run no longer builds on it (state.standing_head)."""
+    ops = {r.id: r.op for r in history}
+    return [f"{ref}, the {ops[cid]} head, failed its own spot checks in {cid}'s replay (that verdict's reason says "
+            f"how): no longer the head, never built on again" for ref, cid in wrong_later(history).items()]
 
 
 def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: list[str], notes: list[str]) -> str:
@@ -83,7 +78,7 @@ def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: l
                       "Best per op (served mix, kevo over the cuDNN anchor first, over torch second):", *best, "",
                       f"Pace: {pace_words(summary['pace'])}", "",
                       *([summary["untimed"], ""] if summary["untimed"] else []),
-                      *(["Heads found wrong where served (nothing was undone):",
+                      *(["Heads found wrong where served (each gave its place back to the head before it):",
                          *[f"- {line}" for line in summary.get("heads_found_wrong", [])], ""]
                         if summary.get("heads_found_wrong") else []),
                       *([f"Proposed, not yet evaluated (a resumed run evaluates them first): {', '.join(pending)}", ""]

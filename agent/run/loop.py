@@ -33,7 +33,6 @@ from agent.run.drive import drive
 from agent.run.ending import RunResult, end_text, funnel, heads_found_wrong, not_run, untimed_note
 from agent.run.environment import describe
 from agent.run.evaluators import evaluator_for
-from agent.roles.conclusion import served_over_torch
 from agent.roles.evaluator import device_seconds, evaluate_head, head_source, now, others_of
 from agent.reading.figures import speed
 from agent.reading.pace import pace, pace_words
@@ -46,7 +45,7 @@ from agent.llm.providers import Halted, Meter
 from agent.records import CandidateRecord, Exchange, Kernel, Proposal, RunHeader
 from agent.run.session import Interrupts, RunBusy, RunLock
 from agent.run.settings import RunError, RunSettings, runs_dir, settings_from  # noqa: F401  (re-exported)
-from agent.run.state import ProposalState, best_kernel, search_parent
+from agent.run.state import ProposalState, best_kernel, search_parent, standing_head, wrong_later
 
 class Run:
     """One run, from its lock to its end commit. `slots`: evaluate through an executor's slots (True) or the
@@ -266,26 +265,32 @@ class Run:
                                     "summary.json": json.dumps(self.summary(), indent=1)},
                                    {"Paid": cid, "Cost": f"{exchange.cost_usd:.6f}"})
 
-    def record(self, record: CandidateRecord, exchanges: list[Exchange], trailers: dict | None = None) -> None:
+    def record(self, record: CandidateRecord, exchanges: list[Exchange], trailers: dict | None = None) -> str:
+        """Commit a verdict; the head moves to an accepted candidate, or back to the head before it when the
+        replay found the head wrong (state.standing_head). Returns why the run must stop (every head of the op
+        found wrong), else empty."""
         op = record.op
         self.history.append(record)
         self.last_id = max(self.last_id, id_number(record.id))
         known = op in self.heads
-        new_best = known and best_kernel(op, self.heads[op], self.history).ref == record.id
+        standing = standing_head(op, self.start_heads[op], self.history) if known else None
+        first = self.start_heads[op].ref if known else ""
+        stop = (f"no {op} head is left that no replay found wrong: {first}, the run's first, was found wrong where "
+                f"served, in {wrong_later(self.history)[first]}'s replay" if known and standing is None else "")
+        new_best = known and best_kernel(op, standing or self.heads[op], self.history).ref == record.id
         files, trailers = {}, {**({"Vs-cuDNN": speed(record.verdict, op).trailer()} if record.verdict else {}),
                                **(trailers or {})}
-        if known and record.outcome == "accepted":      # the bottleneck moves: a new head, a new profile
-            self.heads[op] = Kernel(ref=record.id, op=op, path=f"candidates/{record.id}/candidate.py",
-                                    source=record.source or "", knobs=record.knobs, speedup=record.speedup,
-                                    verdict=record.verdict,
-                                    served_over_torch=served_over_torch(record.verdict, self.heads[op]))
+        if standing is not None and standing.ref != self.heads[op].ref:    # the bottleneck moves: a new profile
+            back = f"{self.heads[op].ref} was found wrong in {record.id}'s replay; {standing.ref}"
+            became = f"{record.id} became" if standing.ref == record.id else f"{back} is again"
+            self.heads[op] = standing
             self.profile = run_profile(self.cfg, self.settings.target, self.device, self.arch, self.heads,
-                                       why=f"rebuilt after {record.id} became the {op} head: f derived again from "
-                                           f"its microbench {record.speedup:.3f}x over torch" if record.speedup else
-                                           f"rebuilt after {record.id} became the {op} head")
+                                       why=f"rebuilt after {became} the {op} head: f derived again from its "
+                                           f"microbench {standing.speedup:.3f}x over torch" if standing.speedup else
+                                           f"rebuilt after {became} the {op} head")
             files = {f"heads/{op}.json": self.heads[op].model_dump_json(indent=1, exclude={"source"}),
                      "profile.json": self.profile.model_dump_json(indent=1)}
-            trailers["Head"] = f"{op}={record.id}"
+            trailers["Head"] = f"{op}={standing.ref}"
         with self._ledger_lock, self.stop.writing():
             self._paid.pop(record.id, None)         # its exchanges are in its own commit from here
             self.ledger.commit_candidate(record, exchanges,
@@ -293,6 +298,7 @@ class Run:
         if known:
             self.parents[op] = search_parent(op, self.heads[op], self.history, self.cfg.stages.microbench.min_margin)
         self.view.record(record, self.summary())
+        return stop
 
     def commit_proposal(self, proposal: Proposal) -> None:
         """Commit a proposal before its evaluation, once (from the drive's thread, guarded against signals)."""

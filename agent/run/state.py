@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from harness.records import Verdict
 
 from agent.records import CandidateRecord, Kernel, Profile, Proposal
+from agent.roles.conclusion import served_over_torch
 
 CORRECTNESS_STAGES = ("compile", "dispatch", "parity")
 # How a replay fails when it finds the kernel wrong or not its own where served (harness/records.py FailureKind),
@@ -26,6 +27,32 @@ def found_wrong(verdict: Verdict | None) -> bool:
         return False
     failed = next((s for s in verdict.stages if s.name == verdict.failed_stage), None)
     return verdict.failed_stage in CORRECTNESS_STAGES or (failed is not None and failed.failure in WRONG_WHEN_SERVED)
+
+
+def wrong_later(history: list[CandidateRecord]) -> dict[str, str]:
+    """Each head a later replay found wrong where it was served beside a candidate (the head's own spot checks,
+    harness/served/accounting.py `spot_checks`): its ref -> the first candidate whose replay found it. Its own
+    verdict passed, so `found_wrong` cannot see it; it is built on no more than a kernel `found_wrong` names."""
+    out: dict[str, str] = {}
+    for r in history:
+        for rnd in r.rounds:
+            replay = next((s for s in rnd.verdict.stages if s.name == "replay"), None)
+            if replay is not None and replay.metrics.get("head_spot_failed_ops", 0) > 0 and rnd.against:
+                out.setdefault(rnd.against, r.id)
+    return out
+
+
+def standing_head(op: str, start: Kernel, history: list[CandidateRecord]) -> Kernel | None:
+    """The head of `op` now: of the run's first head and each candidate accepted since, the last that no later
+    replay found wrong (`wrong_later`); None when every one of them was. A head found wrong gives its place
+    back to the one it replaced, and the ledger's heads/ says so from that candidate's commit on."""
+    wrong, chain = wrong_later(history), [start]
+    for r in history:
+        if r.op == op and r.outcome == "accepted":
+            against = r.rounds[-1].against if r.rounds else ""
+            then = next((k for k in reversed(chain) if k.ref == against), chain[-1])
+            chain.append(_as_kernel(r).model_copy(update={"served_over_torch": served_over_torch(r.verdict, then)}))
+    return next((k for k in reversed(chain) if k.ref not in wrong), None)
 
 
 @dataclass(frozen=True)
@@ -48,13 +75,15 @@ def _as_kernel(r: CandidateRecord) -> Kernel:
 
 def kernel_of(ref: str, heads: dict[str, Kernel], history: list[CandidateRecord]) -> Kernel | None:
     """The kernel a proposal names as its parent: a head (the reference `head:<op>` or an accepted candidate),
-    else a candidate of the run that was timed and not found wrong (`found_wrong`); None if the run has no such
-    kernel (a proposal naming one it may not build on, as an LLM's may, is then judged from its op's bar)."""
+    else a candidate of the run that was timed and not found wrong (`found_wrong`, `wrong_later`); None if the
+    run has no such kernel (a proposal naming one it may not build on, as an LLM's may, is then judged from its
+    op's bar)."""
     for k in heads.values():
         if k.ref == ref:
             return k
+    wrong = wrong_later(history)
     return next((_as_kernel(r) for r in history if r.id == ref and r.speedup is not None
-                 and not found_wrong(r.verdict)), None)
+                 and not found_wrong(r.verdict) and r.id not in wrong), None)
 
 
 def _fastest(head: Kernel, records) -> Kernel:
@@ -78,9 +107,9 @@ def search_parent(op: str, head: Kernel, history: list[CandidateRecord], min_mar
     wrong when served does not) replaces the parent only when its served-mix speedup over torch beats the
     parent's by more than the noise band microbench measured for it, and at least `min_margin`
     (stages.microbench.min_margin): a step inside the noise is chance, not a better kernel to build on."""
-    parent = head
+    parent, wrong = head, wrong_later(history)
     for r in history:
-        if r.op != op or r.speedup is None or r.verdict is None or found_wrong(r.verdict):
+        if r.op != op or r.speedup is None or r.verdict is None or found_wrong(r.verdict) or r.id in wrong:
             continue
         if parent.speedup is None or r.speedup > parent.speedup * (1 + max(noise_band(r), min_margin)):
             parent = _as_kernel(r)
@@ -112,6 +141,8 @@ def head_changes(heads: dict[str, Kernel], history: list[CandidateRecord]) -> li
 
 
 def best_kernel(op: str, head: Kernel, history: list[CandidateRecord]) -> Kernel:
-    """The best so far: the fastest kernel of `op` that passed every stage that ran, else the head."""
+    """The best so far: the fastest kernel of `op` that passed every stage that ran and that no later replay
+    found wrong, else the head."""
+    wrong = wrong_later(history)
     return _fastest(head, [r for r in history if r.op == op and r.outcome in ("passed", "accepted")
-                           and r.speedup is not None])
+                           and r.speedup is not None and r.id not in wrong])
