@@ -269,6 +269,7 @@ class ServedDevice(Strict):
     window_s: float = Field(gt=0)   # requests arriving within this many seconds are replayed
     max_output: int | None = Field(default=None, ge=1)   # the replay stage's outputs cut to this many tokens (None: the trace's)
     warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
+    warm_passes: int = Field(default=2, ge=1, le=2)   # those requests sent in the served order, then longest first (2)
 
 
 class CudaGraphsConfig(Strict):
@@ -371,9 +372,8 @@ class Config(Strict):
             name = getattr(self.served, dev).preset
             p, sec = self.served.presets[name], getattr(self.targets.attention, dev)
             if [p.q_heads, p.kv_heads] not in [list(h) for h in sec.heads] or p.head_dim != sec.head_dim:
-                raise ValueError(f"served.{dev}.preset {name!r} has heads [{p.q_heads}, {p.kv_heads}] and head_dim "
-                                 f"{p.head_dim}; targets.attention.{dev} has heads {[list(h) for h in sec.heads]} "
-                                 f"and head_dim {sec.head_dim}")
+                raise ValueError(f"served.{dev}.preset {name!r} has heads [{p.q_heads}, {p.kv_heads}] and head_dim {p.head_dim}; "
+                                 f"targets.attention.{dev} has heads {[list(h) for h in sec.heads]} and head_dim {sec.head_dim}")
         return self
 
 

@@ -248,7 +248,7 @@ def profile_served(cfg: Config, target: str = "attention", device: torch.device 
     ops = AttentionOps(None, section.dtype, target=configured(target, cfg), stall_ms=cfg.served.stall_ms)
     engine = make_engine(cfg.served.presets[served.preset], section.block_size, DTYPES[section.dtype], device, ops,
                          init=cfg.served.random_init, top_k=cfg.served.logprobs, annotate=True, root=PROJECT_ROOT, graphs=plan_for(cfg, device.type))
-    warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests)
+    warm_up(engine, [len(r.prompt) for r in requests], served.warm_requests, served.warm_passes)
     acc = dict.fromkeys(BUCKETS, 0.0) | {"unattributed": 0.0, "graph": 0.0}
     totals = [0.0, 0]
     names = graph_kernel_regions(engine) if device.type == "cuda" else {}

@@ -340,6 +340,18 @@ def test_warm_up_meets_every_decode_batch_size_and_the_served_prompt_lengths_bef
     assert e.ops.stats()["decode"]["calls"] == 0 and e.steps == 0      # counts start afresh for the window
 
 
+def test_served_warm_passes_sends_the_served_lengths_in_the_served_order_then_longest_first_each_meeting_every_batch():
+    prompts = [len(r.prompt) for r in trace(12, seed=3)]
+    spread = [prompts[i * len(prompts) // 7] for i in range(7)]
+    orders = {1: {tuple(spread)}, 2: {tuple(spread), tuple(sorted(spread, reverse=True))}}
+    for passes in (1, 2):
+        candidate, seen = _shape_spy()
+        warm_up(engine(AttentionOps(candidate)), prompts, limit=7, passes=passes)
+        assert set(range(1, 8)) <= set(seen["decode_batch"]), passes
+        sent = {tuple(call) for call in seen["prefill_prompts"] if sorted(call) == sorted(spread)}
+        assert sent == orders[passes], (passes, sent)
+
+
 def test_warm_up_without_served_lengths_is_the_fixed_one():
     candidate, seen = _shape_spy()
     warm_up(engine(AttentionOps(candidate)))

@@ -265,7 +265,7 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
     return out
 
 
-def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None) -> dict[str, float]:
+def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None, passes: int = 2) -> dict[str, float]:
     """Compile and tune before anything is timed. First, fixed: prompts either side of a cache block,
     all admitted in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1).
 
@@ -274,9 +274,9 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
     constexprs from the shape, so a class first met inside the timed window compiles there and stalls
     every request in flight (up to 1.3 s a class for the reference kernels on the H200: docs/BENCHMARKS.md).
     Up to `limit` (default: the engine's max_running) of the served prompt lengths, spread over the list:
-    - sent at once, twice (in the served order, then longest first); their outputs outlast the prefill
-      steps that admit them all and are one token longer each, so they end one a step and decode runs
-      at every batch size from the largest the KV cache holds down to 1, over contexts of the served
+    - sent at once, `passes` times (in the served order, then longest first); their outputs outlast the
+      prefill steps that admit them all and are one token longer each, so they end one a step and decode
+      runs at every batch size from the largest the KV cache holds down to 1, over contexts of the served
       lengths: in the second pass the longest contexts leave first;
     - then each distinct length alone, as a prompt arriving at an idle server is served.
     Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
@@ -307,7 +307,7 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
             return TraceRequest(i, 0.0, [(11 * i + 3 * j + 1) % vocab for j in range(n)], out)
 
         admitting = math.ceil(sum(spread) / engine.max_prefill_tokens) + math.ceil(k / engine.max_running)
-        for order in (spread, sorted(spread, reverse=True)):
+        for order in (spread, sorted(spread, reverse=True))[:passes]:
             run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
         lap("served")
         for i, n in enumerate(alone):
