@@ -15,7 +15,6 @@ import pytest
 
 from candidates import CRASH_ON_BOUNDARY, REF_DECODE, SDPA_WRAPPER, WRONG_SHAPE
 from conftest import CUDA, ROOT, config_with, runtime_only
-from test_agent_unattended import SMALL
 from harness.config import ConfigError, load_config
 from harness.errors import HarnessError
 from harness.evaluate import evaluate
@@ -25,8 +24,7 @@ from harness.pins import core_shares, deal_cores, local_pins
 from harness.slot import Job, Pin, device_health
 
 # Deterministic verdicts (no drawn numbers in their reasons), cheap on the interpreter; a crash among
-# them makes its slot check its health again before the next job. Judged on the small parity plan (SMALL:
-# its boundary shapes keep length 1, where CRASH_ON_BOUNDARY crashes), serially and in the executors alike.
+# them makes its slot check its health again before the next job.
 JOBS = [Job(id="c001", source=REF_DECODE, until="parity"), Job(id="c002", source=CRASH_ON_BOUNDARY, until="parity"),
         Job(id="c003", source=SDPA_WRAPPER, until="parity"), Job(id="c004", source=WRONG_SHAPE, until="parity")]
 # Slow while its worker imports it, so the test can kill its evaluator mid-job; then passes compile.
@@ -43,13 +41,13 @@ def gist(verdict) -> tuple:
 
 @pytest.fixture(scope="module")
 def serial(cfg, pool):
-    return {job.id: gist(evaluate(job.source, "attention", runtime_only(**SMALL), pool, until=job.until)) for job in JOBS + [SLOW]}
+    return {job.id: gist(evaluate(job.source, "attention", runtime_only(), pool, until=job.until)) for job in JOBS + [SLOW]}
 
 
 @pytest.fixture(scope="module")
 def local():
     """Two CPU slots, each on its share of the cores, and a third pinned to a core this machine lacks."""
-    cfg = runtime_only(**SMALL, **{"executor.cpu_slots": 2})  # JOBS crash through ctypes, SLOW imports time
+    cfg = runtime_only(**{"executor.cpu_slots": 2})           # JOBS crash through ctypes, SLOW imports time
     missing = Pin(name="cpu-missing", device="cpu", cpus=(os.cpu_count() + 1000,))
     with LocalExecutor(cfg, "attention", local_pins(cfg) + [missing]) as ex:
         yield ex
@@ -158,7 +156,7 @@ def test_a_sigterm_to_the_runs_process_group_leaves_its_slots_judging_the_jobs_i
 
 def test_a_dask_cluster_evaluates_at_once_and_requeues_a_job_whose_worker_was_killed(serial):
     from harness.cluster import TOPIC, DaskExecutor
-    cfg = runtime_only(**SMALL, **{"executor.kind": "dask", "executor.cpu_slots": 2})
+    cfg = runtime_only(**{"executor.kind": "dask", "executor.cpu_slots": 2})
     jobs = [JOBS[0], JOBS[1], SLOW]            # two at once on the two workers; the slow one next, killed
     with DaskExecutor(cfg, "attention") as ex:
         assert ex.capacity == 2
