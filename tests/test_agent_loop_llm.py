@@ -12,6 +12,7 @@ from rich.console import Console
 
 from fakes import scripts as S
 from conftest import config_with
+from test_agent_unattended import SMALL
 from fakes.llm_server import FakeLLM, Step
 
 from agent.run.loop import run, settings_from
@@ -28,7 +29,7 @@ def llm_config(fake: FakeLLM, runs, provider: str, **more):
         "providers.retry.max_s": 0.05, f"providers.{provider}.base_url": url,
         f"providers.{provider}.planner_model": PLANNER, f"providers.{provider}.coder_model": CODER,
         f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},
-        f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}, **more})
+        f"providers.prices.{CODER}": {"input": 1.0, "output": 4.0}, **SMALL, **more})
 
 
 def go(cfg, pool, provider: str, run_id: str, max_candidates: int):

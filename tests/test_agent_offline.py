@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from conftest import CPU_GATES, config_with
+from test_agent_unattended import SMALL
 from harness.evaluate import evaluate
 from harness.records import StageResult, Verdict
 
@@ -241,7 +242,7 @@ def test_judge_sets_the_microbench_bar_at_the_fastest_parents_speedup_or_1_when_
     c001 = record("c001", heads["decode"], "decode", {"SPLITS_PER_SM_TARGET": 4}, failed="microbench", speedup=2.7)
     st = state([c001], heads, ops=["decode"])
     p = proposer(["decode"]).propose(st)
-    cfg, bars = config_with(), []
+    cfg, bars = config_with(**SMALL), []
 
     def evaluate_fn(job: str, source: str, beat: float, head: str | None = None) -> Verdict:      # the real evaluator; the bar noted
         bars.append((job, beat))
@@ -272,7 +273,7 @@ def test_a_candidate_rejected_below_its_parents_speedup_is_recorded_against_that
 
 
 def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tmp_path):
-    cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
+    cfg = config_with(**SMALL, **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
     out = io.StringIO()
 
     def go(n: int):
@@ -319,7 +320,7 @@ def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_j
     """A decode kernel is served with the prefill head and a prefill kernel with the decode head (the step the
     run would ship), the heads' own replays too: on a CPU the replay's gates serve it, and its reason carries
     the server's own accounting of who served each op."""
-    cfg = config_with(**CPU_GATES, **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode", "prefill"]})
+    cfg = config_with(**CPU_GATES, **SMALL, **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode", "prefill"]})
     settings = settings_from(cfg, pool.device, max_candidates=1, run_id="beside")
     done = run(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)), pool=pool)
     assert not done.fatal, done.stop

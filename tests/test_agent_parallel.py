@@ -18,6 +18,7 @@ from conftest import RUNTIME_ONLY, config_with
 from fakes import scripts as S
 from fakes.llm_server import FakeLLM
 from test_ledger import git
+from test_agent_unattended import SMALL
 
 from agent.run.loop import Run, run, settings_from
 from agent.reading.view import RunView
@@ -53,8 +54,8 @@ def scripted(codes: list[str], claims: list[str]) -> FakeLLM:
 
 def llm_config(fake: FakeLLM, runs, **more):
     return config_with(**{
-        "agent.runs_dir": str(runs), "agent.ops": ["decode"], "agent.compile_repair_rounds": 1,
-        "stages.parity.checks_per_shape": 1, "stages.parity.twins": 1.0,    # a plan of a fixed length: records compare
+        "agent.runs_dir": str(runs), "agent.ops": ["decode"], "agent.compile_repair_rounds": 1, **SMALL,
+        "stages.parity.twins": 1.0,                                         # a plan of a fixed length: records compare
         "providers.openai.base_url": fake.openai_url, "providers.openai.planner_model": PLANNER,
         "providers.openai.coder_model": CODER, "providers.retry.initial_s": 0.01, "providers.retry.max_s": 0.05,
         f"providers.prices.{PLANNER}": {"input": 2.0, "output": 8.0},

@@ -24,6 +24,7 @@ import torch
 
 import candidates as C
 from conftest import ROOT, config_with
+from test_agent_unattended import SMALL
 from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
 from harness.stages.common import EvalContext, Rejected, draw, run_trial
@@ -37,6 +38,13 @@ SHM, FOLDER = 32 << 20, 64 << 20
 @pytest.fixture(scope="module")
 def cfg():
     return config_with(**{"worker.shm_bytes": SHM, "worker.folder_bytes": FOLDER})
+
+
+@pytest.fixture(scope="module")
+def small_cfg():
+    """The pool's config on the small parity plan (SMALL), for the correct candidate judged after each attack:
+    what it proves is that the pool still judges correctly, not parity's plan again."""
+    return config_with(**{"worker.shm_bytes": SHM, "worker.folder_bytes": FOLDER}, **SMALL)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +76,12 @@ def attack(pool, name: str, **fill) -> dict:
 
 
 @pytest.fixture
-def then_a_correct_candidate_passes(cfg, pool):
+def then_a_correct_candidate_passes(small_cfg, pool):
     """Snapshot the checkout; after the test, a correct kernel in the same pool must pass and the
     checkout must be unchanged."""
     before = checkout()
     yield
-    v = evaluate(C.REF_DECODE, "attention", cfg, pool, until="parity")
+    v = evaluate(C.REF_DECODE, "attention", small_cfg, pool, until="parity")
     assert v.ok, v.reason
     assert checkout() == before
 
