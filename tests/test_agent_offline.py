@@ -556,8 +556,8 @@ def test_a_head_a_later_replay_found_wrong_gives_its_place_back_and_a_resumed_ru
     assert "Head: decode=head:decode" in ledger.repo.head.commit.message
     assert "c001 was found wrong in c002's replay; head:decode is again the decode head" in ledger.committed("profile.json")
     assert json.loads(ledger.committed("summary.json"))["heads_found_wrong"] == [
-        "c001, the decode head, failed its own spot checks in c002's replay (that verdict's reason says how): no "
-        "longer the head, never built on again"]
+        "c001, the decode head, failed its own spot checks in c002's replay (that verdict's reason says how): "
+        "neither the head nor built on from then"]
     again = Run(loop.cfg, loop.settings, RunView(console=Console(file=io.StringIO())))
     again.start()                                     # resumed: the head it reads is the one given back
     assert again.heads["decode"].ref == "head:decode" and again.parents["decode"].ref == "c002"

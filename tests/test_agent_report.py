@@ -468,8 +468,8 @@ def test_the_end_and_the_report_name_each_head_a_later_replay_found_wrong_where_
     found = found.model_copy(update={"rounds": [found.rounds[0].model_copy(update={"against": "c022"})]})
     clean = record("c030", "prefill", 2.0, [verdict("prefill", speedup=1.2, replay="passed")])
     assert heads_found_wrong([clean, found]) == [
-        "c022, the prefill head, failed its own spot checks in c031's replay (that verdict's reason says how): no longer "
-        "the head, never built on again"]
+        "c022, the prefill head, failed its own spot checks in c031's replay (that verdict's reason says how): neither "
+        "the head nor built on from then"]
     assert heads_found_wrong([clean]) == []
     summary = {"best": {}, "pace": pace({}, [clean, found], 120.0).record(), "untimed": "",
                "heads_found_wrong": heads_found_wrong([clean, found])}

@@ -67,7 +67,7 @@ def heads_found_wrong(history: list[CandidateRecord]) -> list[str]:
     op, the candidate whose replay found it. The run no longer builds on it (state.standing_head)."""
     ops = {r.id: r.op for r in history}
     return [f"{ref}, the {ops[cid]} head, failed its own spot checks in {cid}'s replay (that verdict's reason says "
-            f"how): no longer the head, never built on again" for ref, cid in wrong_later(history).items()]
+            f"how): neither the head nor built on from then" for ref, cid in wrong_later(history).items()]
 
 
 def end_text(run_id: str, stop: str, summary: dict, pending: list[str], fared: list[str], notes: list[str]) -> str:
