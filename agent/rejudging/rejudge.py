@@ -105,12 +105,12 @@ def served_as_then(heads: dict[str, str], history: list[CandidateRecord]) -> dic
     from then on, until a later replay finds it wrong and the head before it is again (agent/run/drive.py serves
     a candidate so; state.standing_head)."""
     out: dict[str, tuple[str | None, dict[str, str]]] = {f"head:{op}": (None, others_of(heads, op)) for op in heads}
-    current, chains = dict(heads), {op: [(f"head:{op}", source)] for op, source in heads.items()}
-    for i, r in enumerate(history):
+    current, chains, wrong = dict(heads), {op: [(f"head:{op}", source)] for op, source in heads.items()}, {}
+    for r in history:
         out[r.id] = (current.get(r.op), others_of(current, r.op))
         if r.outcome == "accepted" and r.source:
             chains.setdefault(r.op, []).append((r.id, r.source))
-        wrong = wrong_later(history[:i + 1])
+        wrong |= wrong_later([r])                   # what the run knew once r was recorded
         standing = next((source for ref, source in reversed(chains.get(r.op, [])) if ref not in wrong), None)
         if standing is not None:
             current[r.op] = standing
