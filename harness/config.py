@@ -269,7 +269,7 @@ class ServedDevice(Strict):
     window_s: float = Field(gt=0)   # requests arriving within this many seconds are replayed
     max_output: int | None = Field(default=None, ge=1)   # the replay stage's outputs cut to this many tokens (None: the trace's)
     warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
-    warm_passes: int = Field(default=2, ge=1, le=2)   # those requests sent in the served order, then longest first (2)
+    warm_passes: int = Field(default=1, ge=1, le=2)   # those requests sent in the served order (1), then longest first (2)
 
 
 class CudaGraphsConfig(Strict):

@@ -265,7 +265,7 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
     return out
 
 
-def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None, passes: int = 2) -> dict[str, float]:
+def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None, passes: int = 1) -> dict[str, float]:
     """Compile and tune before anything is timed. First, fixed: prompts either side of a cache block,
     all admitted in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1).
 

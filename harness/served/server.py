@@ -320,7 +320,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
                                           int(g["max_padded_tokens"])))
     startup["build"] = time.perf_counter() - t0
     startup |= {f"warm_{part}": s for part, s in warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"),
-                                                                 spec.get("warm_passes", 2)).items()}
+                                                                 spec["warm_passes"]).items()}
     ops.audit_all = False              # serving from here: a share of the calls audited, drawn in secret
     gc.collect()
     gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
