@@ -120,14 +120,18 @@ Known limits
       engine runs prefill eagerly). Compiled for sm90 it has the defaults' registers and shared memory (168, 128
       KB) and 56 more SASS instructions (the walk's loads). A ragged batch is dealt as if every sequence filled
       max_seqlen's query tiles.
-    * DYNAMIC gave wrong outputs twice on an H100 (2026-12-06), never reproduced alone: a replay's spot check
-      (one served call of 38: a few rows checked of a sequence of 3,968 in a batch of 3, s50's c022), and one call
-      with rows left unwritten (NaN from the poisoned allocator) in each of two processes sharing the GPU with a
-      third; 4,800 calls alone (40 shapes, 16 and 32 query heads, the first call of each compared too) and a
-      second three-process run were right, as are parity and the GPU tests. Unwritten rows mean work skipped (an
-      item, or a part of its store), not wrong arithmetic. The sm90 compile shows the loader's atomic broadcast
-      through a shared word of its own (the unused turn barriers' space) and the consumers reading the item's
-      number after Q's barrier completes. Until explained it is not a catalog knob.
+    * DYNAMIC gives wrong outputs now and then on an H100 (2026-12-06), never seen alone: a replay's spot check
+      (one served call of 38: a few rows checked of a sequence of 3,968 in a batch of 3, s50's c022), and in
+      tests/bench/repeat_check.py's three processes sharing the GPU, rows left unwritten (NaN from the poisoned
+      allocator) or wrong. Always a DYNAMIC kernel's first call on a shape, and only when it was the first kernel
+      called on that shape after the float32 reference: so in at least 5 of 13 such runs; called second on each
+      shape, the same compiled kernel was wrong in none of 4 runs, nor was a kernel without DYNAMIC in any. 4,800
+      calls alone (40 shapes, 16 and 32 query heads) were right, as are parity and the GPU tests.
+      Unwritten rows mean work skipped (an item, or a part of its store), not wrong arithmetic. The sm90 compile
+      shows the loader's atomic broadcast through a shared word of its own (the unused turn barriers' space), the
+      item's number stored by every lane before the one arrival on Q's barrier, and the consumers reading it after
+      that barrier completes; racecheck flags that word, which only mbarrier waits order (racecheck may not follow
+      them). Until explained it is not a catalog knob.
 """
 import heapq
 from functools import lru_cache
