@@ -37,6 +37,9 @@ SMALL = {"targets.attention.cpu.heads": [[4, 2]],
          "stages.parity.distributions": ["normal"], "stages.parity.checks_per_shape": 1,
          "served.presets.tiny.max_running": 4, "served.presets.tiny.max_prefill_tokens": 32,
          "served.presets.tiny.kv_cache_tokens": 256}
+# A short CPU replay, for tests about what a replay serves beside a kernel, not how much: the tiny trace's first
+# second (3 of its 6 requests), each output cut to 3 tokens.
+SHORT_REPLAY = {"served.cpu.window_s": 1.0, "served.cpu.max_output": 3}
 
 HANGS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
