@@ -11,6 +11,7 @@ import yaml
 
 from conftest import ROOT, config_with
 from fakes.llm_server import FakeLLM
+from test_agent_unattended import SMALL
 
 from agent.run.session import LOCK_NAME
 
@@ -21,7 +22,8 @@ def kevo(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def config_file(tmp_path, **overrides) -> str:
-    cfg = config_with(**{"agent.runs_dir": str(tmp_path / "runs"), "agent.ops": ["decode"], **overrides})
+    """The run's config, its candidates judged on the small parity plan (SMALL): these tests are about the command."""
+    cfg = config_with(**{"agent.runs_dir": str(tmp_path / "runs"), "agent.ops": ["decode"], **SMALL, **overrides})
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return str(path)

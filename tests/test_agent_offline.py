@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from conftest import CPU_GATES, config_with
-from test_agent_unattended import SMALL
+from test_agent_unattended import SHORT_REPLAY, SMALL
 from harness.evaluate import evaluate
 from harness.records import StageResult, Verdict
 
@@ -319,8 +319,9 @@ def test_offline_run_commits_each_candidate_and_resumes_from_its_ledger(pool, tm
 def test_every_replay_of_a_run_serves_the_other_ops_heads_beside_the_kernel_it_judges(pool, tmp_path):
     """A decode kernel is served with the prefill head and a prefill kernel with the decode head (the step the
     run would ship), the heads' own replays too: on a CPU the replay's gates serve it, and its reason carries
-    the server's own accounting of who served each op."""
-    cfg = config_with(**CPU_GATES, **SMALL, **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode", "prefill"]})
+    the server's own accounting of who served each op (a short replay: SHORT_REPLAY)."""
+    cfg = config_with(**CPU_GATES, **SMALL, **SHORT_REPLAY,
+                      **{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode", "prefill"]})
     settings = settings_from(cfg, pool.device, max_candidates=1, run_id="beside")
     done = run(cfg, settings, RunView(console=Console(file=io.StringIO(), width=200)), pool=pool)
     assert not done.fatal, done.stop

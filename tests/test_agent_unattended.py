@@ -27,11 +27,19 @@ from agent.reading.view import RunView
 
 PLANNER, CODER = "fake-planner", "fake-coder"
 KEY = "sk-test-unattended-0001"
-# Small served shapes: the interpreter's parity checks take about a second per candidate.
+# Small served shapes and small served limits: the interpreter's parity checks take about a second per candidate.
+# The tiny preset's limits (max_running 16, max_prefill_tokens 512, a 4096-token cache) make parity's served-limit
+# cases (a 512-token prefill, decode batches of 16 and 17 over a 1024-block pool) most of a candidate's parity on
+# the interpreter; these limits still hold every request of the tiny trace (6 requests of 22 tokens at most).
 SMALL = {"targets.attention.cpu.heads": [[4, 2]],
          "targets.attention.cpu.decode": [{"batch": 2, "lengths": [3, 12], "weight": 1.0}],
          "targets.attention.cpu.prefill": [{"batch": 1, "lengths": [3, 12], "weight": 1.0}],
-         "stages.parity.distributions": ["normal"], "stages.parity.checks_per_shape": 1}
+         "stages.parity.distributions": ["normal"], "stages.parity.checks_per_shape": 1,
+         "served.presets.tiny.max_running": 4, "served.presets.tiny.max_prefill_tokens": 32,
+         "served.presets.tiny.kv_cache_tokens": 256}
+# A short CPU replay, for tests about what a replay serves beside a kernel, not how much: the tiny trace's first
+# second (3 of its 6 requests), each output cut to 3 tokens.
+SHORT_REPLAY = {"served.cpu.window_s": 1.0, "served.cpu.max_output": 3}
 
 HANGS = C.wrap_decode("""
 def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):

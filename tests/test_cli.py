@@ -21,7 +21,7 @@ from agent.cli_parser import UsageError
 from agent.cli_parser import EXIT_CODES
 from conftest import CPU_GATES, ROOT, config_with
 from harness.stages import STAGE_NAMES
-from test_agent_unattended import SMALL
+from test_agent_unattended import SHORT_REPLAY, SMALL
 
 NO_CACHE: list[str] = []        # --config: the project's config with the verdict cache off (the fixture below)
 GOOD = str(ROOT / "knowledge/attention/decode_paged_splitkv.py")
@@ -107,9 +107,10 @@ def test_a_file_that_passes_every_stage_that_ran_exits_0_with_exactly_one_object
 
 def test_other_heads_given_are_served_beside_a_file_in_its_replay_and_named_in_the_json(tmp_path, capfd):
     """A prefill file judged with the decode head beside it: on a CPU the replay's gates serve it, and the
-    served process's own accounting says every decode call was that head's."""
+    served process's own accounting says every decode call was that head's (a short replay: SHORT_REPLAY)."""
     config = tmp_path / "gates.yaml"
-    config.write_text(yaml.safe_dump(config_with(**SMALL, **CPU_GATES).model_dump(mode="json"), sort_keys=False))
+    config.write_text(yaml.safe_dump(config_with(**SMALL, **SHORT_REPLAY, **CPU_GATES).model_dump(mode="json"),
+                                     sort_keys=False))
     prefill = str(ROOT / "knowledge/attention/prefill_causal_tiled.py")
     assert main(["--config", str(config), "evaluate", "--json", "--other-head", f"decode={GOOD}", prefill]) == 0
     verdict = json.loads(capfd.readouterr().out)

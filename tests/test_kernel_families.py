@@ -97,16 +97,12 @@ def sm90_figures(spec: str, batch: int = 32) -> str:
 
 
 def sm90_lines(specs: list[str], batch: int = 32, options: tuple[str, ...] = ()) -> list[str]:
-    """tests/bench/sm90_compile.py's lines for `specs` (with its `options`), compiled in one process (one import of
-    torch and triton)."""
-    import subprocess
-    import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(SM90_COMPILE), "--batch", str(batch), *options, *specs],
-                          capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.strip().splitlines()[-len(specs):]
-    assert len(lines) == len(specs), done.stdout
+    """tests/bench/sm90_compile.py's lines for `specs` (with its `options`), compiled in one call of it, in the
+    suite's one child process for it (tests/sm90_child.py: one import of torch and triton for every call)."""
+    import sm90_child
+    out = sm90_child.run(["--batch", str(batch), *options, *specs])
+    lines = out.strip().splitlines()[-len(specs):]
+    assert len(lines) == len(specs), out
     return lines
 
 
