@@ -39,6 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PAGE, KV_HEADS, HEAD_DIM = 16, 8, 128
 MODES = ("split", "rows3d", "flat", "halves")
+_PAGE, _KV_HEADS, _HALF = gl.constexpr(PAGE), gl.constexpr(KV_HEADS), gl.constexpr(HEAD_DIM // 2)
 
 
 @gluon.jit
@@ -56,12 +57,12 @@ def _consume(k_desc, v_desc, bt_ptr, stride_btb, n_items, tiles, k_smem, v_smem,
 @gluon.jit
 def _load(k_desc, v_desc, bt_ptr, stride_btb, n_items, tiles, k_smem, v_smem, ready, empty,
           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROWS3D: gl.constexpr, HALVES: gl.constexpr):
-    PAGES: gl.constexpr = BLOCK_N // 16
+    PAGES: gl.constexpr = BLOCK_N // _PAGE
     offs_p = gl.arange(0, PAGES, layout=gl.BlockedLayout([1], [32], [1], [0]))
     slot = 0
     for item in range(gl.program_id(0), n_items, gl.num_programs(0)):
-        seq = item // 8
-        head = item % 8
+        seq = item // _KV_HEADS
+        head = item % _KV_HEADS
         bt_row = bt_ptr + seq.to(gl.int64) * stride_btb
         for t in range(tiles):
             pages = gl.load(bt_row + t * PAGES + offs_p)
@@ -70,18 +71,21 @@ def _load(k_desc, v_desc, bt_ptr, stride_btb, n_items, tiles, k_smem, v_smem, re
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * PAGES * k_desc.block_type.nbytes)
             for p in gl.static_range(PAGES):
-                row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * 16
+                row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * _PAGE
                 if ROWS3D:
-                    tma.async_copy_global_to_shared(k_desc, [row, head * 2, 0], bar, k_smem.index(s).slice(p * 16, 16))
-                    tma.async_copy_global_to_shared(v_desc, [row, head * 2, 0], bar, v_smem.index(s).slice(p * 16, 16))
+                    k_dst = k_smem.index(s).slice(p * _PAGE, _PAGE)
+                    v_dst = v_smem.index(s).slice(p * _PAGE, _PAGE)
+                    tma.async_copy_global_to_shared(k_desc, [row, head * 2, 0], bar, k_dst)
+                    tma.async_copy_global_to_shared(v_desc, [row, head * 2, 0], bar, v_dst)
                 elif HALVES:
                     tma.async_copy_global_to_shared(k_desc, [head * 2, row, 0], bar,
-                                                    k_smem.index(s).slice(p * 16, 16, dim=1))
+                                                    k_smem.index(s).slice(p * _PAGE, _PAGE, dim=1))
                     tma.async_copy_global_to_shared(v_desc, [head * 2, row, 0], bar,
-                                                    v_smem.index(s).slice(p * 16, 16, dim=1))
+                                                    v_smem.index(s).slice(p * _PAGE, _PAGE, dim=1))
                 else:
-                    tma.async_copy_global_to_shared(k_desc, [row, head * 128], bar, k_smem.index(s).slice(p * 16, 16))
-                    tma.async_copy_global_to_shared(v_desc, [row, head * 128], bar, v_smem.index(s).slice(p * 16, 16))
+                    col = head * 2 * _HALF
+                    tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem.index(s).slice(p * _PAGE, _PAGE))
+                    tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem.index(s).slice(p * _PAGE, _PAGE))
             slot += 1
 
 
@@ -89,14 +93,14 @@ def _load(k_desc, v_desc, bt_ptr, stride_btb, n_items, tiles, k_smem, v_smem, re
 def _stream_kernel(k_desc, v_desc, bt_ptr, stride_btb, n_items, tiles, BLOCK_N: gl.constexpr,
                    STAGES: gl.constexpr, ROWS3D: gl.constexpr, HALVES: gl.constexpr):
     if ROWS3D:      # a stage: BLOCK_N tokens, each row's two halves side by side
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, 64], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, 64], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, _HALF], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, _HALF], v_desc.layout)
     elif HALVES:    # a stage: the tokens' first halves, then their second
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2, BLOCK_N, 64], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2, BLOCK_N, 64], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2, BLOCK_N, _HALF], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 2, BLOCK_N, _HALF], v_desc.layout)
     else:
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 128], v_desc.layout)
+        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2 * _HALF], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2 * _HALF], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -145,12 +149,12 @@ def main() -> None:
         batch, context = (int(x) for x in spec.split("x"))
         per_seq = context // PAGE
         blocks = batch * per_seq
-        k = torch.randn(blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16, )
+        k = torch.randn(blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         bt = torch.randperm(blocks, generator=gen).view(batch, per_seq).to(torch.int32).to(dev)
         nbytes = 2 * k.numel() * k.element_size()
         copy_ms = triton.testing.do_bench(lambda: k.clone(), warmup=25, rep=200)
-        copy = 2 * k.numel() * k.element_size() / copy_ms / 1e9          # read + write of one cache
+        copy = nbytes / copy_ms / 1e9          # one cache read and written: the bytes the stream reads of two
         q = torch.randn(batch, 4 * KV_HEADS, 1, HEAD_DIM, device=dev, dtype=torch.bfloat16)
         kc, vc = (x.view(batch, context, KV_HEADS, HEAD_DIM).transpose(1, 2).contiguous() for x in (k, v))
 
