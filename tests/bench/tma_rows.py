@@ -18,7 +18,9 @@ warpgroup that only waits for each stage and releases it. Four copy shapes:
 If `rows3d` or `flat` streams faster than `split`, whole-row copies are worth building into the decode; if not,
 the copy's shape does not bound it. Printed per row: the bytes a call reads over the median time (do_bench),
 and that over a device-to-device copy of the cache in the same process; beside them cuDNN SDPA's decode on the
-same shape (contiguous K and V, 32 query heads), its bytes of K and V over its median time.
+same shape (contiguous K and V, 32 query heads) and the catalog's Gluon decode (knowledge/attention/
+decode_gluon_sm90.py, its defaults, on the same shuffled pages), each one's bytes of K and V over its median time:
+the decode near `split`'s rate means the stream, not its consumer, bounds it.
 
     python3 tests/bench/tma_rows.py [--rows 32x4096,16x8192,...] [--stages 3] [--block-n 64]
 Needs an sm90 GPU.
@@ -26,6 +28,8 @@ Needs an sm90 GPU.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import pathlib
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 PAGE, KV_HEADS, HEAD_DIM = 16, 8, 128
+GLUON_DECODE = pathlib.Path(__file__).resolve().parents[2] / "knowledge" / "attention" / "decode_gluon_sm90.py"
 MODES = ("split", "rows3d", "flat", "halves")
 _PAGE, _KV_HEADS, _HALF = gl.constexpr(PAGE), gl.constexpr(KV_HEADS), gl.constexpr(HEAD_DIM // 2)
 
@@ -144,9 +149,13 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     print(f"{torch.cuda.get_device_name(dev)}; {sms} programs; {args.stages} stages of {args.block_n} tokens; "
           f"page {PAGE}, {KV_HEADS} kv heads, d {HEAD_DIM}, bf16; shuffled pages")
-    print(f"{'batch x context':>16} {'copy TB/s':>10} {'cuDNN':>16} " + " ".join(f"{m:>16}" for m in MODES))
-    for spec in args.rows.split(","):
-        batch, context = (int(x) for x in spec.split("x"))
+    spec = importlib.util.spec_from_file_location("decode_gluon_sm90", GLUON_DECODE)
+    gluon_decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gluon_decode)
+    print(f"{'batch x context':>16} {'copy TB/s':>10} {'cuDNN':>16} {'Gluon decode':>16} "
+          + " ".join(f"{m:>16}" for m in MODES))
+    for shape in args.rows.split(","):
+        batch, context = (int(x) for x in shape.split("x"))
         per_seq = context // PAGE
         blocks = batch * per_seq
         k = torch.randn(blocks, PAGE, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -163,7 +172,11 @@ def main() -> None:
                 return F.scaled_dot_product_attention(q, kc, vc, enable_gqa=True)
         lib = nbytes / triton.testing.do_bench(library, warmup=25, rep=200) / 1e9
         del kc, vc
-        line = f"{spec:>16} {copy:10.2f}  {lib:7.2f} ({lib / copy:5.3f})"
+        lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+        ours = nbytes / triton.testing.do_bench(
+            lambda: gluon_decode.decode(q.view(batch, 4 * KV_HEADS, HEAD_DIM), k, v, bt, lens, HEAD_DIM ** -0.5),
+            warmup=25, rep=200) / 1e9
+        line = f"{shape:>16} {copy:10.2f}  {lib:7.2f} ({lib / copy:5.3f})  {ours:7.2f} ({ours / copy:5.3f})"
         for mode in MODES:
             kd, vd = descriptors(k, mode, args.block_n), descriptors(v, mode, args.block_n)
             grid = (min(sms, batch * KV_HEADS),)
