@@ -766,9 +766,9 @@ def _attend_rows(q_ptr, pid_b, heads, offs_g, stride_qb, stride_qh, k_smem, v_sm
         odd = gl.split(gl.reshape(s1, [_ROWS, BLOCK_N, 2]))[1]
         p, m_i, l_i, alpha = _online_softmax(even + odd, m_i, l_i, pos0, end, qk_scale, s_layout, BLOCK_N, GROUP, 1)
         alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        none = gl.zeros_like(p)
-        p0 = gl.convert_layout(gl.reshape(gl.join(p, none), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
-        p1 = gl.convert_layout(gl.reshape(gl.join(none, p), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
+        nil = gl.zeros_like(p)
+        p0 = gl.convert_layout(gl.reshape(gl.join(p, nil), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
+        p1 = gl.convert_layout(gl.reshape(gl.join(nil, p), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
         a0 = warpgroup_mma(p0, v2, acc0 * alpha, is_async=True)
         a1 = warpgroup_mma(p1, v2, acc1 * alpha, is_async=True)
         acc0, acc1 = warpgroup_mma_wait(0, deps=(a0, a1, p0, p1, v2))[:2]
