@@ -10,13 +10,14 @@ warpgroup that only waits for each stage and releases it. Four copy shapes:
 
     split    [16, 128] into the 128-byte swizzle: two messages a page (what the decode does)
     rows3d   the cache seen as [rows, 2, 64], box [16, 2, 64], 128-byte swizzle: one message a page, whole rows
-             (shared memory holds a row's halves next to each other, which wgmma cannot read as one K tile)
+             (a row's halves side by side: a [2 x tokens, 64] tile, read with twice the products; the
+             decode's WHOLE_ROWS)
     flat     [16, 128] unswizzled: one message a page, whole rows, no swizzle (wgmma cannot read it either)
     halves   the cache seen as [2 halves, rows, 64] (strides out of order), box [2, 16, 64]: one message a page,
              the same shared layout and DRAM order as `split` (does the count of messages matter?)
 
-If `rows3d` or `flat` streams faster than `split`, whole-row copies are worth building into the decode; if not,
-the copy's shape does not bound it. Printed per row: the bytes a call reads over the median time (do_bench),
+If `rows3d` or `flat` streams faster than `split`, whole-row copies can pay (the decode's WHOLE_ROWS is the
+first); if not, the copy's shape does not bound it. Printed per row: the bytes a call reads over the median time (do_bench),
 and that over a device-to-device copy of the cache in the same process; beside them cuDNN SDPA's decode on the
 same shape (contiguous K and V, 32 query heads) and the catalog's Gluon decode (knowledge/attention/
 decode_gluon_sm90.py, its defaults, on the same shuffled pages), each one's bytes of K and V over its median time:
