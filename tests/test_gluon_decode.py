@@ -198,6 +198,7 @@ def test_the_whole_rows_decode_copies_a_page_in_one_message_and_takes_four_produ
         tma = [line for line in ptx_lines(tmp_path / f"{i}.ptx") if "cp.async.bulk.tensor" in line]
         assert len(tma) == 2 * copies and all(f".tensor.{dims}." in line for line in tma), tma
 
+
 def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_partials_stores(tmp_path):
     """FUSED_COMBINE (on its own and with ALL_HEADS) and LEAN: compiled for sm90, nothing spills and the registers
     and shared memory are those without it (LEAN's: those of items dealt by index); the PTX takes one ticket, an
