@@ -14,7 +14,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 GLUON_DECODE = ROOT / "knowledge" / "attention" / "decode_gluon_sm90.py"
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-ROWS32 = {"WHOLE_ROWS": True, "BLOCK_N": 32, "NUM_STAGES": 6}     # whole-row copies at the stages that do not spill
 
 
 @pytest.fixture(scope="module")
@@ -186,19 +185,6 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
 
 
-def test_the_whole_rows_decode_copies_a_page_in_one_message_and_takes_four_products_a_tile(tmp_path):
-    """WHOLE_ROWS, compiled for sm90: one 3-d TMA copy a page of K and of V (the split copy: two 2-d ones each), four
-    wgmma in the code (two products for S, two for O) where the defaults have two, and at 32-token stages, 6 deep,
-    nothing spilled in the defaults' registers and shared memory."""
-    specs = [f"{GLUON_DECODE}:BLOCK_N=32,NUM_STAGES=6", f"{GLUON_DECODE}:WHOLE_ROWS=True,BLOCK_N=32,NUM_STAGES=6"]
-    split, rows = sm90_lines(specs, options=("--ptx", str(tmp_path)))
-    assert " 0 B stack" in rows and "wgmma 4 in the code" in rows and "wgmma 2 in the code" in split, (split, rows)
-    assert rows.split(" B stack")[1].split("->")[0] == split.split(" B stack")[1].split("->")[0], (split, rows)
-    for i, (dims, copies) in enumerate((("2d", 4), ("3d", 2))):     # a stage's 2 pages of K and of V, one loop
-        tma = [line for line in ptx_lines(tmp_path / f"{i}.ptx") if "cp.async.bulk.tensor" in line]
-        assert len(tma) == 2 * copies and all(f".tensor.{dims}." in line for line in tma), tma
-
-
 def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_partials_stores(tmp_path):
     """FUSED_COMBINE (on its own and with ALL_HEADS) and LEAN: compiled for sm90, nothing spills and the registers
     and shared memory are those without it (LEAN's: those of items dealt by index); the PTX takes one ticket, an
@@ -258,18 +244,13 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
     ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
     ({"MIN_ROUNDS": 2}, [5000, 16000, 9000, 12000, 1, 700], 32, 8, 128),     # 5 splits (132 SMs): two rounds
-    (ROWS32, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),     # whole rows: a token's halves paired
-    ({"WHOLE_ROWS": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),        # 64-token stages (spilling)
-    (ROWS32, [5, 130, 3000], 16, 2, 64),                                     # 64-byte rows
-    (dict(ROWS32, LEAN=True), [1, 17, 64, 65, 1500], 32, 8, 128),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
         "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
         "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300",
         "batch-200", "batch-300-by-index", "all-heads-group8-d64-five", "by-index-splits",
-        "by-index-no-split-many-items", "two-rounds-of-splits", "whole-rows-splits", "whole-rows-block64-many-items",
-        "whole-rows-group8-d64", "whole-rows-lean"])
+        "by-index-no-split-many-items", "two-rounds-of-splits"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

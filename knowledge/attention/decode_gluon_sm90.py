@@ -32,8 +32,8 @@ What it does
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS, PROGRAMS_PER_SM, LONGEST_FIRST
-    (on), SPLITS_FROM_LENGTHS (1) and ITEM_COST_TOKENS, and five designs off by default: OVERLAP_TILES, ALL_HEADS,
-    FUSED_COMBINE and LEAN (their GPU tests pass; timed below), and WHOLE_ROWS (not yet run on a GPU):
+    (on), SPLITS_FROM_LENGTHS (1) and ITEM_COST_TOKENS, and four designs off by default: OVERLAP_TILES, ALL_HEADS,
+    FUSED_COMBINE and LEAN (their GPU tests pass; timed below):
     * LONGEST_FIRST (on): before the partitions start, the consumer's warps rank the batch's sequences by their
       real length (every pair compared; ties by index) into shared memory, and each partition deals itself items
       in that order (sequence, then split, then kv head): round k takes items k x programs on, to programs 0..P-1
@@ -74,17 +74,6 @@ Knobs (module constants below, one per line)
       ncu the defaults stream at 90% of DRAM's peak against cuDNN's 91-92%, each copy 16 rows of 256 bytes 2 KB
       apart; here a copy is 32 KB contiguous. More rows split (32 sequences fill 132 programs at 4 splits) and pay
       the merge. Compiled: 232 registers, 200 KB shared at 3 stages (one program an SM).
-    * WHOLE_ROWS (not with ALL_HEADS or OVERLAP_TILES): a page of one kv head is one TMA message of whole rows,
-      the cache seen as [rows, kv heads x 2, d / 2] and a stage as [2 x BLOCK_N, d / 2], row 2t + h half h of token
-      t (a message of the split copy reads one half of each of the page's 16 rows, and TMA's swizzle stops at 128
-      bytes). S = Q's first half against the stage (its even columns) + Q's second half against it (its odd
-      columns): each pair is one thread's, a reshape and a split of the accumulators. O's half h = P spread to half
-      h's columns, zeros between, against the stage. So four products a tile where the split copy takes two.
-      Why: the last 1-2% to cuDNN is the stream's DRAM efficiency (above), and the split copy is the untried part
-      of it; tests/bench/tma_rows.py times the bare stream both ways. Compiled: at BLOCK_N 64 the two [64, 128]
-      score accumulators spill (96 B stack); at BLOCK_N 32, 6 stages (the defaults' bytes in flight), nothing
-      spills, 128 registers and 104 KB shared as the defaults. Not yet run on a GPU: its GPU test and timing wait
-      for a device session (2026-12-07), and the catalog does not offer it until they pass.
     Neither spills. Timed (H100 under CUDA graphs, 2026-12-06, the
     issue's rows in one call): OVERLAP_TILES 0.972-0.984x cuDNN against the defaults' 0.978-0.987x (the consumer
     does not bound the stream there); ALL_HEADS at 2 stages 0.995x at 128 x 1k (defaults 0.978x), 0.953-0.974x on
@@ -173,13 +162,11 @@ LEAN = False  # the batch's tiles cut into one equal stretch a program, from the
 LONGEST_FIRST = True  # items dealt longest sequence first, every other round reversed (see above; batch <= 256)
 SPLITS_FROM_LENGTHS = 1  # the split count chosen on device from the real lengths: one round of items or two (1 or 2)
 ITEM_COST_TOKENS = 256  # ... by an estimate of the deal, an item costing its tokens and this many more (a guess)
-WHOLE_ROWS = False  # a page a TMA message of whole rows, a token's halves side by side; two products each (see above)
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
 _ROWS = gl.constexpr(ROWS)
 _OVERLAP_TILES = gl.constexpr(OVERLAP_TILES and NUM_STAGES >= 2)   # one stage: tile j's would be j-1's, still held
-_WHOLE_ROWS = gl.constexpr(WHOLE_ROWS)
 _TICKETS = {}  # device -> its int32 ticket buffers, the largest last, none freed (FUSED_COMBINE, LEAN)
 _CHOSEN = {}  # device -> int32[1]: the split count the last call that chose one chose (SPLITS_FROM_LENGTHS)
 
@@ -449,9 +436,8 @@ def _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty
         mbarrier.expect(bar, 2 * (BLOCK_N // PAGE) * k_desc.block_type.nbytes)
         for p in gl.static_range(BLOCK_N // PAGE):
             row = gl.sum(gl.where(offs_p == p, pages, 0), axis=0) * PAGE_ROWS
-            at = [row, pid_kvh * 2, 0] if _WHOLE_ROWS else [row, col]   # WHOLE_ROWS: [rows, kv heads x 2, d / 2]
-            tma.async_copy_global_to_shared(k_desc, at, bar, k_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
-            tma.async_copy_global_to_shared(v_desc, at, bar, v_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(k_desc, [row, col], bar, k_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
+            tma.async_copy_global_to_shared(v_desc, [row, col], bar, v_smem.index(s).slice(p * PAGE_ROWS, PAGE_ROWS))
         slot += 1
     return slot
 
@@ -503,7 +489,7 @@ def _online_softmax(s, m_i, l_i, pos0, end, qk_scale, s_layout: gl.constexpr, BL
         live = own | (rows >= GROUP)[:, None]
         s = gl.where(live & ((pos0 + keys // KV_HEADS) < end)[None, :], s, float("-inf"))
     else:
-        offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        offs_n = pos0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         s = gl.where((offs_n < end)[None, :], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_new[:, None])
@@ -678,23 +664,6 @@ def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_sm
                  KV_HEADS: gl.constexpr):
     """The consumer's online softmax of one item (tokens [start, end) of a sequence) over the ring's stages from
     its count `slot` on: (unnormalised O, max, sum, in `rows_layout`; the ring's count past the item)."""
-    if _WHOLE_ROWS:
-        o, m_r, l_r, slot = _attend_rows(q_ptr, pid_b, heads, offs_g, stride_qb, stride_qh, k_smem, v_smem, ready,
-                                         empty, slot, start, end, seq_len, qk_scale, rows_layout, GROUP, HEAD_DIM,
-                                         BLOCK_N, STAGES)
-    else:
-        o, m_r, l_r, slot = _attend_tiles(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem, v_smem,
-                                          ready, empty, slot, start, end, seq_len, qk_scale, s_layout, o_layout,
-                                          rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
-    return o, m_r, l_r, slot
-
-
-@gluon.jit
-def _attend_tiles(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem, v_smem, ready, empty, slot, start,
-                  end, seq_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, rows_layout: gl.constexpr,
-                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  KV_HEADS: gl.constexpr):
-    """`_attend_item` on stages of [BLOCK_N x KV_HEADS, d] tiles (the split copy, or ALL_HEADS' pages)."""
     q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=(offs_g < GROUP)[:, None], other=0.0)
     q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
@@ -723,58 +692,6 @@ def _attend_tiles(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_s
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
             mbarrier.arrive(empty.index(slot % STAGES), count=1)
             slot += 1
-    return (gl.convert_layout(acc, rows_layout), gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout)),
-            gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout)), slot)
-
-
-@gluon.jit
-def _attend_rows(q_ptr, pid_b, heads, offs_g, stride_qb, stride_qh, k_smem, v_smem, ready, empty, slot, start, end,
-                 seq_len, qk_scale, rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """WHOLE_ROWS' `_attend_item`: a stage is a [2 x BLOCK_N, d / 2] tile whose row 2t + h is half h of token t.
-    S = Q's first half against the tile (its even columns) + Q's second half against it (its odd columns), the two
-    of a pair in one thread (a reshape and a split of the accumulators); O's half h = P spread to the columns of half
-    h (zeros between) against the tile. Twice the products of the split copy, on idle tensor cores."""
-    HALF: gl.constexpr = HEAD_DIM // 2
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 2 * BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16])
-    q_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-    p_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, rows_layout))
-    q_row = q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_h[None, :]
-    q0 = gl.convert_layout(gl.load(q_row, mask=(offs_g < GROUP)[:, None], other=0.0), q_a)
-    q1 = gl.convert_layout(gl.load(q_row + HALF, mask=(offs_g < GROUP)[:, None], other=0.0), q_a)
-    no_s = gl.zeros([_ROWS, 2 * BLOCK_N], gl.float32, s_layout)
-    like = gl.split(gl.reshape(no_s, [_ROWS, BLOCK_N, 2]))[0]          # a tile's scores, in their layout
-    m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, like.type.layout))
-    l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, like.type.layout))
-    acc0 = gl.zeros([_ROWS, HALF], gl.float32, o_layout)
-    acc1 = gl.zeros([_ROWS, HALF], gl.float32, o_layout)
-    for tile in range(gl.cdiv(end - start, BLOCK_N)):
-        pos0 = start + tile * BLOCK_N
-        s_idx = slot % STAGES
-        mbarrier.wait(ready.index(s_idx), (slot // STAGES) & 1)
-        k2 = k_smem.index(s_idx).reshape([2 * BLOCK_N, HALF])
-        v2 = v_smem.index(s_idx).reshape([2 * BLOCK_N, HALF])
-        if pos0 + BLOCK_N > seq_len:        # V's rows past the sequence zeroed (a token's two rows alike)
-            _zero_rows_from(v2, 2 * (seq_len - pos0), 2 * BLOCK_N, HALF)
-        s0 = warpgroup_mma(q0, k2.permute((1, 0)), no_s, use_acc=False, is_async=True)
-        s1 = warpgroup_mma(q1, k2.permute((1, 0)), no_s, use_acc=False, is_async=True)
-        s0, s1 = warpgroup_mma_wait(0, deps=(s0, s1, q0, q1, k2))[:2]
-        even = gl.split(gl.reshape(s0, [_ROWS, BLOCK_N, 2]))[0]
-        odd = gl.split(gl.reshape(s1, [_ROWS, BLOCK_N, 2]))[1]
-        p, m_i, l_i, alpha = _online_softmax(even + odd, m_i, l_i, pos0, end, qk_scale, s_layout, BLOCK_N, GROUP, 1)
-        alpha = gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        nil = gl.zeros_like(p)
-        p0 = gl.convert_layout(gl.reshape(gl.join(p, nil), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
-        p1 = gl.convert_layout(gl.reshape(gl.join(nil, p), [_ROWS, 2 * BLOCK_N]).to(gl.bfloat16), p_a)
-        a0 = warpgroup_mma(p0, v2, acc0 * alpha, is_async=True)
-        a1 = warpgroup_mma(p1, v2, acc1 * alpha, is_async=True)
-        acc0, acc1 = warpgroup_mma_wait(0, deps=(a0, a1, p0, p1, v2))[:2]
-        mbarrier.arrive(empty.index(s_idx), count=1)
-        slot += 1
-    acc = gl.reshape(gl.permute(gl.join(acc0, acc1), [0, 2, 1]), [_ROWS, HEAD_DIM])     # column h x d/2 + c
     return (gl.convert_layout(acc, rows_layout), gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout)),
             gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout)), slot)
 
@@ -844,12 +761,8 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items (LONGEST_FIRST: the sequences' ranks found first, by all warps of the consumer,
     into shared memory; CHOOSE: then the batch's split count, min_splits or max_splits, the grid's)."""
-    if _WHOLE_ROWS:     # a stage: BLOCK_N tokens, each one's two halves side by side
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, HEAD_DIM // 2], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 2, HEAD_DIM // 2], v_desc.layout)
-    else:
-        k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N * KV_HEADS, HEAD_DIM], v_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -1020,20 +933,6 @@ def cache_rows(cache):
     return cache.view(blocks * page * heads, d) if ALL_HEADS else cache.view(blocks * page, heads * d)
 
 
-def cache_descriptor(rows, head_dim, page, kv_heads, block_n):
-    """The TMA descriptor of a cache's rows (`cache_rows`): a page of one kv head (ALL_HEADS: of every one) a copy
-    into a ring stage's shared layout; WHOLE_ROWS: the rows seen as [rows, kv heads x 2, d / 2], a page's whole rows
-    a copy, into [page, 2, d / 2] (a token's halves side by side)."""
-    if WHOLE_ROWS:
-        assert not ALL_HEADS and not OVERLAP_TILES, "WHOLE_ROWS: one kv head a copy, the plain loop"
-        halves = rows.view(rows.shape[0], -1, head_dim // 2)
-        block = [page, 2, head_dim // 2]
-        layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-        return TensorDescriptor(halves, list(halves.shape), [halves.stride(0), halves.stride(1), 1], block, layout)
-    layout = gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, head_dim], gl.bfloat16)
-    return TensorDescriptor(rows, list(rows.shape), [rows.stride(0), 1], [page * kv_heads, head_dim], layout)
-
-
 def fused_merge_shape(rows, splits):
     """FUSED_COMBINE's merge: (its rows padded to a power of two, splits a load). A thread holds splits x rows of
     each partial a load, at most 32: ALL_HEADS' 32 rows at 2 splits spill beside its 64 x 128 scores, and 16 rows
@@ -1072,7 +971,9 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     if batch == 0:
         return out
     sms = _sm_count(q.device) * PROGRAMS_PER_SM
-    k_desc, v_desc = (cache_descriptor(r, head_dim, page, kv_heads, block_n) for r in (k_rows, v_rows))
+    layout = gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, head_dim], gl.bfloat16)
+    k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page * kv_heads, head_dim], layout)
+                      for r in (k_rows, v_rows))
     group = num_q_heads // num_kv_heads
     f32 = dict(dtype=torch.float32, device=q.device)
     fewest = 0

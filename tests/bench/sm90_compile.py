@@ -118,11 +118,7 @@ def compile_gluon_decode(mod, batch=32):
     fn = mod._decode_kernel
     shape = getattr(mod, "kernel_shape", lambda hq, hkv, page: (hq // hkv, 1, hkv, mod.BLOCK_N))
     rows, kv_heads, _, block_n = shape(32, 8, 16)
-    if getattr(mod, "WHOLE_ROWS", False):       # a page's whole rows a copy, a token's halves side by side
-        block, stage = [16, 2, 64], [16, 2, 64]
-    else:                                        # a page a copy into a stage of block_n tokens
-        block, stage = [16 * kv_heads, 128], [block_n * kv_heads, 128]
-    layout = mod.gl.NVMMASharedLayout.get_default_for(stage, mod.gl.bfloat16)
+    layout = mod.gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, 128], mod.gl.bfloat16)
     consts = dict(GROUP=rows, HEAD_DIM=128, BLOCK_N=block_n, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False,
                   KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)),
                   LEAN=bool(getattr(mod, "LEAN", False)), RB=getattr(mod, "rank_lanes", lambda b: 0)(batch),
@@ -133,7 +129,7 @@ def compile_gluon_decode(mod, batch=32):
     if hasattr(mod, "fused_merge_shape"):
         consts["GP"], consts["SPLIT_CHUNK"] = mod.fused_merge_shape(rows, 8)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    desc = f"tensordesc<bf16[{', '.join(map(str, block))}],{layout!r}>"
+    desc = f"tensordesc<bf16[{16 * kv_heads}, 128],{layout!r}>"
     sig = {n: "constexpr" if n in consts else desc if n.endswith("_desc") else POINTERS.get(n)
            or ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     options = mod.launch_options()

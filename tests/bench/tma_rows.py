@@ -10,18 +10,19 @@ warpgroup that only waits for each stage and releases it. Four copy shapes:
 
     split    [16, 128] into the 128-byte swizzle: two messages a page (what the decode does)
     rows3d   the cache seen as [rows, 2, 64], box [16, 2, 64], 128-byte swizzle: one message a page, whole rows
-             (a row's halves side by side: a [2 x tokens, 64] tile, read with twice the products; the
-             decode's WHOLE_ROWS)
+             (a row's halves side by side: a [2 x tokens, 64] tile, read with twice the products)
     flat     [16, 128] unswizzled: one message a page, whole rows, no swizzle (wgmma cannot read it either)
     halves   the cache seen as [2 halves, rows, 64] (strides out of order), box [2, 16, 64]: one message a page,
              the same shared layout and DRAM order as `split` (does the count of messages matter?)
 
-If `rows3d` or `flat` streams faster than `split`, whole-row copies can pay (the decode's WHOLE_ROWS is the
-first); if not, the copy's shape does not bound it. Printed per row: the bytes a call reads over the median time (do_bench),
-and that over a device-to-device copy of the cache in the same process; beside them cuDNN SDPA's decode on the
-same shape (contiguous K and V, 32 query heads) and the catalog's Gluon decode (knowledge/attention/
-decode_gluon_sm90.py, its defaults, on the same shuffled pages), each one's bytes of K and V over its median time:
-the decode near `split`'s rate means the stream, not its consumer, bounds it.
+If `rows3d` or `flat` streams faster than `split`, whole-row copies can pay; if not, the copy's shape does not
+bound it. (2026-12-07, H100: the four streamed within 0.5% of each other, and a whole-rows decode, WHOLE_ROWS in
+commit e9007f8, was slower than the defaults on every row; it was taken out: docs/BENCHMARKS.md.) Printed per
+row: the bytes a call reads over the median time (do_bench), and that over a device-to-device copy of the cache
+in the same process; beside them cuDNN SDPA's decode on the same shape (contiguous K and V, 32 query heads) and
+the catalog's Gluon decode (knowledge/attention/decode_gluon_sm90.py, its defaults, on the same shuffled pages),
+each one's bytes of K and V over its median time: the decode near `split`'s rate means the stream, not its
+consumer, bounds it.
 
     python3 tests/bench/tma_rows.py [--rows 32x4096,16x8192,...] [--stages 3] [--block-n 64]
 Needs an sm90 GPU.
