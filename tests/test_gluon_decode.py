@@ -185,21 +185,6 @@ def test_the_gluon_decodes_all_heads_step_scores_every_query_head_against_a_whol
     assert " 0 B stack" in all_heads and "at most 1 programs per SM" in all_heads, all_heads
 
 
-def test_the_gluon_decodes_q_ahead_has_the_loader_bring_each_items_query_by_tma_into_two_shared_buffers(tmp_path):
-    """Q_AHEAD: compiled for sm90, the loader issues one more tensor copy (an item's 64 query rows, two messages:
-    a 256-byte row split at the 128-byte swizzle, as the pages' are) and the consumer
-    no longer loads Q from global memory (one ld.global fewer: only its length, loaded an item ahead); two 16 KB
-    buffers join shared memory, nothing spills and the registers stay those of the defaults."""
-    plain, ahead = sm90_lines([str(GLUON_DECODE), f"{GLUON_DECODE}:Q_AHEAD=True"], options=("--ptx", str(tmp_path)))
-    regs = (lambda line: line.split(" registers")[0].split()[-1])
-    shared = (lambda line: float(line.split(" KB shared")[0].split()[-1]))
-    assert " 0 B stack" in ahead and regs(ahead) == regs(plain), (plain, ahead)
-    assert round(shared(ahead) - shared(plain), 1) == 32.0, (plain, ahead)
-    count = (lambda i, op: sum(op in line for line in ptx_lines(tmp_path / f"{i}.ptx")))
-    assert count(1, "cp.async.bulk.tensor") == count(0, "cp.async.bulk.tensor") + 2
-    assert count(1, "ld.global") < count(0, "ld.global"), (count(0, "ld.global"), count(1, "ld.global"))
-
-
 def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_partials_stores(tmp_path):
     """FUSED_COMBINE (on its own and with ALL_HEADS) and LEAN: compiled for sm90, nothing spills and the registers
     and shared memory are those without it (LEAN's: those of items dealt by index); the PTX takes one ticket, an
@@ -259,22 +244,13 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
     ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
     ({"MIN_ROUNDS": 2}, [5000, 16000, 9000, 12000, 1, 700], 32, 8, 128),     # 5 splits (132 SMs): two rounds
-    ({"Q_AHEAD": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # Q's box past the last row
-    ({"Q_AHEAD": True}, [300] * 63 + [1, 33, 2100], 16, 4, 128),     # two items a program: both buffers, ranked
-    ({"Q_AHEAD": True}, [5, 130, 3000], 16, 2, 64),
-    ({"Q_AHEAD": True, "OVERLAP_TILES": True, "NUM_STAGES": 2}, [1, 17, 64, 65, 1500], 32, 8, 128),
-    ({"Q_AHEAD": True, "ALL_HEADS": True}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),
-    ({"Q_AHEAD": True, "FUSED_COMBINE": True}, [70, 640, 2500], 32, 4, 128),
-    ({"Q_AHEAD": True, "LONGEST_FIRST": False}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),
 ], ids=["splits", "no-split-many-items", "group8-d64", "two-stages", "block32", "block128", "fine-splits",
         "two-programs-an-sm", "overlap-splits", "overlap-two-stages-many-items", "overlap-block128-group8-d64",
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
         "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
         "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300",
         "batch-200", "batch-300-by-index", "all-heads-group8-d64-five", "by-index-splits",
-        "by-index-no-split-many-items", "two-rounds-of-splits", "q-ahead-splits", "q-ahead-many-items",
-        "q-ahead-group8-d64", "q-ahead-overlap-two-stages", "q-ahead-all-heads", "q-ahead-fused",
-        "q-ahead-by-index-batch-300"])
+        "by-index-no-split-many-items", "two-rounds-of-splits"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
     kernel loads whole, among them): finite, and within parity's bf16 floors doubled of the float64 reference."""

@@ -32,8 +32,8 @@ What it does
 
 Knobs (module constants below, one per line)
     BLOCK_N, NUM_STAGES, MIN_TOKENS_PER_SPLIT, MAX_SPLITS, ROUND_FILL, MIN_ROUNDS, PROGRAMS_PER_SM, LONGEST_FIRST
-    (on), SPLITS_FROM_LENGTHS (1) and ITEM_COST_TOKENS, and five designs off by default: OVERLAP_TILES, ALL_HEADS,
-    FUSED_COMBINE, LEAN and Q_AHEAD (timed below):
+    (on), SPLITS_FROM_LENGTHS (1) and ITEM_COST_TOKENS, and four designs off by default: OVERLAP_TILES, ALL_HEADS,
+    FUSED_COMBINE and LEAN (their GPU tests pass; timed below):
     * LONGEST_FIRST (on): before the partitions start, the consumer's warps rank the batch's sequences by their
       real length (every pair compared; ties by index) into shared memory, and each partition deals itself items
       in that order (sequence, then split, then kv head): round k takes items k x programs on, to programs 0..P-1
@@ -61,14 +61,6 @@ Knobs (module constants below, one per line)
       before the loader starts and the merge over twice the slots (not profiled). Compiled: 128 registers, nothing
       spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal rows it splits (16 x 8k,
       8 x 32k).
-    * Q_AHEAD (not with LEAN): the loader, before an item's tiles, copies its query rows by TMA (a box of the
-      consumer's 64 rows of the query seen as [batch x q heads, d]: the group's, then the next heads', zeros past
-      the last) into the next of two shared buffers, and the consumer's wgmma reads Q there; the consumer loads
-      each item's length an item ahead. So no global load stands between one item's O and the next item's first
-      product. Why: the decode reaches 0.953-0.997 of its own bare stream (tests/bench/tma_rows.py, H100), a loss
-      of about 1 us an item on four rows; the item's start waited on two dependent global loads (its length, then
-      Q from DRAM, a fresh query every call) and Q's layout conversion. Compiled: 128 registers, nothing spilled,
-      136 KB shared (two 16 KB buffers: one program an SM).
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
       P V and j's softmax runs beside that product; a stage is released a softmax later (2+ stages, else the plain
       loop). Why: the plain loop waits for each product, so a tile costs the consumer two wgmma latencies and a
@@ -170,7 +162,6 @@ LEAN = False  # the batch's tiles cut into one equal stretch a program, from the
 LONGEST_FIRST = True  # items dealt longest sequence first, every other round reversed (see above; batch <= 256)
 SPLITS_FROM_LENGTHS = 1  # the split count chosen on device from the real lengths: one round of items or two (1 or 2)
 ITEM_COST_TOKENS = 256  # ... by an estimate of the deal, an item costing its tokens and this many more (a guess)
-Q_AHEAD = False  # the loader brings each item's Q by TMA into shared memory (two buffers), the consumer its length, an item ahead
 
 _LOG2E = 1.4426950408889634
 ROWS = 64  # the consumer's rows: one warpgroup's wgmma M (the group's query heads, padded)
@@ -233,16 +224,10 @@ def _item(pid_s, pid_b, seqlens_ptr, max_splits, min_tokens, BLOCK_N: gl.constex
     """A work item's sequence length, its sequence's split count and the split's tokens [start, end): the split
     count and chunk come from the real length, as the GQA family sizes them."""
     seq_len = gl.load(seqlens_ptr + pid_b)
-    n_split, start, end = _bounds(seq_len, pid_s, max_splits, min_tokens, BLOCK_N)
-    return seq_len, n_split, start, end
-
-
-@gluon.jit
-def _bounds(seq_len, pid_s, max_splits, min_tokens, BLOCK_N: gl.constexpr):
-    """(its sequence's split count, the split's tokens [start, end)) for split pid_s of a sequence of seq_len."""
     chunk = _chunk(seq_len, max_splits, min_tokens, BLOCK_N)
+    n_split = gl.cdiv(seq_len, chunk)
     start = pid_s * chunk
-    return gl.cdiv(seq_len, chunk), start, gl.minimum(start + chunk, seq_len)
+    return seq_len, n_split, start, gl.minimum(start + chunk, seq_len)
 
 
 @gluon.jit
@@ -398,15 +383,14 @@ def _lean_piece(seg, seg_start, u0, u1, seqlens_ptr, num_kv_heads, BLOCK_N: gl.c
 
 
 @gluon.jit
-def _loader(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
-            max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-            stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, q_smem, q_ready, q_empty,
-            GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-            STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-            GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr,
-            QTMA: gl.constexpr):
-    """The loader warp: each live item's tiles, a page a TMA copy, into the ring (QTMA: its Q first, into the
-    next of two buffers) (its arguments are the consumer's: Gluon gives every partition one signature)."""
+def _loader(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
+            min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh, k_smem,
+            v_smem, ready, empty, ranks_smem, plan_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+            BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+            KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+            LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
+    """The loader warp: each live item's tiles, a page a TMA copy, into the ring (its arguments are the
+    consumer's: Gluon gives every partition one signature)."""
     slot = 0
     if LEAN:
         lanes: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
@@ -422,20 +406,10 @@ def _loader(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr,
             mid = gl.where(i == 1, mid, seg_end)
     else:
         splits, n_items = _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE, 1)
-        n_live = 0
         for k in range(gl.cdiv(n_items, gl.num_programs(0))):
             r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, splits, RB, 1)
             seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, splits, min_tokens, BLOCK_N)
             if (r < n_items) & (pid_s < n_split):
-                if QTMA:
-                    # the item's query rows (its GQA group first; the box runs on over the next heads' rows, or
-                    # zeros past the last) into buffer n_live % 2, once the item two before has let it go
-                    b = n_live % 2
-                    mbarrier.wait(q_empty.index(b), ((n_live // 2) & 1) ^ 1)
-                    mbarrier.expect(q_ready.index(b), q_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(q_desc, [(pid_b * num_kv_heads + pid_kvh) * GROUP, 0],
-                                                    q_ready.index(b), q_smem.index(b))
-                    n_live += 1
                 slot = _load_tiles(k_desc, v_desc, bt_ptr, stride_btb, k_smem, v_smem, ready, empty, slot, pid_b,
                                    pid_kvh, seq_len, start, end, HEAD_DIM, BLOCK_N, PAGE, STAGES, KV_HEADS)
 
@@ -622,13 +596,12 @@ def _merge_fused(out_ptr, po_ptr, pm_ptr, pair, max_splits, n_split, pid_b, pid_
 
 
 @gluon.jit
-def _consumer(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
-              max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
-              stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, q_smem, q_ready, q_empty,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr,
-              STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
-              GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, LEAN: gl.constexpr, RB: gl.constexpr,
-              CHOOSE: gl.constexpr, QTMA: gl.constexpr):
+def _consumer(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits,
+              min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob, stride_oh,
+              k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
+              BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
+              KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
+              LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
     """The consumer warpgroup: each live item's online softmax over the ring's stages, then its O (one split in the
     grid) or its partial; an item past its sequence's splits writes a max of -inf (FUSED: nothing; the last of a
     (sequence, kv head)'s splits to finish merges its partials). LEAN: each piece of its stretch, the whole of a
@@ -654,9 +627,8 @@ def _consumer(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_pt
                                                                                      BLOCK_N)
             heads = pid_kvh * GROUP + offs_g
             o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
-                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, q_smem,
-                                             q_ready, q_empty, 0, s_layout, o_layout, rows_layout, GROUP, HEAD_DIM,
-                                             BLOCK_N, STAGES, KV_HEADS, False)
+                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
+                                             o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
             if (u == seg_start) & (piece_end == seg_end):      # the whole (sequence, kv head): its output
                 o = o * (1.0 / gl.where(l_r > 0.0, l_r, 1.0))[:, None]
                 gl.store(out_ptr + pid_b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -681,27 +653,20 @@ def _consumer(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_pt
     else:
         _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                        num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem,
-                       ready, empty, ranks_smem, plan_smem, q_smem, q_ready, q_empty, offs_g, offs_d, s_layout,
-                       o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, SINGLE, KV_HEADS, FUSED, GP,
-                       SPLIT_CHUNK, RB, CHOOSE, QTMA)
+                       ready, empty, ranks_smem, plan_smem, offs_g, offs_d, s_layout, o_layout, rows_layout, GROUP,
+                       HEAD_DIM, BLOCK_N, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, RB, CHOOSE)
 
 
 @gluon.jit
 def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem, v_smem, ready, empty, slot, start,
-                 end, seq_len, qk_scale, q_smem, q_ready, q_empty, n_live, s_layout: gl.constexpr,
-                 o_layout: gl.constexpr, rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_HEADS: gl.constexpr, QTMA: gl.constexpr):
+                 end, seq_len, qk_scale, s_layout: gl.constexpr, o_layout: gl.constexpr, rows_layout: gl.constexpr,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 KV_HEADS: gl.constexpr):
     """The consumer's online softmax of one item (tokens [start, end) of a sequence) over the ring's stages from
-    its count `slot` on: (unnormalised O, max, sum, in `rows_layout`; the ring's count past the item). Q from
-    registers, or (QTMA) read by the wgmma from the shared buffer the loader filled for this, the n_live-th live
-    item, which is let go once the item's last product is done."""
-    if QTMA:
-        mbarrier.wait(q_ready.index(n_live % 2), (n_live // 2) & 1)
-        q_op = q_smem.index(n_live % 2)
-    else:
-        q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                    mask=(offs_g < GROUP)[:, None], other=0.0)
-        q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    its count `slot` on: (unnormalised O, max, sum, in `rows_layout`; the ring's count past the item)."""
+    q = gl.load(q_ptr + pid_b.to(gl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=(offs_g < GROUP)[:, None], other=0.0)
+    q_op = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
     m_i = gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([_ROWS], gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([_ROWS, HEAD_DIM], gl.float32, o_layout)
@@ -727,8 +692,6 @@ def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_sm
             acc, _, _ = warpgroup_mma_wait(0, deps=(acc_tok, p_op, v_tile))
             mbarrier.arrive(empty.index(slot % STAGES), count=1)
             slot += 1
-    if QTMA:
-        mbarrier.arrive(q_empty.index(n_live % 2), count=1)
     return (gl.convert_layout(acc, rows_layout), gl.convert_layout(m_i, gl.SliceLayout(1, rows_layout)),
             gl.convert_layout(l_i, gl.SliceLayout(1, rows_layout)), slot)
 
@@ -736,15 +699,13 @@ def _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_sm
 @gluon.jit
 def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale, max_splits, min_tokens,
                    num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_ob, stride_oh, k_smem, v_smem, ready,
-                   empty, ranks_smem, plan_smem, q_smem, q_ready, q_empty, offs_g, offs_d, s_layout: gl.constexpr,
-                   o_layout: gl.constexpr, rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
-                   BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr,
-                   FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr,
-                   CHOOSE: gl.constexpr, QTMA: gl.constexpr):
+                   empty, ranks_smem, plan_smem, offs_g, offs_d, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                   rows_layout: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, SINGLE: gl.constexpr, KV_HEADS: gl.constexpr, FUSED: gl.constexpr,
+                   GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr):
     """The consumer over its items (split, sequence, kv head) as _dealt deals them (not LEAN); partials are
     max_splits a (sequence, kv head) apart, and where the batch chose fewer (CHOOSE), program p first marks the
-    rest of (sequence, kv head) p's dead for the merge. QTMA: each item's length is loaded an item ahead (its
-    Q comes from the loader), so that no global load stands between one item's O and the next one's first wgmma."""
+    rest of (sequence, kv head) p's dead for the merge."""
     slot = 0
     splits, n_items = _plan_now(plan_smem, max_splits, n_items, batch, num_kv_heads, CHOOSE, 4)
     if CHOOSE and not FUSED:
@@ -755,28 +716,16 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
             rows = _partial_rows(pid.to(gl.int64) * max_splits + j, pid_b, j, offs_g, max_splits, GROUP, KV_HEADS)
             gl.store(pm_ptr + 2 * rows, gl.full([_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, rows_layout)),
                      mask=offs_g < GROUP)
-    n_live = 0
-    if QTMA:
-        r_next, s_next, b_next, h_next = _dealt(0, ranks_smem, batch, num_kv_heads, splits, RB, 4)
-        len_next = gl.load(seqlens_ptr + b_next)
     for k in range(gl.cdiv(n_items, gl.num_programs(0))):
-        if QTMA:
-            r, pid_s, pid_b, pid_kvh, seq_len = r_next, s_next, b_next, h_next, len_next
-            n_split, start, end = _bounds(seq_len, pid_s, splits, min_tokens, BLOCK_N)
-            r_next, s_next, b_next, h_next = _dealt(k + 1, ranks_smem, batch, num_kv_heads, splits, RB, 4)
-            len_next = gl.load(seqlens_ptr + b_next)       # past the last item, an index of the batch still
-        else:
-            r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, splits, RB, 4)
-            seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, splits, min_tokens, BLOCK_N)
+        r, pid_s, pid_b, pid_kvh = _dealt(k, ranks_smem, batch, num_kv_heads, splits, RB, 4)
+        seq_len, n_split, start, end = _item(pid_s, pid_b, seqlens_ptr, splits, min_tokens, BLOCK_N)
         heads = pid_kvh * GROUP + offs_g
         partial = (pid_b.to(gl.int64) * num_kv_heads + pid_kvh) * max_splits + pid_s    # its row of partials
         live = r < n_items
         if live & (pid_s < n_split):
             o, m_r, l_r, slot = _attend_item(q_ptr, pid_b, heads, offs_g, offs_d, stride_qb, stride_qh, k_smem,
-                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, q_smem,
-                                             q_ready, q_empty, n_live, s_layout, o_layout, rows_layout, GROUP,
-                                             HEAD_DIM, BLOCK_N, STAGES, KV_HEADS, QTMA)
-            n_live += 1
+                                             v_smem, ready, empty, slot, start, end, seq_len, qk_scale, s_layout,
+                                             o_layout, rows_layout, GROUP, HEAD_DIM, BLOCK_N, STAGES, KV_HEADS)
             mine = offs_g < GROUP
             if SINGLE:
                 o = o * (1.0 / gl.where(l_r > 0.0, l_r, 1.0))[:, None]
@@ -803,13 +752,12 @@ def _consume_items(q_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_s
 
 
 @gluon.jit
-def _decode_kernel(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, chosen_ptr,
+def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, chosen_ptr,
                    qk_scale, max_splits, min_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh,
                    stride_btb, stride_ob, stride_oh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_N: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, SINGLE: gl.constexpr,
                    KV_HEADS: gl.constexpr, FUSED: gl.constexpr, GP: gl.constexpr, SPLIT_CHUNK: gl.constexpr,
-                   LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr, ITEM_COST: gl.constexpr,
-                   QTMA: gl.constexpr):
+                   LEAN: gl.constexpr, RB: gl.constexpr, CHOOSE: gl.constexpr, ITEM_COST: gl.constexpr):
     """One program an SM: the consumer warpgroup (the default partition: the registers the loader's 24 leave) and
     the loader warp over its items (LONGEST_FIRST: the sequences' ranks found first, by all warps of the consumer,
     into shared memory; CHOOSE: then the batch's split count, min_splits or max_splits, the grid's)."""
@@ -823,15 +771,6 @@ def _decode_kernel(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, 
     # LONGEST_FIRST's ranks; by index (RB 0) 32 unused slots, as both partitions take the buffer either way
     ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     plan_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    if QTMA:    # two buffers of an item's 64 query rows and their barriers (else the ring's, never touched)
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, _ROWS, HEAD_DIM], q_desc.layout)
-        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=1)
-    else:
-        q_smem, q_ready, q_empty = k_smem, ready, empty
     if RB > 0:
         ranks, lens = _seq_ranks(seqlens_ptr, batch, RB)
         ranks_smem.store(ranks)
@@ -845,16 +784,14 @@ def _decode_kernel(q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, 
             gl.store(chosen_ptr + offs, plan, mask=(offs == 0) & (gl.program_id(0) == 0))
     # the argument tuples are written out in the call: a tuple assigned to a name first has its constexprs made tensors
     gl.warp_specialize([
-        (_consumer, (q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-                     qk_scale, max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb,
-                     stride_ob, stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, q_smem, q_ready,
-                     q_empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN,
-                     RB, CHOOSE, QTMA)),
-        (_loader, (q_ptr, q_desc, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr,
-                   qk_scale, max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb,
-                   stride_ob, stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, q_smem, q_ready,
-                   q_empty, GROUP, HEAD_DIM, BLOCK_N, PAGE, STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN,
-                   RB, CHOOSE, QTMA)),
+        (_consumer, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+                     max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
+                     stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE,
+                     STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB, CHOOSE)),
+        (_loader, (q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, pm_ptr, ticket_ptr, qk_scale,
+                   max_splits, min_tokens, num_kv_heads, batch, n_items, stride_qb, stride_qh, stride_btb, stride_ob,
+                   stride_oh, k_smem, v_smem, ready, empty, ranks_smem, plan_smem, GROUP, HEAD_DIM, BLOCK_N, PAGE,
+                   STAGES, SINGLE, KV_HEADS, FUSED, GP, SPLIT_CHUNK, LEAN, RB, CHOOSE)),
     ], [1], [24])
 
 
@@ -1037,13 +974,6 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
     layout = gl.NVMMASharedLayout.get_default_for([block_n * kv_heads, head_dim], gl.bfloat16)
     k_desc, v_desc = (TensorDescriptor(r, list(r.shape), [r.stride(0), 1], [page * kv_heads, head_dim], layout)
                       for r in (k_rows, v_rows))
-    q_desc = k_desc                     # (unused unless Q_AHEAD: the kernel takes a descriptor either way)
-    if Q_AHEAD:
-        assert not LEAN, "Q_AHEAD deals items as _dealt does (not built with LEAN)"
-        q_rows = q.contiguous().view(batch * num_q_heads, head_dim)
-        assert q_rows.data_ptr() % 16 == 0, "Q_AHEAD: a 16-byte aligned query"
-        q_desc = TensorDescriptor(q_rows, list(q_rows.shape), [head_dim, 1], [ROWS, head_dim],
-                                  gl.NVMMASharedLayout.get_default_for([ROWS, head_dim], gl.bfloat16))
     group = num_q_heads // num_kv_heads
     f32 = dict(dtype=torch.float32, device=q.device)
     fewest = 0
@@ -1068,12 +998,12 @@ def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
         _CHOSEN[q.device] = torch.zeros(1, dtype=torch.int32, device=q.device)
     chosen = _CHOSEN[q.device] if choose else seq_lens
     _decode_kernel[(programs,)](
-        q, q_desc, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, chosen, float(sm_scale) * _LOG2E, splits,
+        q, k_desc, v_desc, block_table, seq_lens, out, po, pm, tickets, chosen, float(sm_scale) * _LOG2E, splits,
         fewest, max(block_n, MIN_TOKENS_PER_SPLIT), item_heads, batch, items, q.stride(0), q.stride(1),
         block_table.stride(0), out.stride(0), out.stride(1),
         GROUP=rows, HEAD_DIM=head_dim, BLOCK_N=block_n, PAGE=page, STAGES=NUM_STAGES, SINGLE=single,
         KV_HEADS=kv_heads, FUSED=fused, GP=fused_gp, SPLIT_CHUNK=fused_chunk, LEAN=bool(LEAN),
-        RB=rank_lanes(batch), CHOOSE=choose, ITEM_COST=ITEM_COST_TOKENS, QTMA=bool(Q_AHEAD), **launch_options())
+        RB=rank_lanes(batch), CHOOSE=choose, ITEM_COST=ITEM_COST_TOKENS, **launch_options())
     if not LEAN and not single and not fused:
         gp, split_chunk = triton.next_power_of_2(group), max(2, min(8, triton.next_power_of_2(splits)))
         _merge_kernel[(num_kv_heads, batch)](out, po, pm, splits, out.stride(0), out.stride(1), GROUP=group, GP=gp,

@@ -122,7 +122,7 @@ def compile_gluon_decode(mod, batch=32):
     consts = dict(GROUP=rows, HEAD_DIM=128, BLOCK_N=block_n, PAGE=16, STAGES=mod.NUM_STAGES, SINGLE=False,
                   KV_HEADS=kv_heads, FUSED=bool(getattr(mod, "FUSED_COMBINE", False)),
                   LEAN=bool(getattr(mod, "LEAN", False)), RB=getattr(mod, "rank_lanes", lambda b: 0)(batch),
-                  ITEM_COST=getattr(mod, "ITEM_COST_TOKENS", 0), QTMA=bool(getattr(mod, "Q_AHEAD", False)))
+                  ITEM_COST=getattr(mod, "ITEM_COST_TOKENS", 0))
     if hasattr(mod, "split_range"):     # SPLITS_FROM_LENGTHS: the plan 8 x 32k takes on 132 programs, where it chooses
         lo, hi = mod.split_range(batch, 8, 32768, 132) if batch <= 32 else (1, 1)
         consts["CHOOSE"] = lo < hi
@@ -130,12 +130,7 @@ def compile_gluon_decode(mod, batch=32):
         consts["GP"], consts["SPLIT_CHUNK"] = mod.fused_merge_shape(rows, 8)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
     desc = f"tensordesc<bf16[{16 * kv_heads}, 128],{layout!r}>"
-    if consts.get("QTMA"):      # Q_AHEAD: the query's descriptor, a box of the consumer's 64 rows
-        q_layout = mod.gl.NVMMASharedLayout.get_default_for([mod.ROWS, 128], mod.gl.bfloat16)
-        descs = {"q_desc": f"tensordesc<bf16[{mod.ROWS}, 128],{q_layout!r}>"}
-    else:
-        descs = {}
-    sig = {n: "constexpr" if n in consts else descs.get(n, desc) if n.endswith("_desc") else POINTERS.get(n)
+    sig = {n: "constexpr" if n in consts else desc if n.endswith("_desc") else POINTERS.get(n)
            or ("fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
     options = mod.launch_options()
     attrs = [n for n in fn.arg_names if sig[n].startswith("*") or n.startswith("stride_")]
