@@ -140,8 +140,9 @@ Known limits
     * An item costs about 0.5 us beyond its bytes (H100 under CUDA graphs, 2026-12-07: the same 131k tokens as
       256 x 512 / 128 x 1k / 64 x 2k / 32 x 4k read 0.946 / 0.974 / 0.978 / 0.980x cuDNN, whose time moved 1.8%).
       Not the item's start: Q brought by the loader's TMA an item ahead and the length loaded an item ahead (a knob,
-      Q_AHEAD, commit 2263052; correct) read within 0.3% of the defaults on issue 16's rows, +0.6% at 256 x 512; a
-      ring of 2 or 4 stages, or OVERLAP_TILES, did not absorb it either.
+      Q_AHEAD, commit 2263052; right in 6 of its 7 GPU tests, too big for shared memory with ALL_HEADS) read within
+      0.3% of the defaults on issue 16's rows, +0.6% at 256 x 512; a ring of 2 or 4 stages, or OVERLAP_TILES, did
+      not absorb it either.
 """
 import torch
 import triton
