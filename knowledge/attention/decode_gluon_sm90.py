@@ -45,7 +45,9 @@ Knobs (module constants below, one per line)
       shapes (ragged 0.5) against 0.886/0.906/0.946x by index and LEAN's 0.926/0.955/0.960x; 0.978-0.990x on the
       issue's equal rows against 0.982-0.991x. One round of items (8 x 32k: 128 items on 132 programs) it cannot
       balance: there the longest split sets the time, as before. Compiled: 128 registers, nothing spilled, up to
-      1 KB more shared.
+      1 KB more shared. Its cost grows with the batch (H100 under CUDA graphs, 2026-12-07, equal lengths): 4.5 us a
+      call at 256 x 512 against by index (0.937x cuDNN against 0.959x), 1.3 us at 128 x 1k, under 0.6 us at 64 x 2k
+      and 32 x 4k; the keys read from shared memory rather than a global load a step took 1.2 us of the 4.5.
     * SPLITS_FROM_LENGTHS (1; not with ALL_HEADS): where the shapes' plan is one round of items (few sequences:
       8 x 32k takes 2 splits, 128 items) and the batch is ranked in one warp's 32 lanes, the grid is one program an
       item of that plan and each program, after the ranks, chooses that count or twice it (two whole rounds, which the
@@ -139,6 +141,8 @@ Known limits
       stream: about a fifth of a tile's load time at 3 TB/s).
     * An item costs about 0.5 us beyond its bytes (H100 under CUDA graphs, 2026-12-07: the same 131k tokens as
       256 x 512 / 128 x 1k / 64 x 2k / 32 x 4k read 0.946 / 0.974 / 0.978 / 0.980x cuDNN, whose time moved 1.8%).
+      Part of that is LONGEST_FIRST's ranking, which grows with the batch: by index the same rows read 0.959 /
+      0.974 / 0.978 / 0.976x (fifty-eighth session, another H100).
       Not the item's start: Q brought by the loader's TMA an item ahead and the length loaded an item ahead (a knob,
       Q_AHEAD, commit 2263052; right in 6 of its 7 GPU tests, too big for shared memory with ALL_HEADS) read within
       0.3% of the defaults on issue 16's rows, +0.6% at 256 x 512; a ring of 2 or 4 stages, or OVERLAP_TILES, did
@@ -178,23 +182,37 @@ _CHOSEN = {}  # device -> int32[1]: the split count the last call that chose one
 
 
 @gluon.jit
-def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
+def _seq_ranks(seqlens_ptr, batch, keys_smem, RB: gl.constexpr):
     """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
-    of RB (RB for a lane past the batch), and its length (0 past the batch): every pair compared, a chunk of the
-    batch a step, counted in place and summed once. The pairs, 16 a thread of the consumer's 128: i (the ranked
-    sequence) over lanes, j (the one it is compared with) over warps."""
+    of RB (RB for a lane past the batch), and its length (0 past the batch). Each sequence's key (its length, then
+    its index reversed, in one int32: distinct, larger first) goes to shared memory once; then every pair is
+    compared, a chunk of keys read from there a step (not a global load a step, in series before the loader's first
+    copy: 1.2 us less at 256 x 512 on an H100), counted in place and summed once. The pairs, 16 a thread of the
+    consumer's 128: i (the ranked sequence) over lanes, j (the one it is compared with) over warps."""
     pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
     JC: gl.constexpr = 4 * (512 // RB)
+    NK: gl.constexpr = max(RB, JC)
+    offs_k = gl.arange(0, NK, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    keys_smem.store(_rank_key(gl.load(seqlens_ptr + offs_k, mask=offs_k < batch, other=0), offs_k, batch))
     offs_i = gl.arange(0, RB, layout=gl.SliceLayout(1, pairs))
     len_i = gl.load(seqlens_ptr + offs_i, mask=offs_i < batch, other=0)
+    key_i = _rank_key(len_i, offs_i, batch)
+    chunks = keys_smem._reinterpret(gl.int32, [NK // JC, JC], keys_smem.layout)     # a row a step
+    gl.thread_barrier()
     ahead = gl.zeros([RB, JC], gl.int32, pairs)
-    for j0 in range(0, batch, JC):
-        offs_j = j0 + gl.arange(0, JC, layout=gl.SliceLayout(0, pairs))
-        len_j = gl.load(seqlens_ptr + offs_j, mask=offs_j < batch, other=0)
-        before = (len_j[None, :] > len_i[:, None]) | ((len_j[None, :] == len_i[:, None]) &
-                                                      (offs_j[None, :] < offs_i[:, None]))
-        ahead += (before & (offs_j < batch)[None, :]).to(gl.int32)
+    for c in range(gl.cdiv(batch, JC)):
+        key_j = chunks.index(c).load(gl.SliceLayout(0, pairs))
+        ahead += (key_j[None, :] > key_i[:, None]).to(gl.int32)
     return gl.where(offs_i < batch, gl.sum(ahead, 1), RB), len_i
+
+
+@gluon.jit
+def _rank_key(lens, offs, batch):
+    """A sequence's sort key: its length (capped at 2^22 - 1 tokens) above its index reversed (a batch of at most
+    512), so that keys are distinct and a longer sequence, or an equal one earlier in the batch, has the larger; -1
+    past the batch (ahead of none)."""
+    key = (gl.minimum(lens, (1 << 22) - 1) << 9) | (511 - offs)
+    return gl.where(offs < batch, key, -1)
 
 
 @gluon.jit
@@ -778,7 +796,8 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     plan_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if RB > 0:
-        ranks, lens = _seq_ranks(seqlens_ptr, batch, RB)
+        keys_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 4 * (512 // RB))], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ranks, lens = _seq_ranks(seqlens_ptr, batch, keys_smem, RB)
         ranks_smem.store(ranks)
         if CHOOSE:
             splits = _split_choice(lens, batch, ranks, min_splits, max_splits, num_kv_heads, min_tokens, ITEM_COST,
