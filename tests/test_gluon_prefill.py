@@ -205,7 +205,7 @@ def test_the_gluon_prefills_direct_launch_key_never_joins_calls_triton_specializ
             total, hq, hkv, d = sum(lens), 32, 8, 128
             q, k, v = (torch.empty(total, h, d, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
             cu = torch.tensor([0] * offset + [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)[offset:]
-            grid, args, consts = mod.launch_args(q, k, v, cu, max(lens), 0.088, torch.empty_like(q), 132)
+            grid, args, consts = mod.launch_args(q, k, v, cu, max(lens), 0.088, torch.empty_like(q), 132, 50 << 20)
             assert list(kern.arg_names) == [*kern.arg_names[:len(args)], *consts, "num_warps"]
             _, spec, _ = binder(*args, **consts, **mod.launch_options())
             key = mod._specialization(q.device, args, consts)
@@ -254,6 +254,32 @@ def test_the_gluon_prefill_deals_shapes_of_up_to_32_items_a_program_and_walks_th
             q, k, v = (torch.empty(batch, h, 64, dtype=torch.bfloat16) for h in (32, 8, 8))
             cu = torch.arange(batch + 1, dtype=torch.int32)
             mod._DEALT.clear()
-            _, args, consts = mod.launch_args(q, k, v, cu, max_len, 0.125, torch.empty_like(q), 132)
+            _, args, consts = mod.launch_args(q, k, v, cu, max_len, 0.125, torch.empty_like(q), 132, 50 << 20)
             assert consts["WALK"] == kind, (batch, max_len, alternate)
             assert (args[-1] is cu) == (kind != 2) and len(mod._DEALT) == (kind == 2)
+
+
+def test_the_gluon_prefill_goes_sequence_major_with_the_plain_stride_only_where_the_batchs_kv_outgrows_l2(knob_dir):
+    """L2_ORDER: a batch whose K and V are more bytes than the GPU's L2 cache (8 x 4k's 134 MB on a 50 MB L2) gets
+    its items sequence-major and the plain stride; one whose K/V fit (4 x 2k's 34 MB) keeps heaviest-first over every
+    sequence with ALTERNATE's walk, unless the L2 is smaller than it (16 MB); the knob off keeps the file's order
+    everywhere; and BALANCED deals the order the launch chose."""
+    def chosen(mod, batch, length, l2_bytes):
+        total = batch * length
+        q, k, v = (torch.empty(total, h, 128, dtype=torch.bfloat16) for h in (32, 8, 8))
+        cu = torch.arange(0, total + 1, length, dtype=torch.int32)
+        mod._DEALT.clear()
+        _, args, consts = mod.launch_args(q, k, v, cu, length, 0.088, torch.empty_like(q), 132, l2_bytes)
+        return consts["SEQUENCE_MAJOR"], consts["WALK"], args[-1]
+
+    on, off = _load(GLUON_PREFILL, {}, knob_dir), _load(GLUON_PREFILL, {"L2_ORDER": False}, knob_dir)
+    assert on.ALTERNATE and on.L2_ORDER and not on.SEQUENCE_MAJOR
+    assert chosen(on, 8, 4096, 50 << 20)[:2] == (True, 0)
+    assert chosen(on, 4, 2048, 50 << 20)[:2] == (False, 1)
+    assert chosen(on, 4, 2048, 16 << 20)[:2] == (True, 0)
+    assert chosen(off, 8, 4096, 50 << 20)[:2] == (False, 1)
+    balanced = _load(GLUON_PREFILL, {"BALANCED": True}, knob_dir)
+    for l2_bytes, major in ((50 << 20, False), (16 << 20, True)):
+        _, kind, work = chosen(balanced, 4, 2048, l2_bytes)
+        tiles = -(-2048 // (2 * balanced.BLOCK_M))
+        assert kind == 2 and work.tolist() == balanced.deal(32, 4, tiles, 132, major), l2_bytes

@@ -36,7 +36,9 @@ With a loader warp (PRODUCER_WARP; the defaults: PRODUCER_WARP, Q_REGS and PERSI
     programs share (the loader takes it and writes its number to shared memory before Q's barrier). The ring's
     count and the barriers' phases run on across items, so the loader fills the next item's stages while the
     consumers finish this one. Items go heaviest query tiles first: of every sequence at once, or (SEQUENCE_MAJOR)
-    one sequence after another, so that the items in flight read one sequence's K/V.
+    one sequence after another, so that the items in flight read one sequence's K/V. L2_ORDER (on) chooses the
+    second, with the plain stride, where the batch's K and V are more bytes than the GPU's L2 cache holds: then
+    heaviest-first over every sequence reads every sequence's K/V at once, and mostly from DRAM.
 
 Why shared memory bounds it (arithmetic, not a measurement)
     An sm90 SM's shared memory moves 128 B a cycle; its tensor cores do about 4,096 bf16 FLOP a cycle (989
@@ -49,8 +51,9 @@ Why shared memory bounds it (arithmetic, not a measurement)
 
 Knobs (module constants below, one per line)
     BLOCK_M (64 rows a warpgroup: NUM_WARPS = BLOCK_M / 16), BLOCK_N, NUM_STAGES, NUM_WARPS, Q_REGS, PRODUCER_WARP,
-    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (odd rounds of the persistent walk reversed, so
-    that the program that took a round's heaviest item takes the next round's lightest), BALANCED (each program
+    CONSUMER_REGS, PINGPONG, PERSISTENT, SEQUENCE_MAJOR, ALTERNATE (on: odd rounds of the persistent walk reversed,
+    so that the program that took a round's heaviest item takes the next round's lightest), L2_ORDER (on: above;
+    where it applies, ALTERNATE does not: sequence-major with the reversal measured slower), BALANCED (each program
     walks the items the host dealt it: heaviest first to the least loaded program, from shapes, once a shape; on an
     H100 (2026-12-05) over four passes 1.127-1.156x / 0.970-0.979x / 1.047-1.083x cuDNN at 1 x 1k /
     4 x 2k / 1 x 8k against the plain stride's 1.009-1.028x / 0.960-0.972x / 0.994-1.035x, with each shape's deal made
@@ -90,6 +93,11 @@ Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 
     a tile's stage until the next tile's softmax is done, so with two stages the loader has none to refill. On
     the 128-token tile RESCALE_THRESHOLD 8.0 and OVERLAP_ITEMS (8 bytes spilled there) are slower; ALTERNATE,
     SEQUENCE_MAJOR, DYNAMIC, BALANCED and PINGPONG within the noise at 4 x 2k and 8 x 4k, 1.06-1.14 at 1 x 8k.
+    Fifty-eighth session (H100, CUDA graphs, two calls): SEQUENCE_MAJOR 1.015-1.019x cuDNN at 8 x 4k (134 MB of
+    K/V, over the 50 MB L2) against the plain stride's 0.944-0.947x, but 0.959-0.967x at 4 x 2k (34 MB) against
+    0.998-1.001x; ALTERNATE 1.154 / 1.000-1.007 / 1.120 / 0.949-0.967x at 1 x 1k / 4 x 2k / 1 x 8k / 8 x 4k against
+    1.030-1.032 / 0.998-1.001 / 1.062-1.082 / 0.944-0.947x; both together 0.990x at 8 x 4k. Hence ALTERNATE on and
+    L2_ORDER (sequence-major, plain stride, where K/V outgrow L2).
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128. Inputs a tensor descriptor cannot read (not
@@ -155,7 +163,8 @@ CONSUMER_REGS = 240  # registers a consumer warpgroup's threads get (PRODUCER_WA
 PINGPONG = False  # PRODUCER_WARP: the two consumer warpgroups take turns to issue their products
 PERSISTENT = True  # PRODUCER_WARP: one program an SM walks the work items, loading the next one's tiles early
 SEQUENCE_MAJOR = False  # PRODUCER_WARP: work items one sequence after another (else heaviest tiles of all first)
-ALTERNATE = False  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
+ALTERNATE = True  # PERSISTENT, not DYNAMIC: every odd round of the programs' walk over the items runs in reverse
+L2_ORDER = True  # where the batch's K and V outgrow the GPU's L2 cache: items sequence-major, the plain stride
 BALANCED = False  # PERSISTENT, not DYNAMIC: each program walks items dealt it on the host, heaviest to least loaded
 DYNAMIC = False  # PRODUCER_WARP: one program an SM, each taking its next item from a counter all programs share
 RESCALE_THRESHOLD = 0.0  # log2 units: O is rescaled only on a step where some row's max grew by more; 0: every step
@@ -783,7 +792,7 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if cu_seqlens.shape[0] <= 1 or total == 0:
         return out
-    grid, args, consts = launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, _sm_count(q.device))
+    grid, args, consts = launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, *_gpu(q.device))
     compiled = _compiled.get(_specialization(q.device, args, consts)) if DIRECT_LAUNCH else None
     if compiled is not None:
         compiled[(*grid, 1, 1)[:3]](*args, *consts.values(), launch_options()["num_warps"])
@@ -794,9 +803,10 @@ def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
     return out
 
 
-def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
+def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count, l2_bytes):
     """(grid, the kernel's arguments in its signature's order, its constexprs by name in that order) for a call of the
-    kernel the knobs select; `num_warps` follows the constexprs."""
+    kernel the knobs select on a GPU of `sm_count` SMs and an L2 cache of `l2_bytes`; `num_warps` follows the
+    constexprs."""
     total, hq, d = q.shape
     hkv = k.shape[1]
     batch = cu_seqlens.shape[0] - 1
@@ -812,28 +822,35 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count):
         return (hq, num_m_tiles, batch), args, consts
     num_items = hq * batch * num_m_tiles
     programs = min(num_items, sm_count) if PERSISTENT or DYNAMIC else num_items
-    kind = walk(triton.cdiv(num_items, programs))
+    by_l2 = outgrows_l2(k.numel() * k.element_size() + v.numel() * v.element_size(), l2_bytes)
+    kind = walk(triton.cdiv(num_items, programs), by_l2)
+    sequence_major = SEQUENCE_MAJOR or by_l2
     if DYNAMIC:
         work = torch.zeros(1, dtype=torch.int32, device=q.device)          # the counter all programs take items from
     elif kind == 2:
-        work = _dealt(q.device, hq, batch, num_m_tiles, programs)
+        work = _dealt(q.device, hq, batch, num_m_tiles, programs, sequence_major)
     else:
         work = cu_seqlens                                                  # (not read)
     return (programs, ), [*args, hq, batch, num_items, work], \
-        dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=SEQUENCE_MAJOR, DYNAMIC=DYNAMIC,
+        dict(consts, CONSUMER_REGS=CONSUMER_REGS, PINGPONG=PINGPONG, SEQUENCE_MAJOR=sequence_major, DYNAMIC=DYNAMIC,
              OVERLAP_ITEMS=OVERLAP_ITEMS, WALK=kind)
 
 
-def walk(rounds=1):
-    """The kernel's WALK over a persistent program's positions: 0 the plain stride, 1 ALTERNATE, 2 BALANCED (the
-    dealt walk, for up to _DEAL_ROUNDS items a program: past that the host's deal costs more than evening the
-    programs saves, and the plain stride measured as fast; its busiest program within 2% of the mean); 0 unless
-    PERSISTENT and not DYNAMIC."""
+def outgrows_l2(kv_bytes, l2_bytes):
+    """L2_ORDER: whether a batch whose K and V are `kv_bytes` goes sequence-major on a GPU of `l2_bytes` of L2."""
+    return L2_ORDER and PRODUCER_WARP and kv_bytes > l2_bytes
+
+
+def walk(rounds=1, by_l2=False):
+    """The kernel's WALK over a persistent program's positions: 0 the plain stride, 1 ALTERNATE (not where L2_ORDER
+    made the items sequence-major: `by_l2`), 2 BALANCED (the dealt walk, for up to _DEAL_ROUNDS items a program:
+    past that the host's deal costs more than evening the programs saves, and the plain stride measured as fast;
+    its busiest program within 2% of the mean); 0 unless PERSISTENT and not DYNAMIC."""
     if DYNAMIC or not PERSISTENT:
         return 0
     if BALANCED and rounds <= _DEAL_ROUNDS:
         return 2
-    return 1 if ALTERNATE else 0
+    return 1 if ALTERNATE and not by_l2 else 0
 
 
 _ITEM_TILES = 1   # BALANCED: what an item costs beyond its K/V tiles (its Q, its O's store), in tiles
@@ -842,7 +859,7 @@ _DEALT = {}       # BALANCED: (device, shape) -> the dealt walk on the host and 
 _DEALT_KEPT = 256
 
 
-def deal(num_heads, batch, num_m_tiles, programs):
+def deal(num_heads, batch, num_m_tiles, programs, sequence_major=SEQUENCE_MAJOR):
     """BALANCED's walk: the work items dealt heaviest first to the programs with the least work so far, an item
     costing its K/V tiles as if its sequence filled all num_m_tiles query tiles, plus _ITEM_TILES (longest
     processing time first; ties to the lower program, items of equal cost in their order). Returned as the kernel
@@ -853,7 +870,7 @@ def deal(num_heads, batch, num_m_tiles, programs):
     by_tile = [[] for _ in range(num_m_tiles)]
     for item in range(num_items):
         rest = item // num_heads
-        by_tile[num_m_tiles - 1 - (rest % num_m_tiles if SEQUENCE_MAJOR else rest // batch)].append(item)
+        by_tile[num_m_tiles - 1 - (rest % num_m_tiles if sequence_major else rest // batch)].append(item)
     loads = [(0, p) for p in range(programs)]          # a heap: (work so far, program)
     walks = [[] for _ in range(programs)]
     for tile in range(num_m_tiles - 1, -1, -1):
@@ -866,15 +883,15 @@ def deal(num_heads, batch, num_m_tiles, programs):
     return [rounds * programs] + [w[r] if r < len(w) else num_items for r in range(rounds) for w in walks]
 
 
-def _dealt(device, num_heads, batch, num_m_tiles, programs):
+def _dealt(device, num_heads, batch, num_m_tiles, programs, sequence_major):
     """deal(...) on `device`, made once per shape (the last _DEALT_KEPT kept): copied from pinned host memory without
     waiting for the GPU (a copy from pageable memory would wait for the work queued before it); the host copy is
     kept with it."""
-    key = (device, num_heads, batch, num_m_tiles, programs)
+    key = (device, num_heads, batch, num_m_tiles, programs, sequence_major)
     if key not in _DEALT:
         if len(_DEALT) >= _DEALT_KEPT:
             _DEALT.pop(next(iter(_DEALT)))                                  # the oldest shape's
-        host = torch.tensor(deal(num_heads, batch, num_m_tiles, programs), dtype=torch.int32)
+        host = torch.tensor(deal(num_heads, batch, num_m_tiles, programs, sequence_major), dtype=torch.int32)
         if device.type == "cuda":
             host = host.pin_memory()
         _DEALT[key] = (host, host.to(device, non_blocking=True))
@@ -901,8 +918,10 @@ def _specialization(device, args, consts):
 
 
 @lru_cache(maxsize=None)
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _gpu(device):
+    """(SMs, bytes of L2 cache) of `device`."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, props.L2_cache_size
 
 
 def kernel():
