@@ -240,6 +240,7 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
     ({"LEAN": True}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),  # lengths read in several chunks
     ({}, [(i * 37) % 700 + 1 for i in range(200)], 16, 2, 128),            # ranks in 256 lanes, two rounds
     ({}, [(i * 37) % 700 + 1 for i in range(300)], 16, 2, 128),            # past 256 sequences: by index
+    ({}, [333] * 200, 16, 2, 128),                                          # equal lengths: ranked by index
     ({"ALL_HEADS": True}, [5, 130, 3000, 64, 65], 16, 2, 64),
     ({"LONGEST_FIRST": False}, [1, 15, 16, 17, 63, 64, 65, 300, 1000, 2049], 32, 8, 128),   # by index
     ({"LONGEST_FIRST": False}, [300] * 63 + [1, 33, 2100], 16, 4, 128),
@@ -249,7 +250,7 @@ def test_the_gluon_decodes_in_kernel_merges_take_one_gpu_scope_ticket_after_the_
         "all-heads-splits", "all-heads-overlap-many-items", "all-heads-two-stages-group8-d64", "fused-splits",
         "fused-fine-splits", "fused-all-heads-splits", "fused-all-heads-two-stages-group8-d64", "lean-pieces",
         "lean-whole-segments", "lean-group8-d64", "lean-overlap-two-stages", "lean-few-programs", "lean-batch-300",
-        "batch-200", "batch-300-by-index", "all-heads-group8-d64-five", "by-index-splits",
+        "batch-200", "batch-300-by-index", "batch-200-equal", "all-heads-group8-d64-five", "by-index-splits",
         "by-index-no-split-many-items", "two-rounds-of-splits"])
 def test_the_gluon_decode_matches_float64_with_nan_in_unowned_slots_on_gpu(knob_dir, knobs, lens, hq, hkv, d):
     """bf16 at lengths around its pages and tiles, every slot no sequence owns NaN (a page's unused tail, which the
