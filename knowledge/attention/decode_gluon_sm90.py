@@ -182,7 +182,7 @@ _CHOSEN = {}  # device -> int32[1]: the split count the last call that chose one
 
 
 @gluon.jit
-def _seq_ranks(seqlens_ptr, batch, keys_smem, RB: gl.constexpr):
+def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     """LONGEST_FIRST: each sequence's place when the batch is sorted longest first (ties by index), a lane each
     of RB (RB for a lane past the batch), and its length (0 past the batch). Each sequence's key (its length, then
     its index reversed, in one int32: distinct, larger first) goes to shared memory once; then every pair is
@@ -193,6 +193,7 @@ def _seq_ranks(seqlens_ptr, batch, keys_smem, RB: gl.constexpr):
     pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
     JC: gl.constexpr = 4 * (512 // RB)
     NK: gl.constexpr = max(RB, JC)
+    keys_smem = gl.allocate_shared_memory(gl.int32, [NK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     offs_k = gl.arange(0, NK, layout=gl.BlockedLayout([1], [32], [4], [0]))
     keys_smem.store(_rank_key(gl.load(seqlens_ptr + offs_k, mask=offs_k < batch, other=0), offs_k, batch))
     offs_i = gl.arange(0, RB, layout=gl.SliceLayout(1, pairs))
@@ -799,8 +800,7 @@ def _decode_kernel(q_ptr, k_desc, v_desc, bt_ptr, seqlens_ptr, out_ptr, po_ptr, 
     ranks_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 32)], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     plan_smem = gl.allocate_shared_memory(gl.int32, [32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     if RB > 0:
-        keys_smem = gl.allocate_shared_memory(gl.int32, [max(RB, 4 * (512 // RB))], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ranks, lens = _seq_ranks(seqlens_ptr, batch, keys_smem, RB)
+        ranks, lens = _seq_ranks(seqlens_ptr, batch, RB)
         ranks_smem.store(ranks)
         if CHOOSE:
             splits = _split_choice(lens, batch, ranks, min_splits, max_splits, num_kv_heads, min_tokens, ITEM_COST,

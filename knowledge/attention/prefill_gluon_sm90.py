@@ -98,9 +98,9 @@ Measured (docs/BENCHMARKS.md, 2026-12-05; x cuDNN SDPA at 4 x 2k / 1 x 8k / 8 x 
     0.990-1.001x; ALTERNATE 1.154 / 1.000-1.007 / 1.120 / 0.949-0.967x at 1 x 1k / 4 x 2k / 1 x 8k / 8 x 4k
     against the stride's 1.024-1.032 / 0.990-1.001 / 1.082-1.104 / 0.944-0.996x; both together 0.990x at 8 x 4k.
     Hence the defaults since: ALTERNATE on and L2_ORDER, which read 1.149-1.152 / 0.992-1.007 / 1.114-1.125 /
-    0.997-1.071x over four calls on two H100s. Under ncu at 8 x 4k L2_ORDER's kernel read 453 MB from DRAM with 91.6% of L2
-    sectors hit, heaviest-first 2,383 MB at 63.9%, cuDNN 403 MB at 92.9%; at 4 x 2k it reads 211 MB (L2 73%)
-    against cuDNN's 101 MB (87%), the DRAM 30% busy.
+    0.997-1.071x over four calls on two H100s. Under ncu at 8 x 4k L2_ORDER's kernel read 453 MB from DRAM with
+    91.6% of L2 sectors hit, heaviest-first 2,383 MB at 63.9%, cuDNN 403 MB at 92.9%; at 4 x 2k it reads 211 MB
+    (L2 73%) against cuDNN's 101 MB (87%), the DRAM 30% busy.
 
 Known limits
     * bf16 on CUDA only (TMA and wgmma); head_dim 64 or 128. Inputs a tensor descriptor cannot read (not
