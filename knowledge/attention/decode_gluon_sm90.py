@@ -60,7 +60,10 @@ Knobs (module constants below, one per line)
       2026-12-06, forty-eighth session): ragged 0.5 8 x 32k 0.972x cuDNN against 0.944x, 4 x 32k 0.961x against 0.910x
       (2: 16 x 16k 0.965x against 0.893x, 16 x 8k 0.950x against 0.908x); equal rows within 0.5% of the plan's except
       8 x 8k, 0.977x against 0.991x (2: 16 x 8k 0.970x against 0.990x): about 1.5 us a call, from the choice made
-      before the loader starts and the merge over twice the slots (not profiled). Compiled: 128 registers, nothing
+      before the loader starts and the merge over twice the slots (not profiled). On 2026-12-07 (another H100) 2 read
+      0.971x against 0.992x at 16 x 8k equal and 0.956x against 0.910x ragged; with O written directly where the
+      programs chose one split (no partials, the merge skipped: GPU-tested, not kept) 0.975x and 0.955x, so the
+      partials and merge are under 1 us of the 3-4 us it costs there. Compiled: 128 registers, nothing
       spilled. MIN_ROUNDS 2 read 0.966x at ragged 8 x 32k and 0.959-0.977x on the equal rows it splits (16 x 8k,
       8 x 32k).
     * OVERLAP_TILES: the consumer in FlashAttention-3's two-stage order. Tile j's Q K^T is issued with tile j-1's
