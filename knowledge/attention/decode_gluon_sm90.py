@@ -191,8 +191,9 @@ def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     its index reversed, in one int32: distinct, larger first) goes to shared memory once; then every pair is
     compared, a chunk of keys read from there a step (not a global load a step, in series before the loader's first
     copy: 1.2 us less at 256 x 512 on an H100), counted in place and summed once; none where every length is the
-    same (the index is the rank). The pairs, 16 a thread of the consumer's 128: i (the ranked sequence) over lanes,
-    j (the one it is compared with) over warps."""
+    same (the index is the rank). The steps are unrolled, RB / JC of them (the compile stage's allowlist refuses the
+    private reinterpret a dynamic row index would need). The pairs, 16 a thread of the consumer's 128: i (the ranked
+    sequence) over lanes, j (the one it is compared with) over warps."""
     pairs: gl.constexpr = gl.BlockedLayout([RB // 32, 512 // RB], [32, 1], [1, 4], [1, 0])
     JC: gl.constexpr = 4 * (512 // RB)
     NK: gl.constexpr = max(RB, JC)
@@ -204,12 +205,12 @@ def _seq_ranks(seqlens_ptr, batch, RB: gl.constexpr):
     key_i = _rank_key(len_i, offs_i, batch)
     # equal lengths rank by index: no comparison to make
     equal = gl.min(gl.where(offs_i < batch, len_i, 0x7FFFFFFF), 0) == gl.max(len_i, 0)
-    chunks = keys_smem._reinterpret(gl.int32, [NK // JC, JC], keys_smem.layout)     # a row a step
     gl.thread_barrier()
     ahead = gl.zeros([RB, JC], gl.int32, pairs)
-    for c in range(gl.where(equal, 0, gl.cdiv(batch, JC))):
-        key_j = chunks.index(c).load(gl.SliceLayout(0, pairs))
-        ahead += (key_j[None, :] > key_i[:, None]).to(gl.int32)
+    if not equal:
+        for c in gl.static_range(NK // JC):        # (past the batch a key is -1: ahead of none)
+            key_j = keys_smem.slice(c * JC, JC).load(gl.SliceLayout(0, pairs))
+            ahead += (key_j[None, :] > key_i[:, None]).to(gl.int32)
     return gl.where(offs_i < batch, gl.where(equal, offs_i, gl.sum(ahead, 1)), RB), len_i
 
 
