@@ -150,6 +150,10 @@ Known limits
       Q_AHEAD, commit 2263052; right in 6 of its 7 GPU tests, too big for shared memory with ALL_HEADS) read within
       0.3% of the defaults on issue 16's rows, +0.6% at 256 x 512; a ring of 2 or 4 stages, or OVERLAP_TILES, did
       not absorb it either.
+    * The last 1-3% against cuDNN is what the decode adds to its stream, not the copies: the loader's TMA stream
+      alone (tests/bench/tma_rows.py) runs at cuDNN's rate, 2.82-2.84 TB/s against 2.80-2.83 (H100, 2026-12-07).
+      cuDNN's decode (ncu) is a 128-thread block a (sequence, kv head), two resident an SM, so one block's start
+      and end run beside the other's stream; here one program an SM has only its ring across an item's end.
 """
 import torch
 import triton
