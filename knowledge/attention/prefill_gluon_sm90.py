@@ -841,7 +841,7 @@ def launch_args(q, k, v, cu_seqlens, max_seqlen, sm_scale, out, sm_count, l2_byt
 
 def outgrows_l2(kv_bytes, l2_bytes):
     """L2_ORDER: whether a batch whose K and V are `kv_bytes` goes sequence-major on a GPU of `l2_bytes` of L2."""
-    return L2_ORDER and PRODUCER_WARP and kv_bytes > l2_bytes
+    return L2_ORDER and kv_bytes > l2_bytes
 
 
 def walk(rounds=1, by_l2=False):
