@@ -22,7 +22,7 @@ def test_reference_decode_kernel_passes_through_microbench_with_real_figures(eva
     assert bench.name == "microbench" and bench.status == "passed"
     assert bench.metrics["speedup"] > bench.metrics["bar"]
     # the cuDNN anchor of every served case, timed in the evaluator's process (anchor_s) or reused from an earlier
-    # draw of the process, at a bandwidth the device can have
+    # draw of the same shapes in the process, at a bandwidth the device can have
     cases = case_figures(bench.metrics, "decode")
     assert cases, bench.metrics
     for key, fig in cases:

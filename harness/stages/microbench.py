@@ -25,9 +25,10 @@ counts is device time on the stream. The evaluator then distrusts every number i
     (`counted_ms`), so a smaller lie of the events gains nothing (harness/stages/clock_check.py);
   - the evaluator times the baseline in its own process: the worker's figure for it must agree.
 The library anchor (cuDNN SDPA on equal shapes: the figure kevo's speed is reported against first) is timed
-here only, in this process, with the worker's protocol (`_time_anchor`), never in the candidate's worker: it
+here only, in this process, with the worker's protocol (`anchor.time_anchor`), never in the candidate's worker: it
 decides no verdict, so no check would catch a candidate that slowed it there (its memory held so that each
-library call allocates, say), and it is reused for every later candidate of the process.
+library call allocates, say); its time is reused for a later candidate of the process only on the same work
+(harness/stages/anchor.py).
 The bar is the noise band (at least `min_margin`) over the torch baseline — or over the candidate's
 parent, when the loop names the parent's served-mix speedup (`beat`): both are ratios to the same torch
 baseline timed here, so a candidate reaches the costly replay only if it is faster than the best kernel
@@ -39,6 +40,7 @@ keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too,
 """
 from __future__ import annotations
 
+import functools
 import re
 import secrets
 import statistics
@@ -49,6 +51,7 @@ import torch
 from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import KernelUse, Timed
+from harness.stages import anchor
 from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw_timed, drop_outputs, library_use
 from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
@@ -175,11 +178,6 @@ def check_trusted_baseline(label: str, there: float, here: float, tolerance: flo
                        "evaluator's own process: the worker's environment was tampered with")
 
 
-# The anchor (a library kernel on the case's shapes) does not depend on the candidate: it is timed here, in the
-# evaluator's process, once per served shape and device, and reused.
-_ANCHOR_RATE: dict[tuple, float] = {}    # the cuDNN anchor's rate per served case, timed once
-
-
 def _anchor_key(ctx: EvalContext, case) -> tuple:
     m = ctx.cfg.stages.microbench
     return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.key, m.reps, m.input_sets, m.l2_flush_bytes,
@@ -274,45 +272,32 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dic
            "worker_compiles": float(reply.compiles),
            **launched_resources(reply.kernels, ctx.device),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
-    if m.anchor and spec.anchor is not None:
-        key, t_anchor = _anchor_key(ctx, case), time.perf_counter()
-        if key in _ANCHOR_RATE:
-            # timed on an earlier draw (other lengths): its rate carries over, its time is scaled to this draw's work
-            row.update(anchor_ms=rate(1.0) / _ANCHOR_RATE[key], anchor_rate=_ANCHOR_RATE[key], anchor_reused=1.0)
-        elif (anchor_ms := _time_anchor(ctx, case, trials, flush)) is not None:
-            _ANCHOR_RATE[key] = rate(anchor_ms)
-            row.update(anchor_ms=anchor_ms, anchor_rate=rate(anchor_ms), anchor_reused=0.0,
-                       anchor_s=time.perf_counter() - t_anchor)
+    if m.anchor and spec.anchor is not None:      # timed with the worker's protocol while the worker waits
+        got = anchor.time_anchor(_anchor_key(ctx, case), _anchor_sets(spec, trials),
+                                 lambda prepared: _time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles))
+        if got is not None:                     # None: no library kernel for the shape, and the reports say so
+            row.update(got, anchor_rate=rate(got["anchor_ms"]))
     return row
 
 
-def _time_anchor(ctx: EvalContext, case: Case, trials: list, flush: torch.Tensor) -> float | None:
-    """The library anchor's time per call on this case's input sets (the median of each set's), timed in this
-    process with the worker's protocol while the worker waits; None where the library has no kernel for the
-    shape (the case then has no anchor figure, and the reports say so)."""
-    m, spec = ctx.cfg.stages.microbench, ctx.target.ops[case.op]
-    per_set = []
-    try:
-        for t in trials:
-            prepared = spec.anchor_inputs(t.inputs)
-            per_set.append(_time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles))
-    except RuntimeError:                     # no kernel for these shapes (or no memory for its inputs)
-        return None
-    return _median(per_set)
+def _anchor_sets(spec, trials: list) -> list:
+    """Each input set's anchor inputs, made when called (one set's held at a time)."""
+    return [functools.partial(spec.anchor_inputs, t.inputs) for t in trials]
 
 
 def _build_anchors(ctx: EvalContext, plan: list[tuple[str, Case]], drawn: list[list]) -> float:
-    """One untimed anchor call per served case not timed before in this process, on its first input set: cuDNN's
-    libraries, handle and each shape's plan, built here while the worker primes (nothing is timed meanwhile), so
-    that `_time_anchor` later times calls alone. Its seconds."""
+    """One untimed anchor call per served case whose work has no anchor time in this process, on its first input
+    set: cuDNN's libraries, handle and each shape's plan, built here while the worker primes (nothing is timed
+    meanwhile), so that `anchor.time_anchor` later times calls alone. Its seconds."""
     m, t0 = ctx.cfg.stages.microbench, time.perf_counter()
     for (op, case), trials in zip(plan, drawn):
         spec = ctx.target.ops[op]
-        if not (m.anchor and spec.anchor is not None) or _anchor_key(ctx, case) in _ANCHOR_RATE:
+        if not (m.anchor and spec.anchor is not None):
             continue
         try:
-            spec.anchor(**spec.anchor_inputs(trials[0].inputs))
-        except RuntimeError:                 # met again, and left out, by `_time_anchor`
+            if anchor.work(_anchor_key(ctx, case), _anchor_sets(spec, trials)) not in anchor.TIMES:
+                spec.anchor(**spec.anchor_inputs(trials[0].inputs))
+        except RuntimeError:                 # met again, and left out, by `anchor.time_anchor`
             pass
     torch.cuda.synchronize(ctx.device)
     return time.perf_counter() - t0
