@@ -1,10 +1,9 @@
 """Load and validate config.yaml.
 
-One pydantic model per top-level section; unknown keys are rejected, and all errors come back in one line
-(`ConfigError`), each naming its key. Here: the sections a verdict depends on (worker pool, stages, targets' served
-shapes, served scenario), the top-level `Config` with its cross-section checks, and `load_config`; those that drive a
-run (agent, providers, executor) are in config_run.py, the base model and error line in config_base.py.
-"""
+One pydantic model per top-level section; unknown keys are rejected, all errors come back in one line (`ConfigError`),
+each naming its key. Here: the sections a verdict depends on (worker pool, stages, targets' served shapes, served
+scenario), the top-level `Config` with its cross-section checks, and `load_config`; those that drive a run (agent,
+providers, executor) are in config_run.py, the base model and error line in config_base.py."""
 from __future__ import annotations
 
 import re
@@ -139,6 +138,7 @@ class MicrobenchConfig(Strict):
     warmup_reps: int = Field(ge=1)
     reps: int = Field(ge=5)
     input_sets: int = Field(ge=1)
+    lengths_seed: int = Field(ge=0)              # the timed sets' lengths, the same for every candidate
     l2_flush_bytes: int = Field(ge=0)
     min_margin: float = Field(ge=0)
     hbm_bytes_per_s: float = Field(gt=0)

@@ -133,3 +133,31 @@ def test_the_workers_timing_loop_calls_each_rep_on_its_own_query_and_checks_the_
         assert (out.double() - t.ref).abs().max() <= t.tol.max_abs
         checked = {**t.inputs, "q": result["left"][s]}
         assert torch.equal(spec.reference(**checked), t.ref)       # left on the checked query, for the bursts
+
+
+def _lengths(op: str, inputs: dict) -> list[int]:
+    if op == "decode":
+        return inputs["seq_lens"].tolist()
+    cu = inputs["cu_seqlens"].tolist()
+    return [e - s for s, e in zip(cu[:-1], cu[1:])]
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_microbench_times_every_candidate_on_the_same_lengths_with_fresh_payloads(op):
+    """A candidate's speedup and its parent's (the bar) are of the same work: each timed set of a served shape has
+    lengths fixed by `lengths_seed`, the shape and the set's place, for every candidate; its queries, keys, values and
+    block table are drawn fresh from the set's secret seed; the worker, rebuilding the set from its recipe, gets the
+    same lengths. Another seed, other lengths."""
+    ctx = _ctx()
+    case = next(c for c in ctx.cases(op, boundary=False) if c.params["length_range"][0] < c.params["length_range"][1])
+    spec = ATTENTION.ops[op]
+    one, other = _draw_sets(ctx, case), _draw_sets(ctx, case)        # two candidates' draws
+    for a, b in zip(one, other):
+        assert _lengths(op, a.inputs) == _lengths(op, b.inputs)
+        assert a.seed != b.seed and not torch.equal(a.inputs["k_cache" if op == "decode" else "k"],
+                                                    b.inputs["k_cache" if op == "decode" else "k"])
+        rebuilt = spec.make_inputs(b.case, b.dist, b.seed, CPU, torch.float32)
+        assert _lengths(op, rebuilt) == _lengths(op, a.inputs)
+    assert _lengths(op, one[0].inputs) != _lengths(op, one[1].inputs)   # the sets are two draws of the shape
+    seeded = _draw_sets(_ctx(config_with(**{"stages.microbench.lengths_seed": 1})), case)
+    assert [_lengths(op, t.inputs) for t in seeded] != [_lengths(op, t.inputs) for t in one]

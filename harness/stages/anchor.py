@@ -2,11 +2,10 @@
 the figure kevo's speed is reported against first (docs/EVALUATOR.md). It decides no verdict.
 
 A time is reused only for the same work: an anchor call's time depends on its inputs' shapes, not their values, so
-a served case whose draws keep their shapes (batch 1 x 1024 tokens) is timed once a process, and one whose lengths
-are drawn afresh for every candidate (batch 4 x 512..2048) is timed on each candidate's own input sets. Until
-2026-12-07 a case's rate carried over to later draws of other lengths: at prefill batch 4 x 512..2048 one family's
-candidates then read 1.06-1.63x cuDNN in one run (s59, docs/BENCHMARKS.md), the spread of the lengths, not of the
-kernels.
+a case whose input sets have the shapes of an earlier draw's (microbench pins each set's lengths: every served case,
+every candidate) is timed once a process, and a draw of other shapes on its own sets. Until 2026-12-07 a case's rate
+carried over to later draws of other lengths: at prefill batch 4 x 512..2048 one family's candidates then read
+1.06-1.48x cuDNN in one run (s59, docs/BENCHMARKS.md), the spread of the lengths, not of the kernels.
 """
 from __future__ import annotations
 

@@ -41,6 +41,7 @@ keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too,
 from __future__ import annotations
 
 import functools
+import random
 import re
 import secrets
 import statistics
@@ -186,10 +187,14 @@ def _anchor_key(ctx: EvalContext, case) -> tuple:
 
 def _draw_sets(ctx: EvalContext, case) -> list:
     """The case's input sets, and (drawn in secret, one for the case) the rep whose outputs are checked: each set's
-    reference is for the query that rep is timed on (`draw_timed`)."""
+    reference is for the query that rep is timed on (`draw_timed`). Set i has the same lengths for every candidate
+    (the target's `pin`, from `lengths_seed`, the case's shape and i), its payload a fresh secret draw: a candidate's
+    speedup and its parent's, the bar, are of the same work."""
     m = ctx.cfg.stages.microbench
     check_rep = secrets.randbelow(m.reps) if m.reps else 0
-    return [draw_timed(ctx, case, check_rep) for _ in range(m.input_sets)]
+    pin = ctx.target.pin or (lambda c, _: c)
+    return [draw_timed(ctx, pin(case, random.Random(f"{m.lengths_seed}:{case.key}:{i}")), check_rep)
+            for i in range(m.input_sets)]
 
 
 def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> tuple[dict[str, float], list[str]]:
@@ -273,8 +278,9 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dic
            **launched_resources(reply.kernels, ctx.device),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
     if m.anchor and spec.anchor is not None:      # timed with the worker's protocol while the worker waits
-        got = anchor.time_anchor(_anchor_key(ctx, case), _anchor_sets(spec, trials),
-                                 lambda prepared: _time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles))
+        def time_one(prepared: dict) -> float:
+            return _time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles)
+        got = anchor.time_anchor(_anchor_key(ctx, case), _anchor_sets(spec, trials), time_one)
         if got is not None:                     # None: no library kernel for the shape, and the reports say so
             row.update(got, anchor_rate=rate(got["anchor_ms"]))
     return row

@@ -4,21 +4,20 @@ Everything about the target lives here: the contract text, float64 references, i
 (four distributions, one of them the served model's own q, k, v; unused cache slots holding NaN, zeros,
 other sequences' stale values or finite randoms; shuffled block tables; sm_scale drawn per check),
 served, boundary and served-limit cases, and the cost model. Elsewhere: the torch baselines and cuDNN
-anchors (attention_baselines.py), twin checks (attention_twins.py), how outputs are compared (harness/stages).
+anchors (attention_baselines.py), a check's drawn shape (attention_draws.py), twin checks (attention_twins.py),
+how outputs are compared (harness/stages).
 """
 from __future__ import annotations
 
 import itertools
 import math
-import random
-from dataclasses import replace
 
 import torch
 
 from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
-from harness.served.limits import served_limits
+from harness.targets.attention_draws import pin, vary
 from harness.targets.attention_twins import layer, twin, twinned
 from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
@@ -55,12 +54,14 @@ is served eagerly, and that is reported.
 # ---------------------------------------------------------------------------------------------
 
 def _lengths(case: Case, gen: torch.Generator) -> list[int]:
-    """Fixed lengths; or `total` tokens split at random into `batch` sequences (a full prefill step);
-    or `batch` lengths drawn from `length_range`, one of them its top when `longest`, the rest scaled
-    down to fit `max_total` (what the KV cache holds at once)."""
+    """Fixed lengths; or `total` tokens split at random into `batch` sequences (a full prefill step); or `batch`
+    lengths drawn from `length_range`, one of them its top when `longest`, the rest scaled down to fit `max_total`
+    (what the KV cache holds at once). Drawn from `gen`, or from `lengths_seed` where the case has one."""
     p = case.params
     if "lengths" in p:
         return list(p["lengths"])
+    if "lengths_seed" in p:             # pinned (attention_draws.pin): the same lengths whatever the set's own seed
+        gen = torch.Generator().manual_seed(p["lengths_seed"])
     if "total" in p:
         cuts = sorted((torch.randperm(p["total"] - 1, generator=gen)[: p["batch"] - 1] + 1).tolist())
         return [b - a for a, b in zip([0, *cuts], [*cuts, p["total"]])]
@@ -333,44 +334,6 @@ def limit_cases(shapes, limits) -> list[Case]:
     return cases
 
 
-def _batch_drawn(case: Case, batch: int) -> Case:
-    """A served shape at another batch, its lengths scaled to the shape's own tokens (no more memory held)."""
-    (lo, hi), budget = case.params["length_range"], case.params["batch"] * case.params["length_range"][1]
-    lo = max(1, min(lo, budget // batch))
-    lengths = (lo, max(lo, min(hi, budget // batch)))
-    return replace(case, params={**case.params, "batch": batch, "length_range": lengths, "max_total": budget})
-
-
-def vary(case: Case, dist: str, rng: random.Random, ctx) -> Case:
-    """One check's draws from its secret seed (config: stages.parity): a served shape's batch (a share of checks);
-    sm_scale, 1/sqrt(head_dim) times a factor drawn log-uniformly (one check in four exactly 1/sqrt(head_dim)); for
-    decode, what unused cache slots hold and the cache's layout; for the served distribution, which layer of the
-    served model's captured q, k, v. Each is named in the case's label, so feedback says what was drawn."""
-    p, limits = ctx.cfg.stages.parity, served_limits(ctx.cfg, ctx.device.type)
-    drawn = case.weight > 0 and "length_range" in case.params and rng.random() < p.batch_drawn  # serving sends them all
-    case = _batch_drawn(case, rng.randint(1, limits.max_running + 1)) if drawn else case
-    D = case.params["head_dim"]
-    lo, hi = p.sm_scale
-    factor = 1.0 if rng.random() < 0.25 else math.exp(rng.uniform(math.log(lo), math.log(hi)))
-    params = {**case.params, "sm_scale": factor / math.sqrt(D)}
-    notes = [f"batch {params['batch']} drawn"] if drawn else []
-    notes.append(f"sm_scale {params['sm_scale']:.4g} ({factor:.6g}/sqrt({D}))")     # six figures: 1.0016 is not 1
-    if case.op == "decode":
-        params["unused"] = rng.choice(p.unused_slots)
-        notes.append(f"unused slots hold {params['unused']}")
-        if rng.random() < p.served_layout:
-            params["pool"] = limits.kv_cache_tokens // case.params["block_size"]
-            params["layer"] = rng.randrange(2)
-            notes.append(f"the cache as served: a {params['pool']}-block pool, layer {params['layer']}'s view")
-    if dist == "served":
-        from harness.served.capture import served_qkv       # builds the served model: only when drawn
-        layers = served_qkv(ctx.cfg, ctx.device, ctx.dtype)
-        layer = rng.randrange(len(layers))
-        params["served_qkv"] = layers[layer]
-        notes.append(f"layer {layer} of the served model")
-    return replace(case, label=f"{case.label}; {', '.join(notes)}", params=params)
-
-
 DECODE = Op("decode", ("q", "k_cache", "v_cache", "block_table", "seq_lens", "sm_scale"),
             make_inputs=twinned(decode_inputs), reference=decode_reference, baseline=decode_clamped, baselines=DECODE_BASELINES,
             baseline_host=lambda x: {"lengths": x["seq_lens"].tolist()}, step_shared=("block_table", "seq_lens"),
@@ -395,6 +358,7 @@ TARGET = Target(
     contract=CONTRACT,
     limit_cases=limit_cases,
     vary=vary,
+    pin=pin,
     twin=twin,
     layer=layer,
 )

@@ -134,6 +134,9 @@ class Target:
     limit_cases: Callable[[Any, Any], list[Case]] | None = None
     # One parity check's draws from its secret seed: (case, distribution, random.Random, EvalContext) -> the case varied.
     vary: Callable[[Case, str, Any, Any], Case] | None = None
+    # Microbench's timed sets: (case, random.Random) -> the case with its drawn shape (lengths) fixed by that
+    # generator, each set's seed still drawing its payload, so that every candidate is timed on the same work.
+    pin: Callable[[Case, Any], Case] | None = None
     # A twin check (parity): (an earlier check's case, its seed, its inputs, random.Random of the twin's seed) -> the
     # case whose inputs are the earlier ones with a part redrawn, the part named in its label (None: no twins).
     twin: Callable[[Case, int, Inputs, Any], Case] | None = None
