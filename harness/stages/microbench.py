@@ -4,7 +4,8 @@ First, on a GPU still shared with the other slots' untimed stages, this side dra
 the cuDNN anchor's plans while the worker pays the trusted code's first uses, compiles the candidate for the input
 sets it will time and makes one untimed round of calls on them (harness/stages/microbench_prepare.py); then the
 stage asks for the GPU alone (`begin_timing`: harness/stages PREPARED_STAGES) and times candidate and baseline
-(twice: the noise band) interleaved, on rotated fresh input sets, with the L2 flushed, launch overhead hidden
+(twice: the noise band) interleaved, on rotated input sets (fresh payloads at lengths the same for every
+candidate: `_draw_sets`), with the L2 flushed, launch overhead hidden
 behind a spin kernel, and CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
   - the reply fits its schema (harness/replies.py: finite times above zero, bounded) and holds exactly
