@@ -60,6 +60,23 @@ def test_a_kernel_faster_than_torch_but_not_than_its_parent_stops_at_microbench(
     print(bench.reason)
 
 
+def test_two_candidates_are_timed_on_the_same_work_and_the_second_reuses_every_cudnn_anchor(evaluate_source):
+    """Microbench pins each served set's lengths (stages.microbench.lengths_seed): two candidates' cases are the same
+    work (their bytes and FLOPs), so a candidate's speedup and its parent's bar compare like with like; and the
+    cuDNN anchor timed for the first is reused by the second, whose sets have the same shapes (harness/stages/anchor.py;
+    before 2026-12-07 the second drew other lengths and was handed the first's rate)."""
+    figures = []
+    for _ in range(2):
+        v = evaluate_source(C.REF_DECODE, until="microbench")
+        assert v.ok, v.reason
+        figures.append(dict(case_figures(v.stages[-1].metrics, "decode")))
+    first, second = figures
+    assert first.keys() == second.keys() and len(first) == 3, figures
+    for key, fig in second.items():
+        assert (fig["bytes"], fig["flops"]) == (first[key]["bytes"], first[key]["flops"]), key
+        assert fig["anchor_reused"] == 1.0 and fig["anchor_ms"] == first[key]["anchor_ms"], (key, fig)
+
+
 def test_reference_prefill_kernel_is_timed_honestly_against_a_baseline_without_host_stalls(evaluate_source):
     """Whether the reference prefill beats per-sequence SDPA is a measurement (on the H200 it does not
     at 8k tokens); what must hold is that it is timed, never refused by a timer check, and that the
