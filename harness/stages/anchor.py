@@ -38,17 +38,16 @@ def work(key: tuple, prepare: Sequence[Callable[[], Inputs]]) -> tuple:
     return key, tuple(workload(p()) for p in prepare)
 
 
-def time_anchor(key: tuple, prepare: Sequence[Callable[[], Inputs]], time_one: Callable[[Inputs], float],
+def time_anchor(done: tuple, prepare: Sequence[Callable[[], Inputs]], time_one: Callable[[Inputs], float],
                 times: dict[tuple, float] = TIMES) -> dict[str, float] | None:
-    """The anchor's ms per call on a case's input sets (`prepare[i]()` makes set i's anchor inputs; `time_one`
-    times calls on them): the median of the sets' times, or the time kept in `times` for the same work. Its figures
-    (`anchor_ms`, `anchor_reused`, and `anchor_s` where it was timed), or None where the library has no kernel for
-    these shapes or no memory for their inputs."""
+    """The anchor's ms per call on a case's input sets, whose `work` is `done` (`prepare[i]()` makes set i's anchor
+    inputs; `time_one` times calls on them): the time kept in `times` for the same work, or the median of the sets'
+    times, then kept. Its figures (`anchor_ms`, `anchor_reused`, and `anchor_s` where it was timed), or None where
+    the library has no kernel for these shapes or no memory for their inputs."""
+    if done in times:
+        return {"anchor_ms": times[done], "anchor_reused": 1.0}
     t0 = time.perf_counter()
     try:
-        done = work(key, prepare)
-        if done in times:
-            return {"anchor_ms": times[done], "anchor_reused": 1.0}
         ms = statistics.median(time_one(p()) for p in prepare)
     except RuntimeError:
         return None

@@ -198,16 +198,18 @@ def _draw_sets(ctx: EvalContext, case) -> list:
             for i in range(m.input_sets)]
 
 
-def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> tuple[dict[str, float], list[str]]:
+def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor,
+                work: tuple | None) -> tuple[dict[str, float], list[str]]:
     """Time one served case, again (up to `disagreement_tries` in all) where two of its clocks disagree: its
     figures, with `timing_tries`, and the disagreements met before the try that counts."""
-    row, met = agreeing(lambda: _time_case(ctx, case, trials, flush), ctx.cfg.stages.microbench.disagreement_tries)
+    row, met = agreeing(lambda: _time_case(ctx, case, trials, flush, work), ctx.cfg.stages.microbench.disagreement_tries)
     row["timing_tries"] = float(1 + len(met))
     return row, met
 
 
-def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dict[str, float]:
-    """One try at timing one served case; this side waits, computing nothing, while the worker times."""
+def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: tuple | None) -> dict[str, float]:
+    """One try at timing one served case; this side waits, computing nothing, while the worker times. Then the cuDNN
+    anchor on the same sets, whose `work` (`_build_anchors`) may have been timed before (None: no anchor)."""
     m = ctx.cfg.stages.microbench
     spec = ctx.target.ops[case.op]
     ctx.send(time_request(ctx, case, trials, m.warmup_reps, m.reps), f"timing {case.label}")
@@ -278,10 +280,10 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor) -> dic
            "worker_compiles": float(reply.compiles),
            **launched_resources(reply.kernels, ctx.device),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
-    if m.anchor and spec.anchor is not None:      # timed with the worker's protocol while the worker waits
+    if work is not None:                          # timed with the worker's protocol while the worker waits
         def time_one(prepared: dict) -> float:
             return _time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles)
-        got = anchor.time_anchor(_anchor_key(ctx, case), _anchor_sets(spec, trials), time_one)
+        got = anchor.time_anchor(work, _anchor_sets(spec, trials), time_one)
         if got is not None:                     # None: no library kernel for the shape, and the reports say so
             row.update(got, anchor_rate=rate(got["anchor_ms"]))
     return row
@@ -292,22 +294,24 @@ def _anchor_sets(spec, trials: list) -> list:
     return [functools.partial(spec.anchor_inputs, t.inputs) for t in trials]
 
 
-def _build_anchors(ctx: EvalContext, plan: list[tuple[str, Case]], drawn: list[list]) -> float:
-    """One untimed anchor call per served case whose work has no anchor time in this process, on its first input
-    set: cuDNN's libraries, handle and each shape's plan, built here while the worker primes (nothing is timed
-    meanwhile), so that `anchor.time_anchor` later times calls alone. Its seconds."""
-    m, t0 = ctx.cfg.stages.microbench, time.perf_counter()
+def _build_anchors(ctx: EvalContext, plan: list[tuple[str, Case]], drawn: list[list]) -> tuple[float, list]:
+    """Each served case's anchor `work` (None: no anchor, or no memory for its inputs), and one untimed anchor call
+    per case whose work has no time in this process, on its first input set: cuDNN's libraries, handle and each
+    shape's plan, built here while the worker primes (nothing is timed meanwhile), so that `anchor.time_anchor`
+    later times calls alone. Its seconds, and the works."""
+    m, t0, works = ctx.cfg.stages.microbench, time.perf_counter(), []
     for (op, case), trials in zip(plan, drawn):
-        spec = ctx.target.ops[op]
-        if not (m.anchor and spec.anchor is not None):
-            continue
-        try:
-            if anchor.work(_anchor_key(ctx, case), _anchor_sets(spec, trials)) not in anchor.TIMES:
-                spec.anchor(**spec.anchor_inputs(trials[0].inputs))
-        except RuntimeError:                 # met again, and left out, by `anchor.time_anchor`
-            pass
+        spec, done = ctx.target.ops[op], None
+        if m.anchor and spec.anchor is not None:
+            try:
+                done = anchor.work(_anchor_key(ctx, case), _anchor_sets(spec, trials))
+                if done not in anchor.TIMES:
+                    spec.anchor(**spec.anchor_inputs(trials[0].inputs))
+            except RuntimeError:             # no kernel for these shapes: `anchor.time_anchor` meets it again
+                pass
+        works.append(done)
     torch.cuda.synchronize(ctx.device)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, works
 
 
 def timing_plan(ctx: EvalContext) -> list[tuple[str, Case]]:
@@ -334,12 +338,13 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
     metrics["draws_s"] = time.monotonic() - t0
     warming = send_warm(ctx, drawn)
-    metrics.update(anchor_build_s=_build_anchors(ctx, plan, drawn), **collect_prime(ctx), **collect_warm(ctx, warming))
+    metrics["anchor_build_s"], works = _build_anchors(ctx, plan, drawn)
+    metrics.update(**collect_prime(ctx), **collect_warm(ctx, warming))
     metrics.update(first_calls(ctx, plan, drawn))
     ctx.begin_timing()          # until here the GPU was shared (nothing timed); from here nothing else of kevo's runs on it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
-        row, met = _bench_case(ctx, case, drawn[k], flush)
+        row, met = _bench_case(ctx, case, drawn[k], flush, works[k])
         metrics.update({figure_metric(case, figure): v for figure, v in row.items()})
         num += case.weight * row["baseline_ms"]
         den += case.weight * row["candidate_ms"]
