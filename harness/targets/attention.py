@@ -138,10 +138,12 @@ def _fill_unused(k: torch.Tensor, v: torch.Tensor, garbage: torch.Tensor, how: s
         raise ValueError(f"unknown unused-slot fill {how!r}")
 
 
-def _as_served(cache: torch.Tensor, layer: int) -> torch.Tensor:
-    """`cache` as served: layer `layer`'s view of a two-layer buffer (the other layer whatever the allocator left)."""
+def _as_served(cache: torch.Tensor, layer: int, copy: bool = True) -> torch.Tensor:
+    """`cache` as served: layer `layer`'s view of a two-layer buffer (the other layer whatever the allocator left).
+    Without `copy` (unfilled inputs: nothing in `cache` is anyone's) the view is left as allocated."""
     both = cache.new_empty((2, *cache.shape))
-    both[layer] = cache
+    if copy:
+        both[layer] = cache
     return both[layer]
 
 
@@ -170,7 +172,8 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
         valid = torch.zeros(pool, bs, dtype=torch.bool)
         valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
         _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
-    k, v = (_as_served(c.to(device, dtype), p.get("layer")) if "pool" in p else c.to(device, dtype) for c in (k, v))
+    k, v = (_as_served(c.to(device, dtype), p.get("layer"), copy=dist != UNFILLED) if "pool" in p else c.to(device, dtype)
+            for c in (k, v))
     return {
         "q": q.to(device, dtype), "k_cache": k, "v_cache": v, "block_table": table.to(device), "seq_lens": torch.tensor(lengths, dtype=torch.int32, device=device),
         "sm_scale": _sm_scale(case),

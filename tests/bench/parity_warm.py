@@ -10,8 +10,8 @@ evaluated); "warm only", the same warm with nothing drawn before its reply (the 
 harness/stages/parity.py `_ahead_bytes`, set to 0 in this process); "no warm", warm_threads 0. Every
 evaluation has a fresh worker, so a fresh Triton cache (its private /kevo): each parity compiles the kernel
 from nothing, as a new candidate's does. Printed per evaluation: parity's wall time, the warm's share (warm_s:
-from the request to its reply read, worker_warm_compiles_s: the worker waiting for the compiles after its
-calls), the draws (draw_s: all of parity's, of them draw_during_warm_s before the warm's reply was read, and
+from the request to its reply read, worker_warm_inputs_s: the worker making its calls' unfilled inputs,
+worker_warm_compiles_s: the worker waiting for the compiles after its calls), the draws (draw_s: all of parity's, of them draw_during_warm_s before the warm's reply was read, and
 how many checks) and the checks' first calls (worker_first_calls_s, where the JIT compiles what the warm
 did not); then the medians, and the load average. GPU: on a CPU the interpreter compiles nothing and the warm
 is off by default.
@@ -84,7 +84,8 @@ def main() -> None:
                     m = parity.metrics
                     seen[label].append(parity.seconds)
                     print(f"{path.name} round {r + 1} {label:>9}: parity {parity.seconds:6.2f} s; warm_s "
-                          f"{m.get('warm_s', 0.0):5.2f} (compiles {m.get('worker_warm_compiles_s', 0.0):5.2f}, "
+                          f"{m.get('warm_s', 0.0):5.2f} (inputs {m.get('worker_warm_inputs_s', 0.0):5.2f}, compiles "
+                          f"{m.get('worker_warm_compiles_s', 0.0):5.2f}, "
                           f"{m.get('warm_classes', 0):.0f} classes, {m.get('warm_failed', 0):.0f} failed); draws "
                           f"{m.get('draw_s', 0.0):5.2f} s, {m.get('draw_during_warm_s', 0.0):5.2f} s of them during the "
                           f"warm ({m.get('drawn_during_warm', 0):.0f} checks); first calls "
