@@ -270,6 +270,7 @@ class ServedDevice(Strict):
     max_output: int | None = Field(default=None, ge=1)   # the replay stage's outputs cut to this many tokens (None: the trace's)
     warm_requests: int | None = Field(default=None, ge=0)   # the warm-up's served-length requests (None: max_running)
     warm_passes: int = Field(default=1, ge=1, le=2)   # those requests sent in the served order (1), then longest first (2)
+    warm_sweep_threads: int = Field(default=0, ge=0)   # those parts first swept compile-only, compiles at once (0: no sweep)
 
 
 class CudaGraphsConfig(Strict):

@@ -6,6 +6,7 @@ and reused, weights load from safetensors, and attention goes through `Attention
 counted."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -350,6 +351,72 @@ def test_served_warm_passes_sends_the_served_lengths_in_the_served_order_then_lo
         assert set(range(1, 8)) <= set(seen["decode_batch"]), passes
         sent = {tuple(call) for call in seen["prefill_prompts"] if sorted(call) == sorted(spread)}
         assert sent == orders[passes], (passes, sent)
+
+
+class _Sweep:
+    """A stand-in for the compile-only context (harness/probes.py `compiling`): notes whether a call is made inside
+    it; with `fail_after`, the n-th call inside raises."""
+
+    def __init__(self, fail_after: int | None = None) -> None:
+        self.inside, self.calls, self.fail_after = False, 0, fail_after
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.inside = True
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    def spied(self) -> tuple[SimpleNamespace, dict[str, list]]:
+        """A shape spy whose notes say inside or out: ("in" | "out", batch)."""
+        seen: dict[str, list] = {"decode": [], "prefill": []}
+
+        def note(kind: str, what) -> None:
+            if self.inside:
+                self.calls += 1
+                if self.fail_after is not None and self.calls >= self.fail_after:
+                    raise RuntimeError("the sweep's call failed")
+            seen[kind].append(("in" if self.inside else "out", what))
+
+        def decode(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+            note("decode", q.shape[0])
+            return decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+
+        def prefill(q, k, v, cu_seqlens, max_seqlen, sm_scale):
+            note("prefill", tuple(cu_seqlens.diff().tolist()))
+            return prefill_baseline(q, k, v, cu_seqlens, max_seqlen, sm_scale)
+        return SimpleNamespace(decode=decode, prefill=prefill), seen
+
+
+def test_warm_up_sweeps_the_served_parts_compile_only_first_then_serves_the_same_shapes_for_real():
+    prompts = [len(r.prompt) for r in trace(12, seed=3)]
+    sweep = _Sweep()
+    candidate, seen = sweep.spied()
+    e = engine(AttentionOps(candidate))
+    took = warm_up(e, prompts, limit=7, sweep=sweep)
+    for kind in ("decode", "prefill"):
+        inside = [w for where, w in seen[kind] if where == "in"]
+        outside = [w for where, w in seen[kind] if where == "out"]
+        assert inside and set(inside) <= set(outside), kind              # every class swept is served for real too
+        first_in = [where for where, _ in seen[kind]].index("in")
+        assert "out" in [where for where, _ in seen[kind][first_in:]], kind   # ... after the sweep
+    assert set(range(1, 8)) <= {b for where, b in seen["decode"] if where == "in"}
+    assert list(took) == ["fixed", "sweep", "served", "alone"]
+    assert e.ops.stats()["decode"]["calls"] == 0 and e.steps == 0
+
+
+@pytest.mark.parametrize("fail_after", [1, 5])     # a prefill step admitting new requests; a decode step
+def test_a_sweep_that_raises_is_cut_short_and_the_real_parts_still_meet_every_batch_size(fail_after):
+    prompts = [len(r.prompt) for r in trace(12, seed=3)]
+    sweep = _Sweep(fail_after=fail_after)
+    candidate, seen = sweep.spied()
+    e = engine(AttentionOps(candidate))
+    free = e.allocator.available()
+    warm_up(e, prompts, limit=7, sweep=sweep)
+    assert sweep.calls == fail_after                                   # stopped at the failing call
+    assert set(range(1, 8)) <= {b for where, b in seen["decode"] if where == "out"}
+    assert not e.has_work() and e.allocator.available() == free      # nothing of the sweep left behind
 
 
 def test_warm_up_without_served_lengths_is_the_fixed_one():

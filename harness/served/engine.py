@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -191,6 +191,7 @@ class Engine:
             new = self._admit()
             if not new and not decode:
                 return []
+            self.running = new + decode     # held from here: a step that raises leaves them to `abort`
             for s in decode:
                 self._grow(s, s.length)
             logits = self.graphs.run(decode) if self.graphs is not None and not new else None
@@ -265,7 +266,8 @@ def run_requests(engine: Engine, requests: list, realtime: bool = True,
     return out
 
 
-def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None, passes: int = 1) -> dict[str, float]:
+def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = None, passes: int = 1,
+            sweep: Callable[[], ContextManager] | None = None) -> dict[str, float]:
     """Compile and tune before anything is timed. First, fixed: prompts either side of a cache block,
     all admitted in one prefill, then decode batches that shrink as they finish (5, 4, 3, 2, 1).
 
@@ -279,6 +281,11 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
       runs at every batch size from the largest the KV cache holds down to 1, over contexts of the served
       lengths: in the second pass the longest contexts leave first;
     - then each distinct length alone, as a prompt arriving at an idle server is served.
+    With `sweep` (a context in which kernel calls compile and launch nothing: harness/probes.py `compiling`, its
+    compiles a thread pool's), those two parts are served once inside it first: the shape classes they meet compile
+    side by side, and the parts served for real after it find them compiled (the outputs of the sweep's steps are
+    whatever the unlaunched kernels left: its tokens are nobody's). A sweep that raises is stopped there; the real
+    parts meet what it missed.
     Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
     Then the engine's CUDA graphs, if it has them, are captured (harness/served/graphs.py).
     Counts and recorded shapes start afresh. Returns each part's seconds (fixed, served, alone, capture)."""
@@ -307,11 +314,26 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
             return TraceRequest(i, 0.0, [(11 * i + 3 * j + 1) % vocab for j in range(n)], out)
 
         admitting = math.ceil(sum(spread) / engine.max_prefill_tokens) + math.ceil(k / engine.max_running)
-        for order in (spread, sorted(spread, reverse=True))[:passes]:
-            run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
+
+        def served() -> None:
+            for order in (spread, sorted(spread, reverse=True))[:passes]:
+                run_requests(engine, [filler(i, n, 2 + admitting + i) for i, n in enumerate(order)], realtime=False)
+
+        def each_alone() -> None:
+            for i, n in enumerate(alone):
+                run_requests(engine, [filler(k + i, n, 2)], realtime=False)
+        if sweep is not None:
+            try:
+                with sweep():
+                    served()
+                    each_alone()
+            except Exception:
+                for rid in {r.id for r in engine.waiting} | {s.req.id for s in engine.running}:
+                    engine.abort(rid)
+            lap("sweep")
+        served()
         lap("served")
-        for i, n in enumerate(alone):
-            run_requests(engine, [filler(k + i, n, 2)], realtime=False)
+        each_alone()
         lap("alone")
     if engine.graphs is not None:
         engine.graphs.capture()

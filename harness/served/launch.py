@@ -245,7 +245,7 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
             "model_name": f"kevo-{served.preset}",
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
-            "warm_passes": served.warm_passes,
+            "warm_passes": served.warm_passes, "warm_sweep_threads": served.warm_sweep_threads,
             "cuda_graphs": dataclasses.asdict(plan_for(cfg, device, _graph_bound(cfg, device, reference))),
             "baselines": cfg.targets.attention.baselines(), "stall_ms": cfg.served.stall_ms,
             "audit_share": cfg.served.audit_share, "spot_share": cfg.served.spot_share,

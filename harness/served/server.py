@@ -319,8 +319,10 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
                          root=Path(spec["root"]), graphs=GraphPlan(g["enabled"], tuple(g["batch_buckets"]), g["shortest_context"], g["longest_context"],
                                           int(g["max_padded_tokens"])))
     startup["build"] = time.perf_counter() - t0
+    threads = int(spec["warm_sweep_threads"])
     startup |= {f"warm_{part}": s for part, s in warm_up(engine, spec.get("warm_prompts", ()), spec.get("warm_limit"),
-                                                                 spec["warm_passes"]).items()}
+                                                         spec["warm_passes"],
+                                                         (lambda: probes.compiling(threads)) if threads else None).items()}
     ops.audit_all = False              # serving from here: a share of the calls audited, drawn in secret
     gc.collect()
     gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
