@@ -58,9 +58,8 @@ class CompileConfig(Strict):
     @field_validator("readable_dunders")
     @classmethod
     def _dunders(cls, v: list[str]) -> list[str]:
-        for name in v:
-            if not re.fullmatch(r"__[A-Za-z]\w*__", name):
-                raise ValueError(f"{name!r} is not a dunder name")
+        for name in (n for n in v if not re.fullmatch(r"__[A-Za-z]\w*__", n)):
+            raise ValueError(f"{name!r} is not a dunder name")
         return v
 
     @field_validator("allowed_names")
