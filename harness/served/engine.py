@@ -288,7 +288,7 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
     parts meet what it missed.
     Prompt tokens are filler, never the served ones, so nothing learnt here answers a served request.
     Then the engine's CUDA graphs, if it has them, are captured (harness/served/graphs.py).
-    Counts and recorded shapes start afresh. Returns each part's seconds (fixed, served, alone, capture)."""
+    Counts and recorded shapes start afresh. Returns each part's seconds (fixed, sweep, served, alone, capture)."""
     from harness.served.traces import TraceRequest
     took: dict[str, float] = {}
     t = time.perf_counter()
