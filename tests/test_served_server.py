@@ -2,7 +2,8 @@
 server, tokens timed on the client's clock; a request with kevo_forced gets the forced tokens; bad
 requests are 400s naming the problem; the server is sandboxed like the workers; a server killed
 mid-replay is a clear failure. What the trusted side tells the server (embedded_spec): a weight seed
-of the replay's own, and a shape sweep in the warm-up for a candidate only."""
+of the replay's own, a shape sweep in the warm-up for a candidate only, and that warm-up's compile-only sweep when
+configured."""
 from __future__ import annotations
 
 import math
@@ -237,6 +238,21 @@ def test_a_prefill_candidates_server_decodes_with_the_decode_head_it_is_handed()
         ops = s.stats()["ops"]
     assert ops["prefill"]["candidate"] == ops["prefill"]["calls"] > 0
     assert ops["decode"]["other_head"] == ops["decode"]["calls"] > 0 and ops["decode"]["candidate"] == 0
+
+
+def test_a_candidates_sandboxed_server_sweeps_its_served_parts_compile_only_when_configured_then_serves():
+    """Through a real served process: `served.<device>.warm_sweep_threads` reaches its warm-up, whose sweep runs in
+    the sandbox as a part of its own, and the server then serves. (Triton's interpreter compiles nothing: on a CPU
+    the compile threads are never started.)"""
+    cfg = config_with(**{"served.cpu.warm_requests": 3, "served.cpu.warm_sweep_threads": 2})
+    lengths = [len(r.prompt) for r in served_requests(cfg, "cpu")][:3]
+    with start_server(cfg, "cpu", C.REF_DECODE, lengths) as s:
+        parts = s.stats()["startup_s"]
+        run = replay(s.url, s.model, served_requests(cfg, "cpu")[:2], request_timeout_s=120, drain_timeout_s=120)
+        assert run.failures() == [], run.describe_failures()
+        ops = s.stats()["ops"]
+    assert list(parts) == ["load", "build", "warm_fixed", "warm_sweep", "warm_served", "warm_alone", "warm_capture"]
+    assert ops["decode"]["candidate"] == ops["decode"]["calls"] > 0
 
 
 def _live_threads(pid: int) -> list[str]:

@@ -18,6 +18,7 @@ Not covered: sampling temperatures other than 0, chunked prefill, preemption, pr
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -327,7 +328,8 @@ def warm_up(engine: Engine, prompts: Sequence[int] = (), limit: int | None = Non
                 with sweep():
                     served()
                     each_alone()
-            except Exception:
+            except Exception as e:
+                logging.getLogger(__name__).warning("the warm-up's compile-only sweep stopped: %s", e)
                 for rid in {r.id for r in engine.waiting} | {s.req.id for s in engine.running}:
                     engine.abort(rid)
             lap("sweep")
