@@ -154,6 +154,15 @@ def send_warm(ctx: EvalContext, plan: list[Check]) -> Warming | None:
     threads = getattr(ctx.cfg.stages.parity.warm_threads, ctx.device.type)
     if not threads:
         return None
+    classes, calls = warm_calls(ctx, plan)
+    t0 = time.monotonic()
+    ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes")
+    return Warming(classes, len(calls), t0)
+
+
+def warm_calls(ctx: EvalContext, plan: list[Check]) -> tuple[int, list[dict]]:
+    """The warm's recipes: each shape class of the plan `warm_draws` times, each from a fresh seed; and how many
+    classes."""
     classes = list({(check.case.op, check.case.label): check.case for check in plan}.values())
     calls = []
     for case in classes:
@@ -161,9 +170,7 @@ def send_warm(ctx: EvalContext, plan: list[Check]) -> Warming | None:
             seed = secrets.randbits(62)
             drawn = ctx.target.vary(case, "normal", random.Random(seed), ctx) if ctx.target.vary is not None else case
             calls.append({"case": drawn, "dist": "normal", "seed": seed, "dtype": DTYPE_NAMES[ctx.dtype]})
-    t0 = time.monotonic()
-    ctx.send({"cmd": "warm", "calls": calls, "threads": threads}, "compiling the shape classes")
-    return Warming(len(classes), len(calls), t0)
+    return len(classes), calls
 
 
 def collect_warm(ctx: EvalContext, sent: Warming) -> tuple[Reply, dict[str, float]]:

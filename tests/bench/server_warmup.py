@@ -34,11 +34,10 @@ GLUON = ("knowledge/attention/decode_gluon_sm90.py", "knowledge/attention/prefil
 def warm_once(decode: str, prefill: str, times: int, threads: int) -> list[dict]:
     import torch
 
-    from harness.probes import Probes
-
     from harness.config import PROJECT_ROOT, load_config
-    from harness.served.engine import make_engine, warm_up
     from harness.gpu_memory import server_graph_bound
+    from harness.probes import Probes
+    from harness.served.engine import make_engine, warm_up
     from harness.served.limits import plan_for
     from harness.served.ops import AttentionOps, load_candidate
     from harness.stages.arms import warm_lengths

@@ -5,23 +5,20 @@
 Parity's warm (harness/stages/parity.py `send_warm`, harness/worker.py `warm`) makes `warm_draws` calls per shape
 class, each on inputs whose payload is left unwritten (targets.base.UNFILLED), and the worker's reply counts the
 time as `inputs_s`: 4.7-4.8 s for the Gluon decode's 44 calls on an H100, with or without the trusted side drawing
-beside it (docs/BENCHMARKS.md, sixtieth session). Here the same calls (the same classes, `vary` drawn the same
-way from fresh seeds) are made in this process, each timed to its end on the device, with the bytes it allocated
-and the allocator's reserve after it; then the calls' host profile (cProfile, the ten costliest functions by
-their own time). `--expandable`: the allocator's expandable segments on first, as the evaluator's reserve and the
-served server set them (harness/gpu_memory.py). GPU: on a CPU the figures are host work, not the worker's.
+beside it (docs/BENCHMARKS.md, sixtieth session). Here the same calls (harness/stages/parity.py `warm_calls`, from
+parity's own plan) are made in this process, each timed to its end on the device, with the bytes it allocated and
+the allocator's reserve after it; then the calls' host profile (cProfile, the ten costliest functions by their own
+time). `--expandable`: the allocator's expandable segments on first, as the evaluator's reserve and the served
+server set them (harness/gpu_memory.py). GPU: on a CPU the figures are host work, not the worker's.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import pstats
-import random
-import secrets
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -29,24 +26,13 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from harness.config import load_config  # noqa: E402
+from harness.evaluate import device_shapes  # noqa: E402
 from harness.gpu_memory import expandable_segments  # noqa: E402
-from harness.served.limits import served_limits  # noqa: E402
+from harness.stages.common import EvalContext  # noqa: E402
+from harness.stages.parity import _plan, warm_calls  # noqa: E402
 from harness.targets import TARGETS  # noqa: E402
 from harness.targets.base import UNFILLED  # noqa: E402
 from harness.transport import DTYPES  # noqa: E402
-
-
-def warm_calls(ctx, op: str, draws: int) -> list[tuple]:
-    """The warm's calls for `op`, as send_warm draws them: each shape class `draws` times, on fresh seeds."""
-    t, shapes = ctx.target, ctx.shapes
-    cases = t.served_cases(shapes) + t.boundary_cases(shapes) + t.limit_cases(shapes, served_limits(ctx.cfg, ctx.device.type))
-    classes = list({(c.op, c.label): c for c in cases if c.op == op}.values())
-    calls = []
-    for case in classes:
-        for _ in range(draws):
-            seed = secrets.randbits(62)
-            calls.append((t.vary(case, "normal", random.Random(seed), ctx), seed))
-    return calls
 
 
 def main() -> None:
@@ -59,15 +45,15 @@ def main() -> None:
     if a.expandable and device.type == "cuda":
         expandable_segments()
     cfg = load_config()
-    section = getattr(cfg.targets.attention, device.type)
-    ctx = SimpleNamespace(cfg=cfg, device=device, dtype=DTYPES[section.dtype], target=TARGETS["attention"], shapes=section)
+    ctx = EvalContext(cfg=cfg, target=TARGETS["attention"], shapes=device_shapes(cfg, "attention", device), device=device,
+                      dtype=DTYPES[getattr(cfg.targets.attention, device.type).dtype], pool=None, source="", ops=[a.op])
     make = ctx.target.ops[a.op].make_inputs
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prof = cProfile.Profile()
     for r in range(a.rounds):
-        calls = warm_calls(ctx, a.op, getattr(cfg.stages.parity.warm_draws, device.type))
+        _, calls = warm_calls(ctx, _plan(ctx))         # as parity's warm sends them
         total = 0.0
-        for case, seed in calls:
+        for case, seed in ((call["case"], call["seed"]) for call in calls):
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             sync()
             t0 = time.perf_counter()
