@@ -29,6 +29,7 @@ class WorkerConfig(Strict):
     log_tail_chars: int = Field(ge=200)
     env_passthrough: list[str]
     folder_bytes: int = Field(ge=64 << 20)           # the candidate's own folder, a tmpfs (Triton cache, /tmp)
+    carry_bytes: int = Field(ge=0)                   # a source's packed Triton cache, kept for its next sandbox (0: off)
     shm_bytes: int = Field(ge=1 << 20)               # its private /dev/shm
     file_size_bytes: int = Field(ge=16 << 20)        # RLIMIT_FSIZE: also bounds each reply's outputs
     open_files: int = Field(ge=64)                   # RLIMIT_NOFILE
@@ -73,9 +74,8 @@ class CompileConfig(Strict):
                 raise ValueError(f"{module}: an empty list (leave the module out instead)")
             if "*" in names and len(names) > 1:
                 raise ValueError(f"{module}: '*' admits every public name; list nothing beside it")
-            for name in names:
-                if name != "*" and not all(word.match(p) for p in name.split(".")):
-                    raise ValueError(f"{module}: {name!r} is not a dotted public name (no dunder, no private)")
+            if bad := [n for n in names if n != "*" and not all(word.match(p) for p in n.split("."))]:
+                raise ValueError(f"{module}: {bad[0]!r} is not a dotted public name (no dunder, no private)")
         return v
 
 

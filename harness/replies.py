@@ -90,6 +90,15 @@ class Loaded(Reply):
     ok: bool
     ops: list[Name] = Field(max_length=16)
     error: Text = ""
+    carried: Count = 0                      # files of its source's compiled kernels it unpacked (harness/compiled.py)
+    carry_refused: Text = ""
+
+
+class Packed(Reply):
+    """Its compiled kernels, packed: `bytes` of the one sealed memory file that came with the reply."""
+    ok: Literal[True]
+    bytes: Count
+    seconds: dict[Name, Seconds] = Field(max_length=4)
 
 
 class Entry(_Strict):
@@ -204,7 +213,7 @@ class ServedStats(Reply):
 
 
 SCHEMAS: dict[str, type[Reply]] = {"load": Loaded, "call": Called, "warm": Warmed, "profile": Profiled, "prime": Primed, "time": Timed,
-                                   "capture": Captured, "burst": Burst, "served_stats": ServedStats}
+                                   "capture": Captured, "burst": Burst, "served_stats": ServedStats, "pack": Packed}
 
 
 def _where(err: ValidationError) -> str:

@@ -143,10 +143,16 @@ def write_arena(tensors: dict[str, torch.Tensor], index: int = 0) -> tuple[list[
                          "offset": offset, "nbytes": int(raw.nbytes), "arena": index})
         raws.append((offset, raw))
         offset += raw.nbytes
+    return manifest, sealed(offset, raws)
+
+
+def sealed(size: int, pieces: list[tuple[int, Any]]) -> int:
+    """A memory file of `size` bytes holding each (offset, bytes-like) piece, sealed against any change (an
+    `Arena` on the other side); its descriptor, to be sent with a reply and then closed."""
     fd = os.memfd_create("kevo-outputs", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, offset)
-        for at, raw in raws:
+        os.ftruncate(fd, size)
+        for at, raw in pieces:
             view = memoryview(raw).cast("B")
             done = 0
             while done < len(view):
@@ -155,7 +161,7 @@ def write_arena(tensors: dict[str, torch.Tensor], index: int = 0) -> tuple[list[
     except BaseException:
         os.close(fd)
         raise
-    return manifest, fd
+    return fd
 
 
 def read_arena(manifest: list[dict], device: torch.device | str, arenas: list[Arena],

@@ -19,11 +19,12 @@ from typing import Any
 
 import torch
 
+from harness import compiled
 from harness.candidate import load_candidate
 from harness.probes import Probes
 from harness.targets import TARGETS
 from harness.targets.base import UNFILLED
-from harness.transport import DTYPES, recv_pickle, send_json, trim, write_arena
+from harness.transport import DTYPES, recv_pickle, sealed, send_json, trim, write_arena
 from harness.worker_timing import burst, prime, timed
 
 
@@ -122,9 +123,19 @@ class Worker:
             # before the candidate's code runs: the rest of the GPU's memory stays the evaluator's
             torch.cuda.set_per_process_memory_fraction(float(msg["gpu_memory_fraction"]),
                                                        torch.cuda.current_device() if self.device.index is None else self.device.index)
+        carried, refused = compiled.carry_in(msg.get("carried", []), str(self.workdir), int(msg.get("carry_bytes", 0)))
         loaded = load_candidate(Path(msg["path"]), self.target)
         self.module = loaded.module
-        return {"ok": not loaded.error, "ops": list(loaded.ops), "error": loaded.error}
+        return {"ok": not loaded.error, "ops": list(loaded.ops), "error": loaded.error, "carried": carried,
+                "carry_refused": refused}
+
+    def pack(self, msg: dict) -> dict:
+        """This worker's compiled kernels, packed for its source's next sandbox (harness/compiled.py), in one sealed
+        memory file; `bytes` 0 when there is nothing to carry."""
+        t0 = time.perf_counter()
+        blob = compiled.carry_out(str(self.workdir), int(msg["limit"]))
+        self.pending.append(sealed(len(blob), [(0, blob)] if blob else []))
+        return {"ok": True, "bytes": len(blob), "seconds": {"pack": time.perf_counter() - t0}}
 
     def call(self, msg: dict) -> dict:
         op, mode, repeat = msg["op"], msg.get("mode", "run"), int(msg.get("repeat", 1))
@@ -265,7 +276,7 @@ def serve(sock: socket.socket, workdir: Path, target: str, device: str, log_limi
     worker = Worker(workdir, target, device, log_limit)
     handlers = {"source": worker.source, "load": worker.load, "call": worker.call, "warm": worker.warm, "profile": worker.profile,
                 "prime": lambda msg: prime(worker, msg), "time": lambda msg: timed(worker, msg),
-                "burst": lambda msg: burst(worker, msg), "ping": worker.ping, "warmup": worker.warmup}
+                "burst": lambda msg: burst(worker, msg), "ping": worker.ping, "warmup": worker.warmup, "pack": worker.pack}
     while True:
         try:
             msg = recv_pickle(sock)

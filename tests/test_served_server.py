@@ -127,7 +127,7 @@ def test_bad_request_is_a_400_naming_the_problem(server, kwargs, words):
 def test_the_server_reports_how_long_each_part_of_its_start_took_and_the_replay_reads_it_as_metrics(server):
     stats = server.stats()
     parts = stats["startup_s"]
-    assert list(parts) == ["load", "build", "warm_fixed", "warm_capture"]     # no served lengths on a CPU's server
+    assert list(parts) == ["carry", "load", "build", "warm_fixed", "warm_capture"]     # no served lengths on a CPU's server
     assert all(s >= 0.0 for s in parts.values()) and 0.0 < parts["warm_fixed"] < sum(parts.values()) < server.ready_s
     assert startup(stats, "head") == {f"head_start_{p}_s": s for p, s in parts.items()}
     hostile = {"startup_s": {"warm_fixed": "1", "x" * 40: 1.0, "a b": 2.0, "build": 3, **{f"p{i}": 0.5 for i in range(9)}}}
@@ -251,7 +251,7 @@ def test_a_candidates_sandboxed_server_sweeps_its_served_parts_compile_only_when
         run = replay(s.url, s.model, served_requests(cfg, "cpu")[:2], request_timeout_s=120, drain_timeout_s=120)
         assert run.failures() == [], run.describe_failures()
         ops = s.stats()["ops"]
-    assert list(parts) == ["load", "build", "warm_fixed", "warm_sweep", "warm_served", "warm_alone", "warm_capture"]
+    assert list(parts) == ["carry", "load", "build", "warm_fixed", "warm_sweep", "warm_served", "warm_alone", "warm_capture"]
     assert ops["decode"]["candidate"] == ops["decode"]["calls"] > 0
 
 

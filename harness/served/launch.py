@@ -113,6 +113,16 @@ class ServerHandle:
             return None
         return data if isinstance(data, dict) else None
 
+    def compiled(self, limit: int) -> bytes:
+        """The server's compiled kernels, packed by its own process (GET /kevo/compiled; harness/compiled.py): opaque
+        bytes, at most `limit` of them (b"": none, more, or no answer)."""
+        try:
+            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/compiled", timeout=60) as r:
+                blob = r.read(limit + 1)
+        except (OSError, urllib.error.URLError, ValueError):
+            return b""
+        return blob if len(blob) <= limit else b""
+
     def _inner_pid(self) -> int | None:
         try:
             kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
@@ -215,7 +225,8 @@ def cache_bytes(cfg: Config, device: str, reference: bool) -> int:
 
 
 def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Path, warm: Sequence[int] = (),
-                  weight_seed: int | None = None, reference: bool = False, other_heads: dict[str, Path] | None = None) -> dict:
+                  weight_seed: int | None = None, reference: bool = False, other_heads: dict[str, Path] | None = None,
+                  carried: Sequence[Path] = ()) -> dict:
     """What the embedded server is told: the preset, the attention layout, the candidate's file, the files of
     the heads served beside it (per op it does not define), and the prompt lengths it will serve. Its
     warm-up meets their shapes before anything is timed, for kernels only: the baselines (no candidate,
@@ -223,7 +234,8 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
     warm-up alone. `weight_seed` replaces the preset's `seed` of the
     random weights (a preset with `weights:` reads its files whatever the seed). `reference`: the replay's
     reference server, torch's baselines in `stages.replay.reference_dtype` with a cache of
-    `stages.replay.reference_kv_cache_tokens` (it runs untimed; a float reference needs the memory)."""
+    `stages.replay.reference_kv_cache_tokens` (it runs untimed; a float reference needs the memory). `carried`: the
+    files of packed caches its sources compiled before (harness/compiled.py), unpacked in its sandbox."""
     served = getattr(cfg.served, device)
     section = getattr(cfg.targets.attention, device)
     preset = cfg.served.presets[served.preset].model_dump()
@@ -243,6 +255,7 @@ def embedded_spec(cfg: Config, device: str, candidate: Path | None, workdir: Pat
             "dtype": dtype, "device": device, "candidate": str(candidate) if candidate else None,
             "other_heads": {op: str(path) for op, path in other_heads.items()},
             "workdir": str(workdir), "sandbox": sandbox_spec(cfg.worker, workdir, device, workdir, weights),
+            "carried": [str(p) for p in carried], "carry_bytes": cfg.worker.carry_bytes,
             "model_name": f"kevo-{served.preset}",
             "root": str(PROJECT_ROOT), "warm_prompts": list(warm) if candidate or other_heads else [], "warm_limit": served.warm_requests,
             "warm_passes": served.warm_passes, "warm_sweep_threads": served.warm_sweep_threads,
@@ -266,7 +279,7 @@ def _graph_bound(cfg: Config, device: str, reference: bool) -> int:
 
 def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
                    weight_seed: int | None = None, wait: bool = True, reference: bool = False,
-                   other_heads: dict[str, str] | None = None) -> ServerHandle:
+                   other_heads: dict[str, str] | None = None, carried: Sequence[bytes] = ()) -> ServerHandle:
     workdir = _scratch()
     candidate = None
     if source is not None:
@@ -276,7 +289,10 @@ def start_embedded(cfg: Config, device: str, source: str | None, warm: Sequence[
     for op, text in (other_heads or {}).items():
         files[op] = workdir / f"other_{op}.py"
         files[op].write_text(text)
-    spec = embedded_spec(cfg, device, candidate, workdir, warm, weight_seed, reference, files)
+    blobs = [workdir / f"carried_{i}.bin" for i in range(len(carried))]
+    for path, blob in zip(blobs, carried):
+        path.write_bytes(blob)
+    spec = embedded_spec(cfg, device, candidate, workdir, warm, weight_seed, reference, files, blobs)
     (workdir / "spec.json").write_text(json.dumps(spec))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -326,16 +342,17 @@ def start_external(cfg: Config, source: str | None, wait: bool = True) -> Server
 
 def start_server(cfg: Config, device: str, source: str | None, warm: Sequence[int] = (),
                  weight_seed: int | None = None, wait: bool = True, reference: bool = False,
-                 other_heads: dict[str, str] | None = None) -> ServerHandle:
+                 other_heads: dict[str, str] | None = None, carried: Sequence[bytes] = ()) -> ServerHandle:
     """`warm`: the prompt lengths about to be served, for the embedded server's warm-up (a server with a
     kernel only: `embedded_spec`). `weight_seed`: the embedded server's random weights, in place of the
     preset's seed. `other_heads`: per op, the source of the head that serves it where `source` does not define
     it (the embedded server only). An external server warms itself up as its own command does, serves its own
-    weights, and is handed the candidate's file alone: none of the three applies to it. `wait=False` returns at once: `wait_ready` (with `ready_timeout`) then
+    weights, and is handed the candidate's file alone: none of the three applies to it, nor `carried` (the packed caches
+    of kernels its sources compiled before, harness/compiled.py). `wait=False` returns at once: `wait_ready` (with `ready_timeout`) then
     waits, from the thread that started it (its process dies with that thread: PR_SET_PDEATHSIG)."""
     if cfg.served.external:
         return start_external(cfg, source, wait)
-    return start_embedded(cfg, device, source, warm, weight_seed, wait, reference, other_heads)
+    return start_embedded(cfg, device, source, warm, weight_seed, wait, reference, other_heads, carried)
 
 
 def ready_timeout(cfg: Config) -> float:

@@ -195,7 +195,9 @@ def _parse(body: object, top_k: int) -> tuple[dict, str]:
             "forced": forced, "scored": scored, "group": group}, ""
 
 
-def build_app(loop: EngineLoop, model_name: str, notes: list[str], startup: dict[str, float] | None = None):
+def build_app(loop: EngineLoop, model_name: str, notes: list[str], startup: dict[str, float] | None = None,
+              pack=lambda: b""):
+    """`pack`: the process's compiled kernels, packed (harness/compiled.py), for GET /kevo/compiled."""
     from aiohttp import web
 
     from harness.served.engine import EngineError, Request
@@ -279,15 +281,22 @@ def build_app(loop: EngineLoop, model_name: str, notes: list[str], startup: dict
                                   "sandbox": "; ".join(notes), "shapes": e.ops.shapes.summary(), "startup_s": startup or {},
                                   "graphs": e.graphs.stats() if e.graphs is not None else {"on": False, "reason": "not configured"}})
 
+    async def packed(_):
+        return web.Response(body=await asyncio.get_running_loop().run_in_executor(None, pack),
+                            content_type="application/octet-stream")
+
     app = web.Application(client_max_size=64 << 20)
     app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
-                    web.get("/health", health), web.get("/kevo/stats", stats)])
+                    web.get("/health", health), web.get("/kevo/stats", stats), web.get("/kevo/compiled", packed)])
     return app
 
 
-def serve(spec: dict, fd: int, notes: list[str]) -> None:
+def serve(spec: dict, fd: int, notes: list[str], folder: Path, carried: list[bytes]) -> None:
+    """`carried`: the packed caches of kernels its sources compiled before, unpacked into `folder` first."""
     import torch
     from aiohttp import web
+
+    from harness import compiled
 
     from harness.gpu_memory import expandable_segments
     from harness.probes import Probes
@@ -296,6 +305,10 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     from harness.served.ops import TARGET, AttentionOps, load_candidate
     from harness.served.spot import SpotChecks
     from harness.transport import DTYPES
+    t0 = time.perf_counter()
+    files, refused = compiled.carry_in(carried, str(folder), int(spec["carry_bytes"]))
+    notes += [words for words in (files and f"compiled files carried in: {files}", refused) if words]
+    startup = {"carry": time.perf_counter() - t0}
     t0 = time.perf_counter()
     device = torch.device(spec["device"])
     if device.type == "cuda":          # before the candidate's code runs: its share, as the head's (harness/gpu_memory.py)
@@ -312,7 +325,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
                        spot=SpotChecks(target, float(spec["spot_share"]), float(factor), (float(floor[0]), float(floor[1]))),
                        gather_bound=int(spec["cuda_graphs"]["max_padded_tokens"]))
     g = spec["cuda_graphs"]
-    startup = {"load": time.perf_counter() - t0}
+    startup["load"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     engine = make_engine(SimpleNamespace(**spec["preset"]), spec["block_size"], DTYPES[spec["dtype"]], device, ops,
                          init=SimpleNamespace(**spec["random_init"]), top_k=spec["logprobs"],
@@ -328,7 +341,7 @@ def serve(spec: dict, fd: int, notes: list[str]) -> None:
     gc.freeze()            # what the build and warm-up made stays out of every later collection (as vLLM does)
     loop = EngineLoop(engine)
     loop.thread.start()
-    app = build_app(loop, spec["model_name"], notes, startup)
+    app = build_app(loop, spec["model_name"], notes, startup, lambda: compiled.carry_out(str(folder), int(spec["carry_bytes"])))
 
     async def run() -> None:
         runner = web.AppRunner(app, access_log=None)
@@ -350,6 +363,7 @@ def main() -> None:
     files = {"candidate": spec["candidate"]} if spec["candidate"] else {}
     files |= {f"other_{op}": path for op, path in spec.get("other_heads", {}).items()}
     sources = {name: Path(path).read_text() for name, path in files.items()}
+    carried = [Path(path).read_bytes() for path in spec.get("carried", [])]     # opaque here: unpacked in the sandbox
     folder, notes = _enter_sandbox(spec, fd)
     for name, source in sources.items():
         out = os.open(folder / f"{name}.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -358,7 +372,7 @@ def main() -> None:
     if "candidate" in sources:
         spec["candidate"] = str(folder / "candidate.py")
     spec["other_heads"] = {op: str(folder / f"other_{op}.py") for op in spec.get("other_heads", {})}
-    serve(spec, fd, notes)
+    serve(spec, fd, notes, folder, carried)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ import subprocess
 
 import torch
 
+from harness import replies
+from harness.compiled import KEPT
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.gpu_memory import cache_shortfall, check_servers_fit, release
@@ -21,8 +23,10 @@ from harness.served.launch import (ServerFailure, ServerHandle, cache_bytes, rea
                                    wait_ready, with_output)
 from harness.served.traces import TraceError, TraceRequest, load_trace
 from harness.stages.common import Rejected
+from harness.worker_handle import WorkerFailure, WorkerHandle
 
 log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
+PACK_TIMEOUT_S = 60.0
 
 
 def served_lines(cfg: Config, device: str):
@@ -63,6 +67,26 @@ def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label:
     return run
 
 
+def keep_worker(cfg: Config, worker: WorkerHandle, source: str) -> int:
+    """Keep what the candidate's worker compiled (compile, parity, microbench) for its servers (harness/compiled.py):
+    the bytes kept. A worker that does not answer in time, or answers out of form, carries nothing; nothing is judged
+    on it either way."""
+    if not cfg.worker.carry_bytes or not worker.alive:
+        return 0
+    try:
+        raw = worker.request({"cmd": "pack", "limit": cfg.worker.carry_bytes}, PACK_TIMEOUT_S, "packing its compiled kernels")
+        raw.pop("_wall_s", None)
+        reply = replies.parse("pack", raw, arenas=raw.pop("_arenas", []))
+    except (WorkerFailure, replies.MalformedReply):
+        return 0
+    blob = reply.arenas[0].blob if isinstance(reply, replies.Packed) and len(reply.arenas) == 1 else None
+    if blob is None or blob.numel() != reply["bytes"] or reply["bytes"] > cfg.worker.carry_bytes:
+        return 0
+    KEPT.keep_from([source], bytes(blob.numpy()))
+    reply.release()
+    return reply["bytes"]
+
+
 def server_failed(cfg: Config, label: str, e: ServerFailure) -> Exception:
     """What a server's failure means: the candidate's, its rejection; any other's, a harness error. One that ran
     out of GPU memory did so in its own share (harness/gpu_memory.py), which the words say (they decide nothing:
@@ -74,6 +98,20 @@ def server_failed(cfg: Config, label: str, e: ServerFailure) -> Exception:
     if label == "candidate":
         return Rejected(f"the candidate's server: {share}{e}", "server_failed")
     return HarnessError(f"the {label} server: {share}{e}")
+
+
+def served_stats(server: ServerHandle, head: bool = False) -> dict | None:
+    """A server's own accounting (GET /kevo/stats), validated like any reply: None when it keeps none. Malformed, the
+    candidate's is its rejection, the head's a harness error (it was accepted before)."""
+    stats = server.stats()
+    if stats is None:
+        return None
+    try:                                  # a kernel's process wrote it: validated like any reply
+        return replies.parse("served_stats", stats).model_dump()
+    except replies.MalformedReply as e:
+        if head:                          # the head was accepted before: its server's fault is the harness's to report
+            raise HarnessError(f"the head's server's accounting (GET /kevo/stats) is malformed: {e}") from None
+        raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", "protocol") from None
 
 
 class Servers:
@@ -103,12 +141,18 @@ class Servers:
         warm = warm_lengths(cfg, device)
         self.handles: dict[str, ServerHandle] = {}
         self.starting: dict[str, ServerHandle] = {}
+        self.runs: dict[str, list[str | None]] = {}      # per label, the sources whose code its server runs
+        self.carried: dict[str, int] = {}                # per label, the bytes of compiled kernels it was handed
         failure: tuple[str, ServerFailure] | None = None
         for label, source in sources.items():
             try:
                 reference = label == "reference"
+                self.runs[label] = [] if reference else [source, *self.other_heads.values()]
+                carried = KEPT.given(self.runs[label]) if cfg.worker.carry_bytes else []
+                self.carried[label] = sum(map(len, carried))
                 self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
-                                                    reference=reference, other_heads=None if reference else self.other_heads)
+                                                    reference=reference, other_heads=None if reference else self.other_heads,
+                                                    carried=carried)
             except ServerFailure as e:
                 failure = failure or (label, e)
         if failure:
@@ -145,6 +189,10 @@ class Servers:
         self.handles[label] = h
         return h
 
+    def carried_mib(self) -> dict[str, float]:
+        """Metrics: the compiled kernels each server that was handed some was handed, MiB."""
+        return {f"{label}_carried_mib": n / (1 << 20) for label, n in self.carried.items() if n}
+
     def send(self, label: str, requests: list[TraceRequest], burst: bool = False) -> ReplayRun:
         """`send` to the server of `label`; a request that did not complete is that label's failure (`server_failed`)."""
         try:
@@ -153,8 +201,12 @@ class Servers:
             raise server_failed(self.cfg, label, e) from None
 
     def stop(self, label: str) -> None:
+        """Stop `label`'s server, first keeping what it compiled for the next server of the same sources (one that
+        started: harness/compiled.py)."""
         h = self.handles.pop(label, None)
         if h is not None:
+            if self.cfg.worker.carry_bytes and any(self.runs.get(label, ())) and h.alive():
+                KEPT.keep_from(self.runs[label], h.compiled(self.cfg.worker.carry_bytes))
             h.stop()
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ import ast
 import time
 
 from harness import allowlist
+from harness.compiled import KEPT
 from harness.records import StageResult
 from harness.stages import parity
 from harness.syntax import parse
@@ -49,13 +50,15 @@ def static_check(ctx: EvalContext) -> list[str]:
 def compile_stage(ctx: EvalContext) -> StageResult:
     ctx.ops = static_check(ctx)
     ctx.worker = ctx.pool.spawn(ctx.source)
-    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py"),
-              "gpu_memory_fraction": ctx.cfg.worker.gpu_memory_fraction}, "importing the candidate")
+    carried = KEPT.given([ctx.source]) if ctx.cfg.worker.carry_bytes else []   # what its own earlier sandbox compiled
+    ctx.send({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py"), "carried": carried,
+              "carry_bytes": ctx.cfg.worker.carry_bytes, "gpu_memory_fraction": ctx.cfg.worker.gpu_memory_fraction},
+             "importing the candidate")
     trials = [draw(ctx, ctx.target.compile_case(ctx.shapes, op), "normal") for op in ctx.ops]  # while it imports
     reply = ctx.collect("importing the candidate", "load")
     if not reply.ok:
         raise candidate_raised("import failed", reply)
-    metrics = {"ops": float(len(ctx.ops)), "load_s": reply.wall_s}
+    metrics = {"ops": float(len(ctx.ops)), "load_s": reply.wall_s, "carried_files": float(reply.carried)}
     if "parity" in ctx.to_run:
         # every shape class parity will check compiled at once before the first call here (parity.begin)
         t0 = time.monotonic()

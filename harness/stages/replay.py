@@ -31,6 +31,8 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
 `accepted` is 1 only when the gates pass, nothing fell back and the gain's lower bound beats
 `min_margin`. The head's own gates and gain figures are reported beside. A candidate whose server
 dies or errs is rejected, saying how; a reference or head that cannot be served is a harness error.
+Each server is handed the compiled kernels its sources' earlier sandboxes left (harness/compiled.py: the
+candidate's worker, the head's server in the last replay), so it starts sooner; the warm-up is the same either way.
 
 On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter): reference and
 candidate, the reference's own greedy tokens the continuation, every token compared, nothing timed and nothing
@@ -49,13 +51,11 @@ from dataclasses import dataclass, replace
 from harness.config import Config
 from harness.errors import HarnessError
 from harness.records import StageResult
-from harness.replies import MalformedReply, parse
 from harness.served.client import ReplayRun
-from harness.served.launch import ServerHandle
 from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls, startup
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
-from harness.stages.arms import Servers, served_lines
+from harness.stages.arms import Servers, keep_worker, served_lines, served_stats
 from harness.stages.common import EvalContext, Rejected
 
 log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
@@ -149,18 +149,6 @@ def segments(requests: list[TraceRequest], window_s: float, n: int) -> list[list
 def merged(label: str, runs: list[ReplayRun]) -> ReplayRun:
     return ReplayRun(label, [c for r in runs for c in r.completions], sum(r.duration_s for r in runs),
                      max((r.max_send_lag_s for r in runs), default=0.0), runs[0].server_ready_s if runs else float("nan"))
-
-
-def _stats(server: ServerHandle, head: bool = False) -> dict | None:
-    stats = server.stats()
-    if stats is None:
-        return None
-    try:                                  # a kernel's process wrote it: validated like any reply
-        return parse("served_stats", stats).model_dump()
-    except MalformedReply as e:
-        if head:                          # the head was accepted before: its server's fault is the harness's to report
-            raise HarnessError(f"the head's server's accounting (GET /kevo/stats) is malformed: {e}") from None
-        raise Rejected(f"the candidate's server's accounting (GET /kevo/stats) is malformed: {e}", "protocol") from None
 
 
 @dataclass
@@ -259,7 +247,7 @@ def gates_in(cfg: Config, device: str, servers: Servers, label: str = "candidate
     _time_left(deadline, 0)
     feed = forced(requests, ref)
     cand = servers.send(label, feed)
-    stats = _stats(servers.handles[label])
+    stats = served_stats(servers.handles[label])
     gate = _gate(cfg, dtype, ref, cand)
     head_metrics = {}
     if head_label is not None:
@@ -337,9 +325,9 @@ def timed_pair(cfg: Config, device: str, servers: Servers, ref: ReplayRun, feed:
         for label in ((head_label, cand_label) if j % 2 == 0 else (cand_label, head_label)):
             runs[label].append(servers.send(label, seg, r.load == "burst"))
         log.info("replay: timed segment %d of %d served to both arms", j + 1, len(parts))
-    stats = _stats(servers.handles[cand_label])
+    stats = served_stats(servers.handles[cand_label])
     outcome = judge(cfg, dtype, ref, runs[head_label], runs[cand_label], stats, head_is_torch,
-                    _stats(servers.handles[head_label], head=True))
+                    served_stats(servers.handles[head_label], head=True))
     outcome.reference, outcome.runs = ref, runs
     return outcome
 
@@ -370,7 +358,7 @@ def run_gates(cfg: Config, device: str, source: str, deadline: float | None = No
     with Servers(cfg, device, {"reference": None, "candidate": source}, secrets.randbits(31), wait=False,
                  other_heads=other_heads) as servers:
         outcome = gates_in(cfg, device, servers, "candidate", deadline)
-    outcome.metrics["stage_s"] = time.monotonic() - t0
+    outcome.metrics.update(stage_s=time.monotonic() - t0, **servers.carried_mib())
     return outcome
 
 
@@ -383,12 +371,13 @@ def run_replay(cfg: Config, device: str, source: str, head: str | None = None,
                  wait=False, other_heads=other_heads) as servers:
         outcome = paired_in(cfg, device, servers, "head", "candidate", deadline, head_is_torch=head is None)
     outcome.metrics.update(stage_s=time.monotonic() - t0, evaluator_gpu_held_gib=servers.held / (1 << 30),
-                           gpu_free_gib=servers.free / (1 << 30))
+                           gpu_free_gib=servers.free / (1 << 30), **servers.carried_mib())
     return outcome
 
 
 def replay_stage(ctx: EvalContext) -> StageResult:
     if ctx.worker is not None:            # the cheap stages' worker holds memory the servers need
+        keep_worker(ctx.cfg, ctx.worker, ctx.source)       # and compiled kernels they can use
         ctx.worker.close()
         ctx.worker = None
     if ctx.device.type != "cuda":
