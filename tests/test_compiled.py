@@ -254,3 +254,35 @@ def test_what_a_candidates_worker_compiled_reaches_its_replay_server_through_the
     (tmp_path / compiled.SUBFOLDER).mkdir()
     unpack(kept[0], str(tmp_path), 1 << 20)
     assert _read(tmp_path) == {"WORKERMADE": {"k.cubin": b"compiled in the worker"}}
+
+
+def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound():
+    """A candidate's server may answer GET /kevo/compiled a byte at a time: the trusted side stops reading at its
+    bound and keeps nothing (each read alone would be within the socket's timeout)."""
+    import http.server
+    import threading
+    import time
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000000")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        from harness.served.launch import ServerHandle
+        h = ServerHandle(None, f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m", Path("/nonexistent"), False, 0, -1)
+        t0 = time.monotonic()
+        assert h.compiled(1 << 20, within_s=1.0) == b""
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        httpd.shutdown()

@@ -113,15 +113,20 @@ class ServerHandle:
             return None
         return data if isinstance(data, dict) else None
 
-    def compiled(self, limit: int) -> bytes:
+    def compiled(self, limit: int, within_s: float = 30.0) -> bytes:
         """The server's compiled kernels, packed by its own process (GET /kevo/compiled; harness/compiled.py): opaque
-        bytes, at most `limit` of them (b"": none, more, or no answer)."""
+        bytes, at most `limit` of them, all within `within_s` (b"": none, more, later, or no answer)."""
+        deadline, chunks, got = time.monotonic() + within_s, [], 0
         try:
-            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/compiled", timeout=60) as r:
-                blob = r.read(limit + 1)
+            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/compiled", timeout=within_s) as r:
+                while got <= limit and (chunk := r.read1(1 << 20)):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                    if time.monotonic() > deadline:
+                        return b""
         except (OSError, urllib.error.URLError, ValueError):
             return b""
-        return blob if len(blob) <= limit else b""
+        return b"".join(chunks) if got <= limit else b""
 
     def _inner_pid(self) -> int | None:
         try:
