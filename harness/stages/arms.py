@@ -148,7 +148,7 @@ class Servers:
             try:
                 reference = label == "reference"
                 self.runs[label] = [] if reference else [source, *self.other_heads.values()]
-                carried = KEPT.given(self.runs[label]) if cfg.worker.carry_bytes else []
+                carried = KEPT.given(self.runs[label]) if self.carries() else []
                 self.carried[label] = sum(map(len, carried))
                 self.starting[label] = start_server(cfg, device, source, warm, weight_seed=weight_seed, wait=False,
                                                     reference=reference, other_heads=None if reference else self.other_heads,
@@ -189,6 +189,10 @@ class Servers:
         self.handles[label] = h
         return h
 
+    def carries(self) -> bool:
+        """Whether compiled kernels are carried to and from these servers (embedded ones only: harness/compiled.py)."""
+        return bool(self.cfg.worker.carry_bytes) and not self.cfg.served.external
+
     def carried_mib(self) -> dict[str, float]:
         """Metrics: the compiled kernels each server that was handed some was handed, MiB."""
         return {f"{label}_carried_mib": n / (1 << 20) for label, n in self.carried.items() if n}
@@ -205,7 +209,7 @@ class Servers:
         started: harness/compiled.py)."""
         h = self.handles.pop(label, None)
         if h is not None:
-            if self.cfg.worker.carry_bytes and any(self.runs.get(label, ())) and h.alive():
+            if self.carries() and any(self.runs.get(label, ())) and h.alive():
                 KEPT.keep_from(self.runs[label], h.compiled(self.cfg.worker.carry_bytes))
             h.stop()
 
