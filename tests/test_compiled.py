@@ -16,7 +16,8 @@ from harness import compiled
 from harness.compiled import CarryRefused, Kept, carry_in, carry_out, pack, unpack
 from harness.isolation import FOLDER
 from harness.served.launch import start_server
-from harness.stages.arms import Servers, keep_worker
+from harness.stages.arms import Servers
+from harness.stages.carry import keep_worker
 
 CACHE = {"ABCDEF234567": {"kern.cubin": b"\x7fELF" + bytes(range(256)) * 40, "kern.json": b'{"name": "kern"}',
                           "__grp__kern.json": b'{"child_paths": {}}'},
@@ -286,3 +287,37 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
         assert time.monotonic() - t0 < 2.0
     finally:
         httpd.shutdown()
+
+
+HEAD_WRITES_ITS_CACHE = """
+import os
+try:                              # in a worker of its own; then the candidate's server, handed that worker's, finds it
+    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/HEADALONE")
+    with open(os.environ["TRITON_CACHE_DIR"] + "/HEADALONE/k.cubin", "wb") as _f:
+        _f.write(b"compiled with the head alone")
+except FileExistsError:
+    pass
+""" + C.REF_PREFILL
+
+
+def test_a_head_served_beside_the_candidate_is_compiled_once_alone_and_its_kernels_reach_the_candidates_server(pool, tmp_path):
+    from conftest import CPU_GATES, runtime_only
+    from harness.evaluate import evaluate
+    cfg = runtime_only(**CPU_GATES, **{"stages.parity.warm_threads.cpu": 1})
+    compiled.KEPT.clear()
+    try:
+        first, second = (evaluate(source, "attention", cfg, pool, until="replay", other_heads={"prefill": HEAD_WRITES_ITS_CACHE})
+                         for source in (C.REF_DECODE, C.REBLOCKED))
+        first, second = list(first.stages), list(second.stages)
+        kept = compiled.KEPT.given([HEAD_WRITES_ITS_CACHE])
+    finally:
+        compiled.KEPT.clear()
+    if "private root" not in first[0].reason:
+        pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
+    assert first[-1].name == second[-1].name == "replay" and first[-1].status == second[-1].status == "passed"
+    assert first[-1].metrics["heads_compiled_alone_s"] > 0 and "heads_compiled_alone_s" not in second[-1].metrics
+    assert first[-1].metrics["candidate_carried_mib"] > 0 and second[-1].metrics["candidate_carried_mib"] > 0
+    assert len(kept) == 1
+    (tmp_path / compiled.SUBFOLDER).mkdir()
+    unpack(kept[0], str(tmp_path), 1 << 20)
+    assert _read(tmp_path) == {"HEADALONE": {"k.cubin": b"compiled with the head alone"}}

@@ -13,7 +13,7 @@ import candidates as C
 from conftest import CUDA, config_with
 from harness.evaluate import device_shapes
 from harness.stages.common import EvalContext, draw, draw_twin
-from harness.stages.parity import _plan
+from harness.stages.parity import plan_checks
 from harness.targets import TARGETS
 
 ATTENTION = TARGETS["attention"]
@@ -78,14 +78,14 @@ def test_a_twin_is_the_check_before_it_with_only_the_band_its_label_names_redraw
 
 
 def test_twins_follow_served_shape_checks_at_the_configured_odds_and_nothing_else(cfg):
-    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 0.0})))
+    plan = plan_checks(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 0.0})))
     assert not plan[0].twin and any(c.twin for c in plan)
     for before, check in zip(plan, plan[1:]):
         if check.twin:          # right after the check it repeats, which is a served shape's
             assert not before.twin and before.case.weight > 0 and (before.case, before.dist) == (check.case, check.dist)
         else:                   # and every served shape's check has one
             assert before.twin or before.case.weight == 0, before.case.label
-    assert not any(c.twin for c in _plan(_ctx(config_with(**{"stages.parity.twins": 0.0}))))
+    assert not any(c.twin for c in plan_checks(_ctx(config_with(**{"stages.parity.twins": 0.0}))))
 
 
 @pytest.mark.skipif(CUDA, reason="on the GPU the key's read to the host holds most of the device time of a hit, and "
@@ -139,15 +139,15 @@ def test_a_steps_next_layer_keeps_the_lengths_and_host_facts_and_redraws_every_q
 
 
 def test_a_steps_next_layer_follows_a_served_shape_check_at_the_configured_odds(cfg):
-    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0})))
+    plan = plan_checks(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 1.0})))
     for before, check in zip(plan, plan[1:]):
         if check.layer:
             assert not before.layer and before.case.weight > 0 and (before.case, before.dist) == (check.case, check.dist)
         else:
             assert before.layer or before.case.weight == 0, before.case.label
-    assert not any(c.layer for c in _plan(_ctx(config_with(**{"stages.parity.layers": 0.0}))))
+    assert not any(c.layer for c in plan_checks(_ctx(config_with(**{"stages.parity.layers": 0.0}))))
     # a check with a twin has no next layer: a twin between them would be a call no served step makes
-    assert not any(c.layer for c in _plan(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 1.0}))))
+    assert not any(c.layer for c in plan_checks(_ctx(config_with(**{"stages.parity.twins": 1.0, "stages.parity.layers": 1.0}))))
 
 
 @pytest.mark.parametrize("op, reference, body", [("decode", C.REF_DECODE, "later_layers_decode_body.py"),

@@ -23,10 +23,8 @@ from harness.served.launch import (ServerFailure, ServerHandle, cache_bytes, rea
                                    wait_ready, with_output)
 from harness.served.traces import TraceError, TraceRequest, load_trace
 from harness.stages.common import Rejected
-from harness.worker_handle import WorkerFailure, WorkerHandle
 
 log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
-PACK_TIMEOUT_S = 60.0
 
 
 def served_lines(cfg: Config, device: str):
@@ -65,26 +63,6 @@ def send(cfg: Config, server: ServerHandle, requests: list[TraceRequest], label:
     if run.failures():
         raise ServerFailure(explain(run, server))
     return run
-
-
-def keep_worker(cfg: Config, worker: WorkerHandle, source: str) -> int:
-    """Keep what the candidate's worker compiled (compile, parity, microbench) for its servers (harness/compiled.py):
-    the bytes kept. A worker that does not answer in time, or answers out of form, carries nothing; nothing is judged
-    on it either way."""
-    if not cfg.worker.carry_bytes or not worker.alive:
-        return 0
-    try:
-        raw = worker.request({"cmd": "pack", "limit": cfg.worker.carry_bytes}, PACK_TIMEOUT_S, "packing its compiled kernels")
-        raw.pop("_wall_s", None)
-        reply = replies.parse("pack", raw, arenas=raw.pop("_arenas", []))
-    except (WorkerFailure, replies.MalformedReply):
-        return 0
-    blob = reply.arenas[0].blob if isinstance(reply, replies.Packed) and len(reply.arenas) == 1 else None
-    if blob is None or blob.numel() != reply["bytes"] or reply["bytes"] > cfg.worker.carry_bytes:
-        return 0
-    KEPT.keep_from([source], bytes(blob.numpy()))
-    reply.release()
-    return reply["bytes"]
 
 
 def server_failed(cfg: Config, label: str, e: ServerFailure) -> Exception:

@@ -85,7 +85,7 @@ class Check(NamedTuple):
         return self.kind == "layer"
 
 
-def _plan(ctx: EvalContext) -> list[Check]:
+def plan_checks(ctx: EvalContext) -> list[Check]:
     """Each op's checks with its distributions rotated from a secret start, the ops interleaved; a served-shape
     check is followed by its twin with the odds `twins` (config), drawn in secret: which calls are twins, and so
     which calls a cache keyed on part of the inputs must not answer, is known only here; else, with the odds
@@ -223,7 +223,7 @@ def begin(ctx: EvalContext) -> Start:
     """The plan drawn, the warm sent (`send_warm`), the first checks drawn while the worker compiles
     (`_draw_ahead`) and the warm's reply collected. What the worker is sent, and when, is as without the
     overlap: the warm, its reply collected, then (in the parity stage) the checks one at a time."""
-    start = Start(_plan(ctx), deque(), {"draw_s": 0.0, "draw_during_warm_s": 0.0, "drawn_during_warm": 0.0})
+    start = Start(plan_checks(ctx), deque(), {"draw_s": 0.0, "draw_during_warm_s": 0.0, "drawn_during_warm": 0.0})
     if (warming := send_warm(ctx, start.plan)) is not None:
         start.ahead = _draw_ahead(len(start.plan), lambda i: _drawn(ctx, start, i), _ahead_bytes(ctx), ctx.replied)
         start.drawing.update(draw_during_warm_s=start.drawing["draw_s"], drawn_during_warm=float(len(start.ahead)))

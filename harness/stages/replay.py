@@ -55,7 +55,8 @@ from harness.served.client import ReplayRun
 from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls, startup
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
-from harness.stages.arms import Servers, keep_worker, served_lines, served_stats
+from harness.stages.arms import Servers, served_lines, served_stats
+from harness.stages.carry import compile_alone, keep_worker
 from harness.stages.common import EvalContext, Rejected
 
 log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
@@ -380,10 +381,15 @@ def replay_stage(ctx: EvalContext) -> StageResult:
         keep_worker(ctx.cfg, ctx.worker, ctx.source)       # and compiled kernels they can use
         ctx.worker.close()
         ctx.worker = None
-    if ctx.device.type != "cuda":
-        if not ctx.cfg.stages.replay.cpu_gates:
-            return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
-                                                 "its gates did not run either")
-        return run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None, ctx.other_heads).stage_result()
+    if ctx.device.type != "cuda" and not ctx.cfg.stages.replay.cpu_gates:
+        return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
+                                             "its gates did not run either")
     ctx.parity = None                     # and so do the evaluator's draws (its reserve: `Servers`)
-    return run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None, ctx.other_heads).stage_result()
+    alone = sum(compile_alone(ctx, op, source) for op, source in ctx.other_heads.items())
+    if ctx.device.type != "cuda":
+        outcome = run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None, ctx.other_heads)
+    else:
+        outcome = run_replay(ctx.cfg, "cuda", ctx.source, ctx.head, ctx.deadline or None, ctx.other_heads)
+    if alone:
+        outcome.metrics["heads_compiled_alone_s"] = alone
+    return outcome.stage_result()

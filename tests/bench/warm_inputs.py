@@ -29,7 +29,7 @@ from harness.config import load_config  # noqa: E402
 from harness.evaluate import device_shapes  # noqa: E402
 from harness.gpu_memory import expandable_segments  # noqa: E402
 from harness.stages.common import EvalContext  # noqa: E402
-from harness.stages.parity import _plan, warm_calls  # noqa: E402
+from harness.stages.parity import plan_checks, warm_calls  # noqa: E402
 from harness.targets import TARGETS  # noqa: E402
 from harness.targets.base import UNFILLED  # noqa: E402
 from harness.transport import DTYPES  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     prof = cProfile.Profile()
     for r in range(a.rounds):
-        _, calls = warm_calls(ctx, _plan(ctx))         # as parity's warm sends them
+        _, calls = warm_calls(ctx, plan_checks(ctx))         # as parity's warm sends them
         total = 0.0
         for case, seed in ((call["case"], call["seed"]) for call in calls):
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
