@@ -17,7 +17,7 @@ from conftest import CUDA, config_with
 from harness.evaluate import device_shapes
 from harness.served.capture import served_qkv
 from harness.served.limits import served_limits
-from harness.stages.parity import _plan
+from harness.stages.parity import plan_checks
 from harness.targets import TARGETS
 
 ADVERSARIAL = Path(__file__).resolve().parent / "adversarial"
@@ -152,7 +152,7 @@ def test_a_checks_tolerance_is_set_by_its_ops_calibration_where_it_names_one_and
 
 
 def test_parity_interleaves_the_ops_and_rotates_every_distribution_through_each(cfg):
-    plan = _plan(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 0.0})))   # tests/test_parity_twins.py
+    plan = plan_checks(_ctx(config_with(**{"stages.parity.twins": 0.0, "stages.parity.layers": 0.0})))   # tests/test_parity_twins.py
     ops = [check.case.op for check in plan]
     assert ops[:6] == ["decode", "prefill"] * 3
     for op in ("decode", "prefill"):

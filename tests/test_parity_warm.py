@@ -16,7 +16,7 @@ import candidates as C
 from conftest import CUDA, RUNTIME_ONLY, config_with
 from harness.gpu_memory import Reserve
 from harness.stages.common import draw
-from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, _plan
+from harness.stages.parity import AHEAD_SHARE, _ahead_bytes, _draw_ahead, plan_checks
 from harness.targets.base import UNFILLED
 from test_parity import CPU, _ctx
 
@@ -38,7 +38,7 @@ def test_the_warm_calls_each_shape_class_on_fresh_lengths_and_the_verdict_is_unc
     assert verdict.ok, verdict.reason
     parity = verdict.stages[-1].metrics
     ctx = _ctx(cfg, ops=("decode",))
-    classes = {check.case.label for check in _plan(ctx)}
+    classes = {check.case.label for check in plan_checks(ctx)}
     assert parity["warm_classes"] == len(classes) and parity["warm_failed"] == 0
     later, _ = seen()
     warm = [msg for kind, _, msg in later if kind == "send" and msg.get("cmd") == "warm"]
@@ -119,7 +119,7 @@ def test_checks_drawn_during_the_warm_leave_what_the_worker_is_sent_as_it_was(ev
     verdict = evaluate_source(C.REF_DECODE, until="parity", config=cfg)
     assert verdict.ok, verdict.reason
     events, trials = seen()
-    n = len(_plan(_ctx(cfg, ops=("decode",))))
+    n = len(plan_checks(_ctx(cfg, ops=("decode",))))
     assert len(trials) == n
     first_collect = next(i for i, e in enumerate(events) if e[0] == "collect")
     assert [e[0] for e in events[:first_collect]] == ["send", "draw"]          # drawn before the warm's reply is read
@@ -145,7 +145,7 @@ def test_a_warm_that_hangs_is_cut_by_the_stage_timeout_after_every_check_was_dra
     assert v.failed_stage == "compile" and v.stages[-1].failure == "timeout", v.reason
     assert "while compiling the shape classes" in v.stages[-1].reason, v.stages[-1].reason
     events, trials = seen()
-    assert [e[0] for e in events] == ["send"] + ["draw"] * len(_plan(_ctx(cfg, ops=("decode",)))) + ["collect"]
+    assert [e[0] for e in events] == ["send"] + ["draw"] * len(plan_checks(_ctx(cfg, ops=("decode",)))) + ["collect"]
 
 
 def test_a_worker_that_dies_in_the_warm_is_a_verdict_naming_the_signal_and_the_warm(evaluate_source, seen):
@@ -158,7 +158,7 @@ def test_a_worker_that_dies_in_the_warm_is_a_verdict_naming_the_signal_and_the_w
 
 def test_the_checks_drawn_during_the_warm_stop_at_the_memory_bound_or_when_its_reply_waits(cfg):
     ctx = _ctx(cfg, ops=("decode",))
-    plan = _plan(ctx)
+    plan = plan_checks(ctx)
     trials = [draw(ctx, check.case, check.dist, vary=True) for check in plan]
     drawn = trials.__getitem__
     assert list(_draw_ahead(len(plan), drawn, 1 << 40, lambda: False)) == trials          # all of them, in order
@@ -184,7 +184,7 @@ def test_the_warms_unfilled_inputs_hold_every_shape_and_host_fact_of_each_distri
     integer tensor (block tables, lengths, offsets) and every scalar."""
     ctx = _ctx(cfg)
     checked = 0
-    for case, *_ in _plan(ctx):
+    for case, *_ in plan_checks(ctx):
         for dist in ("normal", "peaky", "shifted_keys", "served"):
             seed = random.Random(f"{case.label}{dist}").getrandbits(62)
             varied = ctx.target.vary(case, dist, random.Random(seed), ctx)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from harness.config import load_config  # noqa: E402
 from harness.evaluate import device_shapes, resolve_device  # noqa: E402
 from harness.stages.common import EvalContext, diff, tolerance  # noqa: E402
-from harness.stages.parity import _plan  # noqa: E402
+from harness.stages.parity import plan_checks  # noqa: E402
 from harness.targets import TARGETS, configured  # noqa: E402
 from harness.transport import DTYPES  # noqa: E402
 
@@ -73,7 +73,7 @@ def main() -> None:
     shapes = device_shapes(cfg, "attention", device)
     ctx = EvalContext(cfg=cfg, target=configured("attention", cfg), shapes=shapes, device=device,
                       dtype=DTYPES[shapes.dtype], pool=None, source="", ops=list(target.ops))
-    plan = _plan(ctx)
+    plan = plan_checks(ctx)
     seconds: dict[str, list[dict[str, float]]] = defaultdict(list)
     rounds = []
     for r in range(args.rounds):
