@@ -289,27 +289,34 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
         httpd.shutdown()
 
 
-HEAD_WRITES_ITS_CACHE = """
+def _writes_its_cache(key: str, source: str) -> str:
+    """`source`, writing a file into its own Triton cache folder as it is imported (once: a process that finds the
+    file there, carried in, leaves it)."""
+    return f"""
 import os
-try:                              # in a worker of its own; then the candidate's server, handed that worker's, finds it
-    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/HEADALONE")
-    with open(os.environ["TRITON_CACHE_DIR"] + "/HEADALONE/k.cubin", "wb") as _f:
-        _f.write(b"compiled with the head alone")
+try:
+    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/{key}")
+    with open(os.environ["TRITON_CACHE_DIR"] + "/{key}/k.cubin", "wb") as _f:
+        _f.write(b"{key}")
 except FileExistsError:
     pass
-""" + C.REF_PREFILL
+""" + source
 
 
-def test_a_head_served_beside_the_candidate_is_compiled_once_alone_and_its_kernels_reach_the_candidates_server(pool, tmp_path):
+def test_every_head_a_replay_serves_is_compiled_once_alone_and_reaches_its_servers(pool, tmp_path):
+    """The head the candidate is judged against and the head of the op it does not define are each compiled in a
+    worker of their own (parity's warm of their ops) before the first replay's servers start, kept under their own
+    source, and not again for the next candidate; the candidate's server is handed the other op's head's. (On a CPU
+    the gates serve no head arm: the decode head's blob is read back from what is kept.)"""
     from conftest import CPU_GATES, runtime_only
     from harness.evaluate import evaluate
     cfg = runtime_only(**CPU_GATES, **{"stages.parity.warm_threads.cpu": 1})
+    head, other = _writes_its_cache("DECODEHEAD", C.REF_DECODE), _writes_its_cache("PREFILLHEAD", C.REF_PREFILL)
     compiled.KEPT.clear()
     try:
-        first, second = (evaluate(source, "attention", cfg, pool, until="replay", other_heads={"prefill": HEAD_WRITES_ITS_CACHE})
-                         for source in (C.REF_DECODE, C.REBLOCKED))
-        first, second = list(first.stages), list(second.stages)
-        kept = compiled.KEPT.given([HEAD_WRITES_ITS_CACHE])
+        first, second = (list(evaluate(source, "attention", cfg, pool, until="replay", head=head,
+                                       other_heads={"prefill": other}).stages) for source in (C.REF_DECODE, C.REBLOCKED))
+        kept = {key: compiled.KEPT.given([source]) for key, source in (("DECODEHEAD", head), ("PREFILLHEAD", other))}
     finally:
         compiled.KEPT.clear()
     if "private root" not in first[0].reason:
@@ -317,7 +324,9 @@ def test_a_head_served_beside_the_candidate_is_compiled_once_alone_and_its_kerne
     assert first[-1].name == second[-1].name == "replay" and first[-1].status == second[-1].status == "passed"
     assert first[-1].metrics["heads_compiled_alone_s"] > 0 and "heads_compiled_alone_s" not in second[-1].metrics
     assert first[-1].metrics["candidate_carried_mib"] > 0 and second[-1].metrics["candidate_carried_mib"] > 0
-    assert len(kept) == 1
-    (tmp_path / compiled.SUBFOLDER).mkdir()
-    unpack(kept[0], str(tmp_path), 1 << 20)
-    assert _read(tmp_path) == {"HEADALONE": {"k.cubin": b"compiled with the head alone"}}
+    for key, blobs in kept.items():
+        assert len(blobs) == 1
+        out = tmp_path / key
+        (out / compiled.SUBFOLDER).mkdir(parents=True)
+        unpack(blobs[0], str(out), 1 << 20)
+        assert _read(out) == {key: {"k.cubin": key.encode()}}

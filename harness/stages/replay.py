@@ -56,7 +56,7 @@ from harness.served.accounting import dispatch, fallbacks, graphs, host_times, s
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
 from harness.stages.arms import Servers, served_lines, served_stats
-from harness.stages.carry import compile_alone, keep_worker
+from harness.stages.carry import compile_heads, keep_worker
 from harness.stages.common import EvalContext, Rejected
 
 log = logging.getLogger(__name__)     # progress lines (kevo-agent evaluate --progress); nothing decides on them
@@ -385,7 +385,7 @@ def replay_stage(ctx: EvalContext) -> StageResult:
         return StageResult.skipped("replay", "skipped: needs CUDA to time, and stages.replay.cpu_gates is off, so "
                                              "its gates did not run either")
     ctx.parity = None                     # and so do the evaluator's draws (its reserve: `Servers`)
-    alone = sum(compile_alone(ctx, op, source) for op, source in ctx.other_heads.items())
+    alone = compile_heads(ctx)
     if ctx.device.type != "cuda":
         outcome = run_gates(ctx.cfg, "cpu", ctx.source, ctx.deadline or None, ctx.other_heads)
     else:
