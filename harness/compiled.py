@@ -12,7 +12,8 @@ candidate's server compiled again what its worker had compiled for parity (a ser
   and count and writes regular files only).
 A blob therefore reaches only a process in which all the code that could have written it runs anyway: the same
 candidate's server after its worker, the same head's server in the next replay; never another candidate, and
-never the head's arm of a replay judging the candidate that wrote it (that arm does not run the candidate).
+never the head's arm of a replay judging the candidate that wrote it (that arm does not run the candidate). The
+replay's side of it (what is packed when, the heads compiled alone) is harness/stages/carry.py.
 Only a private root carries (the folder is /kevo in every sandbox, and Triton's own files name their paths).
 """
 from __future__ import annotations

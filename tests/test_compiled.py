@@ -4,18 +4,22 @@ every source whose process packed them: through a real sandboxed worker, a real 
 servers side by side (on the CPU, where Triton's interpreter compiles nothing, the tests plant the files)."""
 from __future__ import annotations
 
+import http.server
 import struct
+import threading
+import time
 import zlib
 from pathlib import Path
 
 import pytest
 
 import candidates as C
-from conftest import config_with
+from conftest import CPU_GATES, config_with, runtime_only
 from harness import compiled
 from harness.compiled import CarryRefused, Kept, carry_in, carry_out, pack, unpack
+from harness.evaluate import evaluate
 from harness.isolation import FOLDER
-from harness.served.launch import start_server
+from harness.served.launch import ServerHandle, start_server
 from harness.stages.arms import Servers
 from harness.stages.carry import keep_worker
 
@@ -40,6 +44,20 @@ def _blob(entries: list[tuple[bytes, bytes]]) -> bytes:
     """A blob in the packed format with entries of our choosing (what a hostile process could pack)."""
     raw = compiled._MAGIC + b"".join(struct.pack(">HI", len(n), len(d)) + n + d for n, d in entries)
     return zlib.compress(raw)
+
+
+def _writes_its_cache(key: str, source: str) -> str:
+    """`source`, writing a file into its own Triton cache folder as it is imported (once: a process that finds the
+    file there, carried in, leaves it)."""
+    return f"""
+import os
+try:
+    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/{key}")
+    with open(os.environ["TRITON_CACHE_DIR"] + "/{key}/k.cubin", "wb") as _f:
+        _f.write(b"{key}")
+except FileExistsError:
+    pass
+""" + source
 
 
 def test_a_packed_cache_unpacks_to_the_same_files_and_leaves_links_deeper_folders_and_temporary_ones_behind(tmp_path):
@@ -227,19 +245,10 @@ def test_with_the_carry_off_a_server_is_handed_nothing_and_nothing_is_kept(tmp_p
         compiled.KEPT.clear()
 
 
-WRITES_ITS_CACHE = """
-import os
-try:                              # in its worker; its server, handed the worker's, finds it there
-    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/WORKERMADE")
-    with open(os.environ["TRITON_CACHE_DIR"] + "/WORKERMADE/k.cubin", "wb") as _f:
-        _f.write(b"compiled in the worker")
-except FileExistsError:
-    pass
-""" + C.REF_DECODE
+WRITES_ITS_CACHE = _writes_its_cache("WORKERMADE", C.REF_DECODE)     # in its worker; its server finds it carried in
 
 
 def test_what_a_candidates_worker_compiled_reaches_its_replay_server_through_the_staged_evaluator(evaluate_source, tmp_path):
-    from conftest import CPU_GATES, runtime_only
     compiled.KEPT.clear()
     try:
         verdict = evaluate_source(WRITES_ITS_CACHE, until="replay", config=runtime_only(**CPU_GATES))
@@ -254,16 +263,12 @@ def test_what_a_candidates_worker_compiled_reaches_its_replay_server_through_the
     assert len(kept) == 1                                         # the server's own replaced it: one set of sources
     (tmp_path / compiled.SUBFOLDER).mkdir()
     unpack(kept[0], str(tmp_path), 1 << 20)
-    assert _read(tmp_path) == {"WORKERMADE": {"k.cubin": b"compiled in the worker"}}
+    assert _read(tmp_path) == {"WORKERMADE": {"k.cubin": b"WORKERMADE"}}
 
 
 def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound():
     """A candidate's server may answer GET /kevo/compiled a byte at a time: the trusted side stops reading at its
     bound and keeps nothing (each read alone would be within the socket's timeout)."""
-    import http.server
-    import threading
-    import time
-
     class Trickle(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
@@ -280,7 +285,6 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        from harness.served.launch import ServerHandle
         h = ServerHandle(None, f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m", Path("/nonexistent"), False, 0, -1)
         t0 = time.monotonic()
         assert h.compiled(1 << 20, within_s=1.0) == b""
@@ -289,27 +293,11 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
         httpd.shutdown()
 
 
-def _writes_its_cache(key: str, source: str) -> str:
-    """`source`, writing a file into its own Triton cache folder as it is imported (once: a process that finds the
-    file there, carried in, leaves it)."""
-    return f"""
-import os
-try:
-    os.mkdir(os.environ["TRITON_CACHE_DIR"] + "/{key}")
-    with open(os.environ["TRITON_CACHE_DIR"] + "/{key}/k.cubin", "wb") as _f:
-        _f.write(b"{key}")
-except FileExistsError:
-    pass
-""" + source
-
-
 def test_every_head_a_replay_serves_is_compiled_once_alone_and_reaches_its_servers(pool, tmp_path):
     """The head the candidate is judged against and the head of the op it does not define are each compiled in a
     worker of their own (parity's warm of their ops) before the first replay's servers start, kept under their own
     source, and not again for the next candidate; the candidate's server is handed the other op's head's. (On a CPU
     the gates serve no head arm: the decode head's blob is read back from what is kept.)"""
-    from conftest import CPU_GATES, runtime_only
-    from harness.evaluate import evaluate
     cfg = runtime_only(**CPU_GATES, **{"stages.parity.warm_threads.cpu": 1})
     head, other = _writes_its_cache("DECODEHEAD", C.REF_DECODE), _writes_its_cache("PREFILLHEAD", C.REF_PREFILL)
     compiled.KEPT.clear()

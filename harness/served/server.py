@@ -297,7 +297,6 @@ def serve(spec: dict, fd: int, notes: list[str], folder: Path, carried: list[byt
     from aiohttp import web
 
     from harness import compiled
-
     from harness.gpu_memory import expandable_segments
     from harness.probes import Probes
     from harness.served.engine import make_engine, warm_up

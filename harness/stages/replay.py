@@ -32,7 +32,8 @@ drawn with a secret seed, fresh token ids); the arms see them only when fed. The
 `min_margin`. The head's own gates and gain figures are reported beside. A candidate whose server
 dies or errs is rejected, saying how; a reference or head that cannot be served is a harness error.
 Each server is handed the compiled kernels its sources' earlier sandboxes left (harness/compiled.py: the
-candidate's worker, the head's server in the last replay), so it starts sooner; the warm-up is the same either way.
+candidate's worker, every head compiled alone, the head's servers in earlier replays: harness/stages/carry.py), so
+it starts sooner; the warm-up is the same either way.
 
 On a CPU the stage runs the gates only (the `cpu` served preset: tiny, float32, Triton's interpreter): reference and
 candidate, the reference's own greedy tokens the continuation, every token compared, nothing timed and nothing
