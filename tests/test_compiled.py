@@ -248,24 +248,6 @@ def test_with_the_carry_off_a_server_is_handed_nothing_and_nothing_is_kept(tmp_p
 WRITES_ITS_CACHE = _writes_its_cache("WORKERMADE", C.REF_DECODE)     # in its worker; its server finds it carried in
 
 
-def test_what_a_candidates_worker_compiled_reaches_its_replay_server_through_the_staged_evaluator(evaluate_source, tmp_path):
-    compiled.KEPT.clear()
-    try:
-        verdict = evaluate_source(WRITES_ITS_CACHE, until="replay", config=runtime_only(**CPU_GATES))
-        kept = compiled.KEPT.given([WRITES_ITS_CACHE])
-    finally:
-        compiled.KEPT.clear()
-    replay = next(s for s in verdict.stages if s.name == "replay")
-    if "private root" not in verdict.stages[0].reason:
-        pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
-    assert replay.status == "passed", replay.reason
-    assert replay.metrics["candidate_carried_mib"] > 0           # its worker's, handed to its server
-    assert len(kept) == 1                                         # the server's own replaced it: one set of sources
-    (tmp_path / compiled.SUBFOLDER).mkdir()
-    unpack(kept[0], str(tmp_path), 1 << 20)
-    assert _read(tmp_path) == {"WORKERMADE": {"k.cubin": b"WORKERMADE"}}
-
-
 def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound():
     """A candidate's server may answer GET /kevo/compiled a byte at a time: the trusted side stops reading at its
     bound and keeps nothing (each read alone would be within the socket's timeout)."""
@@ -293,25 +275,28 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
         httpd.shutdown()
 
 
-def test_every_head_a_replay_serves_is_compiled_once_alone_and_reaches_its_servers(pool, tmp_path):
-    """The head the candidate is judged against and the head of the op it does not define are each compiled in a
-    worker of their own (parity's warm of their ops) before the first replay's servers start, kept under their own
-    source, and not again for the next candidate; the candidate's server is handed the other op's head's. (On a CPU
-    the gates serve no head arm: the decode head's blob is read back from what is kept.)"""
+def test_a_replays_servers_are_handed_the_candidates_worker_kernels_and_every_head_compiled_once_alone(pool, tmp_path):
+    """Through the staged evaluator: before the first replay's servers start, the candidate's worker packs what it
+    compiled, and the head it is judged against and the head of the op it does not define are each compiled in a
+    worker of their own (parity's warm of their ops), each kept under its own source; the candidate's server is
+    handed exactly its worker's and the other op's head's; the next candidate's replay compiles no head again. (On
+    a CPU the gates serve no head arm: the decode head's blob is read back from what is kept.)"""
     cfg = runtime_only(**CPU_GATES, **{"stages.parity.warm_threads.cpu": 1})
     head, other = _writes_its_cache("DECODEHEAD", C.REF_DECODE), _writes_its_cache("PREFILLHEAD", C.REF_PREFILL)
     compiled.KEPT.clear()
     try:
         first, second = (list(evaluate(source, "attention", cfg, pool, until="replay", head=head,
-                                       other_heads={"prefill": other}).stages) for source in (C.REF_DECODE, C.REBLOCKED))
-        kept = {key: compiled.KEPT.given([source]) for key, source in (("DECODEHEAD", head), ("PREFILLHEAD", other))}
+                                       other_heads={"prefill": other}).stages) for source in (WRITES_ITS_CACHE, C.REBLOCKED))
+        kept = {key: compiled.KEPT.given([source]) for key, source in
+                (("WORKERMADE", WRITES_ITS_CACHE), ("DECODEHEAD", head), ("PREFILLHEAD", other))}
     finally:
         compiled.KEPT.clear()
     if "private root" not in first[0].reason:
         pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
     assert first[-1].name == second[-1].name == "replay" and first[-1].status == second[-1].status == "passed"
     assert first[-1].metrics["heads_compiled_alone_s"] > 0 and "heads_compiled_alone_s" not in second[-1].metrics
-    assert first[-1].metrics["candidate_carried_mib"] > 0 and second[-1].metrics["candidate_carried_mib"] > 0
+    assert first[-1].metrics["candidate_carried_mib"] * (1 << 20) == len(kept["WORKERMADE"][0]) + len(kept["PREFILLHEAD"][0])
+    assert second[-1].metrics["candidate_carried_mib"] * (1 << 20) == len(kept["PREFILLHEAD"][0])
     for key, blobs in kept.items():
         assert len(blobs) == 1
         out = tmp_path / key
