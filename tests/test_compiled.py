@@ -248,9 +248,9 @@ def test_with_the_carry_off_a_server_is_handed_nothing_and_nothing_is_kept(tmp_p
 WRITES_ITS_CACHE = _writes_its_cache("WORKERMADE", C.REF_DECODE)     # in its worker; its server finds it carried in
 
 
-def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound():
-    """A candidate's server may answer GET /kevo/compiled a byte at a time: the trusted side stops reading at its
-    bound and keeps nothing (each read alone would be within the socket's timeout)."""
+def test_a_server_that_trickles_its_packed_cache_or_its_accounting_is_given_up_on_within_the_bound():
+    """A candidate's server may answer GET /kevo/compiled or /kevo/stats a byte at a time: the trusted side stops
+    reading at its bound and takes nothing (each read alone would be within the socket's timeout)."""
     class Trickle(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200)
@@ -270,6 +270,9 @@ def test_a_server_that_trickles_its_packed_cache_is_given_up_on_within_the_bound
         h = ServerHandle(None, f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m", Path("/nonexistent"), False, 0, -1)
         t0 = time.monotonic()
         assert h.compiled(1 << 20, within_s=1.0) == b""
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        assert h.stats(within_s=1.0) is None
         assert time.monotonic() - t0 < 2.0
     finally:
         httpd.shutdown()

@@ -104,29 +104,34 @@ class ServerHandle:
             return ""
         return redact(data.decode(errors="replace")[-self.log_limit:].strip())
 
-    def stats(self) -> dict | None:
-        """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
+    def _fetch(self, path: str, limit: int, within_s: float) -> bytes | None:
+        """GET `path` of the server, all of its answer within `within_s`: None when it is more than `limit` bytes, later,
+        or missing (a server that runs a candidate may trickle it a byte at a time, each within a socket's timeout)."""
+        deadline, chunks, got = time.monotonic() + within_s, [], 0
         try:
-            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/stats", timeout=10) as r:
-                data = replies.loads(r.read(1 << 22))      # the candidate's process wrote it: strict JSON only
-        except (OSError, urllib.error.URLError, ValueError, replies.MalformedReply):
+            with urllib.request.urlopen(self.url.removesuffix("/v1") + path, timeout=within_s) as r:
+                while got <= limit and (chunk := r.read1(1 << 20)):
+                    chunks.append(chunk)
+                    got += len(chunk)
+                    if time.monotonic() > deadline:
+                        return None
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        return b"".join(chunks) if got <= limit else None
+
+    def stats(self, within_s: float = 10.0) -> dict | None:
+        """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
+        raw = self._fetch("/kevo/stats", 1 << 22, within_s)
+        try:
+            data = replies.loads(raw) if raw is not None else None     # the candidate's process wrote it: strict JSON only
+        except replies.MalformedReply:
             return None
         return data if isinstance(data, dict) else None
 
     def compiled(self, limit: int, within_s: float = 30.0) -> bytes:
         """The server's compiled kernels, packed by its own process (GET /kevo/compiled; harness/compiled.py): opaque
-        bytes, at most `limit` of them, all within `within_s` (b"": none, more, later, or no answer)."""
-        deadline, chunks, got = time.monotonic() + within_s, [], 0
-        try:
-            with urllib.request.urlopen(self.url.removesuffix("/v1") + "/kevo/compiled", timeout=within_s) as r:
-                while got <= limit and (chunk := r.read1(1 << 20)):
-                    chunks.append(chunk)
-                    got += len(chunk)
-                    if time.monotonic() > deadline:
-                        return b""
-        except (OSError, urllib.error.URLError, ValueError):
-            return b""
-        return b"".join(chunks) if got <= limit else b""
+        bytes, at most `limit` of them (b"": none, more, later, or no answer)."""
+        return self._fetch("/kevo/compiled", limit, within_s) or b""
 
     def _inner_pid(self) -> int | None:
         try:
