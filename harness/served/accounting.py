@@ -111,12 +111,13 @@ def host_times(stats: dict | None, head_stats: dict | None) -> tuple[dict[str, f
 
 
 def startup(stats: dict | None, who: str = "candidate") -> dict[str, float]:
-    """`who`'s server's start, by part, as its process reports it (harness/served/server.py: loading the kernels,
-    building the engine, each part of its warm-up): metrics `<who>_start_<part>_s`, a few short names at most."""
+    """`who`'s server's start, by part, as its process reports it (harness/served/server.py: unpacking what was
+    carried, loading the kernels, building the engine, each part of its warm-up): metrics `<who>_start_<part>_s`,
+    twelve short names at most (a server with the sweep on reports eight)."""
     parts = stats.get("startup_s") if isinstance(stats, dict) else None
     if not isinstance(parts, dict):
         return {}
-    return {f"{who}_start_{part}_s": float(s) for part, s in list(parts.items())[:8]
+    return {f"{who}_start_{part}_s": float(s) for part, s in list(parts.items())[:12]
             if isinstance(part, str) and part.isidentifier() and len(part) <= 16 and type(s) in (int, float)}
 
 
