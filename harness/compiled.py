@@ -171,7 +171,7 @@ class Kept:
         sources are all among them."""
         mine = frozenset(digest(s) for s in sources if s is not None)
         with self._lock:
-            out = [(key, blob) for key, blob in self._blobs.items() if key and key <= mine]
+            out = [(key, blob) for key, blob in self._blobs.items() if key <= mine]
             for key, _ in out:
                 self._blobs.move_to_end(key)
         return [blob for key, blob in sorted(out, key=lambda kb: len(kb[0]))]

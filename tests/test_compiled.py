@@ -23,6 +23,7 @@ from harness.served.launch import ServerHandle, start_server
 from harness.stages.arms import Servers
 from harness.stages.carry import keep_worker
 
+NO_ROOT = "no private root here (worker.sandbox best_effort without namespaces): nothing carries"
 CACHE = {"ABCDEF234567": {"kern.cubin": b"\x7fELF" + bytes(range(256)) * 40, "kern.json": b'{"name": "kern"}',
                           "__grp__kern.json": b'{"child_paths": {}}'},
          "ZYXW_-9": {"other.ptx": b".version 8.0\n" * 300}}
@@ -164,7 +165,7 @@ def test_a_sandboxed_worker_unpacks_what_it_is_handed_before_its_candidate_loads
     handle = pool.spawn(NEEDS_ITS_CACHE)
     try:
         if str(handle.workdir) != FOLDER:
-            pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
+            pytest.skip(NO_ROOT)
         reply = handle.request({"cmd": "load", "path": f"{FOLDER}/candidate.py", "carried": [blob, b"junk"],
                                 "carry_bytes": cfg.worker.carry_bytes}, 60, "loading")
         assert reply["ok"], reply["error"]
@@ -189,7 +190,7 @@ def test_a_sandboxed_server_unpacks_what_it_is_handed_reports_a_refused_blob_and
     with start_server(cfg, "cpu", C.REF_DECODE, carried=[blob, _blob([(b"../x", b"!")])]) as s:
         notes = s.stats()["sandbox"]
         if "private root" not in notes:
-            pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
+            pytest.skip(NO_ROOT)
         back = s.compiled(cfg.worker.carry_bytes)
         assert s.compiled(16) == b""                          # more than the limit: nothing
     assert "compiled files carried in: 4" in notes and "a carried cache was refused: a file named b'../x'" in notes
@@ -216,7 +217,7 @@ def test_a_replays_head_server_is_handed_nothing_its_candidate_packed_and_each_s
             notes = {label: h.stats()["sandbox"] for label, h in servers.handles.items()}
             carried = servers.carried_mib()
         if "private root" not in notes["candidate"]:
-            pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
+            pytest.skip(NO_ROOT)
         assert set(carried) == {"head_carried_mib", "candidate_carried_mib"}
         assert "compiled files carried in: 1" in notes["candidate"] and "compiled files carried in: 1" in notes["head"]
         assert "carried" not in notes["reference"]
@@ -295,7 +296,7 @@ def test_a_replays_servers_are_handed_the_candidates_worker_kernels_and_every_he
     finally:
         compiled.KEPT.clear()
     if "private root" not in first[0].reason:
-        pytest.skip("no private root here (worker.sandbox best_effort without namespaces): nothing carries")
+        pytest.skip(NO_ROOT)
     assert first[-1].name == second[-1].name == "replay" and first[-1].status == second[-1].status == "passed"
     assert first[-1].metrics["heads_compiled_alone_s"] > 0 and "heads_compiled_alone_s" not in second[-1].metrics
     assert first[-1].metrics["candidate_carried_mib"] * (1 << 20) == len(kept["WORKERMADE"][0]) + len(kept["PREFILLHEAD"][0])
