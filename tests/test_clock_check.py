@@ -21,11 +21,16 @@ RATIO = config_with().stages.microbench.clock_check_ratio
 def test_the_checks_between_two_clocks_reject_as_a_disagreement_the_others_do_not():
     with pytest.raises(cc.Disagreement):
         cc.check_clock("c", 0.1086, 0.1557, RATIO)      # events far under the clock (figures of run h200-r23's c022)
-    with pytest.raises(cc.Disagreement):
-        mb.check_trusted_baseline("c", 0.3248, 0.2109, 0.25)    # the worker's baseline against the evaluator's (h200-r24's c064)
     with pytest.raises(Rejected) as err:
         mb.check_floor("c", 0.001, 0.01, "events")
     assert not isinstance(err.value, cc.Disagreement)
+
+
+def test_a_baseline_the_worker_reads_slower_beyond_the_tolerance_counts_at_the_evaluators_own_timing():
+    assert mb.trusted_baseline("c", 0.4741, 0.2197, 0.25) == 0.2197     # run s62's c005 at batch 4: no rejection
+    assert mb.trusted_baseline("c", 0.3248, 0.2109, 0.25) == 0.2109     # h200-r24's c064, first try
+    assert mb.trusted_baseline("c", 0.2600, 0.2109, 0.25) == 0.2600     # within the tolerance: the worker's, interleaved
+    assert mb.trusted_baseline("c", 0.1000, 0.2109, 0.25) == 0.1000     # faster: it can only lower the speedup
 
 
 class _Tries:

@@ -116,15 +116,27 @@ def test_a_kernel_the_power_cap_slows_in_bursts_is_counted_at_its_slower_figure_
     (C.PATCHED_TIMER, "not to be believed|under the physical floor"),
     # the clock would agree with the flattered events if the graph it replays were not checked
     (C.SKIPS_WORK_IN_GRAPHS, "the calls clocked are not the calls timed"),
-    # a host-side sleep in the baseline: the evaluator's clock (bursts, H200 2026-12-01: 25.65x by the events,
-    # 4.35x by the clock) or its own timing of the baseline catches it, whichever comes first
-    (C.SLOWS_THE_BASELINE, "tampered|not to be believed"),
-], ids=["side-stream", "patched-timer", "skips-work-in-graphs", "slows-the-baseline"])
+], ids=["side-stream", "patched-timer", "skips-work-in-graphs"])
 def test_measurement_cheat_is_rejected_at_microbench(evaluate_source, source, words):
     """Past the allowlist (which refuses each by name: test_measurement_cheat_is_refused_by_the_allowlist)."""
     v = evaluate_source(source, until="microbench", config=runtime_only())
     assert v.failed_stage == "microbench", v.reason
     assert re.search(words, v.stages[-1].reason), v.stages[-1].reason
+
+
+def test_a_baseline_slowed_in_the_worker_counts_at_the_evaluators_own_timing_of_it(evaluate_source):
+    """SLOWS_THE_BASELINE past the allowlist: a 2 ms host sleep after each SDPA call of the worker's process, so the
+    worker's events read the torch baseline far slower (H200 2026-12-01: 25.65x by the events, 4.35x by the clock).
+    Every served case's baseline counts at the evaluator's own timing of it, on every input set: the cheat gains
+    nothing. (Until 2026-12-07 the case was rejected as tampering, which honest kernels met too: docs/EVALUATOR.md.)"""
+    v = evaluate_source(C.SLOWS_THE_BASELINE, until="microbench", config=runtime_only())
+    bench, sets = v.stages[-1], runtime_only().stages.microbench.input_sets
+    assert bench.name == "microbench" and "not to be believed" not in bench.reason, bench.reason
+    for key, fig in case_figures(bench.metrics, "decode"):
+        assert fig["baseline_sets_counted_here"] == sets, (key, fig)
+        assert fig["baseline_ms"] <= 1.25 * fig["baseline_in_evaluator_ms"], (key, fig)
+        assert fig["speedup"] <= fig["baseline_ms"] / fig["candidate_events_ms"] * (1 + 1e-9), (key, fig)
+    assert "counted at the evaluator's" in bench.reason, bench.reason
 
 
 def test_dispatch_reads_launched_kernel_names_on_cuda(evaluate_source):

@@ -25,10 +25,10 @@ T = TypeVar("T")
 
 class Disagreement(Rejected):
     """Two of the evaluator's measurements of one served case disagree beyond their bound: the worker's events
-    against the evaluator's clock (`check_clock`), or the worker's baseline against the evaluator's own timing of
-    it (harness/stages/microbench.py `check_trusted_baseline`). An honest kernel's case can meet one once (run
-    h200-r24's c064, its cause not found: docs/EVALUATOR.md), so microbench times such a case again (`agreeing`);
-    a lie that made it disagree makes every try disagree."""
+    against the evaluator's clock (`check_clock`), or a burst of 2n calls no longer than one of n (`burst_ms`). An
+    honest kernel's case can meet one once, so microbench times such a case again (`agreeing`); a lie that made it
+    disagree makes every try disagree. (The worker's baseline against the evaluator's own timing of it is no
+    disagreement: the evaluator's figure counts, harness/stages/microbench.py `trusted_baseline`.)"""
 
 
 def agreeing(measure: Callable[[], T], tries: int) -> tuple[T, list[str]]:

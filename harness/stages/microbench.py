@@ -24,7 +24,9 @@ counts is device time on the stream. The evaluator then distrusts every number i
     right output, give a second figure: the candidate's events may not be far under it (a patched timer),
     it is no faster than physics either, and the candidate counts at the slower of the two speedups
     (`counted_ms`), so a smaller lie of the events gains nothing (harness/stages/clock_check.py);
-  - the evaluator times the baseline in its own process: the worker's figure for it must agree.
+  - the evaluator times the baseline in its own process on every input set: where the worker's figure for it is
+    slower beyond a tolerance, the evaluator's counts (`trusted_baseline`), so slowing the baseline inside the
+    worker gains a candidate nothing.
 The library anchor (cuDNN SDPA on equal shapes: the figure kevo's speed is reported against first) is timed
 here only, in this process, with the worker's protocol (`anchor.time_anchor`), never in the candidate's worker: it
 decides no verdict, so no check would catch a candidate that slowed it there (its memory held so that each
@@ -54,7 +56,7 @@ from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.replies import KernelUse, Timed
 from harness.stages import anchor
-from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
+from harness.stages.clock_check import agreeing, burst_ms, check_clock, counted_ms
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw_timed, drop_outputs, library_use
 from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
                                                time_request)
@@ -174,10 +176,18 @@ def check_floor(label: str, cand: float, floor_ms: float, what: str) -> None:
                        "a measurement exploit")
 
 
-def check_trusted_baseline(label: str, there: float, here: float, tolerance: float) -> None:
-    if not (here > 0 and abs(there / here - 1) <= tolerance):
-        raise Disagreement(f"{label}: the baseline takes {there:.4f} ms in the worker and {here:.4f} ms in the "
-                       "evaluator's own process: the worker's environment was tampered with")
+def trusted_baseline(label: str, there: float, here: float, tolerance: float) -> float:
+    """The baseline's time on one input set that counts: the worker's (`there`), or the evaluator's own timing of it
+    in this process (`here`) where the worker's is slower by more than `tolerance`. The worker's figure is one the
+    candidate's process could reach; a slower baseline would raise its speedup, a faster one can only lower it.
+    Counted rather than rejected: honest kernels' workers read the batch-4 prefill baseline at 2.0-2.2x the
+    evaluator's (run s62, H100: on the first of two tries of the prefill head and of the Gluon prefill, on all three
+    of the TMA prefill's, which agreed at once when judged alone), cause not yet found. A NaN or a time not above
+    zero rejects."""
+    if not (there > 0 and here > 0):
+        raise Rejected(f"{label}: the baseline's time is not a positive number: {there} ms in the worker, "
+                       f"{here} ms in the evaluator's own process")
+    return here if there > here * (1 + tolerance) else there
 
 
 def _anchor_key(ctx: EvalContext, case) -> tuple:
@@ -261,19 +271,23 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
                 f"{costs[0].bytes / 1e6:.1f} MB, {costs[0].flops / 1e9:.1f} GFLOP; less {1 - m.clock_check_ratio:.0%} for its noise)")
     check_clock(case.label, events0, wall_c, m.clock_check_ratio, baseline_ms=base0, baseline_clock_ms=wall_b,
                 baseline_clock_from_graph=float(base_graph))
+    burst_s = time.perf_counter() - t_burst
+    t_here = time.perf_counter()             # the baseline in this process, on each set: `trusted_baseline`
+    here = [_time_here(functools.partial(spec.prepared_baseline(t.inputs), **t.inputs),
+                       max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
+    there = [_median(reply.streamed_ms["baseline:1"][s::k] + reply.streamed_ms["baseline:2"][s::k]) for s in range(k)]
+    counted = [trusted_baseline(case.label, a, b, m.trusted_baseline_tolerance) for a, b in zip(there, here)]
+    slow_sets = sum(c < a for c, a in zip(counted, there))
+    base = statistics.fmean(counted) if slow_sets else base
     cand = counted_ms(events, base, wall_c, wall_b)
     speedup, speedup_by_clock = base / cand, wall_b / wall_c
-    burst_s = time.perf_counter() - t_burst
-    t_here = time.perf_counter()
-    trusted = spec.prepared_baseline(trials[0].inputs)
-    here = _time_here(lambda: trusted(**trials[0].inputs), m.trusted_baseline_reps, flush, m.cover_cycles)
-    check_trusted_baseline(case.label, base0, here, m.trusted_baseline_tolerance)     # the same input set
 
     rate = (lambda ms: nbytes / ms / 1e9) if spec.unit == "TB/s" else (lambda ms: flops / ms / 1e9)
     row = {"candidate_ms": cand, "baseline_ms": base, "noise": noise, "speedup": speedup,
            "candidate_events_ms": events, "speedup_by_events": base / events, "speedup_by_clock": speedup_by_clock, "candidate_clock_ms": wall_c, "baseline_clock_ms": wall_b,
            "candidate_clocked_set_events_ms": events0, "baseline_clocked_set_events_ms": base0,
-           "baseline_in_evaluator_ms": here, "baseline_clock_from_graph": float(base_graph), "candidate_synced_ms": synced["candidate:0"],
+           "baseline_in_evaluator_ms": statistics.fmean(here), "baseline_sets_counted_here": float(slow_sets),
+           "baseline_worker_over_here": max(a / b for a, b in zip(there, here)), "baseline_clock_from_graph": float(base_graph), "candidate_synced_ms": synced["candidate:0"],
            "candidate_rate": rate(cand), "baseline_rate": rate(base), "weight": case.weight,
            "bytes": nbytes, "flops": flops,
            "timing_s": timed_s, "clock_check_s": burst_s, "trusted_baseline_s": time.perf_counter() - t_here,
@@ -353,6 +367,10 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
         slower = (f" by the clock, {row['speedup_by_events']:.2f}x by the events"     # where the two tell apart
                   if row["candidate_ms"] > 1.005 * row["candidate_events_ms"] else "")
         again = f"; timed {len(met) + 1} times, the first {len(met)} disagreeing: {met[0]}" if met else ""
+        if row["baseline_sets_counted_here"]:
+            again += (f"; the worker's baseline read up to {row['baseline_worker_over_here']:.2f}x the evaluator's own "
+                      f"timing of it, on {row['baseline_sets_counted_here']:.0f} of {m.input_sets} input sets: "
+                      "counted at the evaluator's")
         lines.append(f"{case.label}: {row['speedup']:.2f}x{slower} ({row['candidate_ms']:.4f} vs {row['baseline_ms']:.4f} ms; "
                      f"{row['candidate_rate']:.2f} vs {row['baseline_rate']:.2f} {unit}{anchor}{again})")
     mix = num / den
