@@ -17,11 +17,13 @@ import torch
 from harness.config import PROJECT_ROOT, Config
 from harness.errors import HarnessError
 from harness.gpu_memory import reserve
+from harness.lease import Parked
 from harness.pool import Pool
 from harness.worker_handle import WorkerFailure
 from harness.records import StageResult, Verdict
 from harness.sandbox import redact
 from harness.stages import PREPARED_STAGES, STAGE_NAMES, STAGES, TIMED_STAGES, preparing
+from harness.stages.carry import PARKED_PACK_TIMEOUT_S, keep_worker
 from harness.stages.common import EvalContext, Rejected
 from harness.targets import TARGETS, configured
 from harness.transport import DTYPES
@@ -217,6 +219,11 @@ def evaluate(source: str, target: str, cfg: Config, pool: Pool, until: str | Non
             results.append(result)
             if result.status == "failed" or name == until:
                 break
+    except Parked:                      # the job runs again once a replay lets go: what its worker compiled so far
+        if ctx.worker is not None:      # is kept for that run, if it comes to this process (harness/compiled.py)
+            ctx.worker.hold_still(False)
+            keep_worker(cfg, ctx.worker, source, PARKED_PACK_TIMEOUT_S)
+        raise
     finally:
         if ctx.worker is not None:
             ctx.worker.close()

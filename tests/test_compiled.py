@@ -19,6 +19,7 @@ from harness import compiled
 from harness.compiled import CarryRefused, Kept, carry_in, carry_out, pack, unpack
 from harness.evaluate import evaluate
 from harness.isolation import FOLDER
+from harness.lease import Parked
 from harness.served.launch import ServerHandle, start_server
 from harness.stages.arms import Servers
 from harness.stages.carry import keep_worker
@@ -307,3 +308,25 @@ def test_a_replays_servers_are_handed_the_candidates_worker_kernels_and_every_he
         (out / compiled.SUBFOLDER).mkdir(parents=True)
         unpack(blobs[0], str(out), 1 << 20)
         assert _read(out) == {key: {"k.cubin": key.encode()}}
+
+
+def test_a_parked_jobs_worker_keeps_what_it_compiled_and_the_jobs_next_run_here_is_handed_it(pool):
+    """A replay parks another slot's job where it asks for its next stage (harness/lease.py): before its worker is
+    closed it packs what it compiled, so the job's next run in this slot process starts from it, as its later stages
+    would have; the park itself still ends the job."""
+    cfg, source = runtime_only(), _writes_its_cache("PARKEDJOB", C.REF_DECODE)    # past the allowlist: it names os
+
+    def park_at_parity(name: str) -> None:
+        if name == "parity":
+            raise Parked(name)
+    compiled.KEPT.clear()
+    try:
+        with pytest.raises(Parked):
+            evaluate(source, "attention", cfg, pool, until="parity", on_stage=park_at_parity)
+        kept = compiled.KEPT.given([source])
+        again = evaluate(source, "attention", cfg, pool, until="compile")
+    finally:
+        compiled.KEPT.clear()
+    if "private root" not in again.stages[0].reason:
+        pytest.skip(NO_ROOT)
+    assert len(kept) == 1 and again.stages[0].metrics["carried_files"] == 1, again.stages[0].metrics

@@ -1,5 +1,5 @@
 """The replay's side of compiling once (harness/compiled.py): what the candidate's worker compiled, kept before the
-replay closes it; and each head the replay serves, compiled once in a worker of its own, so that every later
+replay closes it (or before a replay parks its job: harness/evaluate.py); and each head the replay serves, compiled once in a worker of its own, so that every later
 server running that head (either arm of every later replay in this slot) finds its kernels compiled. Nothing here is judged: a worker that fails, hangs or answers out of form only
 carries nothing. Not here: handing the kept blobs to servers (harness/stages/arms.py `Servers`).
 """
@@ -18,14 +18,16 @@ from harness.worker_handle import WorkerFailure, WorkerHandle
 
 log = logging.getLogger(__name__)
 PACK_TIMEOUT_S = 60.0
+# A parked job's worker packs while a replay waits for the GPU to drain: it may hold that wait this long at most.
+PARKED_PACK_TIMEOUT_S = 10.0
 
 
-def keep_worker(cfg: Config, worker: WorkerHandle, source: str) -> int:
+def keep_worker(cfg: Config, worker: WorkerHandle, source: str, timeout_s: float = PACK_TIMEOUT_S) -> int:
     """Keep what a worker running `source` alone compiled, for the next sandbox running it: the bytes kept."""
     if not cfg.worker.carry_bytes or not worker.alive:
         return 0
     try:
-        raw = worker.request({"cmd": "pack", "limit": cfg.worker.carry_bytes}, PACK_TIMEOUT_S, "packing its compiled kernels")
+        raw = worker.request({"cmd": "pack", "limit": cfg.worker.carry_bytes}, timeout_s, "packing its compiled kernels")
         raw.pop("_wall_s", None)
         reply = replies.parse("pack", raw, arenas=raw.pop("_arenas", []))
     except (WorkerFailure, replies.MalformedReply):
