@@ -1,7 +1,8 @@
 """The replay's side of compiling once (harness/compiled.py): what the candidate's worker compiled, kept before the
-replay closes it (or before a replay parks its job: harness/evaluate.py); and each head the replay serves, compiled once in a worker of its own, so that every later
-server running that head (either arm of every later replay in this slot) finds its kernels compiled. Nothing here is judged: a worker that fails, hangs or answers out of form only
-carries nothing. Not here: handing the kept blobs to servers (harness/stages/arms.py `Servers`).
+replay closes it (or before another slot's replay parks its job: harness/evaluate.py); and each head the replay
+serves, compiled once in a worker of its own, so that every later server running that head (either arm of every
+later replay in this slot) finds its kernels compiled. Nothing here is judged: a worker that fails, hangs or answers
+out of form only carries nothing. Not here: handing the kept blobs to servers (harness/stages/arms.py `Servers`).
 """
 from __future__ import annotations
 

@@ -353,6 +353,7 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
     stage_s = sum(s.seconds for r in evaluated for rnd in r.rounds for s in rnd.verdict.stages)
     by_stage = defaultdict(list)        # each stage's seconds per candidate that ran it (a cached verdict ran none)
     alone, compiles = [], 0.0           # microbench's part with the GPU held alone; Triton compiles inside it
+    baseline_here = [0, 0]              # timed cases, and those whose worker read the baseline slow (the evaluator's counted)
     for st in (st for r in evaluated for rnd in r.rounds if rnd.verdict.cached_from is None for st in rnd.verdict.stages):
         if st.seconds:
             by_stage[st.name].append(st.seconds)
@@ -360,6 +361,8 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
             if per_case := [v for k, v in st.metrics.items() if k.rsplit(".", 1)[-1] in ALONE_FIGURES]:
                 alone.append(sum(per_case))
             compiles += sum(v for k, v in st.metrics.items() if k.endswith(".worker_compiles"))
+            counted_here = [v for k, v in st.metrics.items() if k.endswith(".baseline_sets_counted_here")]
+            baseline_here = [baseline_here[0] + len(counted_here), baseline_here[1] + sum(1 for v in counted_here if v)]
     replays = [st.metrics for r in evaluated for rnd in r.rounds if rnd.verdict.cached_from is None
                for st in rnd.verdict.stages if st.name == "replay" and "arms_ready_s" in st.metrics]
     search_s = wall_s - first_claim_s if first_claim_s is not None else None
@@ -377,6 +380,8 @@ def account(root: Path, wall_s: float, service: Service | None, first_claim_s: f
            "stage_median_s": {k: round(sorted(v)[len(v) // 2], 2) for k, v in by_stage.items()},
            "microbench_alone_median_s": round(sorted(alone)[len(alone) // 2], 2) if alone else None,
            "compiles_while_timed": compiles,
+           # harness/stages/microbench.py `trusted_baseline`: how often a worker read the torch baseline slow
+           "cases_with_the_baseline_counted_here": f"{baseline_here[1]} of {baseline_here[0]}",
            "stage_runs": {k: len(v) for k, v in by_stage.items()},
            "replay_s": round(sum(by_stage.get("replay", [])), 1),
            "replay_phases_s": replay_phases(replays),
