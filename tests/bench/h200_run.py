@@ -36,7 +36,8 @@ service with no fault: knob steps of the reference kernels, each proposal taking
 (agent.proposals_in_flight) to keep the GPU fed.
 
 Then it prints the account from the ledger alone: candidates per outcome and stage, per hour (per GPU-hour on one GPU), the
-faulted candidates' verdicts, the outage notes, and whether every proposal the service answered is in
+faulted candidates' verdicts, how many timed cases counted the torch baseline at the evaluator's own timing (its
+worker read it slow: harness/stages/microbench.py `trusted_baseline`), the outage notes, and whether every proposal the service answered is in
 the ledger. The figures go to docs/BENCHMARKS.md by hand, with the date.
 """
 from __future__ import annotations
