@@ -135,7 +135,6 @@ def test_a_baseline_slowed_in_the_worker_counts_at_the_evaluators_own_timing_of_
     for key, fig in case_figures(bench.metrics, "decode"):
         assert fig["baseline_sets_counted_here"] == sets, (key, fig)
         assert fig["baseline_ms"] <= 1.25 * fig["baseline_in_evaluator_ms"], (key, fig)
-        assert fig["speedup"] <= fig["baseline_ms"] / fig["candidate_events_ms"] * (1 + 1e-9), (key, fig)
     assert "counted at the evaluator's" in bench.reason, bench.reason
 
 
