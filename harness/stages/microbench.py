@@ -190,6 +190,15 @@ def trusted_baseline(label: str, there: float, here: float, tolerance: float) ->
     return here if there > here * (1 + tolerance) else there
 
 
+def baseline_sets(label: str, streamed: dict[str, list[float]], here: list[float], tolerance: float) -> tuple[list[float], list[float]]:
+    """Per input set (`here`: the evaluator's own timing on each), the worker's baseline (both arms' event times of
+    that set pooled, a timing reply's `streamed_ms`, rep by rep and set by set: their median) and what counts of it
+    (`trusted_baseline`)."""
+    k = len(here)
+    there = [_median(streamed["baseline:1"][s::k] + streamed["baseline:2"][s::k]) for s in range(k)]
+    return there, [trusted_baseline(label, a, b, tolerance) for a, b in zip(there, here)]
+
+
 def _anchor_key(ctx: EvalContext, case) -> tuple:
     m = ctx.cfg.stages.microbench
     return (torch.cuda.get_device_name(ctx.device), str(ctx.dtype), case.key, m.reps, m.input_sets, m.l2_flush_bytes,
@@ -275,8 +284,7 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
     t_here = time.perf_counter()             # the baseline in this process, on each set: `trusted_baseline`
     here = [_time_here(functools.partial(spec.prepared_baseline(t.inputs), **t.inputs),
                        max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
-    there = [_median(reply.streamed_ms["baseline:1"][s::k] + reply.streamed_ms["baseline:2"][s::k]) for s in range(k)]
-    counted = [trusted_baseline(case.label, a, b, m.trusted_baseline_tolerance) for a, b in zip(there, here)]
+    there, counted = baseline_sets(case.label, reply.streamed_ms, here, m.trusted_baseline_tolerance)
     slow_sets = sum(c < a for c, a in zip(counted, there))
     base = statistics.fmean(counted) if slow_sets else base
     cand = counted_ms(events, base, wall_c, wall_b)
