@@ -190,13 +190,15 @@ def trusted_baseline(label: str, there: float, here: float, tolerance: float) ->
     return here if there > here * (1 + tolerance) else there
 
 
-def baseline_sets(label: str, streamed: dict[str, list[float]], here: list[float], tolerance: float) -> tuple[list[float], list[float]]:
-    """Per input set (`here`: the evaluator's own timing on each), the worker's baseline (both arms' event times of
-    that set pooled, a timing reply's `streamed_ms`, rep by rep and set by set: their median) and what counts of it
-    (`trusted_baseline`)."""
-    k = len(here)
-    there = [_median(streamed["baseline:1"][s::k] + streamed["baseline:2"][s::k]) for s in range(k)]
-    return there, [trusted_baseline(label, a, b, tolerance) for a, b in zip(there, here)]
+def worker_baselines(streamed: dict[str, list[float]], sets: int) -> list[float]:
+    """Per input set, the worker's baseline: both arms' event times of that set pooled (a timing reply's
+    `streamed_ms`, rep by rep and set by set), their median."""
+    return [_median(streamed["baseline:1"][s::sets] + streamed["baseline:2"][s::sets]) for s in range(sets)]
+
+
+def counted_baselines(label: str, there: list[float], here: list[float], tolerance: float) -> list[float]:
+    """Per input set, what counts of the worker's baseline `there` against the evaluator's own `here`."""
+    return [trusted_baseline(label, a, b, tolerance) for a, b in zip(there, here, strict=True)]
 
 
 def _anchor_key(ctx: EvalContext, case) -> tuple:
@@ -270,7 +272,8 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
     # set's events and floor, never to the median over every set.
     k = len(trials)
     events0 = _median(reply.streamed_ms["candidate:0"][0::k])
-    base0 = _median(reply.streamed_ms["baseline:1"][0::k] + reply.streamed_ms["baseline:2"][0::k])
+    there = worker_baselines(reply.streamed_ms, k)
+    base0 = there[0]
     floor0_ms = 1e3 * max(costs[0].bytes / m.hbm_bytes_per_s, costs[0].flops / m.peak_flops)
     t_burst = time.perf_counter()
     wall_c, _ = burst_ms(ctx, case.op, "candidate", events0, check=trials[0])
@@ -284,7 +287,7 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
     t_here = time.perf_counter()             # the baseline in this process, on each set: `trusted_baseline`
     here = [_time_here(functools.partial(spec.prepared_baseline(t.inputs), **t.inputs),
                        max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
-    there, counted = baseline_sets(case.label, reply.streamed_ms, here, m.trusted_baseline_tolerance)
+    counted = counted_baselines(case.label, there, here, m.trusted_baseline_tolerance)
     slow_sets = sum(c < a for c, a in zip(counted, there))
     base = statistics.fmean(counted) if slow_sets else base
     cand = counted_ms(events, base, wall_c, wall_b)
