@@ -118,6 +118,27 @@ class WorkerHandle:
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def stopped(self) -> bool:
+        """Whether every thread of the worker's process is stopped now, read from the host's /proc (a stop signal
+        is delivered asynchronously: `hold_still` returns before it has taken hold)."""
+        try:
+            tasks = os.listdir(f"/proc/{self.pid}/task")
+            states = [open(f"/proc/{self.pid}/task/{t}/stat").read() for t in tasks]
+        except OSError:
+            return False
+        return bool(states) and all(s[s.rindex(")") + 2] in "tT" for s in states)
+
+    def held_still(self, wait_s: float) -> bool:
+        """Stop the worker's process group (`hold_still`) and wait up to `wait_s` for every thread of it to be
+        stopped; whether it was."""
+        self.hold_still(True)
+        end = time.monotonic() + wait_s
+        while not self.stopped():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.001)
+        return True
+
     def kill(self, first_wait: bool = False) -> str:
         """Stop the worker's process group and say how it ended. `first_wait`: it is probably dying
         already (its connection closed); let the zygote collect its real exit status first."""

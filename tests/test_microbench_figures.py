@@ -14,7 +14,8 @@ from harness.evaluate import device_shapes
 from harness.records import StageResult, Verdict
 from harness.stages.common import EvalContext
 from harness.replies import KernelUse
-from harness.stages.microbench import case_figures, figure_metric, programs_per_sm, timing_plan
+from harness.stages.launched import programs_per_sm
+from harness.stages.microbench import case_figures, figure_metric, timing_plan
 from harness.targets import TARGETS, Case
 
 from agent.reading.figures import microbench_cases, speed

@@ -72,6 +72,32 @@ def test_replied_says_a_reply_waits_without_reading_it(cfg):
         pool.close()
 
 
+def task_states(pid: int) -> set[str]:
+    """The run state of every thread of `pid`, read from the host's /proc."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{task}/stat").read()
+        states.add(stat[stat.rindex(")") + 2])
+    return states
+
+
+def test_a_worker_held_still_for_the_evaluators_own_timing_has_every_thread_stopped_and_answers_nothing_until_continued(cfg):
+    import time
+    pool = open_pool(cfg, "attention")
+    try:
+        handle = pool.spawn("x = 1\n")
+        assert handle.request({"cmd": "ping"}, 30, "pinging")["ok"]
+        assert handle.held_still(2.0)
+        assert task_states(handle.pid) <= {"T", "t"}, task_states(handle.pid)
+        handle.send({"cmd": "ping"}, "pinging")
+        time.sleep(0.5)
+        assert not handle.replied()                          # held: nothing of it runs
+        handle.hold_still(False)
+        assert handle.collect(30, "pinging")["ok"] and not handle.stopped()
+        handle.close()
+    finally:
+        pool.close()
+
 
 def test_a_workers_audit_and_profiler_import_neither_dynamo_nor_inductor():
     """The zygote's preload and a worker's profiler stay off torch._dynamo and torch._inductor (seconds of import

@@ -24,11 +24,11 @@ counts is device time on the stream. The evaluator then distrusts every number i
     right output, give a second figure: the candidate's events may not be far under it (a patched timer),
     it is no faster than physics either, and the candidate counts at the slower of the two speedups
     (`counted_ms`), so a smaller lie of the events gains nothing (harness/stages/clock_check.py);
-  - the evaluator times the baseline in its own process on every input set: where the worker's figure for it is
-    slower beyond a tolerance, the evaluator's counts (`trusted_baseline`), so slowing the baseline inside the
-    worker gains a candidate nothing.
+  - the evaluator times the baseline in its own process on every input set, the worker stopped meanwhile
+    (`_worker_held`): where the worker's figure for it is slower beyond a tolerance, the evaluator's counts
+    (`trusted_baseline`), so slowing the baseline inside the worker gains a candidate nothing.
 The library anchor (cuDNN SDPA on equal shapes: the figure kevo's speed is reported against first) is timed
-here only, in this process, with the worker's protocol (`anchor.time_anchor`), never in the candidate's worker: it
+here only, in this process, with the worker's protocol (`anchor.time_anchor`) and the worker stopped, never in it: it
 decides no verdict, so no check would catch a candidate that slowed it there (its memory held so that each
 library call allocates, say); its time is reused for a later candidate of the process only on the same work
 (harness/stages/anchor.py).
@@ -43,6 +43,7 @@ keyed them by position (`decode0_candidate_ms`); `case_figures` reads those too,
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import re
@@ -54,14 +55,17 @@ import torch
 
 from harness.errors import HarnessError
 from harness.records import StageResult
-from harness.replies import KernelUse, Timed
+from harness.replies import Timed
 from harness.stages import anchor
-from harness.stages.clock_check import agreeing, burst_ms, check_clock, counted_ms
+from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
 from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw_timed, drop_outputs, library_use
+from harness.stages.launched import launched_resources
 from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
                                                time_request)
 from harness.targets import Case
 from harness.transport import ProtocolError, read_arena
+
+HOLD_WAIT_S = 2.0     # how long a stopped worker may take to be seen stopped (`_worker_held`)
 
 
 def figure_metric(case: Case, figure: str) -> str:
@@ -85,30 +89,6 @@ def case_figures(metrics: dict[str, float], op: str) -> list[tuple[str | None, d
         if m := re.fullmatch(rf"{re.escape(op)}(\d+)_(.+)", name):
             placed.setdefault(int(m[1]), {})[m[2]] = value
     return [(None, placed[i]) for i in sorted(placed)]
-
-
-def programs_per_sm(k: KernelUse, regs_sm: int = 65536, smem_sm: int = 233472, threads_sm: int = 2048,
-                    warp: int = 32) -> int:
-    """How many programs of kernel `k` fit on one SM at once, by registers (allocated 8 a thread at a time),
-    shared memory (1 KB reserved a program) and threads; the defaults are sm90's (the H100 and H200)."""
-    threads = warp * k.warps
-    return min(regs_sm // (max(8, -(-k.registers // 8) * 8) * threads), smem_sm // (k.shared_bytes + 1024),
-               threads_sm // threads, 32)
-
-
-def launched_resources(kernels: list[KernelUse], device: torch.device) -> dict[str, float]:
-    """What a case's timed calls launched, as the worker reported it (shown, never judged by): the most registers
-    and spilled 32-bit words a thread among its kernels, and the fewest programs of any one of them that fit on an
-    SM of this device at once. A persistent grid sized for more programs than fit runs the rest as a second wave
-    (knowledge/attention/decode.md)."""
-    if not kernels or device.type != "cuda":
-        return {}
-    props = torch.cuda.get_device_properties(device)
-    limits = (getattr(props, "regs_per_multiprocessor", 0) or 65536, props.shared_memory_per_multiprocessor,
-              props.max_threads_per_multi_processor, getattr(props, "warp_size", 0) or 32)
-    return {"kernel_registers": float(max(k.registers for k in kernels)),
-            "kernel_spills": float(max(k.spills for k in kernels)),
-            "kernel_programs_per_sm": float(min(programs_per_sm(k, *limits) for k in kernels))}
 
 
 def _median(xs: list[float]) -> float:
@@ -284,9 +264,12 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
     check_clock(case.label, events0, wall_c, m.clock_check_ratio, baseline_ms=base0, baseline_clock_ms=wall_b,
                 baseline_clock_from_graph=float(base_graph))
     burst_s = time.perf_counter() - t_burst
-    t_here = time.perf_counter()             # the baseline in this process, on each set: `trusted_baseline`
-    here = [_time_here(functools.partial(spec.prepared_baseline(t.inputs), **t.inputs),
-                       max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
+    t_here = time.perf_counter()             # the baseline in this process, on each set (`trusted_baseline`), and the
+    with _worker_held(ctx, case.label):      # anchor, the worker stopped meanwhile: nothing of the candidate's runs
+        here = [_time_here(functools.partial(spec.prepared_baseline(t.inputs), **t.inputs),
+                           max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
+        got = None if work is None else anchor.time_anchor(work, _anchor_sets(spec, trials), lambda prepared: _time_here(
+            lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles))
     counted = counted_baselines(case.label, there, here, m.trusted_baseline_tolerance)
     slow_sets = sum(c < a for c, a in zip(counted, there))
     base = statistics.fmean(counted) if slow_sets else base
@@ -305,13 +288,25 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
            "worker_compiles": float(reply.compiles),
            **launched_resources(reply.kernels, ctx.device),
            **{f"worker_{k}": v for k, v in reply.seconds.items()}}
-    if work is not None:                          # timed with the worker's protocol while the worker waits
-        def time_one(prepared: dict) -> float:
-            return _time_here(lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles)
-        got = anchor.time_anchor(work, _anchor_sets(spec, trials), time_one)
-        if got is not None:                     # None: no library kernel for the shape, and the reports say so
-            row.update(got, anchor_rate=rate(got["anchor_ms"]))
+    if got is not None:                           # None: no anchor, or no library kernel for the shape (reports say so)
+        row.update(got, anchor_rate=rate(got["anchor_ms"]))
     return row
+
+
+@contextlib.contextmanager
+def _worker_held(ctx: EvalContext, label: str):
+    """Stop the candidate's worker (every thread of it, seen stopped within `HOLD_WAIT_S`) while this process times;
+    continue it after. One not seen stopped is a Disagreement: the case is timed again (`agreeing`)."""
+    if ctx.worker is None:
+        yield
+        return
+    try:
+        if not ctx.worker.held_still(HOLD_WAIT_S):
+            raise Disagreement(f"{label}: the worker was not stopped within {HOLD_WAIT_S:.0f} s for the evaluator's own "
+                               "timing of the baseline and the anchor")
+        yield
+    finally:
+        ctx.worker.hold_still(False)
 
 
 def _anchor_sets(spec, trials: list) -> list:

@@ -43,7 +43,7 @@ from vs_library import load_spec  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from harness.replies import KernelUse  # noqa: E402
-from harness.stages.microbench import programs_per_sm  # noqa: E402
+from harness.stages.launched import programs_per_sm  # noqa: E402
 DEFAULT = ROOT / "knowledge" / "attention" / "decode_paged_gqa.py"
 WAIT = re.compile(r"warp_group_dot_wait .*\{pendings = (\d+) : i32\}")
 SASS_OP = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")   # an instruction's opcode
