@@ -122,8 +122,7 @@ class WorkerHandle:
         """Whether every thread of the worker's process is stopped now, read from the host's /proc (a stop signal
         is delivered asynchronously: `hold_still` returns before it has taken hold)."""
         try:
-            tasks = os.listdir(f"/proc/{self.pid}/task")
-            states = [open(f"/proc/{self.pid}/task/{t}/stat").read() for t in tasks]
+            states = [(task / "stat").read_text() for task in Path(f"/proc/{self.pid}/task").iterdir()]
         except OSError:
             return False
         return bool(states) and all(s[s.rindex(")") + 2] in "tT" for s in states)
