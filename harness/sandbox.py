@@ -5,11 +5,12 @@ raises `SandboxError` (one line, naming what could not be applied) when the kern
 - `seccomp_filter` loads a libseccomp filter (libseccomp.so.2, the library systemd, Docker and
   bubblewrap's users load their filters with) that denies, with EPERM, setting any clock, making
   device nodes, mounting, changing root, tracing or reading other processes, loading kernels or
-  modules, keyrings, BPF, new namespaces, swap, reboot, userfaultfd, io_uring, file handles,
-  personality changes and every socket family but AF_UNIX (clone3 answers ENOSYS, so threads
-  and children are made with clone, whose namespace flags are checked). perf_event_open stays
-  allowed: torch.profiler's CUDA activity runs inside the worker, and as an unprivileged user under
-  the kernel's perf_event_paranoid it measures only the caller's own process;
+  modules, keyrings, BPF, new namespaces, leaving the process group (setsid, setpgid), swap,
+  reboot, userfaultfd, io_uring, file handles, personality changes and every socket family but
+  AF_UNIX (clone3 answers ENOSYS, so threads and children are made with clone, whose namespace
+  flags are checked). perf_event_open stays allowed: torch.profiler's CUDA activity runs inside
+  the worker, and as an unprivileged user under the kernel's perf_event_paranoid it measures only
+  the caller's own process;
 - `drop_privileges` drops every capability (the bounding set, the ambient set, then capset to
   nothing) after switching root (uid 0 outside any user namespace) to the unprivileged `nobody`;
 - `limit_resources` sets rlimits (file size, open files, processes, CPU time, core files, and the
@@ -57,7 +58,8 @@ DENIED_SYSCALLS = (
     "delete_module", "create_module", "keyctl", "add_key", "request_key", "bpf", "unshare", "setns",
     "swapon", "swapoff", "reboot", "userfaultfd", "open_by_handle_at", "io_uring_setup",
     "io_uring_enter", "io_uring_register", "quotactl", "quotactl_fd", "acct", "syslog", "iopl", "ioperm",
-    "sethostname", "setdomainname", "vhangup", "uselib", "lookup_dcookie", "nfsservctl")
+    "sethostname", "setdomainname", "vhangup", "uselib", "lookup_dcookie", "nfsservctl",
+    "setsid", "setpgid")               # leaving the worker's process group would leave a process the hold cannot stop
 _CLONE_NEW = (0x00000080, 0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
               0x40000000)                              # TIME, NS, CGROUP, UTS, IPC, USER, PID, NET
 _AF_UNIX = 1

@@ -119,13 +119,12 @@ class WorkerHandle:
                 pass
 
     def stopped(self) -> bool:
-        """Whether every thread of the worker's process is stopped now, read from the host's /proc (a stop signal
-        is delivered asynchronously: `hold_still` returns before it has taken hold)."""
-        try:
-            states = [(task / "stat").read_text() for task in Path(f"/proc/{self.pid}/task").iterdir()]
-        except OSError:
-            return False
-        return bool(states) and all(s[s.rindex(")") + 2] in "tT" for s in states)
+        """Whether every thread of every process in the worker's process group (the shim, the worker, any child the
+        candidate started) is stopped now, read from the host's /proc: a stop signal is delivered asynchronously, so
+        `hold_still` returns before it has taken hold. The sandbox refuses setsid and setpgid (harness/sandbox.py),
+        so no process the candidate starts can leave the group."""
+        states = group_thread_states(self.pid)
+        return bool(states) and all(s in "tTZX" for s in states)          # stopped, or dead and not yet reaped
 
     def held_still(self, wait_s: float) -> bool:
         """Stop the worker's process group (`hold_still`) and wait up to `wait_s` for every thread of it to be
@@ -158,3 +157,22 @@ class WorkerHandle:
             os.close(self.log)
             self.log = -1
         shutil.rmtree(self.host_folder, ignore_errors=True)   # rmtree does not follow links a candidate left
+
+
+def group_thread_states(pgid: int) -> list[str]:
+    """The run state (a letter of /proc's stat) of every thread of every process whose process group is `pgid`, read
+    from the host's /proc; a process that ends while it is read is left out."""
+    states = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat[stat.rindex(")") + 2:].split()[2]) != pgid:
+                continue
+            for task in (entry / "task").iterdir():
+                stat = (task / "stat").read_text()
+                states.append(stat[stat.rindex(")") + 2])
+        except (OSError, ValueError):
+            continue
+    return states

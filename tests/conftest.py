@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,23 @@ def evaluate_source(cfg, pool):
     def run(source: str, until: str | None = None, config: Config | None = None, beat: float = 1.0):
         return evaluate(source, "attention", config or cfg, pool, until=until, beat=beat)
     return run
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, read from the host's /proc (each thread's children)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        for task in os.listdir(f"/proc/{p}/task"):
+            todo += [int(c) for c in open(f"/proc/{p}/task/{task}/children").read().split()]
+    return found
+
+
+def thread_states(pid: int) -> set[str]:
+    """The run state of every thread of `pid`, read from the host's /proc."""
+    states = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        stat = open(f"/proc/{pid}/task/{task}/stat").read()
+        states.add(stat[stat.rindex(")") + 2])
+    return states

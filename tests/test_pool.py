@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from conftest import descendants, thread_states
 from harness.evaluate import open_pool
 
 
@@ -72,23 +73,16 @@ def test_replied_says_a_reply_waits_without_reading_it(cfg):
         pool.close()
 
 
-def task_states(pid: int) -> set[str]:
-    """The run state of every thread of `pid`, read from the host's /proc."""
-    states = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        stat = open(f"/proc/{pid}/task/{task}/stat").read()
-        states.add(stat[stat.rindex(")") + 2])
-    return states
-
-
 def test_a_worker_held_still_for_the_evaluators_own_timing_has_every_thread_stopped_and_answers_nothing_until_continued(cfg):
     import time
     pool = open_pool(cfg, "attention")
     try:
         handle = pool.spawn("x = 1\n")
         assert handle.request({"cmd": "ping"}, 30, "pinging")["ok"]
+        procs = descendants(handle.pid)
+        assert len(procs) >= 2, procs                       # the shim and the worker
         assert handle.held_still(2.0)
-        assert task_states(handle.pid) <= {"T", "t"}, task_states(handle.pid)
+        assert all(thread_states(p) <= {"T", "t"} for p in procs), {p: thread_states(p) for p in procs}
         handle.send({"cmd": "ping"}, "pinging")
         time.sleep(0.5)
         assert not handle.replied()                          # held: nothing of it runs

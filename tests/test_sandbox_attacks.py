@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import candidates as C
-from conftest import ROOT, config_with
+from conftest import ROOT, config_with, descendants, thread_states
 from test_agent_unattended import SMALL
 from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
@@ -184,6 +184,24 @@ def test_a_child_without_cuda_visible_devices_sees_no_more_than_its_parent(pool,
     seen = attack(pool, "child_without_cuda_visible")
     assert seen["returncode"] == 0, seen
     assert seen["nvidia"] == [] and seen["cuda_devices"] == 0, seen
+
+
+def test_a_child_the_candidate_starts_cannot_leave_the_workers_group_and_is_stopped_when_the_worker_is_held(
+        pool, then_a_correct_candidate_passes):
+    handle = pool.spawn((ADVERSARIAL / "leave_group.py").read_text())
+    try:
+        reply = handle.request({"cmd": "load", "path": str(handle.workdir / "candidate.py")}, 60, "running the attack")
+        seen = json.loads(str(reply["error"]).rsplit("REPORT ", 1)[1].strip().splitlines()[0])
+        assert seen == {"setsid": "Operation not permitted", "setpgid": "Operation not permitted",
+                        "same_group": True}, seen
+        procs = descendants(handle.pid)
+        assert len(procs) >= 3, procs                       # the shim, the worker, the child spinning
+        assert "R" in set().union(*map(thread_states, procs))
+        assert handle.held_still(2.0)
+        assert all(thread_states(p) <= {"T", "t"} for p in procs), {p: thread_states(p) for p in procs}
+        handle.hold_still(False)
+    finally:
+        handle.close()
 
 
 def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a_correct_candidate_passes):
