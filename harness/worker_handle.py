@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from harness.pool import Pool
 
 MAX_OUTPUT_FILES = 4          # descriptors accepted with one reply
+STOPPED_STATES = "tTZX"       # /proc's run states of a thread that runs nothing: stopped, or dead and not yet reaped
 
 
 class WorkerFailure(Exception):
@@ -124,7 +125,7 @@ class WorkerHandle:
         `hold_still` returns before it has taken hold. The sandbox refuses setsid and setpgid (harness/sandbox.py),
         so no process the candidate starts can leave the group."""
         states = group_thread_states(self.pid)
-        return bool(states) and all(s in "tTZX" for s in states)          # stopped, or dead and not yet reaped
+        return bool(states) and all(s in STOPPED_STATES for s in states)
 
     def held_still(self, wait_s: float) -> bool:
         """Stop the worker's process group (`hold_still`) and wait up to `wait_s` for every thread of it to be

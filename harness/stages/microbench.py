@@ -50,6 +50,7 @@ import re
 import secrets
 import statistics
 import time
+from collections import Counter
 
 import torch
 
@@ -64,6 +65,7 @@ from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_war
                                                time_request)
 from harness.targets import Case
 from harness.transport import ProtocolError, read_arena
+from harness.worker_handle import STOPPED_STATES, group_thread_states
 
 HOLD_WAIT_S = 2.0     # how long a stopped worker may take to be seen stopped (`_worker_held`)
 
@@ -302,8 +304,10 @@ def _worker_held(ctx: EvalContext, label: str):
         return
     try:
         if not ctx.worker.held_still(HOLD_WAIT_S):
+            left = Counter(s for s in group_thread_states(ctx.worker.pid) if s not in STOPPED_STATES)
             raise Disagreement(f"{label}: the worker was not stopped within {HOLD_WAIT_S:.0f} s for the evaluator's own "
-                               "timing of the baseline and the anchor")
+                               "timing of the baseline and the anchor (threads of its group not stopped, by /proc "
+                               f"state: {', '.join(f'{n} {s}' for s, n in sorted(left.items())) or 'none read'})")
         yield
     finally:
         ctx.worker.hold_still(False)
