@@ -9,7 +9,8 @@ outside this surface (config `stages.compile`, each entry with its reason):
     the resolution. A name a module lists admits that name's own attributes (`torch.float32.itemsize`)
     except the forbidden ones;
   - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr`,
-    `setattr`, `delattr`, `hasattr` only with a constant name, itself checked as an attribute;
+    `setattr`, `delattr`, `hasattr` only called, with a constant name, itself checked as an attribute (never
+    as a value: `functools.reduce(getattr, names, x)` would walk computed names);
   - no dunder names or attributes but `readable_dunders` (`__name__`: a string, it grants nothing), no private attributes
     (`x._C`), no string constant that is a dunder name (`{"__torch_function__": f}`), no function or class
     named with a dunder;
@@ -243,6 +244,11 @@ class _Checker:
             raise Refused(node.lineno, node.id, "a forbidden builtin (stages.compile.forbidden_builtins)")
         if DUNDER.match(node.id) and not (node.id in self.rules.dunders and isinstance(node.ctx, ast.Load)):
             raise Refused(node.lineno, node.id, "a dunder name")
+        if node.id in NAMED_ATTR_BUILTINS and isinstance(node.ctx, ast.Load):
+            parent = self.parents.get(id(node))
+            if not (isinstance(parent, ast.Call) and parent.func is node):     # `call` checks the name it is given
+                raise Refused(node.lineno, node.id, "used as a value (only called, with a constant attribute name): "
+                                                    "passed on, it would take computed names")
         alias = self.aliases.get(node.id)
         if alias is not None and alias.module and isinstance(node.ctx, ast.Load):
             parent = self.parents.get(id(node))

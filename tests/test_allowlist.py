@@ -233,6 +233,12 @@ def test_typing_is_listed_name_by_name():
     ("def k(x):\n    pass\ny = k.get_capture_scope()\n", ".get_capture_scope"),   # a kernel's globals
     ("def k(x):\n    pass\nz = k.used_global_vals\n", ".used_global_vals"),
     ("def k(x):\n    pass\nz = k.fn\n", ".fn"),
+    ("w = functools.reduce(getattr, ['_' + '_self__'], print)\n", "getattr: used as a value"),   # getattr passed on
+    ("w = functools.partial(functools.reduce, getattr)\n", "getattr: used as a value"),
+    ("g = getattr\n", "getattr: used as a value"),
+    ("w = list(map(getattr, [q], ['shape']))\n", "getattr: used as a value"),
+    ("w = {1: setattr}[1]\n", "setattr: used as a value"),
+    ("def f(x, g=delattr):\n    pass\n", "delattr: used as a value"),
     ("x = q.eval\n", ".eval"),                                             # a forbidden builtin after a dot
     ("x = q.exec\n", ".exec"),
     ("keep = lambda f: f\n@keep\n@triton.jit\ndef mm(a, b):\n    return a @ b\n", "@"),   # not only Triton's decorators
