@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import torch
+
 from harness.targets import Target
 
 
@@ -76,3 +78,16 @@ def load_candidate(path: Path | str, target: Target, name: str = "candidate") ->
         ops.append(name)
     error = "; ".join(problems) or ("" if ops else "defines none of: " + ", ".join(target.ops))
     return Loaded(module, tuple(ops), error)
+
+
+def plain_output(out: object, op: str) -> torch.Tensor:
+    """What an op of the candidate returned, as a fresh plain torch.Tensor over the same memory, for the trusted code
+    to read (the worker's outputs, the served model and its spot checks): the object the candidate made could carry
+    methods of its own (a subclass's `detach`, or `out.detach = ...` on the instance) that show the checks other data
+    than the memory holds. A subclass is refused outright (TypeError, naming it)."""
+    if type(out) is not torch.Tensor:
+        what = (f"a {type(out).__name__} (a torch.Tensor subclass); return a plain torch.Tensor"
+                if isinstance(out, torch.Tensor) else f"{type(out).__name__}, not a torch.Tensor")
+        raise TypeError(f"{op} returned {what}")
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.Tensor.as_subclass(out, torch.Tensor)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from harness import compiled
-from harness.candidate import load_candidate
+from harness.candidate import load_candidate, plain_output
 from harness.probes import Probes
 from harness.targets import TARGETS
 from harness.targets.base import UNFILLED
@@ -103,9 +103,7 @@ class Worker:
 
     def _call(self, fn, op: str, args: dict[str, Any]) -> torch.Tensor:
         spec = self.target.ops[op]
-        out = fn(*[args[n] for n in spec.arg_names])
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"{op} returned {type(out).__name__}, not a torch.Tensor")
+        out = plain_output(fn(*[args[n] for n in spec.arg_names]), op)
         if out.device.type != self.device.type:
             raise TypeError(f"{op} returned a tensor on {out.device}, expected {self.device.type}")
         return out
@@ -144,6 +142,7 @@ class Worker:
         shared = self._step_shared(op, args) if msg.get("step") else []
         self.last_args = (op, args)
         pristine = {n: v.clone() for n, v in args.items() if isinstance(v, torch.Tensor)}
+        held = {n: plain_output(args[n], n) for n in pristine}    # objects the candidate never holds: read after it
         out_shape = tuple(msg["out_shape"])
         self.probes.reset()
         outs: dict[str, torch.Tensor] = {}
@@ -170,7 +169,7 @@ class Worker:
             self.kept.pop(key, None)
         if "keep" in msg:
             self.kept[msg["keep"]] = outs["out0"]
-        modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(args[n]))]
+        modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(held[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),
                 "inputs_modified": modified, "unlaunched": unlaunched, "seconds": seconds, "step_shared": shared}

@@ -27,7 +27,7 @@ from conftest import ROOT, config_with, descendants, thread_states
 from test_agent_unattended import SMALL
 from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
-from harness.stages.common import EvalContext, Rejected, draw, run_trial
+from harness.stages.common import EvalContext, Rejected, diff, draw, run_trial
 from harness.targets import TARGETS
 from harness.transport import DTYPES
 
@@ -215,6 +215,49 @@ def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a
         trial = draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
         with pytest.raises(Rejected, match="not sealed"):
             run_trial(ctx, trial)
+    finally:
+        ctx.worker.close()
+
+
+def _trial_of(cfg, pool, source: str):
+    """`source` loaded straight into a fresh worker of `pool` (past the allowlist, which refuses what these attacks
+    name: another layer), and one decode check drawn for it; the context, and the trial."""
+    shapes = getattr(cfg.targets.attention, "cpu")
+    ctx = EvalContext(cfg=cfg, target=TARGETS["attention"], shapes=shapes, device=torch.device("cpu"),
+                      dtype=DTYPES[shapes.dtype], pool=pool, source="")
+    ctx.deadline = time.monotonic() + 120
+    ctx.worker = pool.spawn(source)
+    assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
+    return ctx, draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
+
+
+def test_an_output_whose_methods_give_the_right_answer_is_read_by_its_memory(cfg, pool, then_a_correct_candidate_passes):
+    source = (ADVERSARIAL / "forged_output_methods.py").read_text().replace("@MODE@", "instance")
+    ctx, trial = _trial_of(cfg, pool, source)
+    try:
+        outs, _ = run_trial(ctx, trial)
+        assert float(outs[0].abs().max()) == 0.0                # the zeros it wrote, not the answer its methods give
+        assert not trial.tol.admits(diff(outs[0], trial.ref))
+    finally:
+        ctx.worker.close()
+
+
+def test_an_output_of_a_tensor_subclass_is_refused_naming_it(cfg, pool, then_a_correct_candidate_passes):
+    source = (ADVERSARIAL / "forged_output_methods.py").read_text().replace("@MODE@", "subclass")
+    ctx, trial = _trial_of(cfg, pool, source)
+    try:
+        with pytest.raises(Rejected, match="returned a Forged \\(a torch.Tensor subclass\\)"):
+            run_trial(ctx, trial)
+    finally:
+        ctx.worker.close()
+
+
+def test_a_write_to_an_input_is_seen_whatever_methods_the_candidate_gave_that_input(cfg, pool,
+                                                                                    then_a_correct_candidate_passes):
+    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "hidden_input_write.py").read_text())
+    try:
+        _, reply = run_trial(ctx, trial)
+        assert reply.get("inputs_modified") == ["k_cache"], reply.get("inputs_modified")
     finally:
         ctx.worker.close()
 

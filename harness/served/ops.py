@@ -39,7 +39,7 @@ import torch
 
 from harness.served.shapes import ShapeRecorder
 from harness.served.spot import SpotChecks
-from harness.candidate import load_candidate as load
+from harness.candidate import load_candidate as load, plain_output
 from harness.targets.attention import TARGET
 from harness.targets.base import Target
 
@@ -134,9 +134,9 @@ class AttentionOps:
 
     @staticmethod
     def _checked(op: str, out, q: torch.Tensor) -> torch.Tensor:
-        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            got = (f"{list(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor)
-                   else type(out).__name__)
+        out = plain_output(out, f"the candidate's {op}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            got = f"{list(out.shape)} {out.dtype} on {out.device}"
             raise TypeError(f"the candidate's {op} returned {got}; expected {list(q.shape)} {q.dtype} on {q.device}")
         return out
 
