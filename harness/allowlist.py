@@ -8,9 +8,12 @@ outside this surface (config `stages.compile`, each entry with its reason):
     by naming its attributes: `t = torch`, `[torch]`, `f(torch)` are refused, so no alias can escape
     the resolution. A name a module lists admits that name's own attributes (`torch.float32.itemsize`)
     except the forbidden ones;
-  - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr`,
-    `setattr`, `delattr`, `hasattr` only called, with a constant name, itself checked as an attribute (never
-    as a value: `functools.reduce(getattr, names, x)` would walk computed names);
+  - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr` and
+    `hasattr` only called, with a constant name, itself checked as an attribute (never as a value:
+    `functools.reduce(getattr, names, x)` would walk computed names);
+  - no attribute set or deleted (`out.detach = f`, `setattr`, `delattr`) and no class with a base (a
+    torch.Tensor subclass): the trusted code reads outputs and inputs through their methods (and, as a second
+    layer, through fresh plain tensors: harness/candidate.py `plain_output`);
   - no dunder names or attributes but `readable_dunders` (`__name__`: a string, it grants nothing), no private attributes
     (`x._C`), no string constant that is a dunder name (`{"__torch_function__": f}`), no function or class
     named with a dunder;
@@ -42,6 +45,9 @@ HARMLESS_STRINGS = {"__main__"}        # `if __name__ == "__main__":` grants not
 NAMED_ATTR_BUILTINS = {"getattr", "setattr", "delattr", "hasattr"}
 # Forbidden builtins that are also ordinary attribute names (`q.device.type`): forbidden as names only.
 ATTRIBUTE_SAFE_BUILTINS = frozenset({"type", "dir", "help", "input", "exit", "quit", "memoryview"})
+# Why a file may not set attributes or subclass: the trusted code reads outputs and inputs through their methods.
+REPLACED_METHODS = ("an output or input whose methods were replaced, on the object or on a torch.Tensor subclass, would "
+                    "show the checks other data than its memory holds")
 # Never after a dot either: a module's own `getattr` would take the computed names the builtin may not.
 NAMED_ATTR_WORDS = frozenset({"getattr", "setattr", "delattr"})
 
@@ -204,11 +210,15 @@ class _Checker:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if DUNDER.match(node.name):
                 raise Refused(line, node.name, "defines a dunder (a hook into torch or Python's machinery)")
+            if isinstance(node, ast.ClassDef) and (node.bases or node.keywords):
+                raise Refused(line, node.name, f"a class with a base ({REPLACED_METHODS})")
             in_kernel = in_kernel or (bool(node.decorator_list) and all(self.is_jit(d) for d in node.decorator_list))
         elif isinstance(node, ast.Name):
             self.name(node)
         elif isinstance(node, ast.Attribute):
             self.attribute(node)
+            if isinstance(node.ctx, (ast.Store, ast.Del)):
+                raise Refused(line, f".{node.attr}", f"sets or deletes an attribute ({REPLACED_METHODS})")
         elif isinstance(node, ast.Call):
             self.call(node)
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and DUNDER.match(node.value)
@@ -271,6 +281,8 @@ class _Checker:
             self.check_attribute(node.lineno, "." + ".".join(reversed(chain)), word)
 
     def call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
+            raise Refused(node.lineno, node.func.id, f"sets or deletes an attribute ({REPLACED_METHODS})")
         if isinstance(node.func, ast.Name) and node.func.id in NAMED_ATTR_BUILTINS:
             if len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
                 raise Refused(node.lineno, node.func.id, "with a computed attribute name (only a constant string)")
