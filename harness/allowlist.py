@@ -11,9 +11,10 @@ outside this surface (config `stages.compile`, each entry with its reason):
   - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr` and
     `hasattr` only called, with a constant name, itself checked as an attribute (never as a value:
     `functools.reduce(getattr, names, x)` would walk computed names);
-  - no attribute set or deleted (`out.detach = f`, `setattr`, `delattr`) and no class with a base (a
-    torch.Tensor subclass): the trusted code reads outputs and inputs through their methods (and, as a second
-    layer, through fresh plain tensors: harness/candidate.py `plain_output`);
+  - no attribute set or deleted while `setattr`/`delattr` are forbidden builtins (`out.detach = f` is
+    `setattr(out, "detach", f)`), and no class with a base (a torch.Tensor subclass): the trusted code reads
+    outputs and inputs through their methods (and, as a second layer, through fresh plain tensors:
+    harness/candidate.py `plain_output`);
   - no dunder names or attributes but `readable_dunders` (`__name__`: a string, it grants nothing), no private attributes
     (`x._C`), no string constant that is a dunder name (`{"__torch_function__": f}`), no function or class
     named with a dunder;
@@ -217,8 +218,10 @@ class _Checker:
             self.name(node)
         elif isinstance(node, ast.Attribute):
             self.attribute(node)
-            if isinstance(node.ctx, (ast.Store, ast.Del)):
-                raise Refused(line, f".{node.attr}", f"sets or deletes an attribute ({REPLACED_METHODS})")
+            spelled = {ast.Store: "setattr", ast.Del: "delattr"}.get(type(node.ctx))   # `x.a = v` is setattr(x, "a", v)
+            if spelled in self.rules.builtins:
+                raise Refused(line, f".{node.attr}", f"sets or deletes an attribute, {spelled} by another spelling "
+                                                     f"(a forbidden builtin: {REPLACED_METHODS})")
         elif isinstance(node, ast.Call):
             self.call(node)
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and DUNDER.match(node.value)
@@ -281,8 +284,6 @@ class _Checker:
             self.check_attribute(node.lineno, "." + ".".join(reversed(chain)), word)
 
     def call(self, node: ast.Call) -> None:
-        if isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr"):
-            raise Refused(node.lineno, node.func.id, f"sets or deletes an attribute ({REPLACED_METHODS})")
         if isinstance(node.func, ast.Name) and node.func.id in NAMED_ATTR_BUILTINS:
             if len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
                 raise Refused(node.lineno, node.func.id, "with a computed attribute name (only a constant string)")

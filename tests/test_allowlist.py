@@ -109,7 +109,7 @@ def test_every_knowledge_kernel_passes_the_allowlist():
     ("def f(a, n):\n    return getattr(a, n)\n", 5, "getattr"),
     ("def f(a):\n    return getattr(a, 'mat' + 'mul')\n", 5, "getattr"),
     ("def f(a):\n    return getattr(a, 'matmul')\n", 5, "getattr(..., 'matmul')"),
-    ("def f(a):\n    setattr(a, '__class__', a)\n", 5, "setattr"),
+    ("def f(a):\n    setattr(a, '__class__', a)\n", 5, "setattr(..., '__class__')"),
     # an object's methods replaced, on it or on a subclass (the trusted code reads outputs and inputs through them)
     ("def f(out, g):\n    out.detach = g\n", 5, ".detach"),
     ("def f(out):\n    del out.clone\n", 5, ".clone"),
@@ -244,8 +244,8 @@ def test_typing_is_listed_name_by_name():
     ("w = functools.partial(functools.reduce, getattr)\n", "getattr: used as a value"),
     ("g = getattr\n", "getattr: used as a value"),
     ("w = list(map(getattr, [q], ['shape']))\n", "getattr: used as a value"),
-    ("w = {1: setattr}[1]\n", "setattr: used as a value"),
-    ("def f(x, g=delattr):\n    pass\n", "delattr: used as a value"),
+    ("w = {1: hasattr}[1]\n", "hasattr: used as a value"),
+    ("def f(x, g=getattr):\n    pass\n", "getattr: used as a value"),
     ("x = q.eval\n", ".eval"),                                             # a forbidden builtin after a dot
     ("x = q.exec\n", ".exec"),
     ("keep = lambda f: f\n@keep\n@triton.jit\ndef mm(a, b):\n    return a @ b\n", "@"),   # not only Triton's decorators

@@ -176,8 +176,8 @@ RATIO = config_with().stages.microbench.clock_check_ratio
     lambda: mb.check_floor("c", 0.001, 0.01, "events"),
     lambda: cc.check_clock("c", NAN, 1.0, RATIO), lambda: cc.check_clock("c", 1.0, NAN, RATIO),
     lambda: cc.check_clock("c", 0.75, 1.0, RATIO),
-    lambda: mb.trusted_baseline("c", NAN, 1.0, 0.25), lambda: mb.trusted_baseline("c", 1.0, NAN, 0.25),
-    lambda: mb.trusted_baseline("c", 1.0, 0.0, 0.25),
+    lambda: mb.trusted_baseline("c", NAN, 1.0), lambda: mb.trusted_baseline("c", 1.0, NAN),
+    lambda: mb.trusted_baseline("c", 1.0, 0.0),
 ], ids=["stream-cand", "stream-busy", "floor-cand", "floor-floor", "floor-under", "clock-cand", "clock-wall-c",
         "clock-lie", "trusted-there", "trusted-here", "trusted-zero"])
 def test_every_microbench_guard_rejects_nan_and_what_it_guards_against(guard):
@@ -191,7 +191,7 @@ def test_honest_figures_pass_the_microbench_guards():
     cc.check_clock("c", 0.5177, 0.5048, RATIO)  # the TMA prefill at 1 x 8192 in the short rounds (H200, fifteenth session)
     cc.check_clock("c", 0.1082, 0.0991, RATIO)  # and at 4 x 512-2048: the clock faster (its inputs warm in the L2)
     cc.check_clock("c", 0.9, 1.0, RATIO)
-    assert mb.trusted_baseline("c", 1.0, 1.1, 0.25) == 1.0
+    assert mb.trusted_baseline("c", 1.0, 1.1) == 1.0
 
 
 def test_the_candidate_counts_at_the_slower_of_its_events_and_the_evaluators_clock():

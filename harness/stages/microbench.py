@@ -158,18 +158,18 @@ def check_floor(label: str, cand: float, floor_ms: float, what: str) -> None:
                        "a measurement exploit")
 
 
-def trusted_baseline(label: str, there: float, here: float, tolerance: float) -> float:
-    """The baseline's time on one input set that counts: the worker's (`there`), or the evaluator's own timing of it
-    in this process (`here`) where the worker's is slower by more than `tolerance`. The worker's figure is one the
-    candidate's process could reach; a slower baseline would raise its speedup, a faster one can only lower it.
-    Counted rather than rejected: honest kernels' workers read the batch-4 prefill baseline at 2.0-2.2x the
-    evaluator's (run s62, H100: on the first of two tries of the prefill head and of the Gluon prefill, on all three
-    of the TMA prefill's, which agreed at once when judged alone), cause not yet found. A NaN or a time not above
-    zero rejects."""
+def trusted_baseline(label: str, there: float, here: float) -> float:
+    """The baseline's time on one input set that counts: the lower of the worker's (`there`) and the evaluator's own
+    timing of it in this process (`here`). The worker's is a figure the candidate's process could reach: its calls
+    share the candidate's input objects, which the candidate may change between them (a block table widened in place
+    gives the baseline more work, its outputs still right), so a slower baseline there never raises its speedup; a
+    faster one can only lower it. Counted rather than rejected where the two part widely: honest kernels' workers read
+    the batch-4 prefill baseline at 2.0-2.2x the evaluator's (run s62, H100), a host launch slower than the spin
+    cover being one way (docs/BENCHMARKS.md, sixty-third session). A NaN or a time not above zero rejects."""
     if not (there > 0 and here > 0):
         raise Rejected(f"{label}: the baseline's time is not a positive number: {there} ms in the worker, "
                        f"{here} ms in the evaluator's own process")
-    return here if there > here * (1 + tolerance) else there
+    return min(there, here)
 
 
 def worker_baselines(streamed: dict[str, list[float]], sets: int) -> list[float]:
@@ -178,9 +178,9 @@ def worker_baselines(streamed: dict[str, list[float]], sets: int) -> list[float]
     return [_median(streamed["baseline:1"][s::sets] + streamed["baseline:2"][s::sets]) for s in range(sets)]
 
 
-def counted_baselines(label: str, there: list[float], here: list[float], tolerance: float) -> list[float]:
+def counted_baselines(label: str, there: list[float], here: list[float]) -> list[float]:
     """Per input set, what counts of the worker's baseline `there` against the evaluator's own `here`."""
-    return [trusted_baseline(label, a, b, tolerance) for a, b in zip(there, here, strict=True)]
+    return [trusted_baseline(label, a, b) for a, b in zip(there, here, strict=True)]
 
 
 def _anchor_key(ctx: EvalContext, case) -> tuple:
@@ -272,9 +272,9 @@ def _time_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor, work: 
                            max(5, m.trusted_baseline_reps // k), flush, m.cover_cycles) for t in trials]
         got = None if work is None else anchor.time_anchor(work, _anchor_sets(spec, trials), lambda prepared: _time_here(
             lambda: spec.anchor(**prepared), m.reps, flush, m.cover_cycles))
-    counted = counted_baselines(case.label, there, here, m.trusted_baseline_tolerance)
-    slow_sets = sum(c < a for c, a in zip(counted, there))
-    base = statistics.fmean(counted) if slow_sets else base
+    counted = counted_baselines(case.label, there, here)
+    slow_sets = sum(a > b * (1 + m.trusted_baseline_tolerance) for a, b in zip(there, here))     # said in the reason
+    base = statistics.fmean(counted)
     cand = counted_ms(events, base, wall_c, wall_b)
     speedup, speedup_by_clock = base / cand, wall_b / wall_c
 
