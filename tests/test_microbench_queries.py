@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 from conftest import CUDA, ROOT, config_with  # noqa: E402
 from harness.evaluate import device_shapes  # noqa: E402
 from harness.stages.common import EvalContext  # noqa: E402
-from harness.stages.microbench import _draw_sets  # noqa: E402
+from harness.stages.microbench_prepare import case_draws, draw_sets  # noqa: E402
 from harness.stages.microbench_prepare import time_request  # noqa: E402
 from harness.targets.attention import TARGET as ATTENTION  # noqa: E402
 from harness.worker_timing import per_call_seed, redraw_per_call  # noqa: E402
@@ -43,7 +43,7 @@ def _schedule(msg: dict) -> list[tuple[int, bool]]:
 def _timed_case(op: str):
     ctx = _ctx()
     case = next(c for c in ctx.cases(op, boundary=False))
-    trials = _draw_sets(ctx, case)
+    trials = draw_sets(ctx, case)
     return ctx, case, trials, time_request(ctx, case, trials, warmup=2, reps=CFG.stages.microbench.reps)
 
 
@@ -63,9 +63,24 @@ def test_every_call_of_a_time_request_is_on_a_query_of_its_own_and_the_checked_r
                 assert torch.equal(spec.reference(**args), t.ref)    # the trusted side's reference, for this query
         assert checked == 1
         assert not any(torch.equal(a, b) for i, a in enumerate(seen) for b in seen[i + 1:])
-    again = time_request(ctx, case, trials, warmup=2, reps=msg["reps"])     # a retry of the case: other queries
+    again = time_request(ctx, case, trials, warmup=2, reps=msg["reps"])     # the same sets asked again: other queries
     assert per_call_seed(again, 0, 0, False) != per_call_seed(msg, 0, 0, False)
-    assert per_call_seed(again, 0, again["check_rep"], True) == per_call_seed(msg, 0, msg["check_rep"], True)
+
+
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_a_try_after_a_disagreement_is_timed_on_sets_of_its_own_so_no_checked_query_comes_back(op):
+    """A candidate can make a try disagree, and sees the try's checked query in the clock's burst: each try after the
+    first times sets drawn afresh (the same lengths), whose checked query and reference are new."""
+    ctx, case, trials, msg = _timed_case(op)
+    tries = case_draws(ctx, case, trials)
+    first, second, third = next(tries), next(tries), next(tries)
+    assert first is trials
+    asked = [time_request(ctx, case, t, warmup=2, reps=msg["reps"]) for t in (first, second, third)]
+    checked = [[per_call_seed(m, s, m["check_rep"], True) for s in range(len(t))]
+               for m, t in zip(asked, (first, second, third))]
+    assert len({seed for seeds in checked for seed in seeds}) == 3 * len(trials)   # no checked query twice
+    for a, b in zip(first, second):
+        assert _lengths(op, a.inputs) == _lengths(op, b.inputs) and not torch.equal(a.ref, b.ref)
 
 
 def test_an_output_cache_answers_repeated_inputs_and_no_call_of_a_time_request():
@@ -116,7 +131,7 @@ def test_the_workers_timing_loop_calls_each_rep_on_its_own_query_and_checks_the_
     cfg = config_with(**{"stages.microbench.reps": 5, "stages.microbench.input_sets": 2})
     ctx = _ctx(cfg)
     case = next(c for c in ctx.cases("prefill", boundary=False))
-    trials = _draw_sets(ctx, case)
+    trials = draw_sets(ctx, case)
     msg = time_request(ctx, case, trials, warmup=2, reps=5)
     torch.save({"msg": msg, "source": CACHE.read_text()}, tmp_path / "request.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
@@ -151,7 +166,7 @@ def test_microbench_times_every_candidate_on_the_same_lengths_with_fresh_payload
     ctx = _ctx()
     case = next(c for c in ctx.cases(op, boundary=False) if c.params["length_range"][0] < c.params["length_range"][1])
     spec = ATTENTION.ops[op]
-    one, other = _draw_sets(ctx, case), _draw_sets(ctx, case)        # two candidates' draws
+    one, other = draw_sets(ctx, case), draw_sets(ctx, case)        # two candidates' draws
     for a, b in zip(one, other):
         assert _lengths(op, a.inputs) == _lengths(op, b.inputs)
         assert a.seed != b.seed and not torch.equal(a.inputs["k_cache" if op == "decode" else "k"],
@@ -159,5 +174,5 @@ def test_microbench_times_every_candidate_on_the_same_lengths_with_fresh_payload
         rebuilt = spec.make_inputs(b.case, b.dist, b.seed, CPU, torch.float32)
         assert _lengths(op, rebuilt) == _lengths(op, a.inputs)
     assert _lengths(op, one[0].inputs) != _lengths(op, one[1].inputs)   # the sets are two draws of the shape
-    seeded = _draw_sets(_ctx(config_with(**{"stages.microbench.lengths_seed": 1})), case)
+    seeded = draw_sets(_ctx(config_with(**{"stages.microbench.lengths_seed": 1})), case)
     assert [_lengths(op, t.inputs) for t in seeded] != [_lengths(op, t.inputs) for t in one]

@@ -5,7 +5,7 @@ the cuDNN anchor's plans while the worker pays the trusted code's first uses, co
 sets it will time and makes one untimed round of calls on them (harness/stages/microbench_prepare.py); then the
 stage asks for the GPU alone (`begin_timing`: harness/stages PREPARED_STAGES) and times candidate and baseline
 (twice: the noise band) interleaved, on rotated input sets (fresh payloads at lengths the same for every
-candidate: `_draw_sets`), with the L2 flushed, launch overhead hidden
+candidate: `draw_sets`), with the L2 flushed, launch overhead hidden
 behind a spin kernel, and CUDA events read both on the call's stream and after a full device synchronize. The time that
 counts is device time on the stream. The evaluator then distrusts every number it was handed:
   - the reply fits its schema (harness/replies.py: finite times above zero, bounded) and holds exactly
@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import re
-import secrets
 import statistics
 import time
 from collections import Counter
@@ -59,10 +57,10 @@ from harness.records import StageResult
 from harness.replies import Timed
 from harness.stages import anchor
 from harness.stages.clock_check import Disagreement, agreeing, burst_ms, check_clock, counted_ms
-from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, draw_timed, drop_outputs, library_use
+from harness.stages.common import EvalContext, Rejected, candidate_raised, diff, drop_outputs, library_use
 from harness.stages.launched import launched_resources
-from harness.stages.microbench_prepare import (IMPLS, collect_prime, collect_warm, first_calls, send_prime, send_warm,
-                                               time_request)
+from harness.stages.microbench_prepare import (IMPLS, case_draws, collect_prime, collect_warm, draw_sets, first_calls,
+                                               send_prime, send_warm, time_request)
 from harness.targets import Case
 from harness.transport import ProtocolError, read_arena
 from harness.worker_handle import STOPPED_STATES, group_thread_states
@@ -189,23 +187,14 @@ def _anchor_key(ctx: EvalContext, case) -> tuple:
             m.cover_cycles)
 
 
-def _draw_sets(ctx: EvalContext, case) -> list:
-    """The case's input sets, and (drawn in secret, one for the case) the rep whose outputs are checked: each set's
-    reference is for the query that rep is timed on (`draw_timed`). Set i has the same lengths for every candidate
-    (the target's `pin`, from `lengths_seed`, the case's shape and i), its payload a fresh secret draw: a candidate's
-    speedup and its parent's, the bar, are of the same work."""
-    m = ctx.cfg.stages.microbench
-    check_rep = secrets.randbelow(m.reps) if m.reps else 0
-    pin = ctx.target.pin or (lambda c, _: c)
-    return [draw_timed(ctx, pin(case, random.Random(f"{m.lengths_seed}:{case.key}:{i}")), check_rep)
-            for i in range(m.input_sets)]
-
-
 def _bench_case(ctx: EvalContext, case, trials: list, flush: torch.Tensor,
                 work: tuple | None) -> tuple[dict[str, float], list[str]]:
-    """Time one served case, again (up to `disagreement_tries` in all) where two of its clocks disagree: its
-    figures, with `timing_tries`, and the disagreements met before the try that counts."""
-    row, met = agreeing(lambda: _time_case(ctx, case, trials, flush, work), ctx.cfg.stages.microbench.disagreement_tries)
+    """Time one served case, again (up to `disagreement_tries` in all, each try on sets of its own: `case_draws`)
+    where two of its clocks disagree: its figures, with `timing_tries`, and the disagreements met before the try
+    that counts."""
+    draws = case_draws(ctx, case, trials)
+    del trials
+    row, met = agreeing(lambda: _time_case(ctx, case, next(draws), flush, work), ctx.cfg.stages.microbench.disagreement_tries)
     row["timing_tries"] = float(1 + len(met))
     return row, met
 
@@ -359,7 +348,7 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     plan = timing_plan(ctx)
     t0 = time.monotonic()
     send_prime(ctx, plan)
-    drawn = [_draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
+    drawn = [draw_sets(ctx, case) for _, case in plan]    # every reference before any timing: none during it
     metrics["draws_s"] = time.monotonic() - t0
     warming = send_warm(ctx, drawn)
     metrics["anchor_build_s"], works = _build_anchors(ctx, plan, drawn)
@@ -368,7 +357,9 @@ def microbench_stage(ctx: EvalContext) -> StageResult:
     ctx.begin_timing()          # until here the GPU was shared (nothing timed); from here nothing else of kevo's runs on it
     for k, (op, case) in enumerate(plan):
         unit = ctx.target.ops[op].unit
-        row, met = _bench_case(ctx, case, drawn[k], flush, works[k])
+        trials, drawn[k] = drawn[k], None           # a try after a disagreement draws its own: held once at a time
+        row, met = _bench_case(ctx, case, trials, flush, works[k])
+        del trials
         metrics.update({figure_metric(case, figure): v for figure, v in row.items()})
         num += case.weight * row["baseline_ms"]
         den += case.weight * row["candidate_ms"]

@@ -7,10 +7,11 @@ are watched and judged like every call. Also the worker's `time` request (`time_
 """
 from __future__ import annotations
 
+import random
 import secrets
 import time
 
-from harness.stages.common import EvalContext, candidate_raised, library_use, no_library_compute
+from harness.stages.common import EvalContext, candidate_raised, draw_timed, library_use, no_library_compute
 from harness.targets import Case
 from harness.transport import DTYPE_NAMES
 
@@ -99,3 +100,26 @@ def time_request(ctx: EvalContext, case, trials: list, warmup: int, reps: int) -
             "check_rep": trials[0].check_rep if trials else 0,
             # every other call's query is drawn from this request's own secret (harness/worker_timing.py)
             "per_call_nonce": secrets.randbits(48)}
+
+
+def draw_sets(ctx: EvalContext, case) -> list:
+    """The case's input sets, and (drawn in secret, one for the case) the rep whose outputs are checked: each set's
+    reference is for the query that rep is timed on (`draw_timed`). Set i has the same lengths for every candidate
+    (the target's `pin`, from `lengths_seed`, the case's shape and i), its payload a fresh secret draw: a candidate's
+    speedup and its parent's, the bar, are of the same work."""
+    m = ctx.cfg.stages.microbench
+    check_rep = secrets.randbelow(m.reps) if m.reps else 0
+    pin = ctx.target.pin or (lambda c, _: c)
+    return [draw_timed(ctx, pin(case, random.Random(f"{m.lengths_seed}:{case.key}:{i}")), check_rep)
+            for i in range(m.input_sets)]
+
+
+def case_draws(ctx: EvalContext, case, first: list):
+    """The input sets of each try at timing `case`: `first`, then sets drawn afresh for every try after it (the same
+    lengths, new payloads, a new checked rep and query, and their references). A try's checked query comes back to the
+    candidate in the clock's burst, and a candidate can make any try disagree: timing the same sets again would tell
+    it which rep is checked (an attacker's review, 2026-12-07)."""
+    yield first
+    del first
+    while True:
+        yield draw_sets(ctx, case)
