@@ -18,6 +18,7 @@ import pickle
 import socket
 import stat
 import struct
+import time
 from typing import Any
 
 import torch
@@ -39,9 +40,16 @@ def trim(text: str, limit: int) -> str:
     return text if len(text) <= limit else "…" + text[-limit:]
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes; with `deadline` (time.monotonic()), all of them by then or socket.timeout: a peer that trickles a
+    byte just inside the socket's timeout, again and again, is not waited on past it."""
     chunks, got = [], 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"{got} of {n} bytes by the deadline")
+            sock.settimeout(left)
         chunk = sock.recv(min(n - got, 1 << 20))
         if not chunk:
             raise EOFError("connection closed")
@@ -82,18 +90,21 @@ def send_json(sock: socket.socket, obj: Any, fds: list[int] = ()) -> None:
 
 def recv_json(sock: socket.socket, limit: int, max_fds: int = 0) -> tuple[dict, list[int]]:
     """A JSON object and the descriptors that came with its first bytes (any that arrive with later
-    bytes are closed by the kernel, as recv() without room for them discards them)."""
+    bytes are closed by the kernel, as recv() without room for them discards them). The socket's timeout bounds
+    the whole message, not each read of it."""
+    wait = sock.gettimeout()
+    deadline = None if wait is None else time.monotonic() + wait
     head, fds, flags, _ = socket.recv_fds(sock, 4, max(1, max_fds))
     try:
         if not head:
             raise EOFError("connection closed")
         if flags & socket.MSG_CTRUNC or len(fds) > max_fds:
             raise ProtocolError(f"more than {max_fds} descriptors came with a reply")
-        (n,) = struct.unpack(">I", head + _recv_exact(sock, 4 - len(head)))
+        (n,) = struct.unpack(">I", head + _recv_exact(sock, 4 - len(head), deadline))
         if n > limit:
             raise ProtocolError(f"message of {n} bytes is over the {limit}-byte limit")
         try:
-            obj = replies.loads(_recv_exact(sock, n))     # strict: no NaN or Infinity (harness/replies.py)
+            obj = replies.loads(_recv_exact(sock, n, deadline))     # strict: no NaN or Infinity (harness/replies.py)
         except replies.MalformedReply as e:
             raise ProtocolError(str(e)) from None
         if not isinstance(obj, dict):

@@ -64,6 +64,28 @@ def test_a_reply_with_nan_on_the_wire_is_a_protocol_error_not_a_number():
             recv_json(ours, 1 << 20)
 
 
+def test_a_reply_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_replys_timeout_not_each_reads():
+    ours, theirs = socket.socketpair()
+    body = json.dumps({"ok": True, "pad": "x" * 40}).encode()
+    data = len(body).to_bytes(4, "big") + body
+
+    def trickle():
+        for i in range(len(data)):             # a byte every 0.1 s: each read waits far less than its 0.5 s timeout
+            try:
+                theirs.send(data[i:i + 1])
+            except OSError:
+                return
+            time.sleep(0.1)
+    with ours, theirs:
+        sender = threading.Thread(target=trickle, daemon=True)
+        sender.start()
+        ours.settimeout(0.5)
+        t0 = time.monotonic()
+        with pytest.raises(socket.timeout):
+            recv_json(ours, 1 << 20)
+        assert time.monotonic() - t0 < 1.0     # the whole reply's 0.5 s, where the reads alone would take 5 s
+
+
 # -- schemas ----------------------------------------------------------------------------------------------
 
 CALL = {"ok": True, "outputs": [], "launches": {"_k": 1}, "op_elements": {}, "op_calls": {}, "inputs_modified": [],
