@@ -291,3 +291,55 @@ def test_a_reference_cache_too_small_for_the_traces_longest_request_is_refused_i
     with pytest.raises(HarnessError, match=r"^stages\.replay\.reference_kv_cache_tokens: 21 tokens cannot hold the "
                                            r"served trace's longest request \(22 tokens, prompt and output\)$"):
         embedded_spec(short, "cpu", None, tmp_path, reference=True)
+
+
+def _serving(completions) -> tuple[str, callable]:
+    """A fake OpenAI-compatible server on loopback (aiohttp, in a thread): `completions` answers its POSTs. Its URL,
+    and a function that stops it."""
+    import asyncio
+    import socket as socketlib
+
+    from aiohttp import web
+    sock = socketlib.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.add_routes([web.post("/v1/completions", completions)])
+    runner = web.AppRunner(app)
+
+    def serve():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.SockSite(runner, sock).start())
+        loop.run_forever()
+    threading.Thread(target=serve, daemon=True).start()
+
+    def stop():
+        loop.call_soon_threadsafe(loop.stop)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", stop
+
+
+def test_a_stream_with_fewer_logprobs_than_tokens_fails_its_request_saying_so_and_raises_nothing():
+    import json
+
+    from aiohttp import web
+
+    async def completions(request):
+        n = (await request.json())["max_tokens"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):                      # the last token comes without its logprob
+            lp = {"tokens": [f"token_id:{i}"], "token_logprobs": [-0.5] if i < n - 1 else [],
+                  "top_logprobs": [{f"token_id:{i}": -0.5}], "text_offset": [0]}
+            chunk = {"id": "x", "object": "text_completion", "created": 0, "model": "m",
+                     "choices": [{"index": 0, "text": "t", "logprobs": lp, "finish_reason": None}]}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+    url, stop = _serving(completions)
+    try:
+        run = replay(url, "m", [TraceRequest(0, 0.0, [1, 2, 3], 3)], 10, 10, "candidate", True, 2)
+    finally:
+        stop()
+    assert run.failures() == run.completions and "IndexError" in run.completions[0].error, run.completions[0].error

@@ -15,6 +15,7 @@ command; it is not sandboxed (kevo cannot confine a server it does not control).
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 import logging
 import os
@@ -115,7 +116,7 @@ class ServerHandle:
                     got += len(chunk)
                     if time.monotonic() > deadline:
                         return None
-        except (OSError, urllib.error.URLError, ValueError):
+        except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException):    # BadStatusLine is no OSError
             return None
         return b"".join(chunks) if got <= limit else None
 
@@ -200,7 +201,7 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
                 if r.status == 200:
                     h.ready_s = time.monotonic() - started
                     return h
-        except (OSError, urllib.error.URLError):
+        except (OSError, urllib.error.URLError, http.client.HTTPException):
             pass
         time.sleep(0.1)
     tail = h.log_tail()

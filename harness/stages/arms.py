@@ -187,9 +187,11 @@ class Servers:
         started: harness/compiled.py)."""
         h = self.handles.pop(label, None)
         if h is not None:
-            if self.carries() and any(self.runs.get(label, ())) and h.alive():
-                KEPT.keep_from(self.runs[label], h.compiled(self.cfg.worker.carry_bytes))
-            h.stop()
+            try:
+                if self.carries() and any(self.runs.get(label, ())) and h.alive():
+                    KEPT.keep_from(self.runs[label], h.compiled(self.cfg.worker.carry_bytes))
+            finally:                            # whatever the fetch met, the server and its GPU memory go
+                h.stop()
 
     def close(self) -> None:
         for label in list(self.handles):
