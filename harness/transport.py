@@ -178,10 +178,15 @@ def sealed(size: int, pieces: list[tuple[int, Any]]) -> int:
 def read_arena(manifest: list[dict], device: torch.device | str, arenas: list[Arena],
                expect: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> dict[str, torch.Tensor]:
     """Read tensors back from the arenas that came with the reply (`reply["_arenas"]`); `expect`
-    pins names/shapes/dtypes."""
+    pins names/shapes/dtypes: every name the manifest gives must be one of them, given once, all checked before
+    anything is copied (a forged manifest of unasked names could have the reader copy gigabytes to its device)."""
     out: dict[str, torch.Tensor] = {}
     if not isinstance(manifest, list):
         raise ProtocolError("the outputs are not a list")
+    if expect is not None:
+        names = [str(e.get("name")) if isinstance(e, dict) else "?" for e in manifest]
+        if unasked := sorted({n for n in names if n not in expect} | {n for n in names if names.count(n) > 1}):
+            raise ProtocolError(f"outputs not asked for, or given twice: {', '.join(unasked)[:200]}")
     for e in manifest:
         try:
             name, dtype, shape = str(e["name"]), DTYPES[e["dtype"]], tuple(int(s) for s in e["shape"])

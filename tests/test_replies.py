@@ -86,6 +86,20 @@ def test_a_reply_trickled_a_byte_at_a_time_is_cut_off_at_the_whole_replys_timeou
         assert time.monotonic() - t0 < 1.0     # the whole reply's 0.5 s, where the reads alone would take 5 s
 
 
+def test_outputs_not_asked_for_or_given_twice_are_refused_before_anything_is_read():
+    from harness.transport import Arena, read_arena, write_arena
+    expect = {"out0": ((2, 3), torch.float32)}
+    for tensors, twice in (({"out0": torch.ones(2, 3), "extra": torch.ones(4096)}, False),
+                           ({"out0": torch.ones(2, 3)}, True)):
+        manifest, fd = write_arena(tensors)
+        if twice:
+            manifest = manifest + manifest
+        with pytest.raises(ProtocolError, match="not asked for, or given twice"):
+            read_arena(manifest, "cpu", [Arena(fd, 1 << 30)], expect=expect)
+    manifest, fd = write_arena({"out0": torch.ones(2, 3)})
+    assert torch.equal(read_arena(manifest, "cpu", [Arena(fd, 1 << 30)], expect=expect)["out0"], torch.ones(2, 3))
+
+
 # -- schemas ----------------------------------------------------------------------------------------------
 
 CALL = {"ok": True, "outputs": [], "launches": {"_k": 1}, "op_elements": {}, "op_calls": {}, "inputs_modified": [],
