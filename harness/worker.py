@@ -160,7 +160,7 @@ class Worker:
                 out = self._call(self._fn(msg["impl"], op, args), op, args)
             self._sync()
             unlaunched += self.probes.launches.total() == launched
-            outs[f"out{i}"] = out
+            outs[f"out{i}"] = out if repeat == 1 else out.clone()    # as it was: the next call may write the same memory
             seconds[f"call{i}_s"] = time.perf_counter() - t0
         for key in msg.get("recheck", ()):            # earlier outputs as they are now: no later call may change them
             if key in self.kept:

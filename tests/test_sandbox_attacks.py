@@ -262,6 +262,16 @@ def test_a_write_to_an_input_is_seen_whatever_methods_the_candidate_gave_that_in
         ctx.worker.close()
 
 
+def test_each_call_of_a_repeat_check_is_read_as_it_was_though_the_next_wrote_the_same_memory(
+        cfg, pool, then_a_correct_candidate_passes):
+    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "same_buffer_repeats.py").read_text())
+    try:
+        outs, _ = run_trial(ctx, trial, repeat=2)
+        assert float(outs[0].max()) == 1.0 and float(outs[1].max()) == 2.0
+    finally:
+        ctx.worker.close()
+
+
 def _as_nobody(*argv: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *argv], **kw)
 
