@@ -44,6 +44,8 @@ def loads(raw: bytes) -> Any:
 
 
 Name = Annotated[str, StringConstraints(max_length=256)]
+# A key the evaluator turns into a metric's name (`worker_<key>`): no dot, which separates a case's figures
+SecondsKey = Annotated[str, StringConstraints(pattern=r"^[a-z0-9_]{1,64}$")]
 Text = Annotated[str, StringConstraints(max_length=65536)]
 Count = Annotated[int, Field(ge=0, le=1 << 53)]
 Seconds = Annotated[float, Field(ge=0, le=86400, allow_inf_nan=False)]
@@ -98,7 +100,7 @@ class Packed(Reply):
     """Its compiled kernels, packed: `bytes` of the one sealed memory file that came with the reply."""
     ok: Literal[True]
     bytes: Count
-    seconds: dict[Name, Seconds] = Field(max_length=4)
+    seconds: dict[SecondsKey, Seconds] = Field(max_length=4)
 
 
 class Entry(_Strict):
@@ -120,7 +122,7 @@ class Called(Reply):
     op_calls: dict[Name, Count] = Field(max_length=1024)
     inputs_modified: list[Name] = Field(max_length=16)
     unlaunched: Count = 0                      # calls of the request that launched no Triton kernel
-    seconds: dict[Name, Seconds] = Field(max_length=64)
+    seconds: dict[SecondsKey, Seconds] = Field(max_length=64)
     step_shared: list[Name] = Field(default_factory=list, max_length=16)   # arguments handed as the previous call's
 
 
@@ -129,14 +131,14 @@ class Warmed(Reply):
     launches: dict[Name, Count] = Field(max_length=256)
     op_calls: dict[Name, Count] = Field(max_length=1024)
     failed: Count
-    seconds: dict[Name, Seconds] = Field(max_length=8)
+    seconds: dict[SecondsKey, Seconds] = Field(max_length=8)
     compiles: Count = 0                     # Triton compiles it made (a variant met for the first time)
 
 
 class Primed(Reply):
     ok: Literal[True]
     failed: Count
-    seconds: dict[Name, Seconds] = Field(max_length=8)
+    seconds: dict[SecondsKey, Seconds] = Field(max_length=8)
 
 
 class Profiled(Reply):
@@ -161,7 +163,7 @@ class Timed(Reply):
     streamed_ms: dict[Name, list[Millis]] = Field(max_length=8)
     outputs: list[Entry] = Field(max_length=64)
     op_calls: dict[Name, Count] = Field(default_factory=dict, max_length=1024)
-    seconds: dict[Name, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went
+    seconds: dict[SecondsKey, Seconds] = Field(default_factory=dict, max_length=8)    # where the request's time went
     compiles: Count = 0                     # Triton compiles inside the request (microbench warms them before)
     kernels: list[KernelUse] = Field(default_factory=list, max_length=32)   # what its timed calls launched
 

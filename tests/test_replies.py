@@ -121,6 +121,7 @@ WARM = {"ok": True, "launches": {"_k": 1}, "op_calls": {}, "failed": 0, "seconds
     ("call", {**CALL, "extra": 1}, "field extra: Extra inputs are not permitted"),
     ("call", {**CALL, "ok": "yes"}, "field ok: Input should be True"),
     ("call", {**CALL, "outputs": [{"name": "out0"}]}, "field outputs.0.dtype: Field required"),
+    ("time", {**TIME, "seconds": {"decode.speedup": 9.0}}, "field seconds.decode.speedup.[key]: String should match"),
     ("time", {**TIME, "synced_ms": {"candidate:0": [float("nan")]}}, "field synced_ms.candidate:0.0: Input should be a finite number"),
     ("time", {**TIME, "streamed_ms": {"candidate:0": [0.0]}}, "field streamed_ms.candidate:0.0: Input should be greater than 0"),
     ("time", {**TIME, "streamed_ms": {"candidate:0": [-0.5]}}, "field streamed_ms.candidate:0.0: Input should be greater than 0"),
