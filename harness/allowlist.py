@@ -11,6 +11,9 @@ outside this surface (config `stages.compile`, each entry with its reason):
   - no `forbidden_builtins` (`__import__`, `eval`, `exec`, `open`, `globals`, `type`, ...); `getattr` and
     `hasattr` only called, with a constant name, itself checked as an attribute (never as a value:
     `functools.reduce(getattr, names, x)` would walk computed names);
+  - inline assembly (`inline_asm_elementwise`) only called, its text a literal, and no string naming a GPU clock
+    or place register (`%globaltimer`, `%clock64`, `%smid`): a kernel that reads one can tell timed or checked
+    calls from the others;
   - no attribute set or deleted while `setattr`/`delattr` are forbidden builtins (`out.detach = f` is
     `setattr(out, "detach", f)`), and no class with a base (a torch.Tensor subclass): the trusted code reads
     outputs and inputs through their methods (and, as a second layer, through fresh plain tensors:
@@ -49,6 +52,10 @@ ATTRIBUTE_SAFE_BUILTINS = frozenset({"type", "dir", "help", "input", "exit", "qu
 # Why a file may not set attributes or subclass: the trusted code reads outputs and inputs through their methods.
 REPLACED_METHODS = ("an output or input whose methods were replaced, on the object or on a torch.Tensor subclass, would "
                     "show the checks other data than its memory holds")
+# PTX's special registers of time and place: read in a kernel, they tell a kernel which calls are timed or checked
+# (the host's clocks are not reachable; `globaltimer` and `smid`, Triton's own reads of them, are forbidden attributes).
+CLOCK_REGISTERS = re.compile(r"%(globaltimer|clock|smid|nsmid|warpid|nwarpid|gridid|pm\d)")
+ASM = "inline_asm_elementwise"
 # Never after a dot either: a module's own `getattr` would take the computed names the builtin may not.
 NAMED_ATTR_WORDS = frozenset({"getattr", "setattr", "delattr"})
 
@@ -227,6 +234,9 @@ class _Checker:
         elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and DUNDER.match(node.value)
               and node.value not in HARMLESS_STRINGS):
             raise Refused(line, repr(node.value), "a dunder name as a string (how attributes are reached by name)")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and CLOCK_REGISTERS.search(node.value):
+            raise Refused(line, CLOCK_REGISTERS.search(node.value).group(0), "a GPU clock or place register (a kernel "
+                          "that reads one can tell its timed or checked calls from the others)")
         elif (isinstance(node, (ast.BinOp, ast.AugAssign)) and isinstance(node.op, ast.MatMult) and not in_kernel
               and "matmul" in self.rules.attributes):          # a @ b is a.matmul(b)
             raise Refused(line, "@", "a library matmul on tensors outside a @triton.jit kernel (use tl.dot in one)")
@@ -263,12 +273,16 @@ class _Checker:
                 raise Refused(node.lineno, node.id, "used as a value (only called, with a constant attribute name): "
                                                     "passed on, it would take computed names")
         alias = self.aliases.get(node.id)
+        if alias is not None and alias.path.endswith("." + ASM) and isinstance(node.ctx, ast.Load):
+            self.asm_used(node)
         if alias is not None and alias.module and isinstance(node.ctx, ast.Load):
             parent = self.parents.get(id(node))
             if not (isinstance(parent, ast.Attribute) and parent.value is node):
                 raise Refused(node.lineno, node.id, f"the module {alias.path} used as a value (name what you use in it)")
 
     def attribute(self, node: ast.Attribute) -> None:
+        if node.attr == ASM:
+            self.asm_used(node)
         parent = self.parents.get(id(node))
         if isinstance(parent, ast.Attribute) and parent.value is node:
             return                                        # checked with the whole chain, at its end
@@ -282,6 +296,15 @@ class _Checker:
             base = base.value
         for word in reversed(chain):
             self.check_attribute(node.lineno, "." + ".".join(reversed(chain)), word)
+
+    def asm_used(self, node: ast.AST) -> None:
+        """Inline assembly only called, its text a literal (so no string built at run time reaches it unread)."""
+        parent = self.parents.get(id(node))
+        if not (isinstance(parent, ast.Call) and parent.func is node):
+            raise Refused(node.lineno, ASM, "used as a value (only called, with its assembly as a literal string)")
+        text = parent.args[0] if parent.args else next((k.value for k in parent.keywords if k.arg == "asm"), None)
+        if not (isinstance(text, ast.Constant) and isinstance(text.value, str)):
+            raise Refused(node.lineno, ASM, "with assembly that is not a literal string")
 
     def call(self, node: ast.Call) -> None:
         if isinstance(node.func, ast.Name) and node.func.id in NAMED_ATTR_BUILTINS:

@@ -247,6 +247,12 @@ def test_typing_is_listed_name_by_name():
     ("w = list(map(getattr, [q], ['shape']))\n", "getattr: used as a value"),
     ("w = {1: hasattr}[1]\n", "hasattr: used as a value"),
     ("def f(x, g=getattr):\n    pass\n", "getattr: used as a value"),
+    ("@triton.jit\ndef k(p):\n    t = tl.extra.cuda.globaltimer()\n", ".globaltimer"),    # the GPU's clock in a kernel
+    ("@triton.jit\ndef k(p):\n    t = tl.inline_asm_elementwise('mov.u64 $0, %clock64;', '=l', [], dtype=tl.int64, "
+     "is_pure=False, pack=1)\n", "%clock"),
+    ("A = 'mov.u64 $0, %glob' + 'altimer;'\n@triton.jit\ndef k(p):\n    t = tl.inline_asm_elementwise(A, '=l', [], "
+     "dtype=tl.int64, is_pure=False, pack=1)\n", "assembly that is not a literal string"),
+    ("f = tl.inline_asm_elementwise\n", "inline_asm_elementwise: used as a value"),
     ("x = q.eval\n", ".eval"),                                             # a forbidden builtin after a dot
     ("x = q.exec\n", ".exec"),
     ("keep = lambda f: f\n@keep\n@triton.jit\ndef mm(a, b):\n    return a @ b\n", "@"),   # not only Triton's decorators
