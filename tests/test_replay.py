@@ -251,10 +251,17 @@ def test_only_a_candidate_faster_than_its_head_beyond_the_noise_band_is_accepted
     assert eager.accepted and eager.metrics["candidate_cuda_graphs"] == 0.0      # said, not held against it
     assert "the candidate's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 4" in eager.reason
     assert "decoded eagerly" not in faster.reason
-    both = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE, head_stats={"ops": {}, "graphs": {
-        "on": False, "fell_back": True, "left_out": 3, "reason": "off: capturing the decode step at batch 8, width 4 failed (...)"}})
+    both_stats = {"ops": {}, "graphs": {"on": False, "fell_back": True, "left_out": 3,
+                                        "reason": "off: capturing the decode step at batch 8, width 4 failed (...)"}}
+    both = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE, head_stats=both_stats)
     assert "; the head's server decoded eagerly: CUDA graphs off: capturing the decode step at batch 8" in both.reason
     assert both.metrics["head_cuda_graphs"] == 0.0 and both.metrics["head_graph_keys_left_out"] == 3.0
+    graphed = ALL_CANDIDATE | {"graphs": {"on": True, "fell_back": False, "left_out": 0}}
+    starved = {"ops": {}, "graphs": {"on": False, "fell_back": True, "left_out": 3, "reason": "off: capturing the decode "
+                                     "step at batch 64, width 256 failed (OutOfMemoryError: CUDA out of memory. ...)"}}
+    crippled = judge(CFG, "float32", ref, head, fast, graphed, head_stats=starved)     # the candidate's memory, perhaps
+    assert not crippled.accepted and "the arms are not comparable" in crippled.reason, crippled.reason
+    assert judge(CFG, "float32", ref, head, fast, graphed, head_stats=both_stats).accepted   # the head's own, said
     odd = judge(CFG, "float32", ref, head, fast, ALL_CANDIDATE | {"graphs": {"on": True, "left_out": "all of them"}})
     assert math.isnan(odd.metrics["candidate_graph_keys_left_out"]) and odd.accepted    # a server's word, not a number
 

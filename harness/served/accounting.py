@@ -132,3 +132,11 @@ def graphs(stats: dict | None, who: str = "candidate") -> tuple[dict[str, float]
                f"{who}_graph_keys_left_out": float(left) if type(left) in (int, float) else float("nan")}
     words = f"; the {who}'s server decoded eagerly: CUDA graphs {str(g.get('reason', ''))[:400]}"
     return metrics, (words if g.get("fell_back") is True else "")
+
+
+def starved(stats: dict | None) -> bool:
+    """Whether a server's CUDA graphs fell back for want of GPU memory (its accounting's `graphs`): beside a candidate
+    whose kernels took memory outside the allocator's cap (a large local frame the driver reserves), not a property
+    of that server's own kernels."""
+    g = stats.get("graphs") if isinstance(stats, dict) else None
+    return isinstance(g, dict) and g.get("fell_back") is True and "out of memory" in str(g.get("reason", "")).lower()

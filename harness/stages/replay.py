@@ -53,7 +53,7 @@ from harness.config import Config
 from harness.errors import HarnessError
 from harness.records import StageResult
 from harness.served.client import ReplayRun
-from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls, startup
+from harness.served.accounting import dispatch, fallbacks, graphs, host_times, spot_checks, stalls, starved, startup
 from harness.served.score import Gate, Paired, against_head, compare_forced, paired, parting, summarize
 from harness.served.traces import TraceError, TraceRequest, draw_requests, fresh_ids, requests_for
 from harness.stages.arms import Servers, served_lines, served_stats
@@ -223,6 +223,10 @@ def judge(cfg: Config, dtype: str, ref: ReplayRun, head: list[ReplayRun], cand: 
         return ReplayOutcome(False, f"the served tokens differ from the reference's: {gate.detail}", gate, metrics)
     if not fallback_share == 0.0:
         return ReplayOutcome(False, f"not accepted: {fallback_words}; gates passed ({gate.detail}); {score}", gate, metrics)
+    if starved(head_stats) and metrics.get("candidate_cuda_graphs") == 1.0:
+        return ReplayOutcome(False, "not accepted: the head's server ran out of GPU memory capturing its CUDA graphs and "
+                             "decoded eagerly, the candidate's from graphs: the arms are not comparable (a kernel can "
+                             f"hold GPU memory outside its server's share){head_graph_words}; {score}", gate, metrics)
     accepted = speed.lower > r.min_margin
     verdict = "accepted" if accepted else f"not faster than {against} beyond noise (the lower bound must beat {r.min_margin:+.1%})"
     metrics["accepted"] = float(accepted)
