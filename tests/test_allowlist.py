@@ -113,6 +113,7 @@ def test_every_knowledge_kernel_passes_the_allowlist():
     # an object's methods replaced, on it or on a subclass (the trusted code reads outputs and inputs through them)
     ("def f(out, g):\n    out.detach = g\n", 5, ".detach"),
     ("def f(bt, w):\n    bt.set_(w)\n", 5, ".set_"),                     # an input's shape swapped under the baseline
+    ("def f(q):\n    return q.storage().size()\n", 5, ".storage"),    # parity's buffers told from serving's by their size
     ("def f(out):\n    del out.clone\n", 5, ".clone"),
     ("def f(a, g):\n    setattr(a, 'contiguous', g)\n", 5, "setattr"),
     ("def f(a):\n    delattr(a, 'contiguous')\n", 5, "delattr"),
