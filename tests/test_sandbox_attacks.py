@@ -204,21 +204,6 @@ def test_a_child_the_candidate_starts_cannot_leave_the_workers_group_and_is_stop
         handle.close()
 
 
-def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a_correct_candidate_passes):
-    shapes = getattr(cfg.targets.attention, "cpu")
-    ctx = EvalContext(cfg=cfg, target=TARGETS["attention"], shapes=shapes, device=torch.device("cpu"),
-                      dtype=DTYPES[shapes.dtype], pool=pool, source="")
-    ctx.deadline = time.monotonic() + 120
-    ctx.worker = pool.spawn((ADVERSARIAL / "unsealed_output.py").read_text())
-    try:
-        assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
-        trial = draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
-        with pytest.raises(Rejected, match="not sealed"):
-            run_trial(ctx, trial)
-    finally:
-        ctx.worker.close()
-
-
 def _trial_of(cfg, pool, source: str):
     """`source` loaded straight into a fresh worker of `pool` (past the allowlist, which refuses what these attacks
     name: another layer), and one decode check drawn for it; the context, and the trial."""
@@ -229,6 +214,15 @@ def _trial_of(cfg, pool, source: str):
     ctx.worker = pool.spawn(source)
     assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
     return ctx, draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
+
+
+def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a_correct_candidate_passes):
+    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "unsealed_output.py").read_text())
+    try:
+        with pytest.raises(Rejected, match="not sealed"):
+            run_trial(ctx, trial)
+    finally:
+        ctx.worker.close()
 
 
 def test_an_output_whose_methods_give_the_right_answer_is_read_by_its_memory(cfg, pool, then_a_correct_candidate_passes):
