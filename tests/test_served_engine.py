@@ -309,6 +309,27 @@ def test_a_candidate_output_of_the_wrong_shape_is_an_error_naming_it():
         e.step()
 
 
+def test_the_served_model_reads_what_a_candidates_output_holds_whatever_methods_the_object_carries():
+    """A decode that returns zeros whose methods (`reshape`, `view`, `clone`, `contiguous`, `detach`) give the right
+    answer: the engine reads the memory (through a fresh plain tensor: harness/candidate.py `plain_output`), so it
+    serves what zeros give, not the baseline's tokens."""
+    def forged(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        out = torch.zeros_like(q)
+        right = decode_baseline(q, k_cache, v_cache, block_table, seq_lens, sm_scale)
+        for name in ("reshape", "view", "clone", "contiguous", "detach", "flatten"):
+            setattr(out, name, getattr(right, name))
+        return out
+
+    def zeros(q, k_cache, v_cache, block_table, seq_lens, sm_scale):
+        return torch.zeros_like(q)
+    reqs = trace(4, seed=3)
+
+    def tokens(ops):
+        return {k: [e.token for e in v] for k, v in run_requests(engine(ops), reqs, realtime=False).items()}
+    assert tokens(AttentionOps(SimpleNamespace(decode=forged))) == tokens(AttentionOps(SimpleNamespace(decode=zeros)))
+    assert tokens(AttentionOps(SimpleNamespace(decode=zeros))) != tokens(AttentionOps())
+
+
 def _shape_spy() -> tuple[SimpleNamespace, dict[str, list]]:
     """A candidate that runs the baselines and notes the shapes it is called on."""
     seen: dict[str, list] = {"decode_batch": [], "decode_context": [], "prefill_prompts": []}
