@@ -160,6 +160,8 @@ class Worker:
                 out = self._call(self._fn(msg["impl"], op, args), op, args)
             self._sync()
             unlaunched += self.probes.launches.total() == launched
+            if i == 0:
+                returned = out                        # the first call's memory, live: what a later recheck reads again
             outs[f"out{i}"] = out if repeat == 1 else out.clone()    # as it was: the next call may write the same memory
             seconds[f"call{i}_s"] = time.perf_counter() - t0
         for key in msg.get("recheck", ()):            # earlier outputs as they are now: no later call may change them
@@ -168,7 +170,7 @@ class Worker:
         for key in msg.get("drop", ()):
             self.kept.pop(key, None)
         if "keep" in msg:
-            self.kept[msg["keep"]] = outs["out0"]
+            self.kept[msg["keep"]] = returned
         modified = [n for n, v in pristine.items() if not torch.equal(_bits(v), _bits(held[n]))]
         return {"ok": True, "outputs": self._save(outs), "launches": dict(self.probes.launches),
                 "op_elements": dict(self.probes.op_elements), "op_calls": dict(self.probes.op_calls),

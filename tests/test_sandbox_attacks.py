@@ -27,7 +27,7 @@ from conftest import ROOT, config_with, descendants, thread_states
 from test_agent_unattended import SMALL
 from harness.errors import HarnessError
 from harness.evaluate import evaluate, open_pool
-from harness.stages.common import EvalContext, Rejected, diff, draw, run_trial
+from harness.stages.common import EvalContext, Rejected, collect_trial, diff, draw, run_trial, send_trial
 from harness.targets import TARGETS
 from harness.transport import DTYPES
 
@@ -256,12 +256,20 @@ def test_a_write_to_an_input_is_seen_whatever_methods_the_candidate_gave_that_in
         ctx.worker.close()
 
 
-def test_each_call_of_a_repeat_check_is_read_as_it_was_though_the_next_wrote_the_same_memory(
+def test_each_call_of_a_repeat_check_is_read_as_it_was_and_a_kept_output_as_its_memory_is_later(
         cfg, pool, then_a_correct_candidate_passes):
+    """The calls of a repeat check are read as each returned them (one buffer written 1, then 2); the output kept
+    for a recheck is the memory the candidate returned, read again after a later call (written 3): a recheck of a
+    copy could never see it change (decode and prefill returning views of one buffer)."""
     ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "same_buffer_repeats.py").read_text())
+    shape = tuple(ctx.target.ops["decode"].output_shape(trial.inputs))
     try:
-        outs, _ = run_trial(ctx, trial, repeat=2)
+        send_trial(ctx, trial, repeat=2, keep=0)
+        outs, _ = collect_trial(ctx, trial, repeat=2)
         assert float(outs[0].max()) == 1.0 and float(outs[1].max()) == 2.0
+        send_trial(ctx, trial, recheck=[0])
+        outs, _ = collect_trial(ctx, trial, also={"kept0": shape})
+        assert float(outs[0].max()) == 3.0 and float(outs[1].max()) == 3.0      # this call's, and the kept one now
     finally:
         ctx.worker.close()
 
