@@ -6,6 +6,7 @@ would refuse most of them, is another layer: this proves the sandbox beneath it)
 also runs the sandbox as an ordinary user (uid 65534, in a user namespace)."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -204,56 +205,48 @@ def test_a_child_the_candidate_starts_cannot_leave_the_workers_group_and_is_stop
         handle.close()
 
 
-def _trial_of(cfg, pool, source: str):
+@contextlib.contextmanager
+def loaded(cfg, pool, source: str):
     """`source` loaded straight into a fresh worker of `pool` (past the allowlist, which refuses what these attacks
-    name: another layer), and one decode check drawn for it; the context, and the trial."""
+    name: another layer), and one decode check drawn for it: the context and the trial; the worker closed after."""
     shapes = getattr(cfg.targets.attention, "cpu")
     ctx = EvalContext(cfg=cfg, target=TARGETS["attention"], shapes=shapes, device=torch.device("cpu"),
                       dtype=DTYPES[shapes.dtype], pool=pool, source="")
     ctx.deadline = time.monotonic() + 120
     ctx.worker = pool.spawn(source)
-    assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
-    return ctx, draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
+    try:
+        assert ctx.request({"cmd": "load", "path": str(ctx.worker.workdir / "candidate.py")}, "loading", "load")["ok"]
+        yield ctx, draw(ctx, ctx.target.compile_case(ctx.shapes, "decode"), "normal")
+    finally:
+        ctx.worker.close()
 
 
 def test_an_output_file_the_worker_can_still_change_is_refused(cfg, pool, then_a_correct_candidate_passes):
-    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "unsealed_output.py").read_text())
-    try:
+    with loaded(cfg, pool, (ADVERSARIAL / "unsealed_output.py").read_text()) as (ctx, trial):
         with pytest.raises(Rejected, match="not sealed"):
             run_trial(ctx, trial)
-    finally:
-        ctx.worker.close()
 
 
 def test_an_output_whose_methods_give_the_right_answer_is_read_by_its_memory(cfg, pool, then_a_correct_candidate_passes):
     source = (ADVERSARIAL / "forged_output_methods.py").read_text().replace("@MODE@", "instance")
-    ctx, trial = _trial_of(cfg, pool, source)
-    try:
+    with loaded(cfg, pool, source) as (ctx, trial):
         outs, _ = run_trial(ctx, trial)
         assert float(outs[0].abs().max()) == 0.0                # the zeros it wrote, not the answer its methods give
         assert not trial.tol.admits(diff(outs[0], trial.ref))
-    finally:
-        ctx.worker.close()
 
 
 def test_an_output_of_a_tensor_subclass_is_refused_naming_it(cfg, pool, then_a_correct_candidate_passes):
     source = (ADVERSARIAL / "forged_output_methods.py").read_text().replace("@MODE@", "subclass")
-    ctx, trial = _trial_of(cfg, pool, source)
-    try:
+    with loaded(cfg, pool, source) as (ctx, trial):
         with pytest.raises(Rejected, match="returned a Forged \\(a torch.Tensor subclass\\)"):
             run_trial(ctx, trial)
-    finally:
-        ctx.worker.close()
 
 
 def test_a_write_to_an_input_is_seen_whatever_methods_the_candidate_gave_that_input(cfg, pool,
                                                                                     then_a_correct_candidate_passes):
-    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "hidden_input_write.py").read_text())
-    try:
+    with loaded(cfg, pool, (ADVERSARIAL / "hidden_input_write.py").read_text()) as (ctx, trial):
         _, reply = run_trial(ctx, trial)
         assert reply.get("inputs_modified") == ["k_cache"], reply.get("inputs_modified")
-    finally:
-        ctx.worker.close()
 
 
 def test_each_call_of_a_repeat_check_is_read_as_it_was_and_a_kept_output_as_its_memory_is_later(
@@ -261,17 +254,14 @@ def test_each_call_of_a_repeat_check_is_read_as_it_was_and_a_kept_output_as_its_
     """The calls of a repeat check are read as each returned them (one buffer written 1, then 2); the output kept
     for a recheck is the memory the candidate returned, read again after a later call (written 3): a recheck of a
     copy could never see it change (decode and prefill returning views of one buffer)."""
-    ctx, trial = _trial_of(cfg, pool, (ADVERSARIAL / "same_buffer_repeats.py").read_text())
-    shape = tuple(ctx.target.ops["decode"].output_shape(trial.inputs))
-    try:
+    with loaded(cfg, pool, (ADVERSARIAL / "same_buffer_repeats.py").read_text()) as (ctx, trial):
+        shape = tuple(ctx.target.ops["decode"].output_shape(trial.inputs))
         send_trial(ctx, trial, repeat=2, keep=0)
         outs, _ = collect_trial(ctx, trial, repeat=2)
         assert float(outs[0].max()) == 1.0 and float(outs[1].max()) == 2.0
         send_trial(ctx, trial, recheck=[0])
         outs, _ = collect_trial(ctx, trial, also={"kept0": shape})
         assert float(outs[0].max()) == 3.0 and float(outs[1].max()) == 3.0      # this call's, and the kept one now
-    finally:
-        ctx.worker.close()
 
 
 def _as_nobody(*argv: str, **kw) -> subprocess.CompletedProcess:
