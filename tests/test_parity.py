@@ -41,10 +41,13 @@ def test_served_limit_cases_come_from_the_served_preset_and_trace(cfg):
     preset = cfg.served.presets[cfg.served.cpu.preset]
     assert (lim.max_running, lim.max_prefill_tokens, lim.kv_cache_tokens) == \
         (preset.max_running, preset.max_prefill_tokens, preset.kv_cache_tokens)
-    batches = sorted(c.params["batch"] for c in _ctx(cfg).cases("decode", served=False, boundary=False, limits=True))
-    assert batches == [preset.max_running, preset.max_running + 1]
+    def batches(config):
+        cases = _ctx(config).cases("decode", served=False, boundary=False, limits=True)
+        return (sorted(c.params["batch"] for c in cases if "served limits" in c.label),
+                [(c.params["batch"], c.params["graph_batch"]) for c in cases if "graph" in c.label])
+    assert batches(cfg) == ([preset.max_running, preset.max_running + 1], [(5, 8)])    # buckets 1, 2, 4, 8, 16
     smaller = config_with(**{"served.presets.tiny.max_running": 5, "served.presets.tiny.max_prefill_tokens": 40})
-    assert sorted(c.params["batch"] for c in _ctx(smaller).cases("decode", served=False, boundary=False, limits=True)) == [5, 6]
+    assert batches(smaller) == ([5, 6], [(3, 4)])       # the buckets at or under max_running: 1, 2, 4
     step = _limit_case(smaller, "prefill", "tokens (max_prefill_tokens)")
     lengths = ATTENTION.ops["prefill"].make_inputs(step, "normal", 7, CPU, torch.float32)["cu_seqlens"].diff().tolist()
     assert sum(lengths) == 40 and len(lengths) == 6 and min(lengths) >= 1
@@ -55,9 +58,12 @@ def test_on_cuda_the_limits_are_the_served_models_past_every_old_parity_maximum(
     beyond the old parity's largest batch (64) and longest prefill (8192)."""
     shapes = device_shapes(cfg, "attention", torch.device("cuda"))
     cases = ATTENTION.limit_cases(shapes, served_limits(cfg, "cuda"))
-    assert sorted(c.params["batch"] for c in cases if c.op == "decode") == [128, 129]
+    limits = [c for c in cases if "served limits" in c.label]
+    assert sorted(c.params["batch"] for c in limits if c.op == "decode") == [128, 129]
     assert [c.params["lengths"] for c in cases if "one prompt" in c.label] == [[16384]]
-    assert all(c.params["length_range"] == (1, 17056) for c in cases if c.op == "decode")
+    assert all(c.params["length_range"] == (1, 17056) for c in limits if c.op == "decode")
+    graph = next(c for c in cases if "graph" in c.label)     # a table 2048 wide, its longest row 1025 pages
+    assert (graph.params["batch"], graph.params["graph_batch"], graph.params["length_range"]) == (33, 64, (1, 16385))
 
 
 def test_decode_at_the_limits_reaches_the_longest_served_context_within_the_cache(cfg):
@@ -66,6 +72,40 @@ def test_decode_at_the_limits_reaches_the_longest_served_context_within_the_cach
     for seed in range(5):
         lens = ATTENTION.ops["decode"].make_inputs(case, "normal", seed, CPU, torch.float32)["seq_lens"].tolist()
         assert len(lens) == lim.max_running + 1 and max(lens) == lim.longest_context and sum(lens) <= lim.kv_cache_tokens
+
+
+def test_a_decode_step_padded_as_a_cuda_graph_replays_it_has_padding_rows_and_columns_on_a_block_no_sequence_owns(cfg):
+    """harness/served/graphs.py pads a decode step's batch to a bucket with rows of length 1 and its table to a power of
+    two wide, every padded entry on one scratch block; parity's graph-padded check sends the same."""
+    case = _limit_case(cfg, "decode", "as a CUDA graph replays it")
+    real, padded = case.params["batch"], case.params["graph_batch"]
+    assert padded in served_limits(cfg, "cpu").graph_batches and real < padded
+    for seed in range(4):
+        x = ATTENTION.ops["decode"].make_inputs(case, "normal", seed, CPU, torch.float32)
+        table, lens, bs = x["block_table"], x["seq_lens"].tolist(), x["k_cache"].shape[1]
+        pages = [-(-n // bs) for n in lens[:real]]
+        width = table.shape[1]
+        assert len(lens) == padded and lens[real:] == [1] * (padded - real)
+        assert width & (width - 1) == 0 and max(pages) < width and max(pages) > width // 2
+        scratch = int(table[real, 0])
+        owned = {int(table[b, i]) for b, n in enumerate(pages) for i in range(n)}
+        assert scratch not in owned and (table[real:] == scratch).all() and (table[:, max(pages):] == scratch).all()
+        ref = ATTENTION.ops["decode"].reference(*[x[n] for n in ATTENTION.ops["decode"].arg_names])
+        assert torch.isfinite(ref).all()         # position 0 of the scratch block holds a key; the rest is unused
+
+
+def test_a_decode_wrong_only_where_its_table_is_wider_than_its_longest_row_is_rejected_on_the_graph_padded_check(
+        evaluate_source):
+    """Every other check's block table is exactly as wide as its longest row needs; a CUDA graph's is a power of two
+    wide, past it. A decode that takes another path there (here: reads it on the host and reads the wrong kv heads)
+    passed the old parity."""
+    source = (ADVERSARIAL / "big_batch_path.py").read_text()
+    flawed = "    big = B > (64 if q.device.type == \"cuda\" else 8)"
+    assert flawed in source
+    wide = "    big = block_table.shape[1] > -(-int(seq_lens.max()) // k_cache.shape[1])"
+    v = evaluate_source(source.replace(flawed, wide), until="parity")
+    assert v.failed_stage == "parity", v.reason
+    assert "as a CUDA graph replays it" in v.stages[-1].reason, v.stages[-1].reason
 
 
 def test_each_check_draws_sm_scale_and_what_unused_slots_hold_from_its_seed(cfg):

@@ -25,6 +25,7 @@ class ServedLimits:
     longest_prompt: int
     longest_context: int
     shortest_prompt: int
+    graph_batches: tuple[int, ...] = ()      # the batch buckets a decode step is padded to under CUDA graphs
 
 
 def served_limits(cfg: Config, device_type: str) -> ServedLimits:
@@ -39,7 +40,8 @@ def served_limits(cfg: Config, device_type: str) -> ServedLimits:
                         kv_cache_tokens=preset.kv_cache_tokens,
                         longest_prompt=max(line.length for line in lines),
                         longest_context=min(preset.kv_cache_tokens, max(line.length + line.output_len for line in lines)),
-                        shortest_prompt=min(line.length for line in lines))
+                        shortest_prompt=min(line.length for line in lines),
+                        graph_batches=tuple(b for b in cfg.served.cuda_graphs.batch_buckets if b <= preset.max_running))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
 from harness.targets.attention_draws import pin, vary
 from harness.targets.attention_twins import layer, twin, twinned
+from harness.served.graphs import width_bucket
 from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -151,7 +152,9 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
     p = case.params
     gen, dev_gen = _gens(seed, device)
     lengths, bs, H, KVH, D = _lengths(case, gen), p["block_size"], p["q_heads"], p["kv_heads"], p["head_dim"]
-    blocks_per_seq = [math.ceil(n / bs) for n in lengths]
+    real = len(lengths)
+    lengths += [1] * max(0, p.get("graph_batch", 0) - real)   # padding rows, as a CUDA graph replays the step
+    blocks_per_seq = [math.ceil(n / bs) for n in lengths[:real]] + [0] * (len(lengths) - real)
     max_blocks = max(blocks_per_seq)
     used = sum(blocks_per_seq)
     pool = max(used + max(2, used // 4), p.get("pool", 0))   # spare blocks nobody owns: garbage
@@ -161,16 +164,22 @@ def decode_inputs(case: Case, dist: str, seed: int, device: torch.device, dtype:
     starts = [0] + list(itertools.accumulate(blocks_per_seq))
     for b, nb in enumerate(blocks_per_seq):             # entries past nb stay garbage (in range)
         table[b, :nb] = perm[starts[b]:starts[b + 1]].to(torch.int32)
+    if "graph_batch" in p:      # harness/served/graphs.py: padded rows and the columns past a power-of-two width
+        scratch = perm[used].to(torch.int32)            # read a scratch block no sequence owns, position 0 written
+        table[real:] = scratch
+        table = torch.cat([table, scratch.expand(len(lengths), width_bucket(max_blocks) - max_blocks)], dim=1)
     if dist == "served":                                # token t of sequence b where the table puts it
         q, ks, vs = _served_rows(case, lengths, gen, device, newest_q=True)   # the newest position queries
-        slot = torch.cat([perm[starts[b] + torch.arange(n) // bs] * bs + torch.arange(n) % bs
-                          for b, n in enumerate(lengths)]).to(device)
-        k.view(-1, KVH, D)[slot], v.view(-1, KVH, D)[slot] = ks, vs
+        held = sum(lengths[:real]) + (len(lengths) > real)     # the padding rows' one slot, written once
+        slot = torch.cat([table[b, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                          for b, n in enumerate(lengths[:real + 1])]).to(device)
+        k.view(-1, KVH, D)[slot], v.view(-1, KVH, D)[slot] = ks[:held], vs[:held]
     if dist != UNFILLED:
         fill = torch.cat([(torch.tensor(n) - torch.arange(nb) * bs).clamp(max=bs)
                           for n, nb in zip(lengths, blocks_per_seq)])   # tokens held by each owned block
         valid = torch.zeros(pool, bs, dtype=torch.bool)
         valid[perm[:used]] = torch.arange(bs)[None, :] < fill[:, None]
+        valid[perm[used], 0] |= len(lengths) > real
         _fill_unused(k, v, ~valid.to(device), p.get("unused", "nan"), gen)
     k, v = (_as_served(c.to(device, dtype), p.get("layer"), copy=dist != UNFILLED) if "pool" in p else c.to(device, dtype)
             for c in (k, v))
@@ -311,10 +320,30 @@ def boundary_cases(shapes) -> list[Case]:
     return cases
 
 
+def _graph_padded(shapes, heads, limits) -> list[Case]:
+    """A decode step as a CUDA graph replays it (harness/served/graphs.py): one sequence past a batch bucket, padded to
+    the next with rows of length 1 on a scratch block, the table a power of two wide with its longest row one block
+    past half of it, every padded column on the scratch block. The largest such step whose gather (batch x width)
+    is within the max_running + 1 case's; none where no bucket is padded to."""
+    bs = shapes.block_size
+    ctx_blocks = math.ceil(limits.longest_context / bs)
+    width = width_bucket(ctx_blocks)
+    longest = min(limits.longest_context, (width // 2) * bs + 1) if width > 1 else limits.longest_context
+    fits = [(lo, hi) for lo, hi in zip(limits.graph_batches, limits.graph_batches[1:])
+            if hi > lo + 1 and hi * width <= (limits.max_running + 1) * ctx_blocks]
+    if not fits:
+        return []
+    lo, hi = fits[-1]
+    return [Case("decode", f"decode as a CUDA graph replays it: {lo + 1} sequences padded to {hi}, contexts up to "
+                           f"{longest}, the block table {width} wide, heads {heads[0]}/{heads[1]}",
+                 _params(shapes, heads, batch=lo + 1, length_range=(1, longest), longest=True, graph_batch=hi,
+                         max_total=max(limits.kv_cache_tokens, longest + lo + 1), size=hi * width * bs * heads[0]))]
+
+
 def limit_cases(shapes, limits) -> list[Case]:
     """At the served engine's limits (harness/served/limits.py), at the served heads: decode batches of
     max_running and one past it, contexts up to the longest served one (one sequence at it), as many
-    tokens in all as the KV cache holds; a prefill step of max_prefill_tokens split over one past
+    tokens in all as the KV cache holds; a decode step padded as a CUDA graph replays it; a prefill step of max_prefill_tokens split over one past
     max_running prompts; and one prompt as long as the longer of max_prefill_tokens and the longest
     served prompt (a longer prompt runs alone)."""
     heads = tuple(shapes.heads[0])
@@ -325,6 +354,7 @@ def limit_cases(shapes, limits) -> list[Case]:
         cases.append(Case("decode", f"decode at the served limits: batch {batch} ({why}), contexts up to {ctx}, {h}",
                           _params(shapes, heads, batch=batch, length_range=(1, ctx), longest=True,
                                   max_total=max(cap, ctx + batch), size=batch * ctx * heads[0])))
+    cases += _graph_padded(shapes, heads, limits)
     tokens = limits.max_prefill_tokens
     batch = min(limits.max_running + 1, tokens)
     cases.append(Case("prefill", f"prefill at the served limits: {tokens} tokens (max_prefill_tokens) in {batch} "
