@@ -5,6 +5,7 @@ review (2026-12-05) and worked before."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import subprocess
 
@@ -42,6 +43,22 @@ def test_a_ledger_whose_git_config_names_a_command_is_refused_before_git_runs_it
     git(ledger.root, "config", "core.fsmonitor", f"touch {marker}; false")
     with pytest.raises(LedgerError, match=r"config sets core\.fsmonitor, which kevo never writes"):
         Ledger(ledger.root)
+    assert not marker.exists()
+
+
+def test_a_ledger_whose_git_names_another_folders_config_as_its_own_is_refused_before_git_runs_its_filter(tmp_path):
+    """.git/commondir makes git read the config (and objects, refs) of the folder it names: a clean .git/config
+    beside it hid a filter command that `git status` and `git reset --hard` in recover() ran (attacker's review,
+    2026-12-07)."""
+    ledger = new_ledger(tmp_path / "r1")
+    marker = tmp_path / "filter-ran"
+    shutil.copytree(ledger.root / ".git", ledger.root / "common")
+    with open(ledger.root / "common" / "config", "a") as f:
+        f.write(f'[filter "x"]\n\tclean = touch {marker}; cat\n\tsmudge = touch {marker}; cat\n')
+    (ledger.root / ".git" / "commondir").write_text("../common\n")
+    (ledger.root / ".gitattributes").write_text("* filter=x\n")
+    with pytest.raises(LedgerError, match="commondir hands git another folder's config"):
+        Ledger(ledger.root).recover()
     assert not marker.exists()
 
 

@@ -70,11 +70,16 @@ class _Repo(git.Repo):
 
 def open_repo(root: Path) -> git.Repo:
     """A run's repository, opened for reading and writing by kevo (every writer opens it here); LedgerError for a
-    .git that is a link or a file (pointing at another repository), or whose config sets a key of someone else's."""
+    .git that is a link or a file (pointing at another repository), that names another folder as its common
+    directory (`commondir`: git would read that folder's config), or whose config sets a key of someone else's."""
     dot = root / ".git"
     if dot.is_symlink() or (dot.exists() and not dot.is_dir()):
         raise LedgerError(f"{dot} is not a folder of its own (a link, or a file naming another repository): not a "
                            "kevo ledger")
+    common = dot / "commondir"
+    if common.exists() or common.is_symlink():
+        raise LedgerError(f"{common} hands git another folder's config, objects and refs (commands git would run): not "
+                           "a kevo ledger")
     config = dot / "config"
     if config.is_symlink():
         raise LedgerError(f"{config} is a symbolic link: not a kevo ledger")
