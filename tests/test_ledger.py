@@ -13,6 +13,7 @@ from harness.records import StageResult, Verdict
 
 from agent.ledger.messages import SUBJECT_CHARS
 from agent.ledger.repository import Ledger, LedgerError
+from agent.reading.report import write as write_report
 from agent.records import (CandidateRecord, Claim, Conclusion, Exchange, Kernel, KillTest, Message, OpEvidence,
                            Profile, Proposal, Round, RunHeader)
 
@@ -113,6 +114,18 @@ def test_what_was_committed_reads_back_exactly(tmp_path):
     assert again.history() == records
     assert again.heads()["decode"].source == "def decode(): pass\n" and again.header().id == "r1"
     assert again.profile().ops["decode"].share == 0.35
+
+
+def test_a_reply_holding_unicode_line_separators_reads_back_whole_in_the_history_and_the_report(tmp_path):
+    """U+2028, U+2029 and U+0085 are written raw inside a JSON string; a reader splitting with `str.splitlines` cut the
+    record there: the ledger's exchanges, the resume's unjudged ones and the report were then unreadable (an attacker's
+    review, 2026-12-07: a model's reply, or compile-error text sent back to it, puts them there)."""
+    ledger = new_ledger(tmp_path / "r1")
+    ex = Exchange(role="coder", purpose="code", provider="openai", model="m", system="s",
+                  messages=[Message(role="user", content="a\u2029b")], reply="line\u2028separator\x85next")
+    commit(ledger, candidate("c001", "rejected", "compile", None), exchanges=[ex])
+    assert Ledger(ledger.root).exchanges() == {"c001": [ex]}
+    assert "kevo run r1" in write_report(Ledger(ledger.root), tmp_path / "report.html").read_text()   # it reads them
 
 
 def test_secret_values_never_reach_a_file_or_a_commit_message(tmp_path, monkeypatch):

@@ -103,6 +103,17 @@ def discard_unstarted(root: Path) -> None:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
+def exchange_text(exchanges: list[Exchange]) -> str:
+    """An exchanges.jsonl: one JSON record a line."""
+    return "".join(e.model_dump_json() + "\n" for e in exchanges)
+
+
+def exchange_lines(text: str) -> list[Exchange]:
+    """An exchanges.jsonl's records (`exchange_text`). Split at "\n" only: a reply's U+2028 or U+0085 is written raw
+    inside its JSON string, and `str.splitlines` would cut the record there (the ledger then unreadable)."""
+    return [Exchange.model_validate_json(line) for line in text.split("\n") if line.strip()]
+
+
 class Ledger:
     """The one reader and writer of a run's repository. Reads are of the last commit, or, `pinned`, of the tip
     when it was opened (re-judging a run reads one commit throughout, whatever a resumed run commits meanwhile)."""
@@ -244,7 +255,7 @@ class Ledger:
         files = {**(files or {}), f"{d}/record.json": record.model_dump_json(indent=1),
                  f"{d}/README.md": messages.readme(record), "summary.json": _json(summary)}
         if exchanges:
-            files[f"{d}/exchanges.jsonl"] = "".join(e.model_dump_json() + "\n" for e in exchanges)
+            files[f"{d}/exchanges.jsonl"] = exchange_text(exchanges)
         for i, rnd in enumerate(record.rounds):
             files[f"{d}/candidate.py" if i == len(record.rounds) - 1 else f"{d}/round{i}.py"] = rnd.source
         if new_best:
@@ -337,7 +348,7 @@ class Ledger:
             if cid not in judged:
                 continue
             try:
-                out[cid] = [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
+                out[cid] = exchange_lines(text)
             except ValidationError as e:
                 raise LedgerError(f"{self.root}/candidates/{cid}/exchanges.jsonl cannot be read by this kevo "
                                   f"({e.errors()[0]['msg']})") from None
@@ -360,7 +371,7 @@ class Ledger:
             if cid in judged:
                 continue
             try:
-                said = [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
+                said = exchange_lines(text)
             except ValidationError as e:
                 raise LedgerError(f"{self.root}/candidates/{cid}/exchanges.jsonl cannot be read by this kevo "
                                   f"({e.errors()[0]['msg']})") from None

@@ -19,7 +19,7 @@ from pathlib import Path
 from agent.reading import plots
 from agent.reading.pace import pace, pace_words
 from agent.reading.figures import NO_ANCHOR, microbench_cases, nothing_timed, speed, untimed_pass, untimed_words, vs_cudnn
-from agent.ledger.repository import Ledger
+from agent.ledger.repository import Ledger, exchange_lines
 from agent.ledger.store import write_inside
 from agent.records import CandidateRecord, Exchange, Kernel, RunHeader
 from agent.run.ending import heads_found_wrong, not_run
@@ -106,7 +106,7 @@ def _exchanges(ledger: Ledger, history: list[CandidateRecord]) -> list[Exchange]
     out = []
     for r in history:
         text = ledger.committed(f"candidates/{r.id}/exchanges.jsonl") or ""
-        out += [Exchange.model_validate_json(line) for line in text.splitlines() if line.strip()]
+        out += exchange_lines(text)
     return out
 
 

@@ -38,7 +38,7 @@ from agent.reading.figures import speed
 from agent.reading.pace import pace, pace_words
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.messages import fit_subject
-from agent.ledger.repository import Ledger, discard_unstarted, folder_state, id_number
+from agent.ledger.repository import Ledger, discard_unstarted, exchange_text, folder_state, id_number
 from agent.run.profile import baseline_replay_note, run_profile
 from agent.roles.proposers import PROPOSERS
 from agent.llm.providers import Halted, Meter
@@ -261,7 +261,7 @@ class Run:
                                                f"{exchange.provider} {exchange.model}"),
                                    [f"{exchange.attempts} call(s), {exchange.seconds:.1f} s" +
                                     (f"; {exchange.note}" if exchange.note else "")],
-                                   {f"candidates/{cid}/exchanges.jsonl": "".join(e.model_dump_json() + "\n" for e in paid),
+                                   {f"candidates/{cid}/exchanges.jsonl": exchange_text(paid),
                                     "summary.json": json.dumps(self.summary(), indent=1)},
                                    {"Paid": cid, "Cost": f"{exchange.cost_usd:.6f}"})
 
