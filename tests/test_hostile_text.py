@@ -10,6 +10,7 @@ from rich.console import Console
 
 from agent.cli import main
 from agent.reading.table import print_rows, rows
+from agent.rejudging.report import DecisionRow, Rejudging, commit_rejudging, print_rejudging
 from test_ledger import candidate, commit, git, new_ledger
 
 TITLE, CLIPBOARD, REDRAW = "\x1b]0;pwned\x07", "\x1b]52;c;cHduZWQ=\x07", "\x1b[2K\x1b[1G\x9b2J"
@@ -32,3 +33,21 @@ def test_the_command_lines_one_line_error_writes_out_the_control_characters_of_w
     assert main(["report", str(tmp_path / f"run{TITLE}{REDRAW}")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kevo-agent: ") and "\x1b" not in err and "\x07" not in err and "\\x1b]0;pwned" in err, repr(err)
+
+
+def test_a_replay_of_a_ledger_from_elsewhere_prints_and_commits_its_control_characters_written_out(tmp_path):
+    """A run id and a device read from a ledger copied in, a provider's error kept as why the run stopped: the replay's
+    table title and lines printed them raw, and its README kept them (an attacker's review, 2026-12-07: a cursor-up and
+    an erase-below hid the rows that said "regressed")."""
+    ledger = new_ledger(tmp_path / "r1")
+    r = Rejudging(run=f"r1{REDRAW}", kind="decisions", at="2026-12-07T00:00:00+00:00",
+                  then={"device": f"cuda{TITLE}", "gpu": "H200", "kevo_commit": "abc"},
+                  now={"device": "cpu", "gpu": "none", "kevo_commit": "def"}, stopped={"then": f"401{CLIPBOARD}"},
+                  decisions=[DecisionRow(id="c001", then=None, now=None, differs=[], note=f"gone{REDRAW}")])
+    out = io.StringIO()
+    print_rejudging(r, Console(file=out, width=200, color_system=None))
+    done = commit_rejudging(ledger.root, r)
+    readme = git(ledger.root, "show", f"{done.branch}:replay/README.md")
+    for text in (out.getvalue(), readme):
+        assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text, repr(text)
+    assert "r1\\x1b[2K" in out.getvalue() and "401\\x1b]52;c" in out.getvalue() and "401\\x1b]52;c" in readme

@@ -103,6 +103,11 @@ def discard_unstarted(root: Path) -> None:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
+def _as_read(rel: str, text: str) -> str:
+    """A file as committed: what people read (a .md) with its control characters written as \\xNN."""
+    return printable(text) if rel.endswith(".md") else text
+
+
 def exchange_text(exchanges: list[Exchange]) -> str:
     """An exchanges.jsonl: one JSON record a line."""
     return "".join(e.model_dump_json() + "\n" for e in exchanges)
@@ -208,8 +213,8 @@ class Ledger:
         write_inside(self.root, rel, redact(text).encode())
 
     def commit(self, subject: str, body: list[str], files: dict[str, str], trailers: dict[str, object]) -> str:
-        for rel, text in files.items():                 # what people read (README.md) shows control characters as \xNN
-            self.write(rel, printable(text) if rel.endswith(".md") else text)
+        for rel, text in files.items():
+            self.write(rel, _as_read(rel, text))
         self.repo.index.add(list(files))
         message = printable(redact(subject + "\n\n" + "\n\n".join(b for b in body if b) + "\n\n"
                                    + messages.trailers(trailers) + "\n"))
@@ -224,7 +229,7 @@ class Ledger:
         base = base or self.tip
         index = git.IndexFile.new(self.repo, base.tree)
         for rel, text in files.items():
-            data = redact(text).encode()
+            data = redact(_as_read(rel, text)).encode()
             blob = self.repo.odb.store(IStream("blob", len(data), io.BytesIO(data)))
             index.entries[(rel, 0)] = IndexEntry.from_base(BaseIndexEntry((0o100644, blob.binsha, 0, rel)))
         message = subject + "\n\n" + body.rstrip("\n") + ("\n\n" + messages.trailers(trailers) if trailers else "") + "\n"

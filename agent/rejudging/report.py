@@ -18,6 +18,7 @@ from agent.ledger.messages import fit_subject
 from agent.ledger.repository import Ledger
 from agent.llm.recorded import Divergence
 from agent.records import Record
+from agent.text import shown
 
 
 class Side(Record):
@@ -142,22 +143,21 @@ def verdict_line(r: Rejudging) -> str:
 
 def print_rejudging(r: Rejudging, console) -> None:
     """The comparison as a table, changes in colour, and where it was committed."""
-    from rich.markup import escape
     from rich.table import Table
-    t = Table(title=f"{r.what} of {r.run}: then on {r.then['device']}, now on {r.now['device']}")
+    t = Table(title=shown(f"{r.what} of {r.run}: then on {r.then.get('device')}, now on {r.now.get('device')}"))
     if r.kind == "verdicts":
         for col in ("kernel", "then", "now", "change", "note"):
             t.add_column(col, overflow="fold")
         for x in r.rows:
             style = {"regressed": "red", "changed": "yellow", "now passes": "cyan"}.get(x.change, "")
-            t.add_row(x.ref, escape(_side_text(x.then)), escape(_side_text(x.now)),
-                      f"[{style}]{x.change}[/]" if style else x.change, escape(x.note))
+            t.add_row(shown(x.ref), shown(_side_text(x.then)), shown(_side_text(x.now)),
+                      f"[{style}]{shown(x.change)}[/]" if style else shown(x.change), shown(x.note))
     else:
         for col in ("candidate", "then", "now", "differs", "note"):
             t.add_column(col, overflow="fold")
         for d in r.decisions:
-            t.add_row(d.id, escape(_decision_text(d.then)), escape(_decision_text(d.now)),
-                      f"[red]{', '.join(d.differs)}[/]" if d.differs else "same", escape(d.note))
+            t.add_row(shown(d.id), shown(_decision_text(d.then)), shown(_decision_text(d.now)),
+                      f"[red]{shown(', '.join(d.differs))}[/]" if d.differs else "same", shown(d.note))
     console.print(t)
     lines = [f"harness setting changed: {c}" for c in r.config_changes]
     if r.kind == "decisions":
@@ -167,7 +167,7 @@ def print_rejudging(r: Rejudging, console) -> None:
                   for d in r.divergences] + [f"never asked: {u}" for u in r.unasked]
     lines += [f"result: {verdict_line(r)}", f"committed on branch {r.branch or '(not committed)'}"]
     for line in lines:
-        console.print(escape(line), soft_wrap=True)
+        console.print(shown(line), soft_wrap=True)
 
 
 def _slug(text: str) -> str:
