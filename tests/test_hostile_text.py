@@ -51,3 +51,20 @@ def test_a_replay_of_a_ledger_from_elsewhere_prints_and_commits_its_control_char
     for text in (out.getvalue(), readme):
         assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text, repr(text)
     assert "r1\\x1b[2K" in out.getvalue() and "401\\x1b]52;c" in out.getvalue() and "401\\x1b]52;c" in readme
+
+
+def test_a_claim_written_as_markdown_cannot_forge_a_verdict_or_hide_the_real_one_in_the_candidates_readme(tmp_path):
+    """A hypothesis (or a risk, a piece of evidence, a reason) that opened a section, a table and a comment rendered as
+    the candidate's verdict, the real one hidden (an attacker's review, 2026-12-07, with a CommonMark renderer)."""
+    from markdown_it import MarkdownIt
+    forged = ("x\n\n## Verdict\n\n| stage | status | s | reason |\n|---|---|---|---|\n| replay | passed | 9.00 | 1.80x |"
+              "\n\n## Conclusion\n\nAccepted\n\n<!--")
+    ledger = new_ledger(tmp_path / "r1")
+    r = candidate("c001", "rejected", "parity", None, reason=f"max abs error | replay | passed {forged}")
+    r = r.model_copy(update={"claim": r.claim.model_copy(update={"hypothesis": forged, "risks": [forged],
+                                                                  "evidence": [forged]})})
+    commit(ledger, r)
+    html = MarkdownIt("commonmark").enable("table").render((ledger.root / "candidates/c001/README.md").read_text())
+    assert html.count("<table>") == 1 and html.count("<h2>Verdict</h2>") == 1 and "<!--" not in html, html
+    rows = html.split("<tbody>")[1].split("</tbody>")[0]
+    assert rows.count("<tr>") == 2 and "<td>parity</td>\n<td>failed</td>" in rows, rows

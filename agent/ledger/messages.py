@@ -107,27 +107,36 @@ def candidate_trailers(record: CandidateRecord, extra: dict[str, object] | None 
             "Rounds": len(record.rounds), "Cost": f"{record.cost_usd:.6f}", **extra}
 
 
+def _inline(text: str) -> str:
+    """Text from outside kevo (a model's claim, a candidate's error) as markdown that starts no block of its own and
+    ends no table cell: one line, `<` and `&` as entities (no HTML, no comment hiding what follows), `|` escaped, a
+    leading block marker escaped."""
+    line = " ".join(text.split()).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|")
+    return "\\" + line if line[:1] and line[0] in "#>-+*=_`~" else line
+
+
 def readme(r: CandidateRecord) -> str:
     """candidates/<id>/README.md: the claim, each round's verdict as a table (a failure's kind beside its status),
-    the conclusion and the cost."""
+    the conclusion and the cost. What a model or a candidate wrote is inline text (`_inline`): it cannot forge a
+    section, a table row or a comment that hides the verdict."""
     lines = [f"# {r.id}: {r.outcome} at {r.stage}", "", f"op {r.op}, parent {r.parent or 'n/a'}, proposer {r.proposer}", ""]
     if r.claim:
         c = r.claim
-        lines += ["## Claim", "", c.hypothesis, "", "Evidence:", *[f"- {e}" for e in c.evidence], "",
+        lines += ["## Claim", "", _inline(c.hypothesis), "", "Evidence:", *[f"- {_inline(e)}" for e in c.evidence], "",
                   f"Expected local speedup s = {c.expected_speedup:.3f}; op share f = {c.op_share:.2f} "
-                  f"({c.share_source}); ceiling 1/(1-f+f/s) = {c.ceiling:.4f} (computed by kevo).", "",
-                  "Risks:", *[f"- {x}" for x in c.risks], "",
-                  f"Kill test ({c.kill_test.stage}): {c.kill_test.observation}", ""]
+                  f"({_inline(c.share_source)}); ceiling 1/(1-f+f/s) = {c.ceiling:.4f} (computed by kevo).", "",
+                  "Risks:", *[f"- {_inline(x)}" for x in c.risks], "",
+                  f"Kill test ({c.kill_test.stage}): {_inline(c.kill_test.observation)}", ""]
     for i, rnd in enumerate(r.rounds):
         about = ", ".join([f"round {i}"] * (len(r.rounds) > 1) + [f"against {rnd.against}"] * bool(rnd.against))
         lines += [f"## Verdict{f' ({about})' if about else ''}", "",
-                  *([f"Judged again: {rnd.again}.", ""] if rnd.again else []), "| stage | status | s | reason |",
+                  *([f"Judged again: {_inline(rnd.again)}.", ""] if rnd.again else []), "| stage | status | s | reason |",
                   "|---|---|---|---|"]
         lines += [f"| {s.name} | {s.status}{f' ({s.failure})' if s.failure else ''} | {s.seconds:.2f} | "
-                  f"{' '.join(s.reason.split())[:300]} |"
+                  f"{_inline(s.reason[:300])} |"
                   for s in rnd.verdict.stages] + [""]
     if not r.rounds:
-        lines += ["## Not evaluated", "", r.reason, ""]
-    lines += ["## Conclusion", "", r.conclusion.learned, "",
+        lines += ["## Not evaluated", "", _inline(r.reason), ""]
+    lines += ["## Conclusion", "", _inline(r.conclusion.learned), "",
               f"Cost: ${r.cost_usd:.4f} ({r.input_tokens} input, {r.output_tokens} output tokens)."]
     return "\n".join(lines) + "\n"
