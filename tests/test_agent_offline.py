@@ -487,9 +487,10 @@ def test_a_ledgers_head_changes_show_a_kernel_that_became_the_head_unmeasured_ag
     assert head_changes({"decode": old}, [accepted("c001", "")]) == [("c001", "head:decode", "")]
 
 
-def resumed_run(tmp_path, run_id: str):
+def resumed_run(tmp_path, run_id: str, environment: dict | None = None):
     """A decode run's loop resumed from a ledger holding only its reference head, timed at 1.0x torch: it
-    records verdicts given to it (the GPU's, standing in) with no evaluator."""
+    records verdicts given to it (the GPU's, standing in) with no evaluator. Begun on this CPU machine, unless
+    `environment` says where."""
     from agent.records import RunHeader
     from agent.run.loop import Run
     cfg = config_with(**{"agent.runs_dir": str(tmp_path), "agent.ops": ["decode"]})
@@ -499,10 +500,20 @@ def resumed_run(tmp_path, run_id: str):
     header = RunHeader(id=run_id, target="attention", provider="offline", device="cpu", arch="cpu", ops=["decode"],
                        budget_minutes=3, max_candidates=None, max_cost_usd=0, started="2026-12-01T10:00:00+00:00",
                        kevo_commit="0" * 12)
-    Ledger.create(tmp_path / run_id, header, "agent: {}\n", {}, profile, {"note": "-"}, {"decode": ref}, {})
+    Ledger.create(tmp_path / run_id, header, "agent: {}\n", environment or {"device": "cpu", "gpu": "none"}, profile,
+                  {"note": "-"}, {"decode": ref}, {})
     loop = Run(cfg, settings_from(cfg, "cpu", run_id=run_id), RunView(console=Console(file=io.StringIO())))
     loop.start()
     return loop, ref, f
+
+
+def test_a_run_begun_on_another_gpu_is_not_resumed_here_where_its_heads_and_bars_were_not_measured(tmp_path):
+    """A ledger's heads' verdicts and the bars its search moves by are its GPU's (an attacker's review, 2026-12-07:
+    a ledger copied in from another machine brought its accepted heads with it, unjudged here)."""
+    from agent.run.loop import RunError
+    with pytest.raises(RunError, match=r"ran on cuda \(NVIDIA H100 80GB HBM3\), this machine is cpu \(none\): its "
+                                       r"heads' verdicts .*`kevo-agent replay "):
+        resumed_run(tmp_path, "elsewhere", {"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"})
 
 
 def test_after_an_accepted_kernel_f_is_derived_again_from_its_speedup_and_the_next_claim_uses_it(tmp_path):

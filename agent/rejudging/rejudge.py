@@ -35,7 +35,7 @@ from agent.run.evaluators import in_parallel
 from agent.run.state import wrong_later
 from agent.records import CandidateRecord
 from agent.ledger.repository import Ledger
-from agent.rejudging.rerun import RejudgeError, config_changes, here, stamp, where
+from agent.rejudging.rerun import RejudgeError, config_changes, here, ran_on, stamp
 from agent.rejudging.progress import Saved, Unfinished, newest, resumed
 from agent.rejudging.report import Rejudging, Side, VerdictRow
 
@@ -176,7 +176,7 @@ def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, u
     except HarnessError as e:
         kept = f"; the {len(saved.state.rows)} kernel(s) finished are saved, --resume continues" if saved.sha else ""
         raise RejudgeError(f"{e}".splitlines()[0] + kept) from None
-    return Rejudging(run=h.id, kind="verdicts", at=saved.state.at, then=where(ran), now=now, until=until,
+    return Rejudging(run=h.id, kind="verdicts", at=saved.state.at, then=ran_on(ran), now=now, until=until,
                      config_changes=changes, rows=[rows[k.ref] for k in kernels])
 
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from harness.config import Config
 from harness.evaluate import resolve_device
 
-from agent.run.environment import describe
+from agent.run.environment import describe, where
 from agent.ledger.repository import Ledger, LedgerError
 from agent.run.loop import run, settings_from
 from agent.roles.proposers import PROPOSERS
@@ -44,13 +44,9 @@ class RejudgeError(Exception):
 
 # -- the run as committed (read through its Ledger, pinned to its tip) ------------------------------------
 
-_WHERE = ("device", "gpu", "kevo_commit")
-
-
-def where(ran: Ledger) -> dict[str, str]:
+def ran_on(ran: Ledger) -> dict[str, str]:
     """Where the run ran (its first commit's environment.json): device, GPU, kevo commit."""
-    env = json.loads(ran.read("environment.json", ran.first))
-    return {k: str(env.get(k, "unknown")) for k in _WHERE}
+    return where(json.loads(ran.read("environment.json", ran.first)))
 
 
 def config_changes(ran: Ledger, cfg: Config) -> list[str]:
@@ -78,8 +74,7 @@ def _short(v: object, n: int = 100) -> str:
 
 
 def here(device: torch.device) -> dict[str, str]:
-    env = describe(device)
-    return {k: str(env.get(k, "unknown")) for k in _WHERE}
+    return where(describe(device))
 
 
 def stamp() -> tuple[str, str]:
@@ -170,7 +165,7 @@ def rerun(root: Path, cfg: Config, view, pool=None) -> Rejudging:
         stopped_then = ran.summary().get("stopped", "")
     except (LedgerError, json.JSONDecodeError):
         stopped_then = ""
-    return Rejudging(run=h.id, kind="decisions", at=at, then=where(ran), now=here(device),
+    return Rejudging(run=h.id, kind="decisions", at=at, then=ran_on(ran), now=here(device),
                   config_changes=config_changes(ran, merged), decisions=compare_decisions(then, result.history),
                   proposer=what, scratch=str(result.ledger), stopped={"then": stopped_then, "now": result.stop},
                   divergences=recording.divergences if recording else [],

@@ -2,6 +2,7 @@
 ledger's first commit; nothing secret (no environment variables, no host name)."""
 from __future__ import annotations
 
+import json
 import platform
 import subprocess
 
@@ -40,3 +41,11 @@ def describe(device: torch.device) -> dict:
     else:
         env.update(gpu="none", driver="none", note="CPU only: Triton's interpreter, float32; no timing")
     return env
+
+
+WHERE = ("device", "gpu", "kevo_commit")
+
+
+def where(env: dict) -> dict[str, str]:
+    """Where a run ran, of an environment (`describe`'s, or a run's environment.json): device, GPU, kevo commit."""
+    return {k: str(env.get(k, "unknown")) for k in WHERE}

@@ -31,7 +31,7 @@ from harness.targets import TARGETS
 
 from agent.run.drive import drive
 from agent.run.ending import RunResult, end_text, funnel, heads_found_wrong, not_run, untimed_note
-from agent.run.environment import describe
+from agent.run.environment import describe, where
 from agent.run.evaluators import evaluator_for
 from agent.roles.evaluator import device_seconds, evaluate_head, head_source, now, others_of
 from agent.reading.figures import speed
@@ -204,6 +204,12 @@ class Run:
         if (header.target, header.ops) != (self.settings.target, self.cfg.agent.ops):
             raise RunError(f"{self.root} is a run of {header.target} ({', '.join(header.ops)}); "
                            "resume it with the same target and agent.ops")
+        environment = describe(self.device)
+        then, here = where(json.loads(self.ledger.read("environment.json", self.ledger.first))), where(environment)
+        if (then["device"], then["gpu"]) != (here["device"], here["gpu"]):     # its heads and bars are that GPU's
+            raise RunError(f"{self.root} ran on {then['device']} ({then['gpu']}), this machine is {here['device']} "
+                           f"({here['gpu']}): its heads' verdicts and the bars its search moves by were measured "
+                           f"there; re-judge it here (`kevo-agent replay {self.root}`) or begin a new run")
         self.heads, self.history, self.profile = self.ledger.heads(), self.ledger.history(), self.ledger.profile()
         self.start_heads = self.ledger.heads(at_start=True)
         done = self.ledger.summary()
@@ -228,7 +234,7 @@ class Run:
                 f"paid for before, not bought again: {prepaid}" if prepaid else ""]
         with self.stop.writing():
             self.ledger.commit(f"resume {s.run_id}", body,
-                               {"environment.json": json.dumps(describe(self.device), indent=1),
+                               {"environment.json": json.dumps(environment, indent=1),
                                 "settings.json": self._settings_json(), "summary.json": json.dumps(self.summary(), indent=1)},
                                {"Run": s.run_id})
 
