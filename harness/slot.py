@@ -59,6 +59,7 @@ class Job(BaseModel):
     beat: float = 1.0         # the speedup over the torch baseline microbench must beat (the parent's)
     head: str | None = None   # the current head of the candidate's op, which the replay judges it against (None: torch)
     other_heads: dict[str, str] = {}   # per other op, its current head, served in both of the replay's arms
+    fresh: bool = False       # judged by the stages whatever the verdict cache holds (re-judging a run asks that)
 
 
 class Done(BaseModel):
@@ -307,7 +308,8 @@ class Slot:
 
         verdict = evaluate_cached(job.source, self.target, self.cfg, pool, job=job.id,
                                   where=f"{socket.gethostname()}/{self.name}", until=job.until, on_stage=stage,
-                                  beat=job.beat, head=job.head, other_heads=job.other_heads, settled=settled)
+                                  beat=job.beat, head=job.head, other_heads=job.other_heads, settled=settled,
+                                  fresh=job.fresh)
         if spans:
             spans[-1] = spans[-1].model_copy(update={"end": time.monotonic()})
         else:                                      # the verdict cache answered

@@ -265,18 +265,19 @@ def _no_constant(name: str):
 
 def evaluate_cached(source: str, target: str, cfg: Config, pool, *, job: str = "", where: str = "",
                     until: str | None = None, on_stage=None, beat: float = 1.0, head: str | None = None,
-                    other_heads: dict[str, str] | None = None, settled=None) -> Verdict:
+                    other_heads: dict[str, str] | None = None, settled=None, fresh: bool = False) -> Verdict:
     """`harness.evaluate.evaluate`, through the verdict cache when config turns it on: a hit is the stored
     verdict with `cached_from` set (no stage runs, `on_stage` is not called); a fresh verdict is stored when
     the candidate alone decided it. `job` and `where` (a host/slot) are recorded with a stored verdict.
     `settled()`, when given, is called before any verdict is stored or returned (it raises to withhold it: a
-    health check run beside the job that failed)."""
+    health check run beside the job that failed). `fresh`: the stages judge it whatever the cache holds (their verdict
+    is stored)."""
     from harness.evaluate import evaluate
     from harness.stages import STAGE_NAMES
     from harness.targets import TARGETS
     valid = target in TARGETS and (until is None or until in STAGE_NAMES)     # else evaluate says what is wrong
     cache = VerdictCache.for_run(cfg, target, pool.device) if valid else None
-    if cache is not None and (hit := cache.lookup(source, until, beat, head, other_heads)) is not None:
+    if cache is not None and not fresh and (hit := cache.lookup(source, until, beat, head, other_heads)) is not None:
         if settled is not None:
             settled()
         return hit

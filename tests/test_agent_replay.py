@@ -265,6 +265,19 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
+def test_a_rejudging_on_slots_judges_each_kernel_afresh_whatever_the_verdict_cache_holds(past, tmp_path):
+    """Whether a run's verdicts reproduce is the question: on slots, each job went through the verdict cache, and on
+    the machine and harness that judged it a kernel was given its old verdict back (an attacker's review,
+    2026-12-07). The stages run (and say so) the second time too."""
+    root = fresh_copy(past, tmp_path)
+    cfg = small(**{"executor.cpu_slots": 2, "executor.verdict_cache": True, "agent.runs_dir": str(tmp_path / "runs")})
+    for _ in range(2):
+        lines = []
+        rejudge(root, cfg, only=["c002"], until="parity", progress=lines.append)
+        assert [line for line in lines if line.startswith("re-judging ")] == ["re-judging c002 (1/1)"]
+    assert list((tmp_path / "runs" / ".verdicts").glob("*.json"))           # the cache was on, and kept its verdict
+
+
 def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, tmp_path):
     root = fresh_copy(past, tmp_path)
     lines = []

@@ -185,7 +185,8 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
     """Each kernel's verdict as it is reached, each against its own microbench bar (`_beat`). With no pool and
     more than one slot (agent/run/evaluators.py:in_parallel), every kernel is a job on the executor, which runs one job
     per slot at a time, each slot on a GPU of its own (or a share of the cores): a kernel's replay stage never
-    shares a GPU with another's microbench. Otherwise one at a time, in the order given, in the pool."""
+    shares a GPU with another's microbench, judged afresh (`Job.fresh`: whether a verdict reproduces is the question,
+    so the verdict cache is not read). Otherwise one at a time, in the order given, in the pool."""
     if not todo:
         return
     if pool is None and in_parallel(cfg):
@@ -195,7 +196,7 @@ def _verdicts(todo: list[_Kernel], target: str, cfg: Config, pool, until: str | 
             return lambda stage: tell(k) if stage == STAGE_NAMES[0] else None
         try:
             jobs = {ex.submit(Job(id=k.ref, source=k.source, until=until, beat=_beat(k.then), head=k.head,
-                                  other_heads=k.other_heads), on_stage=started(k)): k
+                                  other_heads=k.other_heads, fresh=True), on_stage=started(k)): k
                     for k in todo}
             failed: HarnessError | None = None
             for fut in as_completed(jobs):
