@@ -14,12 +14,12 @@ import math
 
 import torch
 
+from harness.served.graphs import width_bucket
 from harness.targets.attention_baselines import (DECODE_BASELINES, decode_anchor, decode_anchor_inputs,  # noqa: F401
                                                  decode_clamped, decode_masked, decode_per_sequence, prefill_anchor,
                                                  prefill_anchor_inputs, prefill_baseline, prefill_calibration)
 from harness.targets.attention_draws import pin, vary
 from harness.targets.attention_twins import layer, twin, twinned
-from harness.served.graphs import width_bucket
 from harness.targets.base import UNFILLED, Case, Cost, Inputs, Op, Target
 
 CONTRACT = """\
@@ -343,9 +343,9 @@ def _graph_padded(shapes, heads, limits) -> list[Case]:
 def limit_cases(shapes, limits) -> list[Case]:
     """At the served engine's limits (harness/served/limits.py), at the served heads: decode batches of
     max_running and one past it, contexts up to the longest served one (one sequence at it), as many
-    tokens in all as the KV cache holds; a decode step padded as a CUDA graph replays it; a prefill step of max_prefill_tokens split over one past
-    max_running prompts; and one prompt as long as the longer of max_prefill_tokens and the longest
-    served prompt (a longer prompt runs alone)."""
+    tokens in all as the KV cache holds; a decode step padded as a CUDA graph replays it (`_graph_padded`);
+    a prefill step of max_prefill_tokens split over one past max_running prompts; and one prompt as long as
+    the longer of max_prefill_tokens and the longest served prompt (a longer prompt runs alone)."""
     heads = tuple(shapes.heads[0])
     h = f"heads {heads[0]}/{heads[1]}"
     ctx, cap = limits.longest_context, limits.kv_cache_tokens
