@@ -265,24 +265,19 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
-def test_a_rejudging_on_slots_judges_each_kernel_afresh_whatever_the_verdict_cache_holds(past, tmp_path):
-    """Whether a run's verdicts reproduce is the question: on slots, each job went through the verdict cache, and on
-    the machine and harness that judged it a kernel was given its old verdict back (an attacker's review,
-    2026-12-07). The stages run (and say so) the second time too."""
-    root = fresh_copy(past, tmp_path)
-    cfg = small(**{"executor.cpu_slots": 2, "executor.verdict_cache": True, "agent.runs_dir": str(tmp_path / "runs")})
-    for _ in range(2):
-        lines = []
-        rejudge(root, cfg, only=["c002"], until="parity", progress=lines.append)
-        assert [line for line in lines if line.startswith("re-judging ")] == ["re-judging c002 (1/1)"]
-    assert list((tmp_path / "runs" / ".verdicts").glob("*.json"))           # the cache was on, and kept its verdict
-
-
-def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order(past, tmp_path):
+def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order_and_judges_afresh_each_time(past, tmp_path):
+    """Judged afresh: whether a run's verdicts reproduce is the question, and on slots each job went through the verdict
+    cache, so on the machine and harness that judged it a kernel was given its old verdict back (an attacker's review,
+    2026-12-07). With the cache on, the stages run again (and say so) the second time."""
     root = fresh_copy(past, tmp_path)
     lines = []
-    two = rejudge(root, small(**{"executor.cpu_slots": 2}), only=["c001", "c002", "c003"],
+    cfg = small(**{"executor.cpu_slots": 2, "executor.verdict_cache": True, "agent.runs_dir": str(tmp_path / "runs")})
+    two = rejudge(root, cfg, only=["c001", "c002", "c003"],
                           until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
     assert judged(two.rows) == UNCUT[1:]
     assert sorted(lines) == ["re-judging c001 (1/3)", "re-judging c002 (2/3)"]
     assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came
+    assert list((tmp_path / "runs" / ".verdicts").glob("*.json"))                  # the cache holds their verdicts
+    lines.clear()
+    rejudge(root, cfg, only=["c002"], until="parity", progress=lines.append)
+    assert [line for line in lines if line.startswith("re-judging ")] == ["re-judging c002 (1/1)"]

@@ -45,9 +45,9 @@ def test_served_limit_cases_come_from_the_served_preset_and_trace(cfg):
         cases = _ctx(config).cases("decode", served=False, boundary=False, limits=True)
         return (sorted(c.params["batch"] for c in cases if "served limits" in c.label),
                 [(c.params["batch"], c.params["graph_batch"]) for c in cases if "graph" in c.label])
-    assert batches(cfg) == ([preset.max_running, preset.max_running + 1], [(5, 8)])    # buckets 1, 2, 4, 8, 16
+    assert batches(cfg) == ([preset.max_running, preset.max_running + 1], [(3, 4)])    # the smallest padded: 3 -> 4
     smaller = config_with(**{"served.presets.tiny.max_running": 5, "served.presets.tiny.max_prefill_tokens": 40})
-    assert batches(smaller) == ([5, 6], [(3, 4)])       # the buckets at or under max_running: 1, 2, 4
+    assert batches(smaller) == ([5, 6], [(3, 4)])
     step = _limit_case(smaller, "prefill", "tokens (max_prefill_tokens)")
     lengths = ATTENTION.ops["prefill"].make_inputs(step, "normal", 7, CPU, torch.float32)["cu_seqlens"].diff().tolist()
     assert sum(lengths) == 40 and len(lengths) == 6 and min(lengths) >= 1
@@ -63,7 +63,7 @@ def test_on_cuda_the_limits_are_the_served_models_past_every_old_parity_maximum(
     assert [c.params["lengths"] for c in cases if "one prompt" in c.label] == [[16384]]
     assert all(c.params["length_range"] == (1, 17056) for c in limits if c.op == "decode")
     graph = next(c for c in cases if "graph" in c.label)     # a table 2048 wide, its longest row 1025 pages
-    assert (graph.params["batch"], graph.params["graph_batch"], graph.params["length_range"]) == (33, 64, (1, 16385))
+    assert (graph.params["batch"], graph.params["graph_batch"], graph.params["length_range"]) == (3, 4, (1, 16385))
 
 
 def test_decode_at_the_limits_reaches_the_longest_served_context_within_the_cache(cfg):

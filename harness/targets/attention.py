@@ -323,8 +323,9 @@ def boundary_cases(shapes) -> list[Case]:
 def _graph_padded(shapes, heads, limits) -> list[Case]:
     """A decode step as a CUDA graph replays it (harness/served/graphs.py): one sequence past a batch bucket, padded to
     the next with rows of length 1 on a scratch block, the table a power of two wide with its longest row one block
-    past half of it, every padded column on the scratch block. The largest such step whose gather (batch x width)
-    is within the max_running + 1 case's; none where no bucket is padded to."""
+    past half of it, every padded column on the scratch block: the smallest such step (the batch is not what it
+    checks: the max_running cases are the large batches), within the max_running + 1 case's gather (batch x width);
+    none where no bucket is padded to."""
     bs = shapes.block_size
     ctx_blocks = math.ceil(limits.longest_context / bs)
     width = width_bucket(ctx_blocks)
@@ -333,7 +334,7 @@ def _graph_padded(shapes, heads, limits) -> list[Case]:
             if hi > lo + 1 and hi * width <= (limits.max_running + 1) * ctx_blocks]
     if not fits:
         return []
-    lo, hi = fits[-1]
+    lo, hi = fits[0]
     return [Case("decode", f"decode as a CUDA graph replays it: {lo + 1} sequences padded to {hi}, contexts up to "
                            f"{longest}, the block table {width} wide, heads {heads[0]}/{heads[1]}",
                  _params(shapes, heads, batch=lo + 1, length_range=(1, longest), longest=True, graph_batch=hi,
