@@ -62,6 +62,26 @@ def test_a_ledger_whose_git_names_another_folders_config_as_its_own_is_refused_b
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("text, said", [
+    ("[1, 2]", "not a JSON object naming its kernel's path"),
+    ("{not json", "not a JSON object naming its kernel's path"),
+    ('{"path": "heads/decode.py", "ref": "head:decode", "op": "decode", "speedup": "fast"}', "speedup"),
+    ('{"path": "heads/decode.py", "ref": "head:decode", "op": "decode", "source": "evil"}', None),
+], ids=["a-list", "not-json", "a-word-for-a-figure", "its-own-source"])
+def test_a_head_record_from_elsewhere_reads_as_a_one_line_error_or_with_the_source_committed_beside_it(tmp_path, text,
+                                                                                                      said):
+    """heads/<op>.json is read back on resume, report and replay: malformed, it raised a bare KeyError or TypeError (a
+    traceback); a `source` of its own raised TypeError (an attacker's review, 2026-12-07)."""
+    ledger = new_ledger(tmp_path / "r1")
+    (ledger.root / "heads" / "decode.json").write_text(text)
+    git(ledger.root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "someone else's head record")
+    if said is None:
+        assert Ledger(ledger.root).heads()["decode"].source == "def decode(): pass\n"
+    else:
+        with pytest.raises(LedgerError, match=r"heads/decode\.json cannot be read by this kevo \(.*" + said):
+            Ledger(ledger.root).heads()
+
+
 def test_a_ledger_cloned_with_git_clone_still_opens(tmp_path):
     ledger = new_ledger(tmp_path / "r1")
     subprocess.run(["git", "clone", "-q", str(ledger.root), str(tmp_path / "copy")], check=True)

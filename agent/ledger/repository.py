@@ -335,8 +335,16 @@ class Ledger:
         heads = {}
         for blob in sorted(blobs, key=lambda b: b.name):
             if blob.name.endswith(".json"):
-                data = json.loads(blob.data_stream.read().decode())
-                heads[blob.name[:-5]] = Kernel(**data, source=self.read(data["path"], commit))
+                rel = f"heads/{blob.name}"
+                try:
+                    data = json.loads(blob.data_stream.read().decode())
+                    path = data["path"] if isinstance(data, dict) and isinstance(data.get("path"), str) else None
+                except ValueError:
+                    path = None
+                if path is None:
+                    raise LedgerError(f"{self.root}/{rel} cannot be read by this kevo (not a JSON object naming its "
+                                      "kernel's path)")
+                heads[blob.name[:-5]] = self._load(Kernel, rel, json.dumps({**data, "source": self.read(path, commit)}))
         return heads
 
     def history(self) -> list[CandidateRecord]:
