@@ -17,7 +17,8 @@ import threading
 import time
 from pathlib import Path
 
-from agent.ledger.repository import Ledger, folder_state
+from agent.ledger.repository import Ledger
+from agent.ledger.store import folder_state
 
 TESTS = Path(__file__).resolve().parent
 TRIALS = 16
@@ -28,7 +29,8 @@ import sys
 sys.path.insert(0, {str(TESTS)!r})
 from pathlib import Path
 from test_ledger import candidate, commit, new_ledger
-from agent.ledger.repository import Ledger, discard_unstarted, folder_state
+from agent.ledger.repository import Ledger
+from agent.ledger.store import discard_unstarted, folder_state
 root = Path(sys.argv[1])
 state = folder_state(root)                     # what a resumed run does with the folder it finds
 assert state != "foreign", state

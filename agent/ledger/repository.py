@@ -31,9 +31,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import shutil
 from pathlib import Path
-from typing import Literal
 
 import git
 from git.index.typ import BaseIndexEntry, IndexEntry
@@ -44,14 +42,10 @@ from harness.sandbox import redact
 
 from agent.ledger import messages
 from agent.ledger import LedgerError
-from agent.ledger.store import init_repo, open_repo, write_inside
+from agent.ledger.store import folder_state, init_repo, open_repo, write_inside
 from agent.records import CandidateRecord, Exchange, Kernel, Profile, Proposal, RunHeader
 from agent.text import printable
 from agent.run.session import LOCK_NAME
-
-# What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
-FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",
-               "settings.json", "README.md", "heads", ".git"}
 
 AUTHOR = git.Actor("kevo", "kevo@localhost")
 
@@ -74,33 +68,6 @@ def _json(obj) -> str:
 def id_number(cid: str) -> int:
     """c007 -> 7; candidates sort by number (c1000 after c999), anything else first."""
     return int(cid[1:]) if cid[:1] == "c" and cid[1:].isdigit() else -1
-
-
-def folder_state(root: Path) -> Literal["new", "started", "unstarted", "foreign"]:
-    """new: nothing there yet; started: a kevo ledger with its first commit; unstarted: a kevo run stopped
-    before its first commit (safe to start again); foreign: anything else."""
-    if root.exists() and not root.is_dir():
-        return "foreign"
-    entries = {p.name for p in root.iterdir()} - {LOCK_NAME} if root.is_dir() else set()
-    if not entries:
-        return "new"
-    if ".git" not in entries:
-        return "foreign"
-    try:
-        repo = open_repo(root)
-        if repo.head.is_valid():
-            repo.head.commit.tree / "run.json"
-            return "started"
-    except (git.exc.InvalidGitRepositoryError, KeyError, ValueError):
-        return "foreign"
-    return "unstarted" if entries <= FIRST_FILES else "foreign"
-
-
-def discard_unstarted(root: Path) -> None:
-    """Clear a run stopped before its first commit (folder_state 'unstarted'), keeping the lock file."""
-    for p in root.iterdir():
-        if p.name != LOCK_NAME:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def _as_read(rel: str, text: str) -> str:

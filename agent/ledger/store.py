@@ -8,8 +8,10 @@ A ledger may come from elsewhere (a run copied in to resume or re-judge it), and
 its hooks and its config can name commands git (and gitpython's commit) would run as the user, with the user's
 keys in the environment. So every git child here runs with hooks and fsmonitor switched off on its command line
 and no secret-looking variable in its environment (`_GitOfItsOwn`), commits skip hooks (repository.py), and a
-repository is opened only if its .git is a folder of its own whose config sets nothing but what `git init` and
-`git clone` write (`open_repo`); the files kevo writes into the run folder go through no symbolic link (`write_inside`).
+repository is opened only if its .git is a folder of its own, naming no other folder as its common directory, whose
+config sets nothing but what `git init` and `git clone` write (`open_repo`); the files kevo writes into the run
+folder go through no symbolic link (`write_inside`). What a run folder found on disk is (`folder_state`: new, a
+started ledger, a run stopped before its first commit, or someone else's) is read here too.
 
 Not here: what is committed and how it is read back (agent/ledger/repository.py), recovery after a kill
 (`Ledger.recover`), the words of a commit (agent/ledger/messages.py).
@@ -19,13 +21,16 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
 import git
 from gitdb.base import IStream
 from gitdb.db.loose import LooseObjectDB
 
 from agent.ledger import LedgerError
+from agent.run.session import LOCK_NAME
 from harness.detach import group_signals_held
 from harness.sandbox import SECRET_NAME
 
@@ -34,8 +39,9 @@ NO_COMMANDS = ("-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=false")
 # What `git init` and `git clone` write into .git/config; a key outside these is someone else's (a command to run)
 OWN_CONFIG = re.compile(r"core\.(repositoryformatversion|filemode|bare|logallrefupdates|ignorecase|precomposeunicode|"
                         r"symlinks)|remote\.[^.]+\.(url|fetch)|branch\.[^.]+\.(remote|merge)")
-
-
+# What a first commit writes: a folder holding only these (and no commit) is a run stopped before it.
+FIRST_FILES = {"run.json", "config.yaml", "environment.json", "profile.json", "replay.json", "summary.json",
+               "settings.json", "README.md", "heads", ".git"}
 
 
 class _ObjectsWrittenHere(git.GitCmdObjectDB):
@@ -90,6 +96,33 @@ def open_repo(root: Path) -> git.Repo:
             raise LedgerError(f"{config} sets {', '.join(foreign[:3])}, which kevo never writes (a ledger from "
                                f"elsewhere may name commands git would run): `git config --unset` it to use this run")
     return _Repo(root, odbt=_ObjectsWrittenHere)
+
+
+def folder_state(root: Path) -> Literal["new", "started", "unstarted", "foreign"]:
+    """new: nothing there yet; started: a kevo ledger with its first commit; unstarted: a kevo run stopped
+    before its first commit (safe to start again); foreign: anything else."""
+    if root.exists() and not root.is_dir():
+        return "foreign"
+    entries = {p.name for p in root.iterdir()} - {LOCK_NAME} if root.is_dir() else set()
+    if not entries:
+        return "new"
+    if ".git" not in entries:
+        return "foreign"
+    try:
+        repo = open_repo(root)
+        if repo.head.is_valid():
+            repo.head.commit.tree / "run.json"
+            return "started"
+    except (git.exc.InvalidGitRepositoryError, KeyError, ValueError):
+        return "foreign"
+    return "unstarted" if entries <= FIRST_FILES else "foreign"
+
+
+def discard_unstarted(root: Path) -> None:
+    """Clear a run stopped before its first commit (folder_state 'unstarted'), keeping the lock file."""
+    for p in root.iterdir():
+        if p.name != LOCK_NAME:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def write_inside(root: Path, rel: str, data: bytes) -> None:

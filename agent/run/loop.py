@@ -38,7 +38,8 @@ from agent.reading.figures import speed
 from agent.reading.pace import pace, pace_words
 from agent.knowledge import gpu_arch, load_catalog
 from agent.ledger.messages import fit_subject
-from agent.ledger.repository import Ledger, discard_unstarted, exchange_text, folder_state, id_number
+from agent.ledger.repository import Ledger, exchange_text, id_number
+from agent.ledger.store import discard_unstarted, folder_state
 from agent.run.profile import baseline_replay_note, run_profile
 from agent.roles.proposers import PROPOSERS
 from agent.llm.providers import Halted, Meter

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from harness.config import PROJECT_ROOT, Config
 
-from agent.ledger.repository import Ledger, folder_state
+from agent.ledger.repository import Ledger
+from agent.ledger.store import folder_state
 from agent.records import Record
 from agent.run.session import RunBusy, check_free
 
