@@ -305,13 +305,11 @@ class Ledger:
                 rel = f"heads/{blob.name}"
                 try:
                     data = json.loads(blob.data_stream.read().decode())
-                    path = data["path"] if isinstance(data, dict) and isinstance(data.get("path"), str) else None
-                except ValueError:
-                    path = None
-                if path is None:
+                    source = self.read(str(data["path"]), commit)
+                except (ValueError, KeyError, TypeError):
                     raise LedgerError(f"{self.root}/{rel} cannot be read by this kevo (not a JSON object naming its "
-                                      "kernel's path)")
-                heads[blob.name[:-5]] = self._load(Kernel, rel, json.dumps({**data, "source": self.read(path, commit)}))
+                                      "kernel's path)") from None
+                heads[blob.name[:-5]] = self._load(Kernel, rel, json.dumps({**data, "source": source}))
         return heads
 
     def history(self) -> list[CandidateRecord]:
