@@ -2,7 +2,6 @@
 ledger's first commit; nothing secret (no environment variables, no host name)."""
 from __future__ import annotations
 
-import json
 import platform
 import subprocess
 
@@ -43,9 +42,9 @@ def describe(device: torch.device) -> dict:
     return env
 
 
-WHERE = ("device", "gpu", "kevo_commit")
+_WHERE = ("device", "gpu", "kevo_commit")
 
 
 def where(env: dict) -> dict[str, str]:
     """Where a run ran, of an environment (`describe`'s, or a run's environment.json): device, GPU, kevo commit."""
-    return {k: str(env.get(k, "unknown")) for k in WHERE}
+    return {k: str(env.get(k, "unknown")) for k in _WHERE}
