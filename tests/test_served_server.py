@@ -6,9 +6,11 @@ of the replay's own, a shape sweep in the warm-up for a candidate only, and that
 configured."""
 from __future__ import annotations
 
+import http.server
 import math
 import os
 import signal
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -22,7 +24,7 @@ from conftest import config_with
 from harness.errors import HarnessError
 from harness.served.accounting import startup
 from harness.served.client import replay
-from harness.served.launch import ServerFailure, embedded_spec, start_server
+from harness.served.launch import ServerFailure, ServerHandle, embedded_spec, start_server, wait_ready
 from harness.served.model import build_model
 from harness.served.score import summarize
 from harness.served.traces import TraceRequest
@@ -210,6 +212,41 @@ def test_server_killed_mid_replay_gives_a_clear_failure():
         reason = explain(result["run"], doomed)
     assert "the server killed by signal 9 (SIGKILL) during the replay" in reason, reason
     assert "4 of 4 requests did not complete; first: request 1:" in reason
+
+
+class _TricklesItsHeaders(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        try:
+            self.wfile.write(b"HTTP/1.0 200 OK\r\nX-Slow: ")
+            for _ in range(200):                       # 10 s of one header, a byte each 50 ms
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.05)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_trickles_its_headers_is_given_up_on_when_waited_for_and_when_asked_for_its_cache(tmp_path):
+    """Each byte of a header within a socket's timeout: waiting for the server to be ready, and fetching its packed
+    cache, each give up at their bound (the headers are read within it too), not when the server stops."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _TricklesItsHeaders)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        h = ServerHandle(proc, f"http://127.0.0.1:{httpd.server_address[1]}/v1", "m", tmp_path / "w", False, 0, -1)
+        t0 = time.monotonic()
+        assert h.compiled(1 << 20, within_s=1.0) == b""
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        with pytest.raises(ServerFailure, match="not ready within 3 s"):
+            wait_ready(h, 3.0)
+        assert time.monotonic() - t0 < 5.5
+    finally:
+        proc.kill()
+        httpd.shutdown()
 
 
 def test_a_replays_weight_seed_gives_the_served_model_its_weights(tmp_path):

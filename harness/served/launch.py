@@ -27,9 +27,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +59,40 @@ def with_output(what: str, tail: str) -> str:
         return what
     last = "".join(c for c in tail.strip().splitlines()[-1].strip() if c.isprintable())
     return f"{what}: {last[:300]}; its last output:\n{tail}"
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)              # wakes the read waiting on it
+    except OSError:                                  # closed already
+        pass
+
+
+def get_within(url: str, limit: int, within_s: float) -> tuple[int, bytes] | None:
+    """GET `url`: its status and body, the whole exchange (the connect, the headers, the body) within `within_s`
+    seconds; None when the body is over `limit` bytes, later, or there is no answer. A server that runs a
+    candidate may trickle its headers or its body a byte at a time, each read within a socket's timeout: at the
+    deadline the socket is shut, whatever read is waiting on it (the socket as connected: a response that closes
+    its connection takes it from the connection object)."""
+    deadline, parts = time.monotonic() + within_s, urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=within_s)
+    try:
+        conn.connect()
+        cut = threading.Timer(max(deadline - time.monotonic(), 0.0), _shut, (conn.sock,))
+        cut.start()
+        try:
+            conn.request("GET", parts.path or "/")
+            reply = conn.getresponse()
+            body = reply.read(limit + 1)
+        finally:
+            cut.cancel()
+    except (OSError, ValueError, http.client.HTTPException):     # BadStatusLine is no OSError
+        return None
+    finally:
+        conn.close()
+    if time.monotonic() > deadline or len(body) > limit:        # a cut read returns what it had
+        return None
+    return reply.status, body
 
 
 def _watch(pid: int | None) -> int | None:
@@ -106,19 +140,9 @@ class ServerHandle:
         return redact(data.decode(errors="replace")[-self.log_limit:].strip())
 
     def _fetch(self, path: str, limit: int, within_s: float) -> bytes | None:
-        """GET `path` of the server, all of its answer within `within_s`: None when it is more than `limit` bytes, later,
-        or missing (a server that runs a candidate may trickle it a byte at a time, each within a socket's timeout)."""
-        deadline, chunks, got = time.monotonic() + within_s, [], 0
-        try:
-            with urllib.request.urlopen(self.url.removesuffix("/v1") + path, timeout=within_s) as r:
-                while got <= limit and (chunk := r.read1(1 << 20)):
-                    chunks.append(chunk)
-                    got += len(chunk)
-                    if time.monotonic() > deadline:
-                        return None
-        except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException):    # BadStatusLine is no OSError
-            return None
-        return b"".join(chunks) if got <= limit else None
+        """GET `path` of the server: its answer's body (`get_within`); None when it is not a 200."""
+        got = get_within(self.url.removesuffix("/v1") + path, limit, within_s)
+        return got[1] if got is not None and got[0] == 200 else None
 
     def stats(self, within_s: float = 10.0) -> dict | None:
         """The server's own accounting (calls, fallbacks, shapes); None when it keeps none."""
@@ -196,13 +220,10 @@ def wait_ready(h: ServerHandle, timeout_s: float) -> ServerHandle:
             tail = h.log_tail()
             h.stop()
             raise ServerFailure(with_output(f"the server {h.how_it_ended()} before it was ready", tail))
-        try:
-            with urllib.request.urlopen(h.url + "/models", timeout=2) as r:
-                if r.status == 200:
-                    h.ready_s = time.monotonic() - started
-                    return h
-        except (OSError, urllib.error.URLError, http.client.HTTPException):
-            pass
+        got = get_within(h.url + "/models", 1 << 20, 2.0)
+        if got is not None and got[0] == 200:
+            h.ready_s = time.monotonic() - started
+            return h
         time.sleep(0.1)
     tail = h.log_tail()
     h.stop()
