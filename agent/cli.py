@@ -187,7 +187,7 @@ def _rejudge(args: argparse.Namespace) -> int:
     from agent.llm.providers import ProviderStop
     from agent.rejudging.rerun import RejudgeError, rerun
     from agent.rejudging.rejudge import rejudge
-    from agent.rejudging.progress import ProgressError, finish
+    from agent.rejudging.progress import ProgressError, finish, receipts_of
     from agent.rejudging.report import commit_rejudging, print_rejudging
     from agent.run.session import RunBusy, RunLock
     from agent.reading.view import RunView
@@ -202,7 +202,7 @@ def _rejudge(args: argparse.Namespace) -> int:
         with RunLock(root):                               # a resume's recovery never races this commit
             done = commit_rejudging(root, done)
             if not args.llm:
-                finish(root, done)                      # the unfinished re-judging's ref: committed in full now
+                finish(root, done, receipts_of(cfg))    # the unfinished re-judging's ref: committed in full now
     except (RejudgeError, ProgressError, RunError, ProviderStop, CatalogError, LedgerError, PromptError, RunBusy) as e:
         raise UsageError(str(e)) from None
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -26,7 +27,7 @@ from agent.run.loop import run, settings_from
 from agent.cli import main
 from agent.rejudging.rerun import RejudgeError, rerun
 from agent.rejudging.rejudge import rejudge
-from agent.rejudging.progress import PREFIX, finish, newest
+from agent.rejudging.progress import PREFIX, finish, newest, receipts_of
 from agent.rejudging.report import VerdictRow, commit_rejudging
 from agent.reading.view import RunView
 
@@ -38,10 +39,14 @@ UNCUT = [("head:decode", "passed", "parity", ("passed", "parity"), "same", ""), 
          ("c003", "not-worth-coding", "ceiling", None, "not evaluated then", "")]
 
 
+HERE = tempfile.mkdtemp(prefix="kevo-test-runs-")      # this machine's runs folder: its re-judgings' receipts
+
+
 def small(**overrides):
     """The project's config on the loop tests' small CPU shapes: what each kernel's re-judging does is the same
-    on any shapes, and the past run and every re-judging or re-run of it use the same ones."""
-    return config_with(**SMALL, **overrides)
+    on any shapes, and the past run and every re-judging or re-run of it use the same ones. The receipts of the
+    re-judgings' saves go to a runs folder of the tests' own (HERE), not the project's."""
+    return config_with(**{**SMALL, "agent.runs_dir": HERE, **overrides})
 
 
 def quiet() -> RunView:
@@ -98,9 +103,10 @@ def test_rejudging_reproduces_every_verdict_and_commits_on_its_own_branch(past, 
     assert replay.failures == [] and replay.config_changes == []
     assert judged(replay.rows) == UNCUT                 # what a re-judging killed mid-way must end as (below)
 
-    assert newest(root).state.at == replay.at and len(newest(root).state.rows) == 3     # saved as it went
+    receipts = receipts_of(small())
+    assert newest(root, receipts).state.at == replay.at and len(newest(root, receipts).state.rows) == 3   # saved as it went
     done = commit_rejudging(root, replay)
-    finish(root, done)
+    finish(root, done, receipts)
     assert git(root, "for-each-ref", PREFIX) == ""                                  # committed: the saved rows go
     assert untouched(root) == before
     assert done.branch.startswith("replay/") and done.branch.endswith("-cpu")
@@ -234,13 +240,13 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     killed = subprocess.Popen([sys.executable, "-m", "agent.cli", *cli, "--until", "parity", "--only", ",".join(two)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
-    while (saved := newest(root)) is None or not saved.state.rows:                 # the first kernel saved: kill it
+    while (saved := newest(root, receipts_of(small()))) is None or not saved.state.rows:                 # the first kernel saved: kill it
         assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read().decode()
         time.sleep(0.05)
     killed.kill()
     killed.wait()
     killed.stderr.close()
-    kept = [r.ref for r in newest(root).state.rows]
+    kept = [r.ref for r in newest(root, receipts_of(small())).state.rows]
     assert killed.returncode == -9 and kept and len(kept) < len(two)               # killed mid-way, for real
     assert git(root, "branch", "--list", "replay/*").split() == branches and untouched(root) == before
 
@@ -265,6 +271,23 @@ def test_a_rejudging_killed_mid_way_resumes_with_only_the_rest_and_ends_as_an_un
     assert "no unfinished re-judging to resume" in capsys.readouterr().err       # committed: nothing left
 
 
+def test_an_unfinished_rejudging_that_came_with_a_copied_ledger_is_resumed_only_on_the_machine_that_saved_it(
+        past, pool, tmp_path, capsys):
+    """Its ref names this machine and its harness, as a planted one could: what it lacks elsewhere is this machine's
+    receipt of the save."""
+    root = fresh_copy(past, tmp_path)
+    rejudge(root, small(), pool, only=["c002"], until="compile")                    # saved, never committed
+    shipped = tmp_path / "shipped"
+    shutil.copytree(root, shipped)
+    for name, runs in (("here.yaml", HERE), ("elsewhere.yaml", str(tmp_path / "elsewhere"))):
+        (tmp_path / name).write_text(yaml.safe_dump(small(**{"agent.runs_dir": runs}).model_dump(mode="json")))
+    assert main(["--config", str(tmp_path / "elsewhere.yaml"), "replay", str(shipped), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "was not saved on this machine (it came with the ledger)" in err and "refs/kevo/replay-unfinished/" in err
+    assert main(["--config", str(tmp_path / "here.yaml"), "replay", str(shipped), "--resume", "--json"]) == 0
+    assert "1 kernel(s) reused from it: c002" in capsys.readouterr().err          # the same save, its receipt here
+
+
 def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order_and_judges_afresh_each_time(past, tmp_path):
     """Judged afresh: whether a run's verdicts reproduce is the question, and on slots each job went through the verdict
     cache, so on the machine and harness that judged it a kernel was given its old verdict back (an attacker's review,
@@ -276,7 +299,7 @@ def test_a_rejudging_on_two_cpu_slots_gives_the_rows_of_one_in_the_runs_order_an
                           until="parity", progress=lines.append)        # c002 fails parity sooner than c001 passes it
     assert judged(two.rows) == UNCUT[1:]
     assert sorted(lines) == ["re-judging c001 (1/3)", "re-judging c002 (2/3)"]
-    assert sorted(r.ref for r in newest(root).state.rows) == ["c001", "c002"]      # each saved as it came
+    assert sorted(r.ref for r in newest(root, receipts_of(cfg)).state.rows) == ["c001", "c002"]      # each saved as it came
     assert list((tmp_path / "runs" / ".verdicts").glob("*.json"))                  # the cache holds their verdicts
     lines.clear()
     rejudge(root, cfg, only=["c002"], until="parity", progress=lines.append)

@@ -9,8 +9,12 @@ through a lock file renamed into place, so the ref holds the last save whole (or
 second process continuing the same re-judging is refused instead of interleaved. The run's branch, .git/index
 and working tree are never touched. Once the whole re-judging is committed (report.commit_rejudging, the
 same branch as for one never interrupted), `finish` deletes the ref.
-`--resume` takes the newest such ref, and only if the run's tip, this machine (device, GPU, kevo commit)
-and the harness settings are those it started with; its --until and --only are the saved ones.
+`--resume` takes the newest such ref, and only if this machine saved it, and the run's tip, this machine (device,
+GPU, kevo commit) and the harness settings are those it started with; its --until and --only are the saved ones.
+This machine's saves: a receipt for each, an empty file named by the save's commit under `<agent.runs_dir>/.replays/`
+(written before the ref moves, the previous save's dropped after), beside the verdict cache and as trusted as it.
+A ref that came with a copied ledger has no receipt here, however well its fields match this machine: its rows are
+another machine's word, so it is not resumed.
 Not covered: a kill between the final commit and `finish` leaves the ref, and a --resume then finds every
 kernel done and commits the re-judging again (a second branch). Refs of re-judgings never resumed stay until
 deleted (`git update-ref -d <ref>`).
@@ -28,6 +32,8 @@ from agent.ledger.repository import Ledger
 from agent.ledger.store import open_repo
 from agent.records import Record
 from agent.rejudging.report import Rejudging, VerdictRow
+from agent.run.settings import runs_dir
+from harness.config import Config
 
 PREFIX = "refs/kevo/replay-unfinished/"
 FILE = "replay/unfinished.json"
@@ -50,18 +56,27 @@ class Unfinished(Record):
     rows: list[VerdictRow] = Field(default_factory=list)    # kernels evaluated, in the order they finished
 
 
+def receipts_of(cfg: Config) -> Path:
+    """Where this machine keeps the receipts of the saves it made."""
+    return runs_dir(cfg) / ".replays"
+
+
 class Saved:
     """One unfinished re-judging's ref: `save` after each kernel; `finish` drops it once the re-judging is committed."""
 
-    def __init__(self, root: Path, state: Unfinished, ref: str, sha: str = "") -> None:
-        self.root, self.state, self.ref, self.sha = root, state, ref, sha
+    def __init__(self, root: Path, state: Unfinished, receipts: Path, ref: str = "", sha: str = "") -> None:
+        self.root, self.state, self.receipts, self.ref, self.sha = root, state, receipts, ref, sha
         self.ledger = Ledger(root)
         self.repo = self.ledger.repo
 
     @classmethod
-    def start(cls, root: Path, state: Unfinished) -> "Saved":
+    def start(cls, root: Path, state: Unfinished, receipts: Path) -> "Saved":
         """A new unfinished re-judging; its ref is named and written with its first row."""
-        return cls(root, state, "")
+        return cls(root, state, receipts)
+
+    def mine(self) -> bool:
+        """Whether this machine saved the ref's commit (its receipt is here)."""
+        return bool(self.sha) and (self.receipts / self.sha).is_file()
 
     def _name(self) -> str:
         taken = set(_refs(self.repo))
@@ -81,11 +96,14 @@ class Saved:
             f"re-judging {state.run} unfinished: {len(state.rows)} kernel(s) done, the last {row.ref}",
             f"A re-judging started {state.at}; `kevo-agent replay <run> --resume` continues it.", base=tip, parent=parent)
         self.ref = self.ref or self._name()
+        self.receipts.mkdir(parents=True, exist_ok=True)
+        (self.receipts / commit.hexsha).touch()
         try:
             self.repo.git.update_ref("-m", "kevo re-judging: a kernel done", self.ref, commit.hexsha, self.sha or _NONE)
         except git.GitCommandError:
             raise ProgressError(f"{self.root}: {self.ref} moved under this re-judging (another process is continuing "
                                 "it); this one stops") from None
+        _drop(self.receipts, self.sha)
         self.state, self.sha = state, commit.hexsha
 
     def done(self) -> dict[str, VerdictRow]:
@@ -98,7 +116,12 @@ def _refs(repo: git.Repo) -> dict[str, str]:
     return dict(sorted(tuple(line.split()) for line in out.splitlines() if line.strip()))
 
 
-def newest(root: Path) -> Saved | None:
+def _drop(receipts: Path, sha: str) -> None:
+    if sha:
+        (receipts / sha).unlink(missing_ok=True)
+
+
+def newest(root: Path, receipts: Path) -> Saved | None:
     """The newest unfinished re-judging of the run, or None."""
     repo = open_repo(root)
     refs = _refs(repo)
@@ -110,15 +133,18 @@ def newest(root: Path) -> Saved | None:
     except (KeyError, ValueError, ValidationError):
         raise ProgressError(f"{root}: {ref} cannot be read by this kevo; delete it (git update-ref -d {ref}) "
                             "and start a new re-judging") from None
-    return Saved(root, state, ref, sha)
+    return Saved(root, state, receipts, ref, sha)
 
 
 def resumed(saved: Saved, tip: str, now: dict[str, str], config_changes: list[str], until: str | None,
             only: list[str] | None) -> tuple[str | None, list[str] | None]:
-    """The saved --until and --only, once the run, this machine and the harness are the ones it started with;
-    an explicit flag must match the saved one."""
+    """The saved --until and --only, once this machine saved it, and the run, this machine and the harness are the
+    ones it started with; an explicit flag must match the saved one."""
     s = saved.state
     what = f"the unfinished re-judging of {s.at}"
+    if not saved.mine():
+        raise ProgressError(f"{saved.root}: {what} ({saved.ref}) was not saved on this machine (it came with the "
+                            f"ledger); start a new re-judging (without --resume), or delete it (git update-ref -d {saved.ref})")
     if until is not None and until != s.until:
         raise ProgressError(_mismatch("--until", until, s.until, what))
     if only is not None and (s.only is None or set(only) != set(s.only)):
@@ -143,8 +169,8 @@ def _mismatch(flag: str, given: str, kept: str | None, what: str) -> str:
     return f"{flag} {given}: {what} ran {f'with {flag} {kept}' if kept else f'without {flag}'}; give the same or leave it out"
 
 
-def finish(root: Path, done: Rejudging) -> None:
-    """Delete the unfinished ref of a re-judging now committed in full (nothing if it had none)."""
+def finish(root: Path, done: Rejudging, receipts: Path) -> None:
+    """Delete the unfinished ref of a re-judging now committed in full (nothing if it had none), and its receipt."""
     repo = open_repo(root)
     for ref, sha in _refs(repo).items():
         try:
@@ -155,4 +181,5 @@ def finish(root: Path, done: Rejudging) -> None:
             try:
                 repo.git.update_ref("-d", ref, sha)
             except git.GitCommandError:             # moved meanwhile: another process continues it, and keeps it
-                pass
+                continue
+            _drop(receipts, sha)

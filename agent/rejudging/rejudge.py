@@ -36,7 +36,7 @@ from agent.run.state import wrong_later
 from agent.records import CandidateRecord
 from agent.ledger.repository import Ledger
 from agent.rejudging.rerun import RejudgeError, config_changes, here, ran_on, stamp
-from agent.rejudging.progress import Saved, Unfinished, newest, resumed
+from agent.rejudging.progress import Saved, Unfinished, newest, receipts_of, resumed
 from agent.rejudging.report import Rejudging, Side, VerdictRow
 
 _OK = ("passed", "accepted")
@@ -128,7 +128,8 @@ def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, u
     say = progress or (lambda _: None)
     ran = Ledger(root, pinned=True)
     h = ran.header()
-    saved = newest(root)
+    receipts = receipts_of(cfg)
+    saved = newest(root, receipts)
     if resume and saved is None:
         raise RejudgeError(f"{root}: no unfinished re-judging to resume")
     if saved is not None and not resume:
@@ -154,7 +155,7 @@ def rejudge(root: Path, cfg: Config, pool=None, only: list[str] | None = None, u
             + (f": {', '.join(rows)}" if rows else ""))
     else:
         saved = Saved.start(root, Unfinished(run=h.id, tip=ran.tip.hexsha, at=stamp()[0], until=until, only=only,
-                                             now=now, config_changes=changes))
+                                             now=now, config_changes=changes), receipts)
         rows = {}
     for k in kernels:
         if k.then is None:
