@@ -180,8 +180,11 @@ class _Checker:
         roots = {m.split(".")[0] for m in self.rules.names} | {"builtins"}
         for i, p in enumerate(unlisted):
             try:
-                obj = getattr(obj, p)
+                obj = getattr(obj, p) if not inspect.ismodule(obj) or hasattr(obj, p) else \
+                    importlib.import_module(f"{obj.__name__}.{p}")       # a submodule not imported yet
             except Exception:                               # noqa: BLE001 - made at run time, or absent
+                if inspect.ismodule(obj):                   # nothing there to follow, so nothing checked beyond it
+                    raise Refused(line, full, f".{p} is not in {obj.__name__}") from None
                 return
             if inspect.ismodule(obj) and (i == len(unlisted) - 1 or not (
                     obj.__name__ in self.rules.names or obj.__name__.startswith(module + "."))):
@@ -244,8 +247,19 @@ class _Checker:
             raise Refused(line, node.asname, "a dunder name")
         elif isinstance(node, ast.arg) and DUNDER.match(node.arg):
             raise Refused(line, node.arg, "a dunder name")
+        bound = _bound_name(node)
+        if bound in self.aliases and not self.set_to_a_constant(node):    # a use is read as the import, anywhere
+            raise Refused(line, bound, f"binds the imported name to something else (it is checked as "
+                                       f"{self.aliases[bound].path} wherever it appears)")
         for child in ast.iter_child_nodes(node):
             self.visit(child, in_kernel)
+
+    def set_to_a_constant(self, node: ast.AST) -> bool:
+        """`Name = None` for an imported value (`try: from m import X` / `except ImportError: X = None`): a
+        constant has nothing of its own that checking the name as the import would miss."""
+        parent = self.parents.get(id(node))
+        return (isinstance(node, ast.Name) and not self.aliases[node.id].module and isinstance(parent, ast.Assign)
+                and isinstance(parent.value, ast.Constant))
 
     def is_jit(self, deco: ast.AST) -> bool:
         target = deco.func if isinstance(deco, ast.Call) else deco
@@ -311,6 +325,21 @@ class _Checker:
             if len(node.args) < 2 or not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
                 raise Refused(node.lineno, node.func.id, "with a computed attribute name (only a constant string)")
             self.check_attribute(node.lineno, f"{node.func.id}(..., {node.args[1].value!r})", node.args[1].value)
+
+
+def _bound_name(node: ast.AST) -> str | None:
+    """The name a node binds, where it binds one: an assignment's or a loop's target, a parameter, a def or class,
+    an `except ... as`, a match capture (an import's alias is bound by `imports`)."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return node.id
+    if isinstance(node, ast.arg):
+        return node.arg
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.ExceptHandler, ast.MatchAs,
+                         ast.MatchStar)):
+        return node.name
+    if isinstance(node, ast.MatchMapping):
+        return node.rest
+    return None
 
 
 def _home(obj) -> str:

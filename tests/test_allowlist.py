@@ -291,3 +291,45 @@ def test_a_parse_that_met_the_interpreters_ast_depth_race_is_parsed_again_and_ot
     monkeypatch.setattr(ast, "parse", broken)
     with pytest.raises(SystemError, match="some other"):
         syntax.parse("x = 1\n", "other.py")
+
+
+@pytest.mark.parametrize("body, line, name", [
+    ("import math\ndef gen():\n    yield 1\ndef frame_of(math):\n    return math.gi_frame\n", 7, "math"),  # a parameter
+    ("f = lambda tl: tl.zeros\n", 4, "tl"),
+    ("try:\n    pass\nexcept Exception as tl:\n    pass\n", 6, "tl"),
+    ("from triton import jit\nimport functools\njit = functools.lru_cache\n", 6, "jit"),
+    ("tl = None\n", 4, "tl"),                                  # a module's name, even to a constant
+    ("for torch in [1]:\n    pass\n", 4, "torch"),
+    ("y = [0 for torch in range(2)]\n", 4, "torch"),
+    ("def triton():\n    pass\n", 4, "triton"),
+    ("del torch\n", 4, "torch"),
+    ("y = (tl := 3)\n", 4, "tl"),
+], ids=["parameter", "lambda", "except-as", "assigned", "module-to-constant", "for", "comprehension", "def", "del",
+        "walrus"])
+def test_an_imported_name_bound_to_anything_else_is_refused(body, line, name):
+    """The check reads an imported name as the import wherever it appears: `math.gi_frame` with `math` a
+    parameter was checked as the math module's (nothing there, so nothing refused) and ran on a generator
+    (an attacker's review, 2026-12-08: a frame's builtins, then any module)."""
+    err = refusal(body)
+    assert (err.line, err.name) == (line, name), str(err)
+    assert "binds the imported name to something else" in err.why
+
+
+def test_an_imported_value_may_be_set_to_a_constant_where_its_import_fails():
+    check(ast.parse(HEAD + "try:\n    from triton.tools.tensor_descriptor import TensorDescriptor\n"
+                           "except ImportError:\n    TensorDescriptor = None\n"), RULES)
+
+
+def test_a_name_a_wildcard_module_does_not_have_is_refused():
+    err = refusal("import math\ny = math.nothing_here.hex\n")
+    assert (err.line, err.name) == (5, "math.nothing_here.hex") and ".nothing_here is not in math" in err.why
+
+
+@pytest.mark.parametrize("body, word", [
+    ("def f(s):\n    return s.semantic.TritonSemantic\n", ".semantic"),
+    ("def f(s):\n    return s.lang.inspect\n", ".lang"),
+])
+def test_a_class_attribute_holding_a_module_is_refused_from_a_name_of_the_candidates_own(body, word):
+    """TritonSemantic.lang is triton.language, whose inspect leads to os: from a local, only the words are checked."""
+    err = refusal(body)
+    assert f"{word} is forbidden" in err.why, str(err)
