@@ -83,16 +83,19 @@ def get_within(url: str, limit: int, within_s: float) -> tuple[int, bytes] | Non
         try:
             conn.request("GET", parts.path or "/")
             reply = conn.getresponse()
-            body = reply.read(limit + 1)
+            chunks, got = [], 0
+            while got <= limit and (chunk := reply.read1(1 << 20)):    # as it comes: no buffer of `limit` made up front
+                chunks.append(chunk)
+                got += len(chunk)
         finally:
             cut.cancel()
     except (OSError, ValueError, http.client.HTTPException):     # BadStatusLine is no OSError
         return None
     finally:
         conn.close()
-    if time.monotonic() > deadline or len(body) > limit:        # a cut read returns what it had
+    if time.monotonic() > deadline or got > limit:              # a cut read returns what it had
         return None
-    return reply.status, body
+    return reply.status, b"".join(chunks)
 
 
 def _watch(pid: int | None) -> int | None:
